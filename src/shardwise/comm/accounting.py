@@ -1,0 +1,98 @@
+"""Communication accounting: bytes each device receives per collective, and ``CommCounter``.
+
+The byte formulas are the cost model of DESIGN.md (ring / bandwidth-optimal algorithms), written
+per device so uneven shards are exact: the planner prices plans with the same functions that the
+collectives use to count what they did, so a plan's cost equals the counted bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def all_gather_received(piece_bytes: Sequence[int], index: int) -> int:
+    """Device ``index`` receives every other device's piece."""
+    return sum(piece_bytes) - piece_bytes[index]
+
+
+def reduce_scatter_received(piece_bytes: Sequence[int], index: int) -> int:
+    """Ring reduce-scatter: device ``index`` receives a partial of every piece but its own."""
+    return sum(piece_bytes) - piece_bytes[index]
+
+
+def all_reduce_received(numel: int, element_size: int, n: int, index: int) -> int:
+    """Ring all-reduce = reduce-scatter + all-gather of the flattened tensor's chunks."""
+    chunk = -(-numel // n) if numel else 0
+    own = max(0, min(chunk, numel - index * chunk))
+    return 2 * (numel - own) * element_size
+
+
+def all_to_all_received(incoming_bytes: Sequence[int], index: int) -> int:
+    """Device ``index`` receives the piece every other device addresses to it."""
+    return sum(incoming_bytes) - incoming_bytes[index]
+
+
+def broadcast_received(nbytes: int, index: int, root: int) -> int:
+    return 0 if index == root else nbytes
+
+
+@dataclass
+class CommRecord:
+    """One collective over one mesh dim, with the bytes this process's devices received."""
+
+    kind: str
+    mesh_dim: int
+    bytes: int
+    label: str = ""
+
+
+@dataclass
+class CommCounter:
+    """Counts the collectives run inside ``with CommCounter() as c:``.
+
+    ``c.counts[kind]`` is the number of collectives of that kind, ``c.bytes[kind]`` the bytes
+    this process's devices received, ``c.total_bytes`` their sum; ``c.records`` keeps each one.
+    """
+
+    counts: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+    records: list[CommRecord] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def __enter__(self) -> CommCounter:
+        _active().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _active().remove(self)
+
+    def add(self, record: CommRecord) -> None:
+        self.counts[record.kind] += 1
+        self.bytes[record.kind] += record.bytes
+        self.records.append(record)
+
+
+_state = threading.local()
+
+
+def _active() -> list[CommCounter]:
+    if not hasattr(_state, "counters"):
+        _state.counters = []
+    return _state.counters
+
+
+def record(kind: str, mesh_dim: int, nbytes: int, label: str = "") -> None:
+    """Report one collective to every active ``CommCounter``."""
+    counters = _active()
+    if counters:
+        entry = CommRecord(kind, mesh_dim, nbytes, label)
+        for counter in counters:
+            counter.add(entry)

@@ -1,0 +1,39 @@
+"""Exception classes: everything a user can cause derives from ``ShardwiseError``."""
+
+from __future__ import annotations
+
+
+class ShardwiseError(Exception):
+    """Base class of every error shardwise raises on bad use."""
+
+
+class InvalidPlacementError(ShardwiseError, ValueError):
+    """A placement does not fit the tensor or the mesh (dim out of range, bad interleave...)."""
+
+
+class MeshError(ShardwiseError, ValueError):
+    """A device mesh is malformed, or tensors live on different meshes."""
+
+
+class LayoutError(ShardwiseError, ValueError):
+    """A TF-style layout is malformed or does not fit the tensor."""
+
+
+class PackError(ShardwiseError, ValueError):
+    """``pack``/``from_local`` components do not fit the layout or placements."""
+
+
+class InvalidArgumentError(ShardwiseError, ValueError):
+    """TF's InvalidArgumentError: an argument of the right type with a wrong value."""
+
+
+class LocalComponentsError(ShardwiseError, RuntimeError):
+    """A single local tensor was asked for where the process owns several devices."""
+
+
+class UnsupportedOpError(ShardwiseError, NotImplementedError):
+    """An aten op has no sharding rule or strategy registered."""
+
+
+class ImplicitRedistributeError(ShardwiseError, RuntimeError):
+    """An op needs its inputs redistributed while implicit redistribution is off."""

@@ -1,0 +1,272 @@
+"""Redistribution: plan the cheapest per-mesh-dim steps from one spec to another, and run them.
+
+A step changes the placement of one mesh dim. The planner searches the (small) space of
+placement tuples with Dijkstra, pricing each step by the bytes every device of the mesh
+receives (the cost model of DESIGN.md, exact for uneven shards), and caches the plan per
+(source spec, target placements). Plans are the same in every process, so SPMD stays in step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
+
+import torch
+
+from . import comm
+from .comm import accounting
+from .errors import InvalidPlacementError
+from .mesh import DeviceMesh
+from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from .spec import DTensorSpec, extract_local, shard_segments, split_segments
+
+State = tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One change of placement on one mesh dim, with the collective it needs."""
+
+    mesh_dim: int
+    source: Placement
+    target: Placement
+    collective: str  # a comm kind, or "local" when no data moves between devices
+    bytes: int  # received by this process's devices (what CommCounter counts)
+    global_bytes: int  # received by all devices of the mesh (the planner's cost)
+
+    def __repr__(self) -> str:
+        return (
+            f"Step(mesh_dim={self.mesh_dim}, {self.source!r} -> {self.target!r}, "
+            f"{self.collective}, bytes={self.bytes})"
+        )
+
+
+@dataclass(frozen=True)
+class RedistributePlan:
+    """The steps from ``source`` placements to ``target`` placements, in order."""
+
+    source: State
+    target: State
+    steps: tuple[Step, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.steps)
+
+    @property
+    def global_bytes(self) -> int:
+        return sum(s.global_bytes for s in self.steps)
+
+
+def _shard_dim(p: Placement) -> int | None:
+    return p.dim if isinstance(p, Shard) else None
+
+
+def _step_kind(a: Placement, b: Placement, mesh_size: int) -> str | None:
+    """The collective that turns placement ``a`` into ``b`` on one mesh dim, None if no direct
+    step exists (such moves go through Replicate)."""
+    if mesh_size == 1:
+        return "local"
+    if isinstance(a, Replicate):
+        return "local"  # Replicate -> Shard takes a chunk; Replicate -> Partial partitions
+    if isinstance(b, Replicate):
+        return "all_reduce" if isinstance(a, Partial) else "all_gather"
+    if isinstance(a, Partial):
+        return "reduce_scatter" if isinstance(b, Shard) else None
+    if type(a) is Shard and type(b) is Shard and a.dim != b.dim:
+        return "all_to_all"
+    return None
+
+
+def _blocked(state: State, mesh_dim: int, p: Placement) -> bool:
+    """True if a later mesh dim also shards ``p``'s tensor dim: the nested split then forbids
+    changing this mesh dim directly (the lower mesh dim splits first)."""
+    dim = _shard_dim(p)
+    return dim is not None and any(_shard_dim(q) == dim for q in state[mesh_dim + 1 :])
+
+
+class _Pricer:
+    """Bytes received per device for a step, from shard geometry alone."""
+
+    def __init__(self, mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int) -> None:
+        self.mesh, self.shape, self.itemsize = mesh, shape, itemsize
+        self.local = set(mesh.local_device_ids)
+
+    def local_shape(self, state: State, coord: tuple[int, ...]) -> list[int]:
+        runs = shard_segments(self.shape, self.mesh.shape, state, coord)
+        return [sum(b - a for a, b in r) for r in runs]
+
+    def numel(self, state: State, coord: tuple[int, ...]) -> int:
+        return prod(self.local_shape(state, coord))
+
+    def price(self, kind: str, before: State, after: State, mesh_dim: int) -> tuple[int, int]:
+        """(bytes for this process's devices, bytes for all devices)."""
+        if kind == "local":
+            return 0, 0
+        mesh = self.mesh
+        local_total = global_total = 0
+        for group in mesh.groups(mesh_dim):
+            coords = [mesh.coordinate_of(d) for d in group]
+            n = len(group)
+            for k, device in enumerate(group):
+                got = self._received(kind, before, after, mesh_dim, coords, k, n)
+                global_total += got
+                if device in self.local:
+                    local_total += got
+        return local_total, global_total
+
+    def _received(self, kind, before, after, mesh_dim, coords, k, n) -> int:
+        size = self.itemsize
+        if kind == "all_gather":
+            pieces = [self.numel(before, c) * size for c in coords]
+            return accounting.all_gather_received(pieces, k)
+        if kind == "reduce_scatter":
+            pieces = [self.numel(after, c) * size for c in coords]
+            return accounting.reduce_scatter_received(pieces, k)
+        if kind == "all_reduce":
+            return accounting.all_reduce_received(self.numel(before, coords[k]), size, n, k)
+        # all_to_all: member j sends k the block of j's old piece inside k's new piece
+        e = after[mesh_dim].dim
+        wanted = self.local_shape(after, coords[k])[e]
+        incoming = []
+        for c in coords:
+            block = self.local_shape(before, c)
+            block[e] = wanted
+            incoming.append(prod(block) * size)
+        return accounting.all_to_all_received(incoming, k)
+
+
+def _candidates(source: State, target: State, mesh_dim: int) -> list[Placement]:
+    shard_dims = sorted({p.dim for p in source + target if isinstance(p, Shard)})
+    options = [source[mesh_dim], target[mesh_dim], Replicate(), *(Shard(d) for d in shard_dims)]
+    return list(dict.fromkeys(options))
+
+
+@lru_cache(maxsize=4096)
+def _plan(
+    mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int, source: State, target: State
+) -> RedistributePlan:
+    pricer = _Pricer(mesh, shape, itemsize)
+    options = [_candidates(source, target, m) for m in range(mesh.ndim)]
+    # Dijkstra on (global bytes, collectives, steps); ties keep the first found.
+    best: dict[State, tuple[int, int, int]] = {source: (0, 0, 0)}
+    back: dict[State, tuple[State, Step]] = {}
+    heap: list[tuple[tuple[int, int, int], int, State]] = [((0, 0, 0), 0, source)]
+    counter = 0
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        if state == target:
+            break
+        if cost > best[state]:
+            continue
+        for m in range(mesh.ndim):
+            a = state[m]
+            for b in options[m]:
+                kind = None if a == b else _step_kind(a, b, mesh.shape[m])
+                if kind is None or (
+                    mesh.shape[m] > 1 and (_blocked(state, m, a) or _blocked(state, m, b))
+                ):
+                    continue
+                nxt = state[:m] + (b,) + state[m + 1 :]
+                try:
+                    local_bytes, global_bytes = pricer.price(kind, state, nxt, m)
+                except InvalidPlacementError:
+                    continue  # an interleave that does not divide at this nesting level
+                new_cost = (
+                    cost[0] + global_bytes,
+                    cost[1] + (kind != "local"),
+                    cost[2] + 1,
+                )
+                if nxt not in best or new_cost < best[nxt]:
+                    best[nxt] = new_cost
+                    back[nxt] = (state, Step(m, a, b, kind, local_bytes, global_bytes))
+                    counter += 1
+                    heapq.heappush(heap, (new_cost, counter, nxt))
+    if target not in best:
+        raise InvalidPlacementError(
+            f"no redistribution from {list(source)} to {list(target)} for shape {list(shape)} "
+            f"on {mesh}"
+        )
+    steps: list[Step] = []
+    state = target
+    while state != source:
+        state, step = back[state]
+        steps.append(step)
+    return RedistributePlan(source, target, tuple(reversed(steps)))
+
+
+def plan_redistribute(spec: DTensorSpec, placements: Sequence[Placement]) -> RedistributePlan:
+    """The cheapest plan from ``spec`` to ``placements`` on the same mesh (cached)."""
+    meta = spec.tensor_meta
+    itemsize = torch.empty((), dtype=meta.dtype).element_size()
+    return _plan(spec.mesh, tuple(meta.shape), itemsize, spec.placements, tuple(placements))
+
+
+# ----- execution ---------------------------------------------------------------------------
+
+
+def _split(t: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
+    """The ``n`` pieces of ``t`` that the coordinates of a mesh dim keep under ``placement``."""
+    whole = ((0, t.shape[placement.dim]),)
+    pieces = []
+    for k in range(n):
+        runs = split_segments(whole, placement, n, k)
+        segments = tuple(runs if d == placement.dim else ((0, s),) for d, s in enumerate(t.shape))
+        pieces.append(extract_local(t, segments))
+    return pieces
+
+
+def _merge(pieces: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:
+    """Inverse of ``_split``: the whole tensor from every coordinate's piece."""
+    dim = placement.dim
+    if isinstance(placement, InterleavedShard):
+        k = placement.interleaved_size
+        blocks = [p.chunk(k, dim) if p.shape[dim] else [p] * k for p in pieces]
+        return torch.cat([blocks[j][b] for b in range(k) for j in range(len(pieces))], dim)
+    return torch.cat(list(pieces), dim)
+
+
+def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Tensor:
+    """Replicate -> Partial without moving data: for sum the first device keeps the value and
+    the others hold zeros (exact for every dtype); avg, max and min keep the value everywhere."""
+    if placement.reduce_op == "sum" and coordinate != 0:
+        return torch.zeros_like(t)
+    return t
+
+
+def _run_step(
+    step: Step, mesh: DeviceMesh, components: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    m, a, b = step.mesh_dim, step.source, step.target
+    n = mesh.shape[m]
+    if step.collective == "local":
+        if n == 1:
+            return components
+        coords = [mesh.coordinate_of(d)[m] for d in mesh.local_device_ids]
+        if isinstance(b, Partial):
+            return [_partition(t, b, c) for t, c in zip(components, coords, strict=True)]
+        return [_split(t, b, n)[c] for t, c in zip(components, coords, strict=True)]
+    if step.collective == "all_gather":
+        return [_merge(p, a) for p in comm.all_gather(mesh, m, components)]
+    if step.collective == "all_reduce":
+        return comm.all_reduce(mesh, m, components, a.reduce_op)
+    if step.collective == "reduce_scatter":
+        pieces = [_split(t, b, n) for t in components]
+        return comm.reduce_scatter(mesh, m, pieces, a.reduce_op)
+    # all_to_all: Shard(d) -> Shard(e)
+    pieces = [_split(t, b, n) for t in components]
+    return [torch.cat(p, a.dim) for p in comm.all_to_all(mesh, m, pieces)]
+
+
+def execute_plan(
+    plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Run ``plan`` on this process's components (ordered like ``mesh.local_device_ids``)."""
+    out = list(components)
+    for step in plan.steps:
+        out = _run_step(step, mesh, out)
+    return out
+
