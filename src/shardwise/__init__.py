@@ -1,10 +1,24 @@
 """shardwise: distributed tensors for PyTorch. Write for one device, run sharded over a mesh."""
 
-from . import dispatch as _dispatch  # noqa: F401  (installs DTensor.__torch_dispatch__)
-from .comm import CommCounter
+from . import ops as _ops  # noqa: F401  (registers the built-in sharding strategies)
+from .comm import (
+    CommCounter,
+    get_collective_timeout,
+    set_collective_timeout,
+    set_debug_checks,
+)
 from .debug import explain_redistribute
-from .dtensor import DTensor, distribute_tensor, unpack
+from .dispatch import (
+    allow_implicit_redistribute,
+    clear_sharding_cache,
+    set_implicit_redistribute,
+    set_redistribute_logging,
+)
+from .dtensor import DTensor, distribute_tensor
 from .errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
     ImplicitRedistributeError,
     InvalidArgumentError,
     InvalidPlacementError,
@@ -13,24 +27,80 @@ from .errors import (
     MeshError,
     PackError,
     ShardwiseError,
+    ShardwiseTypeError,
     UnsupportedOpError,
 )
+from .layout import MATCH, UNSHARDED, Layout
 from .mesh import DeviceMesh, create_mesh, init_device_mesh
+from .ops.registry import (
+    OpSchema,
+    OpStrategy,
+    OutputSharding,
+    PlacementStrategy,
+    RuntimeSchemaInfo,
+    bypass_dispatch,
+    bypass_sharding_propagation,
+    register_local_args,
+    register_op_strategy,
+    register_post_patch,
+    register_pre_patch,
+    register_prop_rule,
+    remove_hooks,
+)
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import RedistributePlan, Step
 from .spec import DTensorSpec, TensorMeta
+from .tf_dtensor import (
+    DVariable,
+    call_with_layout,
+    check_layout,
+    copy_to_mesh,
+    default_mesh,
+    fetch_layout,
+    get_default_mesh,
+    is_dtensor,
+    pack,
+    relayout,
+    relayout_like,
+    unpack,
+)
 
 __all__ = [
+    "OpSchema",
+    "OpStrategy",
+    "OutputSharding",
+    "PlacementStrategy",
+    "RuntimeSchemaInfo",
+    "allow_implicit_redistribute",
+    "bypass_dispatch",
+    "bypass_sharding_propagation",
+    "clear_sharding_cache",
+    "register_op_strategy",
+    "register_local_args",
+    "register_post_patch",
+    "register_pre_patch",
+    "register_prop_rule",
+    "remove_hooks",
+    "set_collective_timeout",
+    "set_debug_checks",
+    "set_implicit_redistribute",
+    "set_redistribute_logging",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "CommCounter",
     "DTensor",
     "DTensorSpec",
+    "DVariable",
     "DeviceMesh",
     "ImplicitRedistributeError",
     "InterleavedShard",
     "InvalidArgumentError",
     "InvalidPlacementError",
+    "Layout",
     "LayoutError",
     "LocalComponentsError",
+    "MATCH",
     "MeshError",
     "PackError",
     "Partial",
@@ -39,12 +109,25 @@ __all__ = [
     "Replicate",
     "Shard",
     "ShardwiseError",
+    "ShardwiseTypeError",
     "Step",
     "TensorMeta",
+    "UNSHARDED",
     "UnsupportedOpError",
+    "call_with_layout",
+    "check_layout",
+    "copy_to_mesh",
     "create_mesh",
+    "default_mesh",
     "distribute_tensor",
     "explain_redistribute",
+    "fetch_layout",
+    "get_collective_timeout",
+    "get_default_mesh",
     "init_device_mesh",
+    "is_dtensor",
+    "pack",
+    "relayout",
+    "relayout_like",
     "unpack",
 ]

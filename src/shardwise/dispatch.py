@@ -1,35 +1,404 @@
-"""``__torch_dispatch__`` for DTensor: run an aten op on every local component."""
+"""``__torch_dispatch__`` for DTensor: find the op's sharding, move inputs if allowed, run the
+local op once per local component, wrap the outputs.
+
+Sharding decisions (chosen input placements and output specs with their metadata) are cached per
+(op, input specs, static arguments), so a repeated op costs a dictionary lookup plus the local
+kernels. Redistribution of inputs is explicit by default: an op whose inputs would need a
+collective raises ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on
+or autograd's backward is running (gradients of differing placements must be combined).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from .dtensor import DTensor, set_dispatch_handler
-from .errors import UnsupportedOpError
+from .errors import ImplicitRedistributeError, MeshError, UnsupportedOpError
+from .ops import registry
+from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
+from .placements import Placement
+from .redistribute import RedistributePlan, execute_plan, plan_redistribute
+from .spec import DTensorSpec, make_tensor_meta
 
 aten = torch.ops.aten
+log = logging.getLogger("shardwise.redistribute")
 
 
-def _same_spec(func: Any, args: tuple, kwargs: dict) -> DTensor:
-    """Ops that keep the spec and act per component (detach, alias, clone)."""
-    src: DTensor = args[0]
-    return DTensor([func(c, *args[1:], **kwargs) for c in src._components], src._spec)
+# ----- implicit redistribution settings --------------------------------------------------------
 
 
-_HANDLERS = {
-    aten.detach.default: _same_spec,
-    aten.alias.default: _same_spec,
-    aten.clone.default: _same_spec,
-}
+@dataclass
+class _Settings:
+    implicit: bool = os.environ.get("SHARDWISE_IMPLICIT_REDISTRIBUTE", "0") == "1"
+    log_moves: bool = False
+
+
+_settings = _Settings()
+
+
+def set_implicit_redistribute(enabled: bool) -> None:
+    """Globally allow (True) or forbid (False, the default) implicit redistribution in ops."""
+    _settings.implicit = enabled
+
+
+@contextlib.contextmanager
+def allow_implicit_redistribute(enabled: bool = True) -> Iterator[None]:
+    """Within the block, ops may redistribute their inputs themselves (counted as usual)."""
+    previous = _settings.implicit
+    _settings.implicit = enabled
+    try:
+        yield
+    finally:
+        _settings.implicit = previous
+
+
+def set_redistribute_logging(enabled: bool) -> None:
+    """Log every redistribution an op makes, with the user's call site, to
+    the ``shardwise.redistribute`` logger (level INFO)."""
+    _settings.log_moves = enabled
+
+
+# ----- decisions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one op call runs: target placements per DTensor input and the output spec(s)."""
+
+    input_placements: tuple[tuple[Placement, ...], ...]
+    output_specs: Any  # DTensorSpec | tuple[DTensorSpec | None, ...] | None
+    multi_output: bool
+
+
+_cache: dict[Any, Decision] = {}
+registry.on_registry_change(_cache.clear)
+
+
+def clear_sharding_cache() -> None:
+    """Forget every cached sharding decision."""
+    _cache.clear()
+
+
+def _key_part(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_key_part(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+        return value
+    if isinstance(value, (torch.memory_format, torch.layout)):
+        return str(value)
+    return ("obj", type(value).__name__, id(value))
+
+
+def _cache_key(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -> Any:
+    reg = registry.registration(func)
+    info = reg.schema_info if reg is not None else None
+    static_argnum = info.static_argnum if info else 100
+    static_kwargs = set(info.static_kwargkey or ()) if info else set()
+    parts = []
+    for i, a in enumerate(args):
+        if isinstance(a, DTensor):
+            parts.append("D")
+        elif i >= static_argnum:
+            parts.append(_key_part(a))
+        else:
+            parts.append(type(a).__name__ if not isinstance(a, (list, tuple)) else _key_part(
+                [type(x).__name__ if not isinstance(x, DTensor) else "D" for x in a]
+            ))
+    kw = tuple(
+        sorted((k, _key_part(v) if k in static_kwargs else type(v).__name__)
+               for k, v in kwargs.items())
+    )
+    return (func, tuple(specs), tuple(parts), kw)
+
+
+def _to_schema(func: Any, args: tuple, kwargs: dict, convert) -> OpSchema:
+    reg = registry.registration(func)
+    conv = pytree.tree_map_only(DTensor, convert, (args, kwargs))
+    return OpSchema(func, tuple(conv[0]), dict(conv[1]), reg.schema_info if reg else None)
+
+
+def _decide(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -> Decision:
+    reg = registry.registration(func)
+    if func in registry.BYPASS_PROPAGATION:
+        return Decision(tuple(s.placements for s in specs), specs[0], False)
+    if reg is None:
+        raise UnsupportedOpError(
+            f"{func} has no sharding rule or strategy for DTensor inputs "
+            f"{[list(s.placements) for s in specs]}; register one with "
+            f"shardwise.register_op_strategy([{func}]) or shardwise.register_prop_rule(...), "
+            f"or handle it with shardwise.bypass_dispatch"
+        )
+    if reg.strategy is not None:
+        schema = _to_schema(
+            func, args, kwargs, lambda d: OpStrategy([PlacementStrategy(d._spec)])
+        )
+        chosen = _choose(func, reg.strategy(specs[0].mesh, schema), specs)
+        inputs = chosen.input_specs if chosen.input_specs is not None else specs
+        outputs = chosen.output_specs
+    else:
+        schema = _to_schema(func, args, kwargs, lambda d: d._spec)
+        result: OutputSharding = reg.rule(schema)
+        inputs = specs
+        if result.redistribute_schema is not None:
+            inputs = result.redistribute_schema.args_spec
+            if result.output_spec is None:
+                result = reg.rule(result.redistribute_schema)
+        outputs = result.output_spec
+    if len(inputs) != len(specs):
+        raise UnsupportedOpError(
+            f"the sharding of {func} gave {len(inputs)} input specs for {len(specs)} DTensor inputs"
+        )
+    return Decision(
+        tuple(tuple(s.placements) for s in inputs),
+        outputs,
+        isinstance(func._schema.returns, list) and len(func._schema.returns) > 1
+        if hasattr(func, "_schema") else False,
+    )
+
+
+def _move_cost(spec: DTensorSpec, target: Sequence[Placement]) -> tuple[int, int]:
+    if tuple(target) == spec.placements:
+        return 0, 0
+    plan = plan_redistribute(spec, tuple(target))
+    return plan.global_bytes, sum(s.collective != "local" for s in plan.steps)
+
+
+def _choose(func: Any, strategy: OpStrategy, specs: list[DTensorSpec]) -> PlacementStrategy:
+    """The strategy cheapest to reach from the actual input specs (bytes, then collectives)."""
+    best, best_cost = None, None
+    for candidate in strategy.strategies:
+        inputs = candidate.input_specs if candidate.input_specs is not None else specs
+        if len(inputs) != len(specs):
+            continue
+        cost = (0, 0)
+        for spec, want in zip(specs, inputs, strict=True):
+            moved = _move_cost(spec, want.placements)
+            cost = (cost[0] + moved[0], cost[1] + moved[1])
+        if best_cost is None or cost < best_cost:
+            best, best_cost = candidate, cost
+    if best is None:
+        raise UnsupportedOpError(
+            f"{func} has no sharding strategy for inputs {[list(s.placements) for s in specs]} "
+            f"of shapes {[list(s.shape) for s in specs]}"
+        )
+    return best
+
+
+# ----- running -------------------------------------------------------------------------------
+
+
+def _call_site() -> str:
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        name = frame.filename
+        if "shardwise" not in name and "torch" not in name:
+            return f"{name}:{frame.lineno}"
+    return "<unknown>"
+
+
+def _redistribute_inputs(
+    func: Any, dtensors: list[DTensor], targets: tuple[tuple[Placement, ...], ...]
+) -> list[list[torch.Tensor]]:
+    plans: list[RedistributePlan | None] = []
+    for dt, target in zip(dtensors, targets, strict=True):
+        plans.append(None if dt._spec.placements == target else plan_redistribute(dt._spec, target))
+    moving = [
+        (i, p) for i, p in enumerate(plans) if p is not None and any(
+            s.collective != "local" for s in p.steps
+        )
+    ]
+    if moving and not _settings.implicit and torch._C._current_graph_task_id() == -1:
+        lines = []
+        for i, p in moving:
+            dt = dtensors[i]
+            lines.append(
+                f"  input {i}: shape {list(dt.shape)}, placements {list(dt.placements)} -> "
+                f"{list(p.target)} (needs {[s.collective for s in p.steps]}); call "
+                f"x.redistribute(placements={list(p.target)}) on it first"
+            )
+        raise ImplicitRedistributeError(
+            f"{func} on {dtensors[0].device_mesh} needs its inputs redistributed:\n"
+            + "\n".join(lines)
+            + "\nor allow it with `with shardwise.allow_implicit_redistribute():`"
+        )
+    components = []
+    for dt, plan in zip(dtensors, plans, strict=True):
+        if plan is None:
+            components.append(dt._components)
+            continue
+        if _settings.log_moves and any(s.collective != "local" for s in plan.steps):
+            log.info(
+                "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, _call_site()
+            )
+        components.append(execute_plan(plan, dt._spec.mesh, dt._components))
+    return components
+
+
+def _meta_outputs(func: Any, flat: list, tree: Any, dtensors_at: list[int], specs) -> Any:
+    metas = list(flat)
+    for i, spec in zip(dtensors_at, specs, strict=True):
+        m = spec.tensor_meta
+        metas[i] = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+    for i, a in enumerate(metas):
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.device.type != "meta":
+            metas[i] = a.to("meta")
+    args, kwargs = pytree.tree_unflatten(metas, tree)
+    return func(*args, **kwargs)
+
+
+def _fill_meta(spec: DTensorSpec | None, meta_out: Any, local_out: Any) -> DTensorSpec | None:
+    if spec is None or not isinstance(local_out, torch.Tensor):
+        return None
+    if spec.is_replicated() and spec.tensor_meta is None:
+        return DTensorSpec(spec.mesh, spec.placements, make_tensor_meta(local_out))
+    if isinstance(meta_out, torch.Tensor):
+        return DTensorSpec(spec.mesh, spec.placements, make_tensor_meta(meta_out))
+    return spec
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    handler = _HANDLERS.get(func)
-    if handler is None:
-        raise UnsupportedOpError(f"{func} has no sharding rule for DTensor inputs")
-    return handler(func, args, kwargs)
+    """The DTensor ``__torch_dispatch__`` entry point (hooks, then sharded execution)."""
+    bypass = registry.BYPASS_DISPATCH.get(func)
+    if bypass is not None:
+        return bypass(func, args, kwargs)
+    pre = registry.PRE_PATCH.get(func)
+    if pre is not None:
+        args, kwargs = pre(func, args, kwargs)
+    result = _dispatch(func, args, kwargs)
+    post = registry.POST_PATCH.get(func)
+    if post is not None:
+        result = post(func, result, args, kwargs)
+    return result
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    flat, tree = pytree.tree_flatten((args, kwargs))
+    dtensors_at = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
+    dtensors: list[DTensor] = [flat[i] for i in dtensors_at]
+    specs = [d._spec for d in dtensors]
+    mesh = specs[0].mesh
+    for d in dtensors[1:]:
+        if d.device_mesh != mesh:
+            raise MeshError(
+                f"{func} got DTensors on different meshes: {mesh} and {d.device_mesh} "
+                f"(shapes {[list(x.shape) for x in dtensors]})"
+            )
+    for a in flat:
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
+            raise MeshError(
+                f"{func} mixes DTensors with a plain torch.Tensor of shape {list(a.shape)}; "
+                f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements))"
+            )
+
+    key = _cache_key(func, args, kwargs, specs)
+    decision = _cache.get(key)
+    if decision is None:
+        decision = _decide(func, args, kwargs, specs)
+    if _is_inplace(func) and decision.input_placements[0] != specs[0].placements:
+        raise ImplicitRedistributeError(
+            f"in-place {func} cannot run on its input of shape {list(specs[0].shape)} with "
+            f"placements {list(specs[0].placements)}: it needs "
+            f"{list(decision.input_placements[0])}; redistribute it first (out of place)"
+        )
+    components = _redistribute_inputs(func, dtensors, decision.input_placements)
+
+    local_args = registry.LOCAL_ARGS.get(func)
+    if local_args is not None:
+        moved = [
+            DTensorSpec(s.mesh, p, s.tensor_meta)
+            for s, p in zip(specs, decision.input_placements, strict=True)
+        ]
+    local_results = []
+    for k, device in enumerate(mesh.local_device_ids):
+        local_flat = list(flat)
+        for pos, comps in zip(dtensors_at, components, strict=True):
+            local_flat[pos] = comps[k]
+        a, kw = pytree.tree_unflatten(local_flat, tree)
+        if local_args is not None:
+            a, kw = local_args(a, kw, moved, decision.output_specs, device)
+        local_results.append(func(*a, **kw))
+
+    if key not in _cache:
+        decision = _complete(func, flat, tree, dtensors_at, specs, decision, local_results[0])
+        _cache[key] = decision
+    return _wrap(func, decision, local_results, dtensors)
+
+
+def _complete(func, flat, tree, dtensors_at, specs, decision: Decision, first: Any) -> Decision:
+    """Fill in output metadata once per cache entry (meta run unless Replicate)."""
+    outs = decision.output_specs
+    first_list = list(first) if isinstance(first, (tuple, list)) else [first]
+    if isinstance(outs, DTensorSpec) or outs is None:
+        out_list = [outs] * len(first_list)
+    else:
+        out_list = list(outs)
+    needs_meta = any(
+        s is not None and not s.is_replicated() and isinstance(o, torch.Tensor)
+        and (len(first_list) > 1 or s.tensor_meta is None)
+        for s, o in zip(out_list, first_list, strict=False)
+    )
+    target_specs = [
+        DTensorSpec(s.mesh, p, s.tensor_meta) for s, p in zip(specs, decision.input_placements,
+                                                              strict=True)
+    ]
+    meta = _meta_outputs(func, flat, tree, dtensors_at, target_specs) if needs_meta else None
+    meta_list = list(meta) if isinstance(meta, (tuple, list)) else [meta] * len(first_list)
+    filled = tuple(
+        _fill_meta(s, m, o) for s, m, o in zip(out_list, meta_list, first_list, strict=False)
+    )
+    multi = isinstance(first, (tuple, list))
+    return Decision(decision.input_placements, filled if multi else filled[0], multi)
+
+
+def _wrap(func: Any, decision: Decision, local_results: list, inputs: list[DTensor]) -> Any:
+    first = local_results[0]
+    if isinstance(first, torch.Tensor) and _is_inplace(func) and inputs:
+        target = inputs[0]
+        spec = decision.output_specs
+        if spec is not None and spec.placements != target.placements:
+            raise ImplicitRedistributeError(
+                f"in-place {func} would change the placements of its input of shape "
+                f"{list(target.shape)} from {list(target.placements)} to {list(spec.placements)}"
+            )
+        return target
+    if decision.multi_output or isinstance(first, (tuple, list)):
+        specs = decision.output_specs
+        return type(first)(
+            _wrap_one(s, [r[i] for r in local_results]) for i, s in enumerate(specs)
+        )
+    return _wrap_one(decision.output_specs, local_results)
+
+
+def _wrap_one(spec: DTensorSpec | None, components: list) -> Any:
+    if spec is None or not isinstance(components[0], torch.Tensor):
+        return components[0]
+    return DTensor(components, spec)
+
+
+def _is_inplace(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    name = schema.name.split("::")[-1]
+    return name.endswith("_") and schema.arguments and schema.arguments[0].alias_info is not None
 
 
 set_dispatch_handler(dispatch)
+
+__all__ = [
+    "allow_implicit_redistribute",
+    "clear_sharding_cache",
+    "dispatch",
+    "set_implicit_redistribute",
+    "set_redistribute_logging",
+]

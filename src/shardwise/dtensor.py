@@ -193,7 +193,9 @@ def _infer_global_shape(
         mesh_dims = [m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
         if not mesh_dims:
             continue
-        members = [d for d in mesh.mesh.flatten().tolist() if _differs_only(mesh, d, base, mesh_dims)]
+        members = [
+            d for d in mesh.mesh.flatten().tolist() if _differs_only(mesh, d, base, mesh_dims)
+        ]
         if all(d in index for d in members):
             shape[dim] = sum(components[index[d]].shape[dim] for d in members)
         else:
@@ -239,9 +241,10 @@ def _spec_from_components(
 
 
 def _broadcast_replicated(spec: DTensorSpec, components: list[torch.Tensor]) -> list[torch.Tensor]:
-    for m, p in enumerate(spec.placements):
-        if p.is_replicate():
-            components = comm.broadcast(spec.mesh, m, components)
+    with comm.moving(f"from_local(run_check=True) of {spec}"):
+        for m, p in enumerate(spec.placements):
+            if p.is_replicate():
+                components = comm.broadcast(spec.mesh, m, components)
     return components
 
 
@@ -339,7 +342,8 @@ class _Redistribute(torch.autograd.Function):
         spec = dtensor._spec
         ctx.source = spec.placements
         plan = plan_redistribute(spec, target)
-        components = execute_plan(plan, spec.mesh, dtensor._components)
+        with comm.moving(f"redistribute of {spec} to {list(target)}"):
+            components = execute_plan(plan, spec.mesh, dtensor._components)
         return DTensor(components, spec.with_placements(target))
 
     @staticmethod

@@ -37,3 +37,20 @@ class UnsupportedOpError(ShardwiseError, NotImplementedError):
 
 class ImplicitRedistributeError(ShardwiseError, RuntimeError):
     """An op needs its inputs redistributed while implicit redistribution is off."""
+
+
+class ShardwiseTypeError(ShardwiseError, TypeError):
+    """An argument of the wrong kind: a variable where a tensor is needed, mixed dtypes..."""
+
+
+class CollectiveError(ShardwiseError, RuntimeError):
+    """A collective across processes failed: a peer process died or the transport broke."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective across processes did not complete within the collective timeout."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Processes entered different collectives, or the same one on different tensors
+    (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""

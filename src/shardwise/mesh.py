@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import Any
@@ -74,7 +75,8 @@ class DeviceMesh:
         self.device_type = device_type
         self.mesh = ids
         self.mesh_dim_names = names
-        rank, world = _process_info()
+        # a meta mesh has no devices to own: it plans and propagates shapes for the whole mesh
+        rank, world = (0, 1) if device_type == "meta" else _process_info()
         if _devices_per_process is None:
             if ids.numel() % world:
                 raise MeshError(
@@ -86,6 +88,31 @@ class DeviceMesh:
         self._rank = rank if _rank is None else _rank
         self._ids = flat
         self._id_set = frozenset(flat)
+
+    @classmethod
+    def from_group(
+        cls,
+        group: Any,
+        device_type: str,
+        mesh: Any | None = None,
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+    ) -> DeviceMesh:
+        """A mesh over the processes of a ``torch.distributed`` process ``group``, one device per
+        process with its global rank as id (PyTorch's ``from_group``); ``mesh`` arranges those
+        ranks in n-D (default: 1-D in group order)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise MeshError("DeviceMesh.from_group needs torch.distributed to be initialized")
+        ranks = dist.get_process_group_ranks(group)
+        ids = torch.tensor(ranks) if mesh is None else torch.as_tensor(mesh, dtype=torch.int64)
+        if sorted(ids.flatten().tolist()) != sorted(ranks):
+            raise MeshError(
+                f"DeviceMesh.from_group: mesh {ids.tolist()} must hold exactly the ranks {ranks} "
+                f"of the group"
+            )
+        return cls(device_type, ids, mesh_dim_names=mesh_dim_names, _devices_per_process=1)
 
     # ----- shape queries -------------------------------------------------------------------
     @property
@@ -268,14 +295,45 @@ def init_device_mesh(
     mesh_shape: Sequence[int],
     *,
     mesh_dim_names: Sequence[str] | None = None,
+    init_process_group: bool | None = None,
 ) -> DeviceMesh:
-    """A mesh of shape ``mesh_shape`` over devices ``0..N-1`` in row-major order."""
+    """A mesh of shape ``mesh_shape`` over devices ``0..N-1`` in row-major order.
+
+    Across processes it uses the initialized ``torch.distributed`` world. If none is
+    initialized, it initializes one from the ``torchrun`` environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``; gloo on CPU, NCCL on CUDA) when ``init_process_group`` is
+    True, or when it is None and that environment names a world of several processes, so a
+    script runs unchanged under ``torchrun`` and ``python -m shardwise.launch``. A ``"meta"``
+    mesh never initializes anything.
+    """
     shape = tuple(mesh_shape)
     if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
         raise MeshError(f"mesh_shape must be a non-empty tuple of positive ints, got {shape}")
+    if device_type != "meta":
+        _init_process_group(device_type, init_process_group)
     return DeviceMesh(
         device_type, torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=mesh_dim_names
     )
+
+
+def _init_process_group(device_type: str, wanted: bool | None) -> None:
+    """Initialize torch.distributed from the torchrun environment (see ``init_device_mesh``)."""
+    import torch.distributed as dist
+
+    if wanted is False or not dist.is_available() or dist.is_initialized():
+        return
+    env = os.environ
+    if wanted is None:
+        wanted = int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" in env and "MASTER_ADDR" in env
+        if not wanted:
+            return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise MeshError(
+            f"init_process_group=True reads the torchrun environment, but {missing} are not set; "
+            f"start the script with torchrun or python -m shardwise.launch"
+        )
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
 
 
 def create_mesh(

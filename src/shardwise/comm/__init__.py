@@ -2,6 +2,13 @@
 
 from .accounting import CommCounter, CommRecord
 from .collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
+from .safety import (
+    debug_checks_enabled,
+    get_collective_timeout,
+    moving,
+    set_collective_timeout,
+    set_debug_checks,
+)
 
 __all__ = [
     "CommCounter",
@@ -10,5 +17,10 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "debug_checks_enabled",
+    "get_collective_timeout",
+    "moving",
     "reduce_scatter",
+    "set_collective_timeout",
+    "set_debug_checks",
 ]

@@ -49,6 +49,8 @@ class CommRecord:
     mesh_dim: int
     bytes: int
     label: str = ""
+    cross_process_bytes: int = 0
+    meta_bytes: int = 0
 
 
 @dataclass
@@ -56,16 +58,25 @@ class CommCounter:
     """Counts the collectives run inside ``with CommCounter() as c:``.
 
     ``c.counts[kind]`` is the number of collectives of that kind, ``c.bytes[kind]`` the bytes
-    this process's devices received, ``c.total_bytes`` their sum; ``c.records`` keeps each one.
+    this process's devices received under the ring model (what plans price), ``c.total_bytes``
+    their sum; ``c.records`` keeps each one. Across processes, ``c.cross_process_bytes[kind]``
+    is the payload this process actually received from other processes, and ``c.meta_bytes``
+    the small shape headers and debug-check messages that went with it.
     """
 
     counts: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
     records: list[CommRecord] = field(default_factory=list)
+    cross_process_bytes: Counter = field(default_factory=Counter)
+    meta_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+    @property
+    def total_cross_process_bytes(self) -> int:
+        return sum(self.cross_process_bytes.values())
 
     def __enter__(self) -> CommCounter:
         _active().append(self)
@@ -77,6 +88,8 @@ class CommCounter:
     def add(self, record: CommRecord) -> None:
         self.counts[record.kind] += 1
         self.bytes[record.kind] += record.bytes
+        self.cross_process_bytes[record.kind] += record.cross_process_bytes
+        self.meta_bytes += record.meta_bytes
         self.records.append(record)
 
 
@@ -89,10 +102,18 @@ def _active() -> list[CommCounter]:
     return _state.counters
 
 
-def record(kind: str, mesh_dim: int, nbytes: int, label: str = "") -> None:
+def record(
+    kind: str,
+    mesh_dim: int,
+    nbytes: int,
+    label: str = "",
+    *,
+    cross_process_bytes: int = 0,
+    meta_bytes: int = 0,
+) -> None:
     """Report one collective to every active ``CommCounter``."""
     counters = _active()
     if counters:
-        entry = CommRecord(kind, mesh_dim, nbytes, label)
+        entry = CommRecord(kind, mesh_dim, nbytes, label, cross_process_bytes, meta_bytes)
         for counter in counters:
             counter.add(entry)

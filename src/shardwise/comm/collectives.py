@@ -1,20 +1,24 @@
 """Collectives over one mesh dim on a list of local components (one per local device).
 
 Every function takes ``components`` (or ``pieces``) ordered like ``mesh.local_device_ids`` and
-returns results in the same order. A group whose devices are all in this process runs in-process;
-every collective reports the bytes its devices receive to the active ``CommCounter``s.
+returns results in the same order. A group whose devices are all in this process runs in-process,
+one that spans processes goes through ``torch.distributed`` (``distributed.py``). Every
+collective reports the bytes its devices receive under the ring model (the planner's prices, the
+same whatever the transport) and the bytes that really crossed processes to the active
+``CommCounter``s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import Any
 
 import torch
 
 from ..errors import ShardwiseError
 from ..mesh import DeviceMesh
-from . import accounting
+from . import accounting, distributed
 
 
 @lru_cache(maxsize=4096)
@@ -28,19 +32,16 @@ def local_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple[tuple[int, ...]
     return tuple(groups.items())
 
 
-def _in_process(mesh: DeviceMesh, mesh_dim: int, kind: str):
-    """Yield (member devices, local indices) of each group, refusing groups across processes."""
+def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[list, list]:
+    """(groups all in this process, groups that span processes) along ``mesh_dim``."""
+    inside, across = [], []
     for members, indices in local_groups(mesh, mesh_dim):
-        if any(i is None for i in indices):
-            raise ShardwiseError(
-                f"{kind} over mesh dim {mesh_dim} of {mesh} spans processes; this process owns "
-                f"devices {list(mesh.local_device_ids)} of group {list(members)}"
-            )
-        yield members, indices
+        (across if any(i is None for i in indices) else inside).append((members, indices))
+    return inside, across
 
 
-def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """Reduce in coordinate order, so every mode sums in the same order."""
+def _combine(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Reduce in coordinate order, so every mode sums in the same order (avg: the sum)."""
     acc = tensors[0].clone()
     for t in tensors[1:]:
         t = t.to(acc.device)
@@ -52,17 +53,51 @@ def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
             torch.minimum(acc, t, out=acc)
         else:
             raise ShardwiseError(f"unknown reduce op {op!r}; use sum, avg, max or min")
-    if op == "avg":
-        n = len(tensors)
-        if acc.is_floating_point() or acc.is_complex():
-            acc.div_(n)
-        else:
-            acc = torch.div(acc, n, rounding_mode="trunc")
     return acc
+
+
+def _finish(acc: torch.Tensor, op: str, n: int) -> torch.Tensor:
+    """Turn a combined sum into the average of ``n`` values; other ops are done."""
+    if op != "avg":
+        return acc
+    if acc.is_floating_point() or acc.is_complex():
+        return acc.div_(n)
+    return torch.div(acc, n, rounding_mode="trunc")
+
+
+def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    return _finish(_combine(tensors, op), op, len(tensors))
 
 
 def _to(t: torch.Tensor, mesh: DeviceMesh, device_id: int) -> torch.Tensor:
     return t.to(mesh.device_of(device_id))
+
+
+def _across(
+    out: list,
+    collective: Callable[..., tuple[dict[int, Any], distributed.Traffic]],
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    groups: list,
+    *args: Any,
+) -> distributed.Traffic:
+    """Run the distributed ``collective`` for the cross-process ``groups``; store its results."""
+    if not groups:
+        return distributed.Traffic()
+    results, traffic = collective(mesh, mesh_dim, groups, *args)
+    for i, result in results.items():
+        out[i] = result
+    return traffic
+
+
+def _record(kind: str, mesh_dim: int, received: int, traffic: distributed.Traffic) -> None:
+    accounting.record(
+        kind, mesh_dim, received, cross_process_bytes=traffic.payload, meta_bytes=traffic.meta
+    )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def all_reduce(
@@ -70,16 +105,22 @@ def all_reduce(
 ) -> list[torch.Tensor]:
     """Every device gets the reduction (sum, avg, max, min) of its group's components."""
     out: list[torch.Tensor] = list(components)
-    received = 0
-    for members, indices in _in_process(mesh, mesh_dim, "all_reduce"):
+    inside, across = _split_groups(mesh, mesh_dim)
+    for members, indices in inside:
         result = _reduce([components[i] for i in indices], op)
-        n = len(members)
         for k, i in enumerate(indices):
             out[i] = _to(result if k == 0 else result.clone(), mesh, members[k])
-            received += accounting.all_reduce_received(
-                result.numel(), result.element_size(), n, k
-            )
-    accounting.record("all_reduce", mesh_dim, received)
+    traffic = _across(out, distributed.all_reduce, mesh, mesh_dim, across, components, op,
+                      _combine, _finish)
+    received = sum(
+        accounting.all_reduce_received(
+            components[i].numel(), components[i].element_size(), len(members), k
+        )
+        for members, indices in inside + across
+        for k, i in enumerate(indices)
+        if i is not None
+    )
+    _record("all_reduce", mesh_dim, received, traffic)
     return out
 
 
@@ -88,14 +129,21 @@ def all_gather(
 ) -> list[list[torch.Tensor]]:
     """Every device gets the list of its group's components, in coordinate order."""
     out: list[list[torch.Tensor]] = [[] for _ in components]
-    received = 0
-    for members, indices in _in_process(mesh, mesh_dim, "all_gather"):
+    inside, across = _split_groups(mesh, mesh_dim)
+    for members, indices in inside:
         pieces = [components[i] for i in indices]
-        sizes = [p.numel() * p.element_size() for p in pieces]
         for k, i in enumerate(indices):
             out[i] = [_to(p, mesh, members[k]) for p in pieces]
-            received += accounting.all_gather_received(sizes, k)
-    accounting.record("all_gather", mesh_dim, received)
+    traffic = _across(out, distributed.all_gather, mesh, mesh_dim, across, components)
+    received = 0
+    for _, indices in inside + across:
+        sizes = [_nbytes(p) for p in out[next(i for i in indices if i is not None)]]
+        received += sum(
+            accounting.all_gather_received(sizes, k)
+            for k, i in enumerate(indices)
+            if i is not None
+        )
+    _record("all_gather", mesh_dim, received, traffic)
     return out
 
 
@@ -105,13 +153,21 @@ def reduce_scatter(
     """``pieces[i][k]`` is local device i's contribution to group member k; member k gets the
     reduction of what every member addressed to it."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
-    received = 0
-    for members, indices in _in_process(mesh, mesh_dim, "reduce_scatter"):
-        sizes = [p.numel() * p.element_size() for p in pieces[indices[0]]]
+    inside, across = _split_groups(mesh, mesh_dim)
+    for members, indices in inside:
         for k, i in enumerate(indices):
             out[i] = _to(_reduce([pieces[j][k] for j in indices], op), mesh, members[k])
-            received += accounting.reduce_scatter_received(sizes, k)
-    accounting.record("reduce_scatter", mesh_dim, received)
+    traffic = _across(out, distributed.reduce_scatter, mesh, mesh_dim, across, pieces, op,
+                      _combine, _finish)
+    received = 0
+    for _, indices in inside + across:
+        sizes = [_nbytes(p) for p in pieces[next(i for i in indices if i is not None)]]
+        received += sum(
+            accounting.reduce_scatter_received(sizes, k)
+            for k, i in enumerate(indices)
+            if i is not None
+        )
+    _record("reduce_scatter", mesh_dim, received, traffic)
     return out
 
 
@@ -121,15 +177,18 @@ def all_to_all(
     """``pieces[i][k]`` goes from local device i to group member k; the result ``out[i][j]`` is
     what member j sent to device i."""
     out: list[list[torch.Tensor]] = [[] for _ in pieces]
-    received = 0
-    for members, indices in _in_process(mesh, mesh_dim, "all_to_all"):
+    inside, across = _split_groups(mesh, mesh_dim)
+    for members, indices in inside:
         for k, i in enumerate(indices):
-            incoming = [pieces[j][k] for j in indices]
-            out[i] = [_to(p, mesh, members[k]) for p in incoming]
-            received += accounting.all_to_all_received(
-                [p.numel() * p.element_size() for p in incoming], k
-            )
-    accounting.record("all_to_all", mesh_dim, received)
+            out[i] = [_to(pieces[j][k], mesh, members[k]) for j in indices]
+    traffic = _across(out, distributed.all_to_all, mesh, mesh_dim, across, pieces)
+    received = sum(
+        accounting.all_to_all_received([_nbytes(p) for p in out[i]], k)
+        for _, indices in inside + across
+        for k, i in enumerate(indices)
+        if i is not None
+    )
+    _record("all_to_all", mesh_dim, received, traffic)
     return out
 
 
@@ -138,13 +197,17 @@ def broadcast(
 ) -> list[torch.Tensor]:
     """Every device gets a copy of the component of the group member at coordinate ``src``."""
     out: list[torch.Tensor] = list(components)
-    received = 0
-    for members, indices in _in_process(mesh, mesh_dim, "broadcast"):
+    inside, across = _split_groups(mesh, mesh_dim)
+    for members, indices in inside:
         source = components[indices[src]]
         for k, i in enumerate(indices):
             out[i] = source if k == src else _to(source.clone(), mesh, members[k])
-            received += accounting.broadcast_received(
-                source.numel() * source.element_size(), k, src
-            )
-    accounting.record("broadcast", mesh_dim, received)
+    traffic = _across(out, distributed.broadcast, mesh, mesh_dim, across, components, src)
+    received = sum(
+        accounting.broadcast_received(_nbytes(out[i]), k, src)
+        for _, indices in inside + across
+        for k, i in enumerate(indices)
+        if i is not None
+    )
+    _record("broadcast", mesh_dim, received, traffic)
     return out

@@ -1,0 +1,474 @@
+"""The ``torch.distributed`` transport: collectives for mesh groups whose devices span processes.
+
+Each collective is built from point-to-point messages (gloo has no all_to_all nor
+reduce_scatter, and its all_gather wants equal pieces), at most one message per peer process and
+round, so a process receives only what its devices need: the pieces of other processes' devices
+for all_gather and all_to_all, the source once for broadcast. Reductions run in coordinate order
+on the process that owns the result (the first process of a group pre-reduces its leading
+members), so every mode gives the same bits as the embedded one, and all_reduce is that
+reduce_scatter of the ring chunks followed by an all_gather of the reduced chunks. Process groups
+are made per set of processes that share a device group, once, in mesh order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+from ..mesh import DeviceMesh
+from . import safety
+
+# Keeps shardwise's messages apart from a program's own send/recv on the same group.
+TAG = 0x5357
+Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local index of each or None
+
+_process_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group over ``ranks`` (global ranks, ascending), created on first use.
+
+    Only its members create it (``use_local_synchronization``); they all reach the creation in
+    the same order because they run the same program and create a mesh dim's groups together.
+    """
+    pg = _process_groups.get(ranks)
+    if pg is None:
+        if len(ranks) == dist.get_world_size():
+            pg = dist.group.WORLD
+        else:
+            pg = dist.new_group(
+                list(ranks),
+                timeout=timedelta(seconds=safety.get_collective_timeout()),
+                use_local_synchronization=True,
+            )
+        _process_groups[ranks] = pg
+    return pg
+
+
+@lru_cache(maxsize=1024)
+def group_ranks(mesh: DeviceMesh, mesh_dim: int) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """For each cross-process device group along ``mesh_dim`` holding a device of this process,
+    the ranks of the processes that own its members. Creates their process groups, in mesh order."""
+    me = dist.get_rank()
+    result: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for members in mesh.groups(mesh_dim):
+        ranks = tuple(sorted({mesh.owner_of(d) for d in members}))
+        if me in ranks and len(ranks) > 1:
+            group_for_ranks(ranks)
+            result[members] = ranks
+    return result
+
+
+@dataclass
+class Traffic:
+    """Bytes this process received from other processes in one collective."""
+
+    payload: int = 0
+    meta: int = 0  # shape headers and debug-check descriptors
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class _Call:
+    """One collective across processes: its description for errors, its rounds of messages."""
+
+    def __init__(
+        self, kind: str, mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
+        sample: torch.Tensor, detail: str = "",
+    ) -> None:
+        self.kind, self.mesh, self.mesh_dim, self.groups = kind, mesh, mesh_dim, groups
+        self.sample, self.detail = sample, detail
+        self.me = dist.get_rank()
+        self.ranks = group_ranks(mesh, mesh_dim)
+        self.traffic = Traffic()
+
+    def what(self) -> str:
+        moving = safety.current_description() or "local components"
+        return (
+            f"{self.kind}{self.detail} over mesh dim {self.mesh_dim} of {self.mesh} (rank "
+            f"{self.me}, moving {moving}; local piece {list(self.sample.shape)} "
+            f"{self.sample.dtype})"
+        )
+
+    def owner(self, device: int) -> int:
+        return self.mesh.owner_of(device)
+
+    def peers(self, members: tuple[int, ...]) -> list[int]:
+        return [r for r in self.ranks[members] if r != self.me]
+
+    def round(self, meta: bool = False) -> _Round:
+        return _Round(self, meta)
+
+    def check(self, fields: dict[str, object]) -> None:
+        """Debug checks: exchange what every process is about to do; raise on any difference."""
+        if not safety.debug_checks_enabled():
+            return
+        mine = {
+            "collective": self.kind + self.detail,
+            "mesh": repr(self.mesh),
+            "mesh_dim": self.mesh_dim,
+            "dtype": str(self.sample.dtype),
+            "moving": safety.current_description(),
+            **fields,
+        }
+        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+        keys = sorted({(self.ranks[m], p) for m, _ in self.groups for p in self.peers(m)})
+        lengths = self.round(meta=True)
+        for ranks, peer in keys:
+            lengths.send(ranks, peer, torch.tensor([payload.numel()]))
+            lengths.expect(ranks, peer, (1,), torch.int64)
+        sizes = lengths.run()
+        bodies = self.round(meta=True)
+        for (ranks, peer), size in zip(keys, sizes, strict=True):
+            bodies.send(ranks, peer, payload)
+            bodies.expect(ranks, peer, (int(size.item()),), torch.uint8)
+        seen = {self.me: mine}
+        for (_, peer), body in zip(keys, bodies.run(), strict=True):
+            seen[peer] = json.loads(body.numpy().tobytes().decode())
+        diffs = [
+            f"  {key}: " + "; ".join(f"rank {r}: {seen[r].get(key)!r}" for r in sorted(seen))
+            for key in sorted({k for d in seen.values() for k in d})
+            if len({json.dumps(d.get(key)) for d in seen.values()}) > 1
+        ]
+        if diffs:
+            raise CollectiveMismatchError(
+                f"processes disagree on a collective; {self.what()}. What differs per rank:\n"
+                + "\n".join(diffs)
+            )
+
+
+class _Round:
+    """One round of messages: everything for one (process group, peer) travels as one buffer
+    of raw bytes, so any dtype goes through and the byte count is exact."""
+
+    def __init__(self, call: _Call, meta: bool) -> None:
+        self.call, self.meta = call, meta
+        self.outgoing: dict[tuple[tuple[int, ...], int], list[torch.Tensor]] = {}
+        self.incoming: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        self.expected: list[tuple[tuple[tuple[int, ...], int], torch.Size, torch.dtype]] = []
+
+    def send(self, ranks: tuple[int, ...], peer: int, tensor: torch.Tensor) -> None:
+        self.outgoing.setdefault((ranks, peer), []).append(_as_bytes(tensor))
+
+    def expect(
+        self, ranks: tuple[int, ...], peer: int, shape: Sequence[int], dtype: torch.dtype
+    ) -> None:
+        """Expect the next tensor from ``peer``; ``run`` returns them in ``expect`` order."""
+        shape = torch.Size(shape)
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        self.incoming.setdefault((ranks, peer), []).append(nbytes)
+        self.expected.append(((ranks, peer), shape, dtype))
+
+    def run(self) -> list[torch.Tensor]:
+        device = self.call.sample.device
+        works = []
+        for (ranks, peer), parts in self.outgoing.items():
+            buffer = torch.cat(parts)
+            if buffer.numel():
+                pg = group_for_ranks(ranks)
+                works.append(dist.isend(buffer.to(device), dst=peer, group=pg, tag=TAG))
+        buffers = {}
+        for (ranks, peer), sizes in self.incoming.items():
+            buffers[(ranks, peer)] = buffer = torch.empty(sum(sizes), dtype=torch.uint8,
+                                                          device=device)
+            if buffer.numel():
+                works.append(dist.irecv(buffer, src=peer, group=group_for_ranks(ranks), tag=TAG))
+        self._wait(works)
+        received = sum(b.numel() for b in buffers.values())
+        if self.meta:
+            self.call.traffic.meta += received
+        else:
+            self.call.traffic.payload += received
+        offsets = dict.fromkeys(buffers, 0)
+        out = []
+        for key, shape, dtype in self.expected:
+            start = offsets[key]
+            nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            offsets[key] = start + nbytes
+            out.append(buffers[key][start : start + nbytes].clone().view(dtype).reshape(shape))
+        return out
+
+    def _wait(self, works: list) -> None:
+        timeout = safety.get_collective_timeout()
+        deadline = time.monotonic() + timeout
+        for work in works:
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                work.wait(timedelta(seconds=left))
+            except RuntimeError as err:
+                if "timed out" in str(err).lower() or time.monotonic() >= deadline:
+                    raise CollectiveTimeoutError(
+                        f"{self.call.what()} did not complete within the collective timeout of "
+                        f"{timeout:g} s: another process did not take part (it diverged, is "
+                        f"slower than the timeout, or hangs); set_debug_checks(True) finds "
+                        f"divergent programs"
+                    ) from err
+                raise CollectiveError(f"{self.call.what()} failed: {err}") from err
+
+
+# ----- collectives ---------------------------------------------------------------------------
+
+
+def _local_members(group: Group) -> list[tuple[int, int]]:
+    """(coordinate, local index) of the group members this process owns."""
+    return [(k, i) for k, i in enumerate(group[1]) if i is not None]
+
+
+def _members_of(call: _Call, members: tuple[int, ...], rank: int) -> list[int]:
+    return [k for k, d in enumerate(members) if call.owner(d) == rank]
+
+
+def all_gather(
+    mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor]
+) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
+    """Every member's piece for every local device: other processes send their pieces once."""
+    sample = components[0]
+    call = _Call("all_gather", mesh, mesh_dim, groups, sample)
+    call.check({"ndim": sample.ndim})
+    ndim = sample.ndim
+    headers = call.round(meta=True)
+    for members, indices in groups:
+        mine = [list(components[i].shape) for _, i in _local_members((members, indices))]
+        for peer in call.peers(members):
+            headers.send(call.ranks[members], peer, torch.tensor(mine, dtype=torch.int64))
+            count = len(_members_of(call, members, peer))
+            headers.expect(call.ranks[members], peer, (count, ndim), torch.int64)
+    shapes = iter(headers.run())
+    data = call.round()
+    for members, indices in groups:
+        for peer in call.peers(members):
+            for _, i in _local_members((members, indices)):
+                data.send(call.ranks[members], peer, components[i])
+            for shape in next(shapes).tolist():
+                data.expect(call.ranks[members], peer, shape, sample.dtype)
+    received = iter(data.run())
+    out: dict[int, list[torch.Tensor]] = {}
+    for members, indices in groups:
+        from_peer = {
+            peer: {k: next(received) for k in _members_of(call, members, peer)}
+            for peer in call.peers(members)
+        }
+        pieces = [
+            components[i] if i is not None else from_peer[call.owner(d)][k]
+            for k, (d, i) in enumerate(zip(members, indices, strict=True))
+        ]
+        for k, i in _local_members((members, indices)):
+            out[i] = [p.to(mesh.device_of(members[k])) for p in pieces]
+    return out, call.traffic
+
+
+def all_to_all(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    groups: Sequence[Group],
+    pieces: Sequence[Sequence[torch.Tensor]],
+) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
+    """``pieces[i][k]`` goes from local device i to member k; each process receives only the
+    pieces addressed to its devices."""
+    sample = pieces[0][0]
+    call = _Call("all_to_all", mesh, mesh_dim, groups, sample)
+    call.check({"ndim": sample.ndim})
+    headers = call.round(meta=True)
+    for members, indices in groups:
+        local = _local_members((members, indices))
+        for peer in call.peers(members):
+            theirs = _members_of(call, members, peer)
+            shapes = [list(pieces[i][k].shape) for _, i in local for k in theirs]
+            headers.send(call.ranks[members], peer, torch.tensor(shapes, dtype=torch.int64))
+            count = len(theirs) * len(local)
+            headers.expect(call.ranks[members], peer, (count, sample.ndim), torch.int64)
+    shapes = iter(headers.run())
+    data = call.round()
+    for members, indices in groups:
+        local = _local_members((members, indices))
+        for peer in call.peers(members):
+            for _, i in local:
+                for k in _members_of(call, members, peer):
+                    data.send(call.ranks[members], peer, pieces[i][k])
+            for shape in next(shapes).tolist():
+                data.expect(call.ranks[members], peer, shape, sample.dtype)
+    received = iter(data.run())
+    out: dict[int, list[torch.Tensor]] = {}
+    for members, indices in groups:
+        local = _local_members((members, indices))
+        incoming: dict[tuple[int, int], torch.Tensor] = {}  # (from j, to k)
+        for peer in call.peers(members):
+            for j in _members_of(call, members, peer):
+                for k, _ in local:
+                    incoming[(j, k)] = next(received)
+        for k, i in local:
+            row = [
+                pieces[indices[j]][k] if indices[j] is not None else incoming[(j, k)]
+                for j in range(len(members))
+            ]
+            out[i] = [p.to(mesh.device_of(members[k])) for p in row]
+    return out, call.traffic
+
+
+def _reduce_to_owners(
+    call: _Call,
+    contribution: Callable[[int, int], torch.Tensor],
+    op: str,
+    combine: Callable[[Sequence[torch.Tensor], str], torch.Tensor],
+) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
+    """For every local member k, the reduction over members j, in coordinate order, of
+    ``contribution(local index of j, k)``, unfinished (no avg division). The process owning
+    the leading run of members sends their combined prefix; the others send each piece."""
+    data = call.round()
+    plans = []  # read the received tensors back in the order they were expected
+    for members, indices in call.groups:
+        n = len(members)
+        owners = [call.owner(d) for d in members]
+        lead = owners[0]
+        run = next((j for j in range(n) if owners[j] != lead), n)  # members 0..run-1: lead's
+        first_local = next(i for i in indices if i is not None)
+        for k in range(n):
+            if owners[k] == call.me:
+                continue
+            ranks = call.ranks[members]
+            if lead == call.me:
+                data.send(ranks, owners[k], combine([contribution(indices[j], k)
+                                                     for j in range(run)], op))
+            for j in range(run, n):
+                if owners[j] == call.me:
+                    data.send(ranks, owners[k], contribution(indices[j], k))
+        for k, _ in _local_members((members, indices)):
+            shape = contribution(first_local, k).shape
+            for peer in call.peers(members):
+                if peer == lead:
+                    data.expect(call.ranks[members], peer, shape, call.sample.dtype)
+                for j in range(run, n):
+                    if owners[j] == peer:
+                        data.expect(call.ranks[members], peer, shape, call.sample.dtype)
+        plans.append((members, indices, owners, lead, run))
+    received = iter(data.run())
+    results: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+    for members, indices, owners, lead, run in plans:
+        for k, _ in _local_members((members, indices)):
+            got: dict[int, torch.Tensor] = {}  # leading prefix under key -1
+            for peer in call.peers(members):
+                if peer == lead:
+                    got[-1] = next(received)
+                for j in range(run, len(members)):
+                    if owners[j] == peer:
+                        got[j] = next(received)
+            if lead == call.me:
+                prefix = combine([contribution(indices[j], k) for j in range(run)], op)
+            else:
+                prefix = got[-1]
+            rest = [
+                contribution(indices[j], k) if owners[j] == call.me else got[j]
+                for j in range(run, len(members))
+            ]
+            results[(members, k)] = combine([prefix, *rest], op) if rest else prefix
+    return results
+
+
+def reduce_scatter(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    groups: Sequence[Group],
+    pieces: Sequence[Sequence[torch.Tensor]],
+    op: str,
+    combine: Callable[[Sequence[torch.Tensor], str], torch.Tensor],
+    finish: Callable[[torch.Tensor, str, int], torch.Tensor],
+) -> tuple[dict[int, torch.Tensor], Traffic]:
+    """Member k gets the reduction of ``pieces[.][k]`` over its group, in coordinate order."""
+    sample = pieces[0][0]
+    call = _Call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})")
+    call.check({"piece shapes": [list(p.shape) for p in pieces[0]]})
+    reduced = _reduce_to_owners(call, lambda i, k: pieces[i][k], op, combine)
+    out = {}
+    for members, indices in groups:
+        for k, i in _local_members((members, indices)):
+            result = finish(reduced[(members, k)], op, len(members))
+            out[i] = result.to(mesh.device_of(members[k]))
+    return out, call.traffic
+
+
+def _chunk(flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Ring chunk ``k`` of ``n`` of a flat tensor (the accounting's all_reduce model)."""
+    numel = flat.numel()
+    size = -(-numel // n) if numel else 0
+    return flat[min(k * size, numel) : min((k + 1) * size, numel)]
+
+
+def all_reduce(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    groups: Sequence[Group],
+    components: Sequence[torch.Tensor],
+    op: str,
+    combine: Callable[[Sequence[torch.Tensor], str], torch.Tensor],
+    finish: Callable[[torch.Tensor, str, int], torch.Tensor],
+) -> tuple[dict[int, torch.Tensor], Traffic]:
+    """Reduce-scatter the ring chunks to their owners, then all-gather the reduced chunks."""
+    sample = components[0]
+    call = _Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})")
+    call.check({"shape": list(sample.shape)})
+    n = mesh.shape[mesh_dim]
+    flat = [c.reshape(-1) for c in components]
+    reduced = _reduce_to_owners(call, lambda i, k: _chunk(flat[i], n, k), op, combine)
+    data = call.round()
+    for members, indices in groups:
+        mine = _local_members((members, indices))
+        for peer in call.peers(members):
+            for k, _ in mine:
+                data.send(call.ranks[members], peer, finish(reduced[(members, k)], op, n))
+            for k in _members_of(call, members, peer):
+                data.expect(call.ranks[members], peer, _chunk(flat[0], n, k).shape, sample.dtype)
+    received = iter(data.run())
+    out = {}
+    for members, indices in groups:
+        chunks: dict[int, torch.Tensor] = {}
+        for peer in call.peers(members):
+            for k in _members_of(call, members, peer):
+                chunks[k] = next(received)
+        for k, _ in _local_members((members, indices)):
+            chunks[k] = finish(reduced[(members, k)], op, n)
+        whole = torch.cat([chunks[k] for k in range(n)]).reshape(sample.shape)
+        for m, (k, i) in enumerate(_local_members((members, indices))):
+            result = whole if m == 0 else whole.clone()
+            out[i] = result.to(mesh.device_of(members[k]))
+    return out, call.traffic
+
+
+def broadcast(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    groups: Sequence[Group],
+    components: Sequence[torch.Tensor],
+    src: int,
+) -> tuple[dict[int, torch.Tensor], Traffic]:
+    """Every member gets member ``src``'s component; its process sends it once per process."""
+    sample = components[0]
+    call = _Call("broadcast", mesh, mesh_dim, groups, sample, f"(src={src})")
+    call.check({"shape": list(sample.shape)})
+    data = call.round()
+    for members, indices in groups:
+        source = call.owner(members[src])
+        if source == call.me:
+            for peer in call.peers(members):
+                data.send(call.ranks[members], peer, components[indices[src]])
+        else:
+            data.expect(call.ranks[members], source, sample.shape, sample.dtype)
+    received = iter(data.run())
+    out = {}
+    for members, indices in groups:
+        if call.owner(members[src]) == call.me:
+            value = components[indices[src]]
+        else:
+            value = next(received)
+        for k, i in _local_members((members, indices)):
+            out[i] = value if k == src else value.clone().to(mesh.device_of(members[k]))
+    return out, call.traffic

@@ -1,0 +1,76 @@
+"""Safety settings of collectives across processes: the timeout, the debug checks, and a
+description of what is being moved, for error messages.
+
+A program whose processes diverge would otherwise hang in a collective forever: every wait is
+bounded by the collective timeout, and the debug checks compare what each process is about to do
+before any data moves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..errors import InvalidArgumentError
+
+DEFAULT_TIMEOUT_S = 300.0
+
+_settings = {
+    "timeout": float(os.environ.get("SHARDWISE_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S)),
+    "debug": os.environ.get("SHARDWISE_DEBUG_CHECKS", "0").lower() not in ("", "0", "false"),
+}
+_context = threading.local()
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Bound every cross-process collective to ``seconds`` (default 300, or the environment
+    variable ``SHARDWISE_COLLECTIVE_TIMEOUT``); a collective past it raises
+    ``CollectiveTimeoutError``. Call it with the same value in every process."""
+    if not seconds > 0:
+        raise InvalidArgumentError(
+            f"the collective timeout must be a positive number of seconds, got {seconds!r}"
+        )
+    _settings["timeout"] = float(seconds)
+
+
+def get_collective_timeout() -> float:
+    """The collective timeout in seconds."""
+    return _settings["timeout"]
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Before each cross-process collective, check that every process of its group agrees on
+    the collective, mesh dim, dtype, shapes and tensor being moved, and raise
+    ``CollectiveMismatchError`` naming what differs per rank (also ``SHARDWISE_DEBUG_CHECKS=1``).
+    It costs one extra small message exchange per collective."""
+    _settings["debug"] = bool(enabled)
+
+
+def debug_checks_enabled() -> bool:
+    return _settings["debug"]
+
+
+@contextmanager
+def moving(description: str) -> Iterator[None]:
+    """Name what the collectives inside are moving (a spec and its target), for the error
+    messages of timeouts and mismatches."""
+    stack = _stack()
+    stack.append(description)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_description() -> str:
+    """What the innermost ``moving`` block said, or an empty string."""
+    stack = _stack()
+    return stack[-1] if stack else ""
+
+
+def _stack() -> list[str]:
+    if not hasattr(_context, "stack"):
+        _context.stack = []
+    return _context.stack

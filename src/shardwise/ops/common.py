@@ -1,0 +1,66 @@
+"""Helpers shared by the op families' sharding strategies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ..mesh import DeviceMesh
+from ..placements import Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec
+from .registry import OpSchema, OpStrategy, PlacementStrategy
+
+
+def spec_of(mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensorSpec:
+    """A spec without metadata (dispatch fills it in from the op's output)."""
+    return DTensorSpec(mesh, tuple(placements), None)
+
+
+def replicate(mesh: DeviceMesh) -> tuple[Placement, ...]:
+    return (Replicate(),) * mesh.ndim
+
+
+def input_strategies(schema: OpSchema) -> list[OpStrategy]:
+    """The ``OpStrategy`` arguments (DTensor inputs) of a schema, in order."""
+    out = []
+    for a in schema.args_schema:
+        if isinstance(a, OpStrategy):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, OpStrategy))
+    out.extend(v for v in schema.kwargs_schema.values() if isinstance(v, OpStrategy))
+    return out
+
+
+def current_placements(strategy: OpStrategy) -> tuple[Placement, ...]:
+    return strategy.output_spec.placements
+
+
+def has_partial(placements: Iterable[Placement]) -> bool:
+    return any(isinstance(p, Partial) for p in placements)
+
+
+def strategy(
+    mesh: DeviceMesh,
+    inputs: Sequence[Sequence[Placement]],
+    outputs: Sequence[Placement] | Sequence[Sequence[Placement] | None],
+    multi: bool = False,
+) -> PlacementStrategy:
+    """A ``PlacementStrategy`` from placement tuples (``multi``: one tuple per output)."""
+    ins = [spec_of(mesh, p) for p in inputs]
+    if multi:
+        outs = tuple(None if p is None else spec_of(mesh, p) for p in outputs)
+        return PlacementStrategy(outs, ins)
+    return PlacementStrategy(spec_of(mesh, outputs), ins)
+
+
+def replicate_strategy(mesh: DeviceMesh, n_inputs: int, n_outputs: int = 1) -> PlacementStrategy:
+    """Everything replicated: valid for every op (the fallback of last resort)."""
+    rep = replicate(mesh)
+    if n_outputs == 1:
+        return strategy(mesh, [rep] * n_inputs, rep)
+    return strategy(mesh, [rep] * n_inputs, [rep] * n_outputs, multi=True)
+
+
+def shard_dim_on(placements: Sequence[Placement], dim: int) -> bool:
+    """True if some mesh dim shards tensor dim ``dim``."""
+    return any(isinstance(p, Shard) and p.dim == dim for p in placements)

@@ -1,0 +1,50 @@
+"""``aten._foreach_*`` ops (what foreach optimizers run): element i of every tensor list takes
+the placements of element i of the first list; Partial elements are reduced first, except for
+scaling by Python scalars, which is linear."""
+
+from __future__ import annotations
+
+import torch
+
+from ..mesh import DeviceMesh
+from ..placements import Placement, Replicate
+from .common import spec_of
+from .registry import OpSchema, OpStrategy, PlacementStrategy, register_op_strategy
+
+aten = torch.ops.aten
+
+FOREACH_OPS = [
+    getattr(aten, name) for name in dir(aten) if name.startswith("_foreach_")
+]
+_LINEAR_SCALAR = ("_foreach_mul", "_foreach_div", "_foreach_neg", "_foreach_zero")
+
+
+def _is_linear(op) -> bool:  # noqa: ANN001
+    name = op._schema.name.split("::")[-1].rstrip("_")
+    overload = op._overloadname
+    return name in _LINEAR_SCALAR and overload in ("Scalar", "ScalarList", "default", "")
+
+
+@register_op_strategy(FOREACH_OPS)
+def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """One strategy: every list aligned with the first list's placements, element by element."""
+    lists = [a for a in schema.args_schema if isinstance(a, (list, tuple))]
+    first = [s for s in lists[0] if isinstance(s, OpStrategy)]
+    linear = _is_linear(schema.op)
+    targets: list[tuple[Placement, ...]] = []
+    for i, element in enumerate(first):
+        placements = element.output_spec.placements
+        column = [lst[i] for lst in lists if isinstance(lst[i], OpStrategy)]
+        if not linear and any(p.is_partial() for s in column for p in s.output_spec.placements):
+            placements = tuple(Replicate() if p.is_partial() else p for p in placements)
+        targets.append(placements)
+    input_specs = []
+    for arg in schema.args_schema:
+        if isinstance(arg, (list, tuple)):
+            input_specs += [
+                spec_of(mesh, targets[i]) for i, s in enumerate(arg) if isinstance(s, OpStrategy)
+            ]
+        elif isinstance(arg, OpStrategy):
+            input_specs.append(arg.output_spec)
+    outputs = tuple(spec_of(mesh, t) for t in targets)
+    return OpStrategy([PlacementStrategy(outputs, input_specs)])

@@ -1,0 +1,266 @@
+"""Shared hypothesis strategies and an independent reference of shard geometry.
+
+The reference below is written with plain python index lists, on purpose without
+``shardwise.spec``: tests compare shardwise against it and against single-device torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from shardwise import DeviceMesh, InterleavedShard, Partial, Placement, Replicate, Shard
+
+settings.register_profile(
+    "shardwise",
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("thorough", parent=settings.get_profile("shardwise"), max_examples=2000)
+settings.load_profile("shardwise")
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+DTYPES = (torch.float32, torch.float64, torch.int64)
+MAX_DEVICES = 8
+
+
+# ----- reference geometry ------------------------------------------------------------------
+
+
+class NotDivisible(Exception):
+    """An interleaved size that does not divide the size it shards (reference side)."""
+
+
+def ref_chunk(indices: list[int], n: int, k: int) -> list[int]:
+    """Piece ``k`` of ``n``: [k*c, min((k+1)*c, len)) with c = ceil(len / n)."""
+    c = -(-len(indices) // n)
+    return indices[k * c : (k + 1) * c]
+
+
+def ref_indices(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coord: Sequence[int],
+) -> list[list[int]]:
+    """Per tensor dim, the global indices (in order) held by the device at ``coord``."""
+    held = [list(range(s)) for s in shape]
+    for m, p in enumerate(placements):
+        if not isinstance(p, Shard):
+            continue
+        d = p.dim % len(shape)
+        n, k = mesh_shape[m], coord[m]
+        if isinstance(p, InterleavedShard):
+            blocks = p.interleaved_size
+            if len(held[d]) % blocks:
+                raise NotDivisible
+            b = len(held[d]) // blocks
+            held[d] = [
+                i for j in range(blocks) for i in ref_chunk(held[d][j * b : (j + 1) * b], n, k)
+            ]
+        else:
+            held[d] = ref_chunk(held[d], n, k)
+    return held
+
+
+def ref_slice(x: torch.Tensor, indices: list[list[int]]) -> torch.Tensor:
+    for d, idx in enumerate(indices):
+        x = x.index_select(d, torch.tensor(idx, dtype=torch.int64))
+    return x
+
+
+def ref_coords(mesh_ids: torch.Tensor) -> dict[int, tuple[int, ...]]:
+    """Device id -> coordinate, read off the id array."""
+    return {int(mesh_ids[c]): c for c in _all_coords(tuple(mesh_ids.shape))}
+
+
+def _all_coords(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    coords: list[tuple[int, ...]] = [()]
+    for size in shape:
+        coords = [c + (i,) for c in coords for i in range(size)]
+    return coords
+
+
+def fits(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> bool:
+    """True if every interleave divides at every device (reference side)."""
+    try:
+        for coord in _all_coords(tuple(mesh_shape)):
+            ref_indices(shape, mesh_shape, placements, coord)
+    except NotDivisible:
+        return False
+    return True
+
+
+def ref_reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack(list(tensors))
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        total = stacked.sum(0)
+        return total / len(tensors) if total.is_floating_point() else total // len(tensors)
+    return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+def ref_value(
+    components: dict[tuple[int, ...], torch.Tensor],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+) -> dict[tuple[int, ...], torch.Tensor]:
+    """Reduce components over every Partial mesh dim (the last mesh dim first): what each
+    device's component means once the pending reductions are done."""
+    out = dict(components)
+    for m in reversed(range(len(mesh_shape))):
+        p = placements[m]
+        if not isinstance(p, Partial):
+            continue
+        reduced = {}
+        for coord in out:
+            group = [coord[:m] + (i,) + coord[m + 1 :] for i in range(mesh_shape[m])]
+            reduced[coord] = ref_reduce([out[g] for g in group], p.reduce_op)
+        out = reduced
+    return out
+
+
+# ----- strategies --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """A mesh, a tensor shape and dtype, and placements valid for them."""
+
+    mesh: DeviceMesh
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placements: tuple[Placement, ...]
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.mesh.shape)
+
+
+@st.composite
+def mesh_shapes(draw: st.DrawFn, max_dims: int = 3) -> tuple[int, ...]:
+    shape = draw(st.lists(st.integers(1, 4), min_size=1, max_size=max_dims))
+    while math.prod(shape) > MAX_DEVICES:
+        shape[shape.index(max(shape))] -= 1
+    return tuple(shape)
+
+
+@st.composite
+def meshes(draw: st.DrawFn, max_dims: int = 3) -> DeviceMesh:
+    """Meshes of 1-3 dims with up to 8 devices; ids sometimes permuted, dims sometimes named."""
+    shape = draw(mesh_shapes(max_dims))
+    n = math.prod(shape)
+    ids = draw(st.one_of(st.just(list(range(n))), st.permutations(range(n))))
+    names = draw(st.sampled_from([None, ("a", "b", "c")[: len(shape)]]))
+    return DeviceMesh("cpu", torch.tensor(ids).reshape(shape), mesh_dim_names=names)
+
+
+def tensor_shapes(min_rank: int = 1, max_rank: int = 3) -> st.SearchStrategy[tuple[int, ...]]:
+    """Small shapes: sizes 0..9, so not divisible by the mesh and smaller than it."""
+    return st.lists(st.integers(0, 9), min_size=min_rank, max_size=max_rank).map(tuple)
+
+
+def placement_for(rank: int, *, partial: bool = True) -> st.SearchStrategy[Placement]:
+    options: list[st.SearchStrategy[Placement]] = [st.just(Replicate())]
+    if rank:
+        dims = st.integers(-rank, rank - 1)
+        options.append(dims.map(Shard))
+        options.append(st.builds(InterleavedShard, dims, st.integers(1, 3)))
+    if partial:
+        options.append(st.sampled_from(REDUCE_OPS).map(Partial))
+    return st.one_of(options)
+
+
+@st.composite
+def placements_for(
+    draw: st.DrawFn,
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    *,
+    partial: bool = True,
+) -> tuple[Placement, ...]:
+    """Placements valid for ``shape`` on a mesh of ``mesh_shape`` (interleaves that divide)."""
+    strategy = st.lists(
+        placement_for(len(shape), partial=partial),
+        min_size=len(mesh_shape),
+        max_size=len(mesh_shape),
+    ).map(tuple)
+    return draw(strategy.filter(lambda ps: fits(shape, mesh_shape, ps)))
+
+
+@st.composite
+def cases(draw: st.DrawFn, max_dims: int = 3, *, partial: bool = True) -> Case:
+    mesh = draw(meshes(max_dims))
+    shape = draw(tensor_shapes())
+    placements = draw(placements_for(shape, tuple(mesh.mesh.shape), partial=partial))
+    dtype = draw(st.sampled_from(DTYPES))
+    return Case(mesh, shape, dtype, placements)
+
+
+def make_tensor(shape: Sequence[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Integer-valued data, so sums of a few components are exact in every dtype used."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-64, 64, tuple(shape), generator=g).to(dtype)
+
+
+def components_for(
+    x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], seed: int
+) -> list[torch.Tensor]:
+    """Per-device components (ascending device id) of the global ``x`` under ``placements``,
+    built from the reference geometry. Partial dims get random components whose reduction is
+    the value; with mixed reduce ops (whose nesting order would matter) the sum dims keep the
+    value at coordinate 0 and zeros elsewhere, which reduces to the value in any order."""
+    mesh_shape = tuple(mesh.mesh.shape)
+    coords = ref_coords(mesh.mesh)
+    partial = [m for m, p in enumerate(placements) if isinstance(p, Partial)]
+    ops = {placements[m].reduce_op for m in partial}
+    count = math.prod(mesh_shape[m] for m in partial)
+    noise = [make_tensor(x.shape, x.dtype, seed + q).abs() for q in range(count)]
+    holder = torch.randint(0, count, tuple(x.shape), generator=torch.Generator().manual_seed(seed))
+    out = []
+    for device in sorted(coords):
+        coord = coords[device]
+        q = 0
+        for m in partial:
+            q = q * mesh_shape[m] + coord[m]
+        if len(ops) > 1:
+            zero = any(coord[m] for m in partial if placements[m].reduce_op == "sum")
+            value = torch.zeros_like(x) if zero else x
+        elif ops == {"sum"}:
+            value = noise[q] if q else x - sum(noise[1:], torch.zeros_like(x))
+        elif ops == {"avg"} and len(partial) == 1:
+            value = x + noise[q] if q else x - sum(noise[1:], torch.zeros_like(x))
+        elif ops == {"max"}:
+            value = x - noise[q] * (holder != q)
+        elif ops == {"min"}:
+            value = x + noise[q] * (holder != q)
+        else:
+            value = x
+        out.append(ref_slice(value, ref_indices(x.shape, mesh_shape, placements, coord)))
+    return out
+
+
+def check_components(
+    components: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+) -> None:
+    """Components (ascending device id) have the reference shapes and reduce over the Partial
+    mesh dims to the reference slices of ``x``."""
+    mesh_shape = tuple(mesh.mesh.shape)
+    coords = ref_coords(mesh.mesh)
+    assert len(components) == len(coords)
+    by_coord = {coords[d]: c for d, c in zip(sorted(coords), components, strict=True)}
+    for coord, value in ref_value(by_coord, mesh_shape, placements).items():
+        expected = ref_slice(x, ref_indices(x.shape, mesh_shape, placements, coord))
+        assert by_coord[coord].shape == expected.shape, (coord, placements, mesh)
+        assert by_coord[coord].dtype == x.dtype
+        assert torch.equal(value, expected), (coord, placements, mesh)

@@ -1,0 +1,147 @@
+"""The op oracle: run an op on DTensors under many input placements and compare the global
+result (and the gradients) with single-device PyTorch on the full tensors."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+import shardwise as sw
+from shardwise import DTensor, InterleavedShard, Partial, Replicate, Shard
+
+MESH_SHAPES: list[tuple[int, ...]] = [(2,), (3,), (4,), (2, 2)]
+
+
+def placement_options(
+    t: torch.Tensor, *, partial: bool = True, interleaved: bool = False, mesh_size: int = 2
+) -> list:
+    """Placements one mesh dim may give ``t``: Replicate, Shard on every dim, Partial(sum)."""
+    options: list = [Replicate()]
+    options += [Shard(d) for d in range(t.ndim)]
+    if partial and (t.is_floating_point() or t.is_complex()):
+        options.append(Partial())
+    if interleaved:
+        options += [InterleavedShard(d, 2) for d in range(t.ndim) if t.shape[d] % 2 == 0]
+    return options
+
+
+def placement_cases(
+    mesh_shape: tuple[int, ...],
+    tensors: Sequence[torch.Tensor],
+    *,
+    partial: bool = True,
+    interleaved: bool = False,
+    max_cases: int = 24,
+    seed: int = 0,
+) -> list[list[tuple]]:
+    """Input placement combinations: all of them when few, else a seeded random subset that
+    always includes the all-Replicate case."""
+    per_input = []
+    for t in tensors:
+        opts = placement_options(t, partial=partial, interleaved=interleaved)
+        per_input.append(list(itertools.product(opts, repeat=len(mesh_shape))))
+    everything = list(itertools.product(*per_input))
+    if len(everything) <= max_cases:
+        return [list(c) for c in everything]
+    rng = random.Random(seed)
+    picked = [everything[0]] + rng.sample(everything[1:], max_cases - 1)
+    return [list(c) for c in picked]
+
+
+def _full(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _assert_close(actual, expected, atol: float, rtol: float, what: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{what}: got {type(actual)}"
+        assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+        assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+        if expected.is_floating_point() or expected.is_complex():
+            torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=what)
+        else:
+            assert torch.equal(actual, expected), f"{what}: {actual} != {expected}"
+    else:
+        assert actual == expected, f"{what}: {actual} != {expected}"
+
+
+def check_op(
+    fn: Callable,
+    tensors: Sequence[torch.Tensor],
+    mesh_shape: tuple[int, ...],
+    placements: Sequence[tuple],
+    *,
+    grad: bool = True,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> None:
+    """``fn`` on DTensors placed by ``placements`` equals ``fn`` on the tensors, and so do the
+    gradients of a random weighting of the float outputs."""
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    wants_grad = [grad and t.is_floating_point() for t in tensors]
+    plain = [t.detach().clone().requires_grad_(g) for t, g in zip(tensors, wants_grad, strict=True)]
+    dts = []
+    for t, p, g in zip(tensors, placements, wants_grad, strict=True):
+        d = sw.distribute_tensor(t.detach().clone(), mesh, list(p))
+        dts.append(d.requires_grad_(g))
+    with sw.allow_implicit_redistribute():
+        got = fn(*dts)
+    expected = fn(*plain)
+    what = f"placements {[list(p) for p in placements]} on mesh {mesh_shape}"
+    got_flat = [_full(x) for x in pytree.tree_leaves(got)]
+    exp_flat = pytree.tree_leaves(expected)
+    assert len(got_flat) == len(exp_flat), what
+    for a, e in zip(got_flat, exp_flat, strict=True):
+        _assert_close(a, e, atol, rtol, what)
+    if not any(wants_grad):
+        return
+    gen = torch.Generator().manual_seed(1)
+    got_leaves = pytree.tree_leaves(got)
+    pairs = [
+        (g, e)
+        for g, e in zip(got_leaves, exp_flat, strict=True)
+        if isinstance(e, torch.Tensor) and e.requires_grad and e.is_floating_point()
+    ]
+    if not pairs:
+        return
+    loss_d, loss_e = 0, 0
+    for g, e in pairs:
+        w = torch.rand(e.shape, generator=gen, dtype=e.dtype)
+        loss_d = loss_d + (_full(g) * w).sum()
+        loss_e = loss_e + (e * w).sum()
+    with sw.allow_implicit_redistribute():
+        loss_d.backward()
+    loss_e.backward()
+    for i, (d, t) in enumerate(zip(dts, plain, strict=True)):
+        if t.grad is None:
+            continue
+        assert d.grad is not None, f"input {i} got no gradient ({what})"
+        _assert_close(_full(d.grad), t.grad, atol, rtol, f"grad of input {i} ({what})")
+
+
+def run_oracle(
+    fn: Callable,
+    tensors: Sequence[torch.Tensor],
+    *,
+    mesh_shapes: Sequence[tuple[int, ...]] = MESH_SHAPES,
+    partial: bool = True,
+    interleaved: bool = False,
+    grad: bool = True,
+    max_cases: int = 24,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> int:
+    """Check ``fn`` over placement cases on every mesh; returns the number of cases run."""
+    count = 0
+    for mesh_shape in mesh_shapes:
+        cases = placement_cases(
+            mesh_shape, tensors, partial=partial, interleaved=interleaved, max_cases=max_cases
+        )
+        for case in cases:
+            check_op(fn, tensors, mesh_shape, case, grad=grad, atol=atol, rtol=rtol)
+            count += 1
+    return count

@@ -1,0 +1,190 @@
+"""Dispatch machinery: user registration of custom ops, hooks, explicit and implicit modes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import (
+    OpSchema,
+    OpStrategy,
+    OutputSharding,
+    PlacementStrategy,
+    Replicate,
+    RuntimeSchemaInfo,
+    Shard,
+)
+from shardwise.spec import DTensorSpec
+
+
+@torch.library.custom_op("swtest::double", mutates_args=())
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("swtest::rowsum", mutates_args=())
+def rowsum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 1 keeping dims: needs dim 1 whole on every device."""
+    return x.sum(dim=1, keepdim=True)
+
+
+@rowsum.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], 1)
+
+
+@torch.library.custom_op("swtest::unregistered", mutates_args=())
+def unregistered(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@unregistered.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+DOUBLE = torch.ops.swtest.double.default
+ROWSUM = torch.ops.swtest.rowsum.default
+UNREGISTERED = torch.ops.swtest.unregistered.default
+
+
+@sw.register_prop_rule([DOUBLE])
+def double_rule(schema: OpSchema) -> OutputSharding:
+    (spec,) = schema.args_schema
+    return OutputSharding(DTensorSpec(spec.mesh, spec.placements, spec.tensor_meta))
+
+
+@sw.register_op_strategy([ROWSUM], schema_info=RuntimeSchemaInfo(1))
+def rowsum_strategy(mesh: sw.DeviceMesh, schema: OpSchema) -> OpStrategy:
+    (arg,) = schema.args_schema
+    options = [[Replicate()], [Shard(0)]]
+    return OpStrategy(
+        [
+            PlacementStrategy(
+                output_specs=DTensorSpec(mesh, tuple(p)), input_specs=[DTensorSpec(mesh, tuple(p))]
+            )
+            for p in options
+        ]
+    )
+
+
+@pytest.fixture()
+def mesh() -> sw.DeviceMesh:
+    return sw.init_device_mesh("cpu", (3,))
+
+
+def test_user_rule_for_custom_op(mesh) -> None:
+    x = torch.randn(7, 5)
+    for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
+        out = double(sw.distribute_tensor(x, mesh, placements))
+        assert isinstance(out, sw.DTensor) and out.placements == tuple(placements)
+        assert torch.equal(out.full_tensor(), x * 2)
+
+
+def test_user_strategy_picks_the_placement_needing_no_move(mesh) -> None:
+    x = torch.randn(7, 5)
+    with sw.CommCounter() as counter:
+        out = rowsum(sw.distribute_tensor(x, mesh, [Shard(0)]))
+    assert out.placements == (Shard(0),) and counter.total_bytes == 0
+    torch.testing.assert_close(out.full_tensor(), x.sum(1, keepdim=True))
+
+
+def test_explicit_mode_refuses_communication_and_names_the_fix(mesh) -> None:
+    dt = sw.distribute_tensor(torch.randn(7, 5), mesh, [Shard(1)])
+    with pytest.raises(sw.ImplicitRedistributeError) as err:
+        rowsum(dt)
+    text = str(err.value)
+    assert "swtest.rowsum" in text and "[7, 5]" in text and "Shard(dim=1)" in text
+    assert "redistribute(placements=" in text
+
+
+def test_implicit_mode_moves_the_cheapest_way_and_counts_it(mesh, caplog) -> None:
+    x = torch.randn(7, 5)
+    dt = sw.distribute_tensor(x, mesh, [Shard(1)])
+    sw.set_redistribute_logging(True)
+    try:
+        with caplog.at_level(logging.INFO, logger="shardwise.redistribute"):
+            with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+                out = rowsum(dt)
+    finally:
+        sw.set_redistribute_logging(False)
+    torch.testing.assert_close(out.full_tensor(), x.sum(1, keepdim=True))
+    # Shard(1) -> Shard(0) is one all_to_all, cheaper than the all_gather to Replicate.
+    assert dict(counter.counts) == {"all_to_all": 1}
+    assert out.placements == (Shard(0),)
+    assert any("test_dispatch.py" in r.getMessage() for r in caplog.records)
+
+
+def test_unsupported_op_error_names_op_and_how_to_register(mesh) -> None:
+    dt = sw.distribute_tensor(torch.randn(4), mesh, [Shard(0)])
+    with pytest.raises(sw.UnsupportedOpError) as err:
+        unregistered(dt)
+    assert isinstance(err.value, NotImplementedError)
+    assert "swtest.unregistered" in str(err.value) and "register_op_strategy" in str(err.value)
+
+
+def test_bypass_sharding_propagation_takes_first_input_spec(mesh) -> None:
+    x = torch.randn(6, 2)
+    sw.bypass_sharding_propagation([UNREGISTERED])
+    try:
+        out = unregistered(sw.distribute_tensor(x, mesh, [Shard(0)]))
+    finally:
+        sw.remove_hooks([UNREGISTERED])
+    assert out.placements == (Shard(0),)
+    assert torch.equal(out.full_tensor(), x + 1)
+
+
+def test_bypass_dispatch_handles_the_op(mesh) -> None:
+    calls = []
+
+    def handler(op, args, kwargs):
+        calls.append(op)
+        (dt,) = args
+        return sw.DTensor([c - 1 for c in dt._components], dt._spec)
+
+    x = torch.randn(5)
+    sw.bypass_dispatch([UNREGISTERED], handler)
+    try:
+        out = unregistered(sw.distribute_tensor(x, mesh, [Shard(0)]))
+    finally:
+        sw.remove_hooks([UNREGISTERED])
+    assert calls == [UNREGISTERED]
+    assert torch.equal(out.full_tensor(), x - 1)
+
+
+def test_pre_and_post_patches_wrap_dispatch(mesh) -> None:
+    seen = []
+
+    def pre(op, args, kwargs):
+        seen.append(("pre", args[0].placements))
+        return args, kwargs
+
+    def post(op, result, args, kwargs):
+        seen.append(("post", result.placements))
+        return sw.DTensor([c * 10 for c in result._components], result._spec)
+
+    x = torch.randn(5, 3)
+    sw.register_pre_patch([DOUBLE], pre)
+    sw.register_post_patch([DOUBLE], post)
+    try:
+        out = double(sw.distribute_tensor(x, mesh, [Shard(1)]))
+    finally:
+        sw.remove_hooks([DOUBLE])
+    assert seen == [("pre", (Shard(1),)), ("post", (Shard(1),))]
+    assert torch.equal(out.full_tensor(), x * 20)
+    assert torch.equal(double(sw.distribute_tensor(x, mesh, [Shard(1)])).full_tensor(), x * 2)
+
+
+def test_different_meshes_are_refused() -> None:
+    a = sw.distribute_tensor(torch.randn(4), sw.init_device_mesh("cpu", (2,)), [Shard(0)])
+    b = sw.distribute_tensor(torch.randn(4), sw.init_device_mesh("cpu", (4,)), [Shard(0)])
+    with pytest.raises(sw.MeshError, match="different meshes"):
+        torch.ops.aten.add.Tensor(a, b)

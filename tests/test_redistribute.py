@@ -1,0 +1,213 @@
+"""Redistribution: exact round trips, byte accounting equal to the plan, cheapest plans.
+
+Expected byte figures are derived here from the ring cost model of DESIGN.md: a device receives
+(n-1)/n of the full piece for all_gather and reduce_scatter, 2(n-1)/n for all_reduce and
+(n-1)/n of its local piece for all_to_all (exactly: what the other members hold of its piece).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shardwise as sw
+from conftest import (
+    Case,
+    cases,
+    check_components,
+    components_for,
+    make_tensor,
+    meshes,
+    placements_for,
+    ref_chunk,
+    tensor_shapes,
+)
+from shardwise import DeviceMesh, InterleavedShard, Partial, Placement, Replicate, Shard
+
+
+def _positive(p: Placement, rank: int) -> Placement:
+    if isinstance(p, InterleavedShard):
+        return InterleavedShard(p.dim % rank, p.interleaved_size)
+    return Shard(p.dim % rank) if isinstance(p, Shard) else p
+
+
+@st.composite
+def transitions(draw: st.DrawFn, max_dims: int = 3) -> tuple:
+    case = draw(cases(max_dims))
+    target = draw(placements_for(case.shape, case.mesh_shape))
+    return case, target
+
+
+@given(transitions(), st.integers(0, 2**16))
+def test_redistribute_round_trips_exactly(transition: tuple, seed: int) -> None:
+    case, target = transition
+    x = make_tensor(case.shape, case.dtype, seed)
+    dt = sw.DTensor.from_local(
+        components_for(x, case.mesh, case.placements, seed), case.mesh, case.placements
+    )
+    plan = sw.explain_redistribute(dt, target)
+    with sw.CommCounter() as counter:
+        out = dt.redistribute(case.mesh, target)
+    assert out.placements == tuple(_positive(p, len(case.shape)) for p in target)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    check_components(sw.unpack(out), x, case.mesh, target)
+    assert torch.equal(out.full_tensor(), x)
+    assert torch.equal(out.redistribute(placements=case.placements).full_tensor(), x)
+    # the counted communication is exactly the plan
+    moving = [s for s in plan.steps if s.collective != "local"]
+    assert all(s.bytes == 0 for s in plan.steps if s.collective == "local")
+    assert counter.counts == Counter(s.collective for s in moving)
+    expected_bytes: Counter = Counter()
+    for s in moving:
+        expected_bytes[s.collective] += s.bytes
+    assert +counter.bytes == +expected_bytes
+    assert counter.total_bytes == plan.bytes
+
+
+def _chunk_lengths(size: int, n: int) -> list[int]:
+    return [len(ref_chunk(list(range(size)), n, k)) for k in range(n)]
+
+
+def _cheapest_1d(
+    shape: tuple[int, ...], n: int, source: Placement, target: Placement, itemsize: int
+) -> int:
+    """Bytes all devices of a 1-D mesh receive on the cheapest way from source to target."""
+    full = math.prod(shape) * itemsize
+    if n == 1 or source == target or isinstance(source, Replicate):
+        return 0
+    gather = (n - 1) * full  # every device receives what the n-1 others hold
+    if isinstance(source, Partial):
+        # reduce_scatter straight to a shard; otherwise all_reduce (2(n-1)/n per device)
+        return gather if isinstance(target, Shard) else 2 * gather
+    if type(source) is Shard and type(target) is Shard:
+        d, e = source.dim, target.dim
+        rest = full // (shape[d] * shape[e]) if shape[d] * shape[e] else 0
+        lens_d, lens_e = _chunk_lengths(shape[d], n), _chunk_lengths(shape[e], n)
+        # device k receives, from every other j, j's rows of dim d crossed with k's new part
+        return sum(lens_e[k] * (shape[d] - lens_d[k]) * rest for k in range(n))
+    return gather  # through Replicate
+
+
+@given(cases(max_dims=1), st.data())
+def test_1d_plan_is_the_cheapest(case: Case, data: st.DataObject) -> None:
+    target = data.draw(placements_for(case.shape, case.mesh_shape))
+    x = torch.zeros(case.shape, dtype=case.dtype)
+    dt = sw.distribute_tensor(x, case.mesh, case.placements)
+    plan = sw.explain_redistribute(dt, target)
+    rank = len(case.shape)
+    expected = _cheapest_1d(
+        case.shape,
+        case.mesh_shape[0],
+        _positive(case.placements[0], rank),
+        _positive(target[0], rank),
+        x.element_size(),
+    )
+    assert plan.bytes == expected, plan
+
+
+def _run(dt: sw.DTensor, target: list[Placement]) -> tuple[sw.RedistributePlan, Counter, int]:
+    plan = sw.explain_redistribute(dt, target)
+    with sw.CommCounter() as counter:
+        dt.redistribute(placements=target)
+    return plan, counter, counter.total_bytes
+
+
+MESH4 = DeviceMesh("cpu", [0, 1, 2, 3])
+X = torch.arange(96.0).reshape(8, 12)  # float32: 384 bytes, 96 per device when sharded
+
+
+def test_shard_to_shard_is_one_all_to_all() -> None:
+    plan, counter, total = _run(sw.distribute_tensor(X, MESH4, [Shard(0)]), [Shard(1)])
+    assert [(s.collective, s.mesh_dim) for s in plan.steps] == [("all_to_all", 0)]
+    # each device keeps 1/4 of its 96 bytes and receives 3/4: 72 bytes, 4 devices
+    assert plan.bytes == total == 4 * 72
+    assert counter.counts == {"all_to_all": 1}
+
+
+def test_partial_to_shard_is_one_reduce_scatter() -> None:
+    plan, counter, total = _run(sw.distribute_tensor(X, MESH4, [Partial()]), [Shard(1)])
+    assert [(s.collective, s.mesh_dim) for s in plan.steps] == [("reduce_scatter", 0)]
+    # (n-1)/n of the full 384 bytes per device
+    assert plan.bytes == total == 4 * 288
+    assert counter.counts == {"reduce_scatter": 1}
+
+
+def test_partial_to_replicate_is_one_all_reduce() -> None:
+    plan, counter, total = _run(sw.distribute_tensor(X, MESH4, [Partial("max")]), [Replicate()])
+    assert [s.collective for s in plan.steps] == ["all_reduce"]
+    assert plan.bytes == total == 4 * 2 * 288
+    assert counter.counts == {"all_reduce": 1}
+
+
+@pytest.mark.parametrize(
+    "target", [[Shard(1)], [Shard(0)], [InterleavedShard(1, 3)], [Partial()], [Partial("min")]]
+)
+def test_from_replicate_moves_nothing(target: list[Placement]) -> None:
+    dt = sw.distribute_tensor(X, MESH4, [Replicate()])
+    plan, counter, total = _run(dt, target)
+    assert plan.bytes == total == 0
+    assert all(s.collective == "local" for s in plan.steps)
+    assert sum(counter.counts.values()) == 0
+
+
+def test_uneven_all_gather_bytes_are_exact() -> None:
+    dt = sw.distribute_tensor(torch.arange(5.0), MESH4, [Shard(0)])
+    plan, counter, total = _run(dt, [Replicate()])
+    # pieces hold 2, 2, 1, 0 floats = 8, 8, 4, 0 bytes; each device receives the others'
+    assert plan.bytes == total == 12 + 12 + 16 + 20
+    assert counter.counts == {"all_gather": 1}
+
+
+def test_2d_plan_orders_steps_to_move_least() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    x = torch.empty(1024, 1024, dtype=torch.float32)
+    dt = sw.distribute_tensor(x, mesh, [Shard(0), Shard(0)])
+    plan, counter, total = _run(dt, [Replicate(), Shard(1)])
+    assert [(s.collective, s.mesh_dim) for s in plan.steps] == [
+        ("all_to_all", 1),
+        ("all_gather", 0),
+    ]
+    mib = 1 << 20
+    # all_to_all on mesh dim 1: each device's 1 MiB piece, half of it arrives: 4 x 0.5 MiB;
+    # then all_gather on mesh dim 0 of 2 MiB column blocks: 4 x 1 MiB.
+    # Gathering mesh dim 1 first would move 4 x 1 MiB + 4 x 2 MiB.
+    assert [s.bytes for s in plan.steps] == [2 * mib, 4 * mib]
+    assert plan.bytes == total == 6 * mib
+    assert counter.bytes == {"all_to_all": 2 * mib, "all_gather": 4 * mib}
+
+
+def test_3d_partial_on_middle_dim_is_one_all_reduce() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2, 2))
+    x = torch.arange(64.0).reshape(8, 8)
+    dt = sw.distribute_tensor(x, mesh, [Replicate(), Partial(), Shard(0)])
+    plan, counter, total = _run(dt, [Replicate(), Replicate(), Shard(0)])
+    assert [(s.collective, s.mesh_dim) for s in plan.steps] == [("all_reduce", 1)]
+    # pieces are 4 x 8 floats = 128 bytes; ring all_reduce of 2 members: 128 bytes each
+    assert plan.bytes == total == 8 * 128
+
+
+def test_plans_are_cached() -> None:
+    dt = sw.distribute_tensor(X, MESH4, [Shard(0)])
+    assert sw.explain_redistribute(dt, [Shard(1)]) is sw.explain_redistribute(dt, [Shard(-1)])
+
+
+def test_redistribute_to_same_placements_is_free() -> None:
+    dt = sw.distribute_tensor(X, MESH4, [Shard(0)])
+    plan, counter, total = _run(dt, [Shard(0)])
+    assert plan.steps == () and total == 0
+
+
+@given(meshes(), tensor_shapes(), st.integers(0, 2**16), st.data())
+def test_replicate_to_anything_moves_nothing(
+    mesh: DeviceMesh, shape: tuple[int, ...], seed: int, data: st.DataObject
+) -> None:
+    target = data.draw(placements_for(shape, tuple(mesh.mesh.shape)))
+    x = make_tensor(shape, torch.float32, seed)
+    dt = sw.distribute_tensor(x, mesh, [Replicate()] * mesh.ndim)
+    plan, counter, total = _run(dt, target)
+    assert plan.bytes == total == 0 and sum(counter.counts.values()) == 0
