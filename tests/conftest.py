@@ -112,10 +112,10 @@ def ref_value(
     mesh_shape: Sequence[int],
     placements: Sequence[Placement],
 ) -> dict[tuple[int, ...], torch.Tensor]:
-    """Reduce components over every Partial mesh dim (the last mesh dim first): what each
-    device's component means once the pending reductions are done."""
+    """Reduce components over every Partial mesh dim, the lowest mesh dim first (PyTorch's
+    order, which matters when reduce ops differ): what each component means once reduced."""
     out = dict(components)
-    for m in reversed(range(len(mesh_shape))):
+    for m in range(len(mesh_shape)):
         p = placements[m]
         if not isinstance(p, Partial):
             continue
@@ -210,39 +210,49 @@ def make_tensor(shape: Sequence[int], dtype: torch.dtype, seed: int) -> torch.Te
     return torch.randint(-64, 64, tuple(shape), generator=g).to(dtype)
 
 
+def _split_for(t: torch.Tensor, n: int, op: str, g: torch.Generator) -> list[torch.Tensor]:
+    """``n`` integer-valued tensors whose ``op`` reduction is exactly ``t``."""
+    noise = [torch.randint(0, 64, tuple(t.shape), generator=g).to(t.dtype) for _ in range(n)]
+    rest = sum(noise[1:], torch.zeros_like(t))
+    if op == "sum":
+        return [t - rest, *noise[1:]]
+    if op == "avg":
+        return [t - rest, *(t + r for r in noise[1:])]
+    holder = torch.randint(0, n, tuple(t.shape), generator=g)
+    sign = -1 if op == "max" else 1
+    return [t + sign * noise[q] * (holder != q) for q in range(n)]
+
+
+def _decompose(
+    v: torch.Tensor, dims: list[tuple[int, str]], g: torch.Generator
+) -> dict[tuple[int, ...], torch.Tensor]:
+    """Split ``v`` over Partial mesh dims (lowest first in ``dims``): the last one is reduced
+    last, so it is split first. Keys are the coordinates on those dims."""
+    if not dims:
+        return {(): v}
+    *inner, (n, op) = dims
+    out = {}
+    for q, piece in enumerate(_split_for(v, n, op, g)):
+        for key, t in _decompose(piece, inner, g).items():
+            out[key + (q,)] = t
+    return out
+
+
 def components_for(
     x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], seed: int
 ) -> list[torch.Tensor]:
     """Per-device components (ascending device id) of the global ``x`` under ``placements``,
-    built from the reference geometry. Partial dims get random components whose reduction is
-    the value; with mixed reduce ops (whose nesting order would matter) the sum dims keep the
-    value at coordinate 0 and zeros elsewhere, which reduces to the value in any order."""
+    from the reference geometry, with random components on Partial mesh dims whose reduction,
+    lowest mesh dim first (PyTorch's order), is exactly ``x``."""
     mesh_shape = tuple(mesh.mesh.shape)
     coords = ref_coords(mesh.mesh)
     partial = [m for m, p in enumerate(placements) if isinstance(p, Partial)]
-    ops = {placements[m].reduce_op for m in partial}
-    count = math.prod(mesh_shape[m] for m in partial)
-    noise = [make_tensor(x.shape, x.dtype, seed + q).abs() for q in range(count)]
-    holder = torch.randint(0, count, tuple(x.shape), generator=torch.Generator().manual_seed(seed))
+    dims = [(mesh_shape[m], placements[m].reduce_op) for m in partial]
+    values = _decompose(x, dims, torch.Generator().manual_seed(seed))
     out = []
     for device in sorted(coords):
         coord = coords[device]
-        q = 0
-        for m in partial:
-            q = q * mesh_shape[m] + coord[m]
-        if len(ops) > 1:
-            zero = any(coord[m] for m in partial if placements[m].reduce_op == "sum")
-            value = torch.zeros_like(x) if zero else x
-        elif ops == {"sum"}:
-            value = noise[q] if q else x - sum(noise[1:], torch.zeros_like(x))
-        elif ops == {"avg"} and len(partial) == 1:
-            value = x + noise[q] if q else x - sum(noise[1:], torch.zeros_like(x))
-        elif ops == {"max"}:
-            value = x - noise[q] * (holder != q)
-        elif ops == {"min"}:
-            value = x + noise[q] * (holder != q)
-        else:
-            value = x
+        value = values[tuple(coord[m] for m in partial)]
         out.append(ref_slice(value, ref_indices(x.shape, mesh_shape, placements, coord)))
     return out
 

@@ -25,6 +25,8 @@ from conftest import (
     meshes,
     placements_for,
     ref_chunk,
+    ref_coords,
+    ref_indices,
     tensor_shapes,
 )
 from shardwise import DeviceMesh, InterleavedShard, Partial, Placement, Replicate, Shard
@@ -211,3 +213,82 @@ def test_replicate_to_anything_moves_nothing(
     dt = sw.distribute_tensor(x, mesh, [Replicate()] * mesh.ndim)
     plan, counter, total = _run(dt, target)
     assert plan.bytes == total == 0 and sum(counter.counts.values()) == 0
+
+
+def _ref_numel(shape: tuple[int, ...], mesh_shape: tuple, state: tuple, coord: tuple) -> int:
+    return math.prod(len(i) for i in ref_indices(shape, mesh_shape, state, coord))
+
+
+def _ref_step_bytes(
+    shape: tuple[int, ...], mesh: DeviceMesh, before: tuple, after: tuple, m: int, kind: str
+) -> int:
+    """Bytes all devices receive in one step, from the reference geometry and the ring model."""
+    mesh_shape = tuple(mesh.mesh.shape)
+    coords = list(ref_coords(mesh.mesh).values())
+    total = 0
+    for coord in coords:  # the receiver
+        group = [coord[:m] + (i,) + coord[m + 1 :] for i in range(mesh_shape[m])]
+        others = [g for g in group if g != coord]
+        if kind == "all_gather":
+            total += sum(_ref_numel(shape, mesh_shape, before, g) for g in others)
+        elif kind == "reduce_scatter":
+            total += sum(_ref_numel(shape, mesh_shape, after, g) for g in others)
+        elif kind == "all_reduce":
+            numel = _ref_numel(shape, mesh_shape, before, coord)
+            own = len(ref_chunk(list(range(numel)), mesh_shape[m], coord[m]))
+            total += 2 * (numel - own)
+        else:  # all_to_all: from each other member, its old rows inside my new columns
+            e = after[m].dim
+            mine = ref_indices(shape, mesh_shape, after, coord)
+            for g in others:
+                theirs = ref_indices(shape, mesh_shape, before, g)
+                total += math.prod(
+                    len(mine[i]) if i == e else len(theirs[i]) for i in range(len(shape))
+                )
+    return total
+
+
+@given(transitions(), st.integers(0, 2**16))
+def test_plan_steps_are_priced_by_the_ring_model(transition: tuple, seed: int) -> None:
+    case, target = transition
+    x = make_tensor(case.shape, case.dtype, seed)
+    dt = sw.distribute_tensor(x, case.mesh, case.placements)
+    plan = sw.explain_redistribute(dt, target)
+    rank, itemsize = len(case.shape), x.element_size()
+    state = tuple(_positive(p, rank) for p in case.placements)
+    for step in plan.steps:
+        assert step.source == state[step.mesh_dim]
+        after = state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
+        if step.collective != "local":
+            expected = _ref_step_bytes(
+                case.shape, case.mesh, state, after, step.mesh_dim, step.collective
+            )
+            assert step.bytes == expected * itemsize, (step, plan)
+        state = after
+    assert state == tuple(_positive(p, rank) for p in target)
+    # never dearer than gathering everything (last mesh dim first), then splitting for free
+    naive, state = 0, tuple(_positive(p, rank) for p in case.placements)
+    for m in reversed(range(case.mesh.ndim)):
+        after = state[:m] + (Replicate(),) + state[m + 1 :]
+        if isinstance(state[m], Shard):
+            naive += _ref_step_bytes(case.shape, case.mesh, state, after, m, "all_gather")
+        elif isinstance(state[m], Partial):
+            naive += _ref_step_bytes(case.shape, case.mesh, state, after, m, "all_reduce")
+        state = after
+    assert plan.bytes <= naive * itemsize
+
+
+def test_mixed_partials_reduce_lowest_mesh_dim_first_whatever_the_target() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    # components c[i][j] at mesh coordinate (i, j); sum over mesh dim 0, then max over dim 1
+    c = [torch.tensor([1.0]), torch.tensor([5.0]), torch.tensor([4.0]), torch.tensor([2.0])]
+    dt = sw.DTensor.from_local(c, mesh, [Partial(), Partial("max")])
+    value = torch.tensor([max(1.0 + 4.0, 5.0 + 2.0)])
+    for target in (
+        [Replicate(), Replicate()],
+        [Shard(0), Replicate()],
+        [Replicate(), Shard(0)],
+        [Partial(), Replicate()],
+        [Replicate(), Partial("max")],
+    ):
+        assert torch.equal(dt.redistribute(placements=target).full_tensor(), value), target

@@ -30,8 +30,10 @@ from .errors import (
     ShardwiseTypeError,
     UnsupportedOpError,
 )
+from .factories import empty, full, ones, rand, randn, zeros
 from .layout import MATCH, UNSHARDED, Layout
 from .mesh import DeviceMesh, create_mesh, init_device_mesh
+from .ops.random import manual_seed
 from .ops.registry import (
     OpSchema,
     OpStrategy,
@@ -120,14 +122,21 @@ __all__ = [
     "create_mesh",
     "default_mesh",
     "distribute_tensor",
+    "empty",
     "explain_redistribute",
     "fetch_layout",
+    "full",
     "get_collective_timeout",
     "get_default_mesh",
     "init_device_mesh",
     "is_dtensor",
+    "manual_seed",
+    "ones",
     "pack",
+    "rand",
+    "randn",
     "relayout",
     "relayout_like",
     "unpack",
+    "zeros",
 ]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from .comm import CommCounter
-from .debug import explain_redistribute
+from .debug import explain_redistribute, op_table_markdown
 from .dtensor import DTensor, distribute_tensor
 from .mesh import init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard
@@ -82,7 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="show the data model on a 2x3 mesh of simulated devices")
+    sub.add_parser("ops-table", help="print docs/ops.md: the supported ops, from the registry")
     args = parser.parse_args(argv)
     if args.command == "demo":
         demo()
+    elif args.command == "ops-table":
+        print(op_table_markdown(), end="")
     return 0

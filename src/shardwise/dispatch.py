@@ -21,11 +21,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .dtensor import DTensor, set_dispatch_handler
+from .dtensor import DTensor, distribute_tensor, set_dispatch_handler
 from .errors import ImplicitRedistributeError, MeshError, UnsupportedOpError
+from .mesh import DeviceMesh
 from .ops import registry
 from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
-from .placements import Placement
+from .placements import Placement, Replicate
 from .redistribute import RedistributePlan, execute_plan, plan_redistribute
 from .spec import DTensorSpec, make_tensor_meta
 
@@ -281,23 +282,39 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     return result
 
 
+SMALL_CONSTANT_NUMEL = 16
+
+
+def _implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """A plain tensor among DTensor arguments is taken as replicated when it is a small
+    constant (TF DTensor's rule) or when autograd's backward made it; otherwise refused."""
+    if tensor.numel() > SMALL_CONSTANT_NUMEL and torch._C._current_graph_task_id() == -1:
+        raise MeshError(
+            f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)}; "
+            f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements))"
+        )
+    return distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim)
+
+
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     flat, tree = pytree.tree_flatten((args, kwargs))
+    mesh = next(a for a in flat if isinstance(a, DTensor)).device_mesh
+    plain = [
+        i for i, a in enumerate(flat)
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0
+    ]
+    for i in plain:
+        flat[i] = _implicitly_replicated(func, flat[i], mesh)
+    if plain:
+        args, kwargs = pytree.tree_unflatten(flat, tree)
     dtensors_at = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
     dtensors: list[DTensor] = [flat[i] for i in dtensors_at]
     specs = [d._spec for d in dtensors]
-    mesh = specs[0].mesh
-    for d in dtensors[1:]:
+    for d in dtensors:
         if d.device_mesh != mesh:
             raise MeshError(
                 f"{func} got DTensors on different meshes: {mesh} and {d.device_mesh} "
                 f"(shapes {[list(x.shape) for x in dtensors]})"
-            )
-    for a in flat:
-        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            raise MeshError(
-                f"{func} mixes DTensors with a plain torch.Tensor of shape {list(a.shape)}; "
-                f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements))"
             )
 
     key = _cache_key(func, args, kwargs, specs)

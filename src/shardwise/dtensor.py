@@ -111,7 +111,8 @@ class DTensor(torch.Tensor):
         """This process's component; when it owns several devices, use ``unpack``."""
         if len(self._components) != 1:
             raise LocalComponentsError(
-                f"to_local() needs a process that owns one device, but this one owns "
+                f"to_local() of a DTensor of shape {list(self.shape)} with placements "
+                f"{list(self.placements)} needs a process that owns one device, but this one owns "
                 f"{len(self._components)} devices {list(self.device_mesh.local_device_ids)} of "
                 f"{self.device_mesh}; use shardwise.unpack(dt) for all its components"
             )
@@ -124,7 +125,12 @@ class DTensor(torch.Tensor):
     ) -> DTensor:
         """The same global value with new ``placements`` (cheapest plan, differentiable)."""
         if device_mesh is not None:
-            check_same_mesh(self.device_mesh, device_mesh, "redistribute")
+            check_same_mesh(
+                self.device_mesh,
+                device_mesh,
+                f"redistribute of a DTensor of shape {list(self.shape)} with placements "
+                f"{list(self.placements)}",
+            )
         if placements is None:
             raise InvalidPlacementError(
                 f"redistribute of a DTensor of shape {list(self.shape)} with placements "
@@ -134,6 +140,14 @@ class DTensor(torch.Tensor):
         if target == self.placements:
             return self
         return _Redistribute.apply(self, target)
+
+    def tolist(self) -> Any:
+        """The global value as (nested) Python lists, never one device's piece."""
+        return self.full_tensor().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The global value as a NumPy array, never one device's piece."""
+        return self.full_tensor().detach().numpy(force=force)
 
     def full_tensor(self) -> torch.Tensor:
         """The global value as a plain tensor (differentiable)."""
@@ -163,7 +177,8 @@ def _as_components(
     if len(components) != n_local:
         raise PackError(
             f"expected {n_local} components (one per local device "
-            f"{list(mesh.local_device_ids)} of {mesh}) but got {len(components)}"
+            f"{list(mesh.local_device_ids)} of {mesh}) for placements {list(placements)} but got "
+            f"{len(components)}"
         )
     for c in components:
         if isinstance(c, DTensor) or not isinstance(c, torch.Tensor):
@@ -219,7 +234,8 @@ def _spec_from_components(
     stride: Sequence[int] | None,
 ) -> DTensorSpec:
     ndim = components[0].ndim
-    normalized = validate_placements([0] * ndim, mesh, placements)
+    local_shapes = f"local component shapes {[list(c.shape) for c in components]}"
+    normalized = validate_placements([0] * ndim, mesh, placements, described=local_shapes)
     if shape is None:
         shape = _infer_global_shape(components, mesh, normalized)
     elif len(shape) != ndim:
@@ -276,7 +292,7 @@ def _component_of(tensor: torch.Tensor, spec: DTensorSpec, device: int) -> torch
     for m, p in enumerate(spec.placements):
         if isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0:
             return torch.zeros_like(piece)
-    return piece.clone() if piece.data_ptr() == tensor.data_ptr() else piece.contiguous()
+    return piece.clone(memory_format=torch.contiguous_format)
 
 
 def unpack(dtensor: DTensor) -> list[torch.Tensor]:

@@ -268,14 +268,15 @@ class DeviceMesh:
         )
 
     # ----- identity -----------------------------------------------------------------------
+    @cached_property
     def _key(self) -> tuple:
         return (self.device_type, tuple(self.mesh.shape), tuple(self._ids), self.mesh_dim_names)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, DeviceMesh) and self._key() == other._key()
+        return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(self._key)
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""

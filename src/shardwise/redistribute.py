@@ -88,6 +88,24 @@ def _blocked(state: State, mesh_dim: int, p: Placement) -> bool:
     return dim is not None and any(_shard_dim(q) == dim for q in state[mesh_dim + 1 :])
 
 
+def _reduce_class(p: Placement) -> str | None:
+    """Partial reductions of one class commute with each other (sum and avg are both linear)."""
+    if not isinstance(p, Partial):
+        return None
+    return "linear" if p.reduce_op in ("sum", "avg") else p.reduce_op
+
+
+def _out_of_order(state: State, mesh_dim: int, a: Placement, mesh_shape: tuple[int, ...]) -> bool:
+    """True if resolving Partial ``a`` on ``mesh_dim`` would precede a lower mesh dim that is
+    still Partial with a non-commuting op: mixed Partials reduce the lowest mesh dim first
+    (PyTorch's order), so any other order could change the value."""
+    kind = _reduce_class(a)
+    return kind is not None and any(
+        _reduce_class(q) not in (None, kind) and mesh_shape[k] > 1
+        for k, q in enumerate(state[:mesh_dim])
+    )
+
+
 class _Pricer:
     """Bytes received per device for a step, from shard geometry alone."""
 
@@ -167,7 +185,12 @@ def _plan(
             for b in options[m]:
                 kind = None if a == b else _step_kind(a, b, mesh.shape[m])
                 if kind is None or (
-                    mesh.shape[m] > 1 and (_blocked(state, m, a) or _blocked(state, m, b))
+                    mesh.shape[m] > 1
+                    and (
+                        _blocked(state, m, a)
+                        or _blocked(state, m, b)
+                        or _out_of_order(state, m, a, mesh.shape)
+                    )
                 ):
                     continue
                 nxt = state[:m] + (b,) + state[m + 1 :]

@@ -136,26 +136,32 @@ def shard_segments(
 
 
 def validate_placements(
-    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+    shape: Sequence[int],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    described: str | None = None,
 ) -> tuple[Placement, ...]:
-    """Check that ``placements`` fit a tensor of ``shape`` on ``mesh``; return them normalized."""
+    """Check that ``placements`` fit a tensor of ``shape`` on ``mesh``; return them normalized.
+    ``described`` names the tensor in error messages (default: its shape)."""
     placements = tuple(placements)
+    tensor = described or f"tensor shape {list(shape)}"
     if len(placements) != mesh.ndim:
         raise InvalidPlacementError(
-            f"got {len(placements)} placements {list(placements)} for the {mesh.ndim}-D {mesh}: "
-            f"give exactly one placement per mesh dim"
+            f"got {len(placements)} placements {list(placements)} for the {mesh.ndim}-D {mesh} "
+            f"({tensor}): give exactly one placement per mesh dim"
         )
     for p in placements:
         if not isinstance(p, Placement):
             raise InvalidPlacementError(
                 f"{p!r} is not a placement; use Shard(dim), Replicate(), Partial(op) or "
-                f"InterleavedShard(dim, size) (tensor shape {list(shape)}, {mesh})"
+                f"InterleavedShard(dim, size) ({tensor}, {mesh})"
             )
     try:
         normalized = tuple(normalize_placement(p, len(shape)) for p in placements)
     except InvalidPlacementError as err:
         raise InvalidPlacementError(
-            f"{err} (tensor shape {list(shape)}, placements {list(placements)}, {mesh})"
+            f"{err} ({tensor}, placements {list(placements)}, {mesh})"
         ) from None
     if any(isinstance(p, InterleavedShard) for p in normalized):
         try:

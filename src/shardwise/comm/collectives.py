@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ShardwiseError
 from ..mesh import DeviceMesh
 from . import accounting, distributed
+from .reduction import combine, finish
 
 
 @lru_cache(maxsize=4096)
@@ -40,33 +40,8 @@ def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[list, list]:
     return inside, across
 
 
-def _combine(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """Reduce in coordinate order, so every mode sums in the same order (avg: the sum)."""
-    acc = tensors[0].clone()
-    for t in tensors[1:]:
-        t = t.to(acc.device)
-        if op in ("sum", "avg"):
-            acc.add_(t)
-        elif op == "max":
-            torch.maximum(acc, t, out=acc)
-        elif op == "min":
-            torch.minimum(acc, t, out=acc)
-        else:
-            raise ShardwiseError(f"unknown reduce op {op!r}; use sum, avg, max or min")
-    return acc
-
-
-def _finish(acc: torch.Tensor, op: str, n: int) -> torch.Tensor:
-    """Turn a combined sum into the average of ``n`` values; other ops are done."""
-    if op != "avg":
-        return acc
-    if acc.is_floating_point() or acc.is_complex():
-        return acc.div_(n)
-    return torch.div(acc, n, rounding_mode="trunc")
-
-
 def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    return _finish(_combine(tensors, op), op, len(tensors))
+    return finish(combine(tensors, op), op, len(tensors))
 
 
 def _to(t: torch.Tensor, mesh: DeviceMesh, device_id: int) -> torch.Tensor:
@@ -110,8 +85,7 @@ def all_reduce(
         result = _reduce([components[i] for i in indices], op)
         for k, i in enumerate(indices):
             out[i] = _to(result if k == 0 else result.clone(), mesh, members[k])
-    traffic = _across(out, distributed.all_reduce, mesh, mesh_dim, across, components, op,
-                      _combine, _finish)
+    traffic = _across(out, distributed.all_reduce, mesh, mesh_dim, across, components, op)
     received = sum(
         accounting.all_reduce_received(
             components[i].numel(), components[i].element_size(), len(members), k
@@ -157,8 +131,7 @@ def reduce_scatter(
     for members, indices in inside:
         for k, i in enumerate(indices):
             out[i] = _to(_reduce([pieces[j][k] for j in indices], op), mesh, members[k])
-    traffic = _across(out, distributed.reduce_scatter, mesh, mesh_dim, across, pieces, op,
-                      _combine, _finish)
+    traffic = _across(out, distributed.reduce_scatter, mesh, mesh_dim, across, pieces, op)
     received = 0
     for _, indices in inside + across:
         sizes = [_nbytes(p) for p in pieces[next(i for i in indices if i is not None)]]

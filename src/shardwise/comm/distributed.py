@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
 from . import safety
+from .reduction import combine, finish
 
 # Keeps shardwise's messages apart from a program's own send/recv on the same group.
 TAG = 0x5357
@@ -76,7 +77,9 @@ class Traffic:
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    """The raw bytes of ``t`` (strides of size-1 and empty dims do not matter once dense)."""
+    dense = t.detach().contiguous()
+    return dense.as_strided((dense.numel(),), (1,)).view(torch.uint8)
 
 
 class _Call:
@@ -109,42 +112,48 @@ class _Call:
     def round(self, meta: bool = False) -> _Round:
         return _Round(self, meta)
 
-    def check(self, fields: dict[str, object]) -> None:
-        """Debug checks: exchange what every process is about to do; raise on any difference."""
+    def check(self, fields: Callable[[Group], dict[str, object]]) -> None:
+        """Debug checks: every process tells the others of each group what it is about to do
+        (``fields(group)`` adds the group's shapes); raise on any difference."""
         if not safety.debug_checks_enabled():
             return
-        mine = {
+        common = {
             "collective": self.kind + self.detail,
             "mesh": repr(self.mesh),
             "mesh_dim": self.mesh_dim,
             "dtype": str(self.sample.dtype),
             "moving": safety.current_description(),
-            **fields,
         }
-        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
-        keys = sorted({(self.ranks[m], p) for m, _ in self.groups for p in self.peers(m)})
-        lengths = self.round(meta=True)
-        for ranks, peer in keys:
-            lengths.send(ranks, peer, torch.tensor([payload.numel()]))
-            lengths.expect(ranks, peer, (1,), torch.int64)
-        sizes = lengths.run()
-        bodies = self.round(meta=True)
-        for (ranks, peer), size in zip(keys, sizes, strict=True):
-            bodies.send(ranks, peer, payload)
-            bodies.expect(ranks, peer, (int(size.item()),), torch.uint8)
-        seen = {self.me: mine}
-        for (_, peer), body in zip(keys, bodies.run(), strict=True):
-            seen[peer] = json.loads(body.numpy().tobytes().decode())
-        diffs = [
-            f"  {key}: " + "; ".join(f"rank {r}: {seen[r].get(key)!r}" for r in sorted(seen))
-            for key in sorted({k for d in seen.values() for k in d})
-            if len({json.dumps(d.get(key)) for d in seen.values()}) > 1
+        mine = [{**common, **fields(group)} for group in self.groups]
+        encoded = [
+            torch.frombuffer(bytearray(json.dumps(d).encode()), dtype=torch.uint8) for d in mine
         ]
-        if diffs:
-            raise CollectiveMismatchError(
-                f"processes disagree on a collective; {self.what()}. What differs per rank:\n"
-                + "\n".join(diffs)
-            )
+        lengths = self.round(meta=True)
+        for (members, _), payload in zip(self.groups, encoded, strict=True):
+            for peer in self.peers(members):
+                lengths.send(self.ranks[members], peer, torch.tensor([payload.numel()]))
+                lengths.expect(self.ranks[members], peer, (1,), torch.int64)
+        sizes = iter(lengths.run())
+        bodies = self.round(meta=True)
+        for (members, _), payload in zip(self.groups, encoded, strict=True):
+            for peer in self.peers(members):
+                bodies.send(self.ranks[members], peer, payload)
+                bodies.expect(self.ranks[members], peer, (int(next(sizes).item()),), torch.uint8)
+        received = iter(bodies.run())
+        for (members, _), own in zip(self.groups, mine, strict=True):
+            seen = {self.me: own}
+            for peer in self.peers(members):
+                seen[peer] = json.loads(next(received).numpy().tobytes().decode())
+            diffs = [
+                f"  {key}: " + "; ".join(f"rank {r}: {seen[r].get(key)!r}" for r in sorted(seen))
+                for key in sorted({k for d in seen.values() for k in d})
+                if len({json.dumps(d.get(key)) for d in seen.values()}) > 1
+            ]
+            if diffs:
+                raise CollectiveMismatchError(
+                    f"processes disagree on a collective; {self.what()}, device group "
+                    f"{list(members)}. What differs per rank:\n" + "\n".join(diffs)
+                )
 
 
 class _Round:
@@ -224,6 +233,11 @@ def _local_members(group: Group) -> list[tuple[int, int]]:
     return [(k, i) for k, i in enumerate(group[1]) if i is not None]
 
 
+def _first_local(group: Group) -> int:
+    """The local index of the group's first member in this process."""
+    return next(i for i in group[1] if i is not None)
+
+
 def _members_of(call: _Call, members: tuple[int, ...], rank: int) -> list[int]:
     return [k for k, d in enumerate(members) if call.owner(d) == rank]
 
@@ -234,7 +248,7 @@ def all_gather(
     """Every member's piece for every local device: other processes send their pieces once."""
     sample = components[0]
     call = _Call("all_gather", mesh, mesh_dim, groups, sample)
-    call.check({"ndim": sample.ndim})
+    call.check(lambda group: {"ndim": sample.ndim})
     ndim = sample.ndim
     headers = call.round(meta=True)
     for members, indices in groups:
@@ -277,7 +291,7 @@ def all_to_all(
     pieces addressed to its devices."""
     sample = pieces[0][0]
     call = _Call("all_to_all", mesh, mesh_dim, groups, sample)
-    call.check({"ndim": sample.ndim})
+    call.check(lambda group: {"ndim": sample.ndim})
     headers = call.round(meta=True)
     for members, indices in groups:
         local = _local_members((members, indices))
@@ -319,19 +333,18 @@ def _reduce_to_owners(
     call: _Call,
     contribution: Callable[[int, int], torch.Tensor],
     op: str,
-    combine: Callable[[Sequence[torch.Tensor], str], torch.Tensor],
 ) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
     """For every local member k, the reduction over members j, in coordinate order, of
     ``contribution(local index of j, k)``, unfinished (no avg division). The process owning
     the leading run of members sends their combined prefix; the others send each piece."""
     data = call.round()
-    plans = []  # read the received tensors back in the order they were expected
+    plans = []  # per group, what the loop below needs to read the tensors back in order
     for members, indices in call.groups:
         n = len(members)
         owners = [call.owner(d) for d in members]
         lead = owners[0]
         run = next((j for j in range(n) if owners[j] != lead), n)  # members 0..run-1: lead's
-        first_local = next(i for i in indices if i is not None)
+        first_local = _first_local((members, indices))
         for k in range(n):
             if owners[k] == call.me:
                 continue
@@ -380,14 +393,12 @@ def reduce_scatter(
     groups: Sequence[Group],
     pieces: Sequence[Sequence[torch.Tensor]],
     op: str,
-    combine: Callable[[Sequence[torch.Tensor], str], torch.Tensor],
-    finish: Callable[[torch.Tensor, str, int], torch.Tensor],
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """Member k gets the reduction of ``pieces[.][k]`` over its group, in coordinate order."""
     sample = pieces[0][0]
     call = _Call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})")
-    call.check({"piece shapes": [list(p.shape) for p in pieces[0]]})
-    reduced = _reduce_to_owners(call, lambda i, k: pieces[i][k], op, combine)
+    call.check(lambda g: {"piece shapes": [list(p.shape) for p in pieces[_first_local(g)]]})
+    reduced = _reduce_to_owners(call, lambda i, k: pieces[i][k], op)
     out = {}
     for members, indices in groups:
         for k, i in _local_members((members, indices)):
@@ -409,24 +420,24 @@ def all_reduce(
     groups: Sequence[Group],
     components: Sequence[torch.Tensor],
     op: str,
-    combine: Callable[[Sequence[torch.Tensor], str], torch.Tensor],
-    finish: Callable[[torch.Tensor, str, int], torch.Tensor],
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """Reduce-scatter the ring chunks to their owners, then all-gather the reduced chunks."""
     sample = components[0]
     call = _Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})")
-    call.check({"shape": list(sample.shape)})
+    call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
     n = mesh.shape[mesh_dim]
     flat = [c.reshape(-1) for c in components]
-    reduced = _reduce_to_owners(call, lambda i, k: _chunk(flat[i], n, k), op, combine)
+    reduced = _reduce_to_owners(call, lambda i, k: _chunk(flat[i], n, k), op)
+    reduced = {key: finish(acc, op, n) for key, acc in reduced.items()}
     data = call.round()
     for members, indices in groups:
         mine = _local_members((members, indices))
         for peer in call.peers(members):
             for k, _ in mine:
-                data.send(call.ranks[members], peer, finish(reduced[(members, k)], op, n))
+                data.send(call.ranks[members], peer, reduced[(members, k)])
             for k in _members_of(call, members, peer):
-                data.expect(call.ranks[members], peer, _chunk(flat[0], n, k).shape, sample.dtype)
+                shape = _chunk(flat[_first_local((members, indices))], n, k).shape
+                data.expect(call.ranks[members], peer, shape, sample.dtype)
     received = iter(data.run())
     out = {}
     for members, indices in groups:
@@ -435,8 +446,9 @@ def all_reduce(
             for k in _members_of(call, members, peer):
                 chunks[k] = next(received)
         for k, _ in _local_members((members, indices)):
-            chunks[k] = finish(reduced[(members, k)], op, n)
-        whole = torch.cat([chunks[k] for k in range(n)]).reshape(sample.shape)
+            chunks[k] = reduced[(members, k)]
+        shape = components[_first_local((members, indices))].shape
+        whole = torch.cat([chunks[k] for k in range(n)]).reshape(shape)
         for m, (k, i) in enumerate(_local_members((members, indices))):
             result = whole if m == 0 else whole.clone()
             out[i] = result.to(mesh.device_of(members[k]))
@@ -453,7 +465,7 @@ def broadcast(
     """Every member gets member ``src``'s component; its process sends it once per process."""
     sample = components[0]
     call = _Call("broadcast", mesh, mesh_dim, groups, sample, f"(src={src})")
-    call.check({"shape": list(sample.shape)})
+    call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
     data = call.round()
     for members, indices in groups:
         source = call.owner(members[src])
@@ -461,7 +473,8 @@ def broadcast(
             for peer in call.peers(members):
                 data.send(call.ranks[members], peer, components[indices[src]])
         else:
-            data.expect(call.ranks[members], source, sample.shape, sample.dtype)
+            shape = components[_first_local((members, indices))].shape
+            data.expect(call.ranks[members], source, shape, sample.dtype)
     received = iter(data.run())
     out = {}
     for members, indices in groups:

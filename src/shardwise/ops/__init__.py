@@ -1,6 +1,21 @@
 """Sharding rules and strategies, one module per op family; importing registers them."""
 
 from . import (
+    attention,  # noqa: F401
+    data_dependent,  # noqa: F401
+    embedding,  # noqa: F401
     foreach,  # noqa: F401
+    indexing,  # noqa: F401
+    losses,  # noqa: F401
+    matrix,  # noqa: F401
+    norms,  # noqa: F401
+    padding,  # noqa: F401
+    pointwise,  # noqa: F401
+    random,  # noqa: F401
+    recurrent,  # noqa: F401
+    reductions,  # noqa: F401
+    sorting,  # noqa: F401
     structural,  # noqa: F401
+    tensor_ops,  # noqa: F401
+    views,  # noqa: F401
 )

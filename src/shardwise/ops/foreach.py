@@ -13,8 +13,13 @@ from .registry import OpSchema, OpStrategy, PlacementStrategy, register_op_strat
 
 aten = torch.ops.aten
 
+_NOT_ELEMENTWISE = {"_foreach_max", "_foreach_mm", "_foreach_norm", "_foreach_powsum"}
 FOREACH_OPS = [
-    getattr(aten, name) for name in dir(aten) if name.startswith("_foreach_")
+    getattr(getattr(aten, s.name[6:]), s.overload_name or "default")
+    for s in torch._C._jit_get_all_schemas()
+    if s.name.startswith("aten::_foreach_")
+    and s.name[6:] not in _NOT_ELEMENTWISE
+    and "out" not in s.overload_name
 ]
 _LINEAR_SCALAR = ("_foreach_mul", "_foreach_div", "_foreach_neg", "_foreach_zero")
 

@@ -1,0 +1,199 @@
+"""DTensor factories: ``zeros``, ``ones``, ``empty``, ``full``, ``rand``, ``randn``
+(``torch.distributed.tensor``'s signatures).
+
+``zeros``/``ones``/``empty``/``full`` build each device's component directly, never the global
+tensor. ``rand``/``randn`` draw the global tensor from torch's generator as the single-device
+call would and keep each device's piece, so after ``shardwise.manual_seed(s)`` the result equals
+``torch.manual_seed(s); torch.randn(shape)`` for every mesh and placements (at the cost of the
+global tensor's memory, once, in this process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .dtensor import DTensor, distribute_tensor
+from .errors import InvalidArgumentError, MeshError
+from .mesh import DeviceMesh
+from .placements import Partial, Placement, Replicate
+from .spec import DTensorSpec, contiguous_meta, validate_placements
+from .tf_dtensor import get_default_mesh
+
+LocalMaker = Callable[[torch.Size, torch.device, bool], torch.Tensor]
+
+
+def keeps_value(spec: DTensorSpec, device: int) -> bool:
+    """False on the devices that hold zeros of a Partial("sum") value (all but coordinate 0 of
+    each Partial("sum") mesh dim): where a constant is written once, not once per device."""
+    coord = spec.mesh.coordinate_of(device)
+    return not any(
+        isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0
+        for m, p in enumerate(spec.placements)
+    )
+
+
+def _normalize_size(size: tuple[Any, ...], what: str) -> tuple[int, ...]:
+    """``zeros(2, 3)``, ``zeros((2, 3))`` and ``zeros([2, 3])`` all mean shape (2, 3)."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in size):
+        raise InvalidArgumentError(f"shardwise.{what}: size must be non-negative ints, got {size}")
+    return tuple(size)
+
+
+def _mesh_and_spec(
+    what: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    layout: torch.layout,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+) -> DTensorSpec:
+    if layout != torch.strided:
+        raise InvalidArgumentError(
+            f"shardwise.{what}: only the torch.strided layout is supported, not {layout}"
+        )
+    mesh = device_mesh if device_mesh is not None else get_default_mesh()
+    if mesh is None:
+        raise MeshError(
+            f"shardwise.{what}({list(shape)}) needs device_mesh= (or a shardwise.default_mesh "
+            f"block)"
+        )
+    placements = placements if placements is not None else [Replicate()] * mesh.ndim
+    normalized = validate_placements(shape, mesh, placements)
+    return DTensorSpec(mesh, normalized, contiguous_meta(shape, dtype))
+
+
+def _build(spec: DTensorSpec, make: LocalMaker, requires_grad: bool) -> DTensor:
+    mesh = spec.mesh
+    components = [
+        make(spec.local_shape(d), mesh.device_of(d), keeps_value(spec, d))
+        for d in mesh.local_device_ids
+    ]
+    return DTensor(components, spec, requires_grad=requires_grad)
+
+
+def _constant(what: str, value: Any, size: tuple, dtype, layout, requires_grad, mesh, placements):
+    shape = _normalize_size(size, what)
+    probe = torch.full((), value, dtype=dtype)
+    spec = _mesh_and_spec(what, shape, probe.dtype, layout, mesh, placements)
+
+    def make(local: torch.Size, device: torch.device, keep: bool) -> torch.Tensor:
+        return torch.full(local, value if keep else 0, dtype=probe.dtype, device=device)
+
+    return _build(spec, make, requires_grad)
+
+
+def zeros(
+    *size: Any,
+    requires_grad: bool = False,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """A DTensor of zeros of global ``size``; each device allocates only its piece."""
+    dtype = dtype or torch.get_default_dtype()
+    return _constant("zeros", 0, size, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def ones(
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """A DTensor of ones of global ``size`` (a Partial("sum") dim holds the ones on its first
+    device and zeros on the others, so the value is one)."""
+    dtype = dtype or torch.get_default_dtype()
+    return _constant("ones", 1, size, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def full(
+    size: Sequence[int],
+    fill_value: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """A DTensor filled with ``fill_value`` (dtype inferred from it as ``torch.full`` does)."""
+    return _constant(
+        "full", fill_value, (size,), dtype, layout, requires_grad, device_mesh, placements
+    )
+
+
+def empty(
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """An uninitialised DTensor of global ``size``; each device allocates only its piece."""
+    shape = _normalize_size(size, "empty")
+    dtype = dtype or torch.get_default_dtype()
+    spec = _mesh_and_spec("empty", shape, dtype, layout, device_mesh, placements)
+
+    def make(local: torch.Size, device: torch.device, _keep: bool) -> torch.Tensor:
+        return torch.empty(local, dtype=dtype, device=device)
+
+    return _build(spec, make, requires_grad)
+
+
+def _random(
+    what: str,
+    draw: Callable[..., torch.Tensor],
+    size: tuple,
+    requires_grad: bool,
+    dtype: torch.dtype | None,
+    layout: torch.layout,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+) -> DTensor:
+    shape = _normalize_size(size, what)
+    dtype = dtype or torch.get_default_dtype()
+    spec = _mesh_and_spec(what, shape, dtype, layout, device_mesh, placements)
+    mesh = spec.mesh
+    first = mesh.device_of(mesh.local_device_ids[0])
+    drawn = draw(shape, dtype=dtype, device=first)
+    return distribute_tensor(drawn, mesh, spec.placements).requires_grad_(requires_grad)
+
+
+def rand(
+    *size: Any,
+    requires_grad: bool = False,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """Uniform [0, 1) samples equal to the single-device ``torch.rand(size)`` after the same
+    seeding, whatever the placements (the global tensor is drawn, then sharded)."""
+    return _random("rand", torch.rand, size, requires_grad, dtype, layout, device_mesh, placements)
+
+
+def randn(
+    *size: Any,
+    requires_grad: bool = False,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """Standard normal samples equal to the single-device ``torch.randn(size)`` after the same
+    seeding, whatever the placements (the global tensor is drawn, then sharded)."""
+    return _random(
+        "randn", torch.randn, size, requires_grad, dtype, layout, device_mesh, placements
+    )
+
+
+__all__ = ["empty", "full", "ones", "rand", "randn", "zeros"]

@@ -1,0 +1,121 @@
+"""Sharding of the negative log-likelihood losses (``F.cross_entropy`` is ``_log_softmax`` and
+then one of these): ``nll_loss_forward``/``nll_loss_backward`` for ``(N, C)`` inputs and
+``nll_loss2d_forward``/``nll_loss2d_backward`` for ``(N, C, H, W)``.
+
+The class dim stays whole; the batch dims (N, and H, W for the 2d loss) may be sharded together
+with the target's. Per reduction, with a sharded batch:
+
+- ``none``: the per-element loss is sharded like the batch;
+- ``sum``: local sums are ``Partial("sum")``, and so is ``total_weight``;
+- ``mean``: the mean of uneven shards is not the mean of local means, and with ``ignore_index``
+  or class weights the divisor is data-dependent, so each device sums locally (a local-args hook
+  turns the reduction into ``sum``), then a post-patch all-reduces ``total_weight`` (one scalar,
+  counted like any collective) and divides: the loss stays ``Partial("sum")`` and
+  ``total_weight`` becomes replicated, which is what the backward needs.
+
+The loss is linear in its input, so a Partial input with replicated target gives a Partial loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..placements import Placement, Replicate, Shard
+from ..spec import DTensorSpec
+from .common import input_strategies
+from .norms import Option, P, R, mesh_strategies
+from .registry import (
+    OpSchema,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    register_local_args,
+    register_op_strategy,
+    register_post_patch,
+)
+
+aten = torch.ops.aten
+
+MEAN, SUM = 1, 2  # at::Reduction
+REDUCTION_ARG = 3  # position of ``reduction`` in both forward ops
+
+FORWARD_OPS = [aten.nll_loss_forward.default, aten.nll_loss2d_forward.default]
+BACKWARD_OPS = [aten.nll_loss_backward.default, aten.nll_loss2d_backward.default]
+
+
+def _batch_dims(input_ndim: int) -> list[tuple[int, int]]:
+    """(input dim, target dim) pairs that may be sharded together: every dim but the class dim
+    (1) of a batched input; none for an unbatched ``(C,)`` input."""
+    if input_ndim < 2:
+        return []
+    return [(0, 0)] + [(d, d - 1) for d in range(2, input_ndim)]
+
+
+@register_op_strategy(FORWARD_OPS, schema_info=RuntimeSchemaInfo(3))
+def nll_loss_forward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``nll_loss_forward(input, target, weight?, reduction, ignore_index) -> (loss,
+    total_weight)``."""
+    inputs = input_strategies(schema)
+    reduction = schema.args_schema[REDUCTION_ARG]
+    extra = (R,) * (len(inputs) - 2)  # the class weight, if any, is replicated
+    options: list[Option] = [((R, R) + extra, (R, R))]
+    for d, t in _batch_dims(inputs[0].ndim):
+        loss = Shard(t) if reduction not in (MEAN, SUM) else P
+        total = P if reduction in (MEAN, SUM) else R
+        options.append(((Shard(d), Shard(t)) + extra, (loss, total)))
+    options.append(((P, R) + extra, (P, R)))
+    return mesh_strategies(mesh, schema, options)
+
+
+def _nll_forward_local_args(
+    args: tuple, kwargs: dict, specs: list[DTensorSpec], _out: Any, _device: int
+) -> tuple[tuple, dict]:
+    """A sharded batch with ``mean``: sum locally (the post-patch divides by the global weight)."""
+    if args[REDUCTION_ARG] == MEAN and any(isinstance(p, Shard) for p in specs[0].placements):
+        args = (*args[:REDUCTION_ARG], SUM, *args[REDUCTION_ARG + 1 :])
+    return args, kwargs
+
+
+def _nll_forward_post_patch(
+    _op: Any, result: tuple[DTensor, DTensor], args: tuple, _kwargs: dict
+) -> tuple[DTensor, DTensor]:
+    """Finish a batch-sharded ``mean``: all-reduce ``total_weight``, divide the local sums."""
+    loss, total = result
+    if args[REDUCTION_ARG] != MEAN or not any(p.is_partial() for p in total.placements):
+        return result
+    placements: list[Placement] = [Replicate() if p.is_partial() else p for p in total.placements]
+    total = total.redistribute(placements=placements)
+    divided = [s / w for s, w in zip(loss._components, total._components, strict=True)]
+    return DTensor(divided, loss._spec), total
+
+
+for _op in FORWARD_OPS:
+    register_local_args(_op, _nll_forward_local_args)
+    register_post_patch(_op, _nll_forward_post_patch)
+
+
+@register_op_strategy(BACKWARD_OPS, schema_info=RuntimeSchemaInfo(4))
+def nll_loss_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``nll_loss_backward(grad, input, target, weight?, reduction, ignore_index, total_weight)``.
+
+    Only ``mean`` reads ``total_weight`` (it must then be the global, replicated one); for the
+    other reductions it stays wherever it is. The input's values are not read, only its shape.
+    """
+    inputs = input_strategies(schema)
+    reduction = schema.args_schema[4]
+    total_now = inputs[-1].output_spec.placements
+    extra = (R,) * (len(inputs) - 4)  # the class weight, if any
+
+    def options(mesh_dim: int) -> list[Option]:
+        total = R if reduction == MEAN else total_now[mesh_dim]
+        opts: list[Option] = [((R, R, R) + extra + (total,), (R,))]
+        for d, t in _batch_dims(inputs[1].ndim):
+            grad = Shard(t) if reduction not in (MEAN, SUM) else R
+            opts.append(((grad, Shard(d), Shard(t)) + extra + (total,), (Shard(d),)))
+        opts.append(((P, R, R) + extra + (total,), (P,)))
+        return opts
+
+    return mesh_strategies(mesh, schema, options, multi=False)

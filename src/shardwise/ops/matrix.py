@@ -1,0 +1,132 @@
+"""Sharding of matrix products: mm, bmm, mv, dot and their biased forms addmm, baddbmm, addmv.
+
+``matmul``, ``linear`` and ``einsum`` decompose into these plus views (ops/views.py). Each
+product is described by index labels ("mk,kn->mn"); on one mesh dim a strategy shards one
+label on every operand that has it: a kept label shards the output the same way, a contracted
+label leaves every device a partial sum (the seed's Shard(1) x Shard(0) -> Partial). Products
+are linear in each operand, so one Partial("sum"/"avg") operand times Replicate ones gives the
+same Partial. A bias follows the output; for a Partial output it is Partial too (Replicate ->
+Partial is free: for sum one device keeps the bias and the others add zeros), so it is counted
+once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from ..mesh import DeviceMesh
+from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec
+from .common import input_strategies, strategy
+from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, register_op_strategy
+from .views import fits, ranked, same_kind
+
+aten = torch.ops.aten
+
+# operand labels and output labels of each product
+EQUATIONS: dict[object, tuple[tuple[str, ...], str]] = {
+    aten.mm.default: (("mk", "kn"), "mn"),
+    aten.bmm.default: (("bmk", "bkn"), "bmn"),
+    aten.mv.default: (("mk", "k"), "m"),
+    aten.dot.default: (("k", "k"), ""),
+}
+BIASED = {
+    aten.addmm.default: aten.mm.default,
+    aten.baddbmm.default: aten.bmm.default,
+    aten.addmv.default: aten.mv.default,
+}
+LINEAR_PARTIALS = ("sum", "avg")
+
+# one mesh dim's choice: a placement per operand, and the output's placement
+Choice = tuple[tuple[Placement, ...], Placement]
+
+
+def _shard_kinds(current: Sequence[Placement]) -> list[int]:
+    """Interleave sizes to try on a mesh dim: 1 (plain Shard) and any the operands carry."""
+    sizes = {p.interleaved_size for p in current if isinstance(p, InterleavedShard)}
+    return [1, *sorted(sizes)]
+
+
+def _make(dim: int, k: int) -> Shard:
+    return Shard(dim) if k == 1 else InterleavedShard(dim, k)
+
+
+def mesh_dim_choices(labels: Sequence[str], out: str, current: Sequence[Placement]) -> list[Choice]:
+    """Every valid placement of the operands and output of a product on one mesh dim."""
+    rep = Replicate()
+    choices: list[Choice] = [((rep,) * len(labels), rep)]
+    for letter in dict.fromkeys("".join(labels)):
+        for k in _shard_kinds(current):
+            ins = tuple(_make(lbl.index(letter), k) if letter in lbl else rep for lbl in labels)
+            result = _make(out.index(letter), k) if letter in out else Partial("sum")
+            choices.append((ins, result))
+    for op in LINEAR_PARTIALS:
+        if any(isinstance(p, Partial) and p.reduce_op == op for p in current):
+            for i in range(len(labels)):
+                ins = tuple(Partial(op) if j == i else rep for j in range(len(labels)))
+                choices.append((ins, Partial(op)))
+    return choices
+
+
+def _bias_placement(p: Placement, bias_shape: Sequence[int], out_shape: Sequence[int]) -> Placement:
+    """The bias placement matching output placement ``p`` under broadcasting."""
+    if not isinstance(p, Shard):
+        return p
+    dim = p.dim - (len(out_shape) - len(bias_shape))
+    if dim < 0 or bias_shape[dim] != out_shape[p.dim]:
+        return Replicate()
+    return same_kind(p, dim)
+
+
+def product_strategies(
+    mesh: DeviceMesh,
+    labels: Sequence[str],
+    out: str,
+    operands: Sequence[DTensorSpec],
+    bias: DTensorSpec | None = None,
+    partial_sum: bool = True,
+) -> OpStrategy:
+    """All strategies of a product (with its bias first when given), cheapest-to-keep first;
+    ``partial_sum=False`` drops Partial("sum") outputs (a plain bias would be added n times)."""
+    sizes = {c: n for lbl, spec in zip(labels, operands, strict=True)
+             for c, n in zip(lbl, spec.shape, strict=True)}
+    out_shape = [sizes[c] for c in out]
+    per_dim = [
+        mesh_dim_choices(labels, out, [s.placements[m] for s in operands]
+                         + ([bias.placements[m]] if bias is not None else []))
+        for m in range(mesh.ndim)
+    ]
+    candidates = []
+    for combo in itertools.product(*per_dim):
+        ins = [tuple(c[0][i] for c in combo) for i in range(len(operands))]
+        result = tuple(c[1] for c in combo)
+        if not partial_sum and Partial("sum") in result:
+            continue
+        if not all(fits(s.shape, mesh, p) for s, p in zip(operands, ins, strict=True)):
+            continue
+        if bias is not None:
+            ins.insert(0, tuple(_bias_placement(p, bias.shape, out_shape) for p in result))
+        candidates.append(strategy(mesh, ins, result))
+    current = ([bias.placements] if bias is not None else []) + [s.placements for s in operands]
+    return ranked(current, candidates)
+
+
+@register_op_strategy(list(EQUATIONS), schema_info=RuntimeSchemaInfo())
+def product_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """mm, bmm, mv, dot: shard kept labels, contract sharded labels to Partial("sum")."""
+    labels, out = EQUATIONS[schema.op]
+    operands = [s.output_spec for s in input_strategies(schema)]
+    return product_strategies(mesh, labels, out, operands)
+
+
+@register_op_strategy(list(BIASED), schema_info=RuntimeSchemaInfo())
+def biased_product_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """addmm, baddbmm, addmv: the product's strategies with the bias following the output."""
+    labels, out = EQUATIONS[BIASED[schema.op]]
+    specs = [s.output_spec for s in input_strategies(schema)]
+    if len(specs) == len(labels):  # the bias is a plain scalar tensor, the same on every device
+        return product_strategies(mesh, labels, out, specs, partial_sum=False)
+    return product_strategies(mesh, labels, out, specs[1:], specs[0])

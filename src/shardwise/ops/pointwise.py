@@ -1,0 +1,344 @@
+"""Pointwise ops: unary, binary and ternary math, comparisons, ``where``, ``clamp``,
+``masked_fill``, their in-place variants and the ``*_backward`` ops autograd emits for them.
+
+One generic strategy (``pointwise_strategy``) lists, per mesh dim, every way an elementwise op
+can run without communication: all Replicate; Shard (or InterleavedShard) of an output dim,
+with every input that has that dim at full size sharded alike and the broadcast ones
+replicated; and the Partial placements the op passes through. Partial passes through an op
+when the op is linear in a group of its arguments (``add``, ``mul`` by a replicated factor,
+``where``, the gradient argument of a ``*_backward``...) -- Partial("sum") when the op is
+linear, Partial("avg") already when it is affine -- and Partial("max"/"min") through ops
+monotone in one argument (``exp``, ``relu``, adding a replicated tensor...). Dispatch picks
+the candidate cheapest to reach, so a nonlinear op reduces its Partial inputs first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..mesh import DeviceMesh
+from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from .common import spec_of
+from .registry import (
+    OpSchema,
+    OpStrategy,
+    PlacementStrategy,
+    RuntimeSchemaInfo,
+    register_op_strategy,
+)
+
+aten = torch.ops.aten
+
+_SWAP = {"max": "min", "min": "max"}
+
+
+@dataclass(frozen=True)
+class Linearity:
+    """Which Partial placements an op lets through.
+
+    ``groups``: argument positions in which the op is jointly linear with the other arguments
+    fixed (``add``: ``((0, 1),)``; ``mul``: ``((0,), (1,))``). All DTensors of a group are
+    Partial with the same reduce op and the other DTensors Replicate. A group that contains
+    a non-DTensor value (a Python scalar, a plain 0-d tensor) makes the op only affine in the
+    rest, which Partial("avg") allows but Partial("sum") does not -- unless that value is a
+    zero that is part of the sharding cache key (a position at or after ``static_argnum``).
+
+    ``monotone``: ``(position, +1 or -1)`` pairs: the op is non-decreasing (+1) or
+    non-increasing (-1) in that argument over all reals, so Partial("max")/("min") there (all
+    other DTensors Replicate) gives Partial("max")/("min") (swapped when -1).
+
+    ``alpha_at``: the position that the op's ``alpha`` argument scales (``add``, ``sub``):
+    a negative alpha flips its direction and a zero one makes it constant. Register such ops
+    with ``alpha`` in the cache key.
+    """
+
+    groups: tuple[tuple[int, ...], ...] = ()
+    monotone: tuple[tuple[int, int], ...] = ()
+    alpha_at: int | None = None
+
+
+NONLINEAR = Linearity()
+
+
+def _tensor_args(schema: OpSchema) -> list[tuple[int | str, OpStrategy]]:
+    """The DTensor arguments in dispatch's flattened order, each with its position (an index
+    into ``args_schema``, or a keyword name)."""
+    out: list[tuple[int | str, OpStrategy]] = []
+    for i, a in enumerate(schema.args_schema):
+        if isinstance(a, OpStrategy):
+            out.append((i, a))
+        elif isinstance(a, (list, tuple)):
+            out.extend((i, x) for x in a if isinstance(x, OpStrategy))
+    out.extend((k, v) for k, v in schema.kwargs_schema.items() if isinstance(v, OpStrategy))
+    return out
+
+
+def _plain_shapes(schema: OpSchema) -> list[torch.Size]:
+    """Shapes of plain tensor arguments (0-d ones only reach a strategy) for broadcasting."""
+    values = list(schema.args_schema) + list(schema.kwargs_schema.values())
+    return [v.shape for v in values if isinstance(v, torch.Tensor)]
+
+
+def _is_zero_constant(schema: OpSchema, position: int) -> bool:
+    """True if argument ``position`` is a number equal to 0 that the cache key includes."""
+    info = schema.schema_info
+    if info is None or position < info.static_argnum or position >= len(schema.args_schema):
+        return False
+    value = schema.args_schema[position]
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def _alpha(schema: OpSchema) -> float:
+    """The ``alpha`` argument of ``add``/``sub``/``rsub`` (1 when not given)."""
+    if "alpha" in schema.kwargs_schema:
+        return schema.kwargs_schema["alpha"]
+    return schema.args_schema[2] if len(schema.args_schema) > 2 else 1
+
+
+def _partial_options(
+    schema: OpSchema,
+    positions: list[int | str],
+    linear: Linearity,
+) -> list[tuple[tuple[Placement, ...], Placement]]:
+    """Per-mesh-dim options with a Partial output: (input placements, output placement)."""
+    options: list[tuple[tuple[Placement, ...], Placement]] = []
+    seen: set[tuple[tuple[Placement, ...], Placement]] = set()
+
+    def add(partial_at: set[int | str], inp: str, out: str) -> None:
+        ins = tuple(Partial(inp) if p in partial_at else Replicate() for p in positions)
+        option = (ins, Partial(out))
+        if option not in seen:
+            seen.add(option)
+            options.append(option)
+
+    n_args = len(schema.args_schema)
+    for group in linear.groups:
+        members = {p for p in group if p in positions}
+        if not members:
+            continue
+        constants = [
+            p for p in group
+            if p not in positions and p < n_args and schema.args_schema[p] is not None
+        ]
+        linear_sum = all(_is_zero_constant(schema, p) for p in constants)
+        for op in ("sum", "avg") if linear_sum else ("avg",):
+            add(members, op, op)
+    for position, direction in linear.monotone:
+        if position == linear.alpha_at:
+            alpha = _alpha(schema)
+            direction = direction if alpha > 0 else -direction if alpha < 0 else 0
+        if position in positions and direction:
+            for op in ("max", "min"):
+                add({position}, op, op if direction > 0 else _SWAP[op])
+    return options
+
+
+def _shard_options(
+    out_shape: Sequence[int],
+    shapes: list[torch.Size],
+    interleaved: Iterable[InterleavedShard],
+) -> list[tuple[tuple[Placement, ...], Placement]]:
+    """Per-mesh-dim options sharding one output dim: inputs with that dim at full size are
+    sharded alike, broadcast ones replicated; at least one input must be sharded."""
+    rank = len(out_shape)
+    kinds: list[Shard] = [Shard(d) for d in range(rank)]
+    kinds += [p for p in interleaved if p not in kinds]
+    options: list[tuple[tuple[Placement, ...], Placement]] = []
+    for kind in kinds:
+        d = kind.dim
+        ins: list[Placement] = []
+        for shape in shapes:
+            offset = rank - len(shape)
+            if d >= offset and shape[d - offset] == out_shape[d]:
+                local = d - offset
+                ins.append(
+                    InterleavedShard(local, kind.interleaved_size)
+                    if isinstance(kind, InterleavedShard) else Shard(local)
+                )
+            else:
+                ins.append(Replicate())
+        if any(isinstance(p, Shard) for p in ins):
+            options.append((tuple(ins), kind))
+    return options
+
+
+def _interleaved_in_output(
+    shapes: list[torch.Size], placements: list[tuple[Placement, ...]], rank: int
+) -> list[InterleavedShard]:
+    """The InterleavedShard placements of the inputs, moved to output dims."""
+    found: list[InterleavedShard] = []
+    for shape, ps in zip(shapes, placements, strict=True):
+        for p in ps:
+            if isinstance(p, InterleavedShard):
+                q = InterleavedShard(p.dim + rank - len(shape), p.interleaved_size)
+                if q not in found:
+                    found.append(q)
+    return found
+
+
+def pointwise_strategy(
+    mesh: DeviceMesh, schema: OpSchema, linear: Linearity = NONLINEAR
+) -> OpStrategy:
+    """Every valid sharding of an elementwise (broadcasting) op: the product over mesh dims of
+    Replicate, Shard/InterleavedShard of an output dim and the Partial options ``linear``
+    allows. In-place ops (``add_``...) keep only candidates that leave ``self`` where it is
+    (if there is none, dispatch reports that the op cannot run in place)."""
+    args = _tensor_args(schema)
+    positions = [p for p, _ in args]
+    shapes = [s.shape for _, s in args]
+    current = [s.output_spec.placements for _, s in args]
+    inplace = _is_inplace(schema.op)
+    out_shape = list(shapes[0] if inplace else torch.broadcast_shapes(
+        *shapes, *_plain_shapes(schema)
+    ))
+    rank = len(out_shape)
+    per_dim: list[tuple[tuple[Placement, ...], Placement]] = [
+        (tuple(Replicate() for _ in args), Replicate())
+    ]
+    per_dim += _shard_options(out_shape, shapes, _interleaved_in_output(shapes, current, rank))
+    per_dim += _partial_options(schema, positions, linear)
+    candidates = []
+    for combo in itertools.product(per_dim, repeat=mesh.ndim):
+        ins = [tuple(c[0][i] for c in combo) for i in range(len(args))]
+        out = tuple(c[1] for c in combo)
+        candidates.append(
+            PlacementStrategy(spec_of(mesh, out), [spec_of(mesh, p) for p in ins])
+        )
+    if inplace:
+        keep = [
+            c for c in candidates
+            if c.input_specs[0].placements == current[0] and c.output_spec.placements == current[0]
+        ]
+        candidates = keep or candidates
+    return OpStrategy(candidates)
+
+
+def _is_inplace(op: Any) -> bool:
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return schema.name.endswith("_") and alias is not None and alias.is_write
+
+
+# ----- registration ----------------------------------------------------------------------------
+
+
+def _tensor_overloads(name: str) -> list[Any]:
+    """The functional and in-place overloads of ``aten.<name>`` that take a Tensor and return
+    one Tensor (``out=`` variants and Python-number overloads left out)."""
+    packet = getattr(aten, name, None)
+    if packet is None:
+        return []
+    found = []
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        s = op._schema
+        if any(a.kwarg_only and a.alias_info is not None for a in s.arguments):
+            continue
+        takes_tensor = any(str(a.type).startswith("Tensor") for a in s.arguments)
+        if takes_tensor and len(s.returns) == 1 and str(s.returns[0].type) == "Tensor":
+            found.append(op)
+    return found
+
+
+def register_pointwise(
+    names: Iterable[str], linear: Linearity = NONLINEAR, static_argnum: int = 100
+) -> None:
+    """Register ``pointwise_strategy`` for ``aten.<name>`` and ``aten.<name>_`` overloads
+    (arguments from ``static_argnum`` on, and ``alpha``, are part of the cache key)."""
+    ops = []
+    for name in names:
+        ops += _tensor_overloads(name) + _tensor_overloads(name + "_")
+
+    def strategy_fn(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+        return pointwise_strategy(mesh, schema, linear)
+
+    strategy_fn.__doc__ = f"Elementwise sharding of {sorted(set(names))}."
+    info = RuntimeSchemaInfo(static_argnum, static_kwargkey=("alpha",))
+    register_op_strategy(ops, schema_info=info)(strategy_fn)
+
+
+INCREASING = Linearity(monotone=((0, 1),))
+
+# Nonlinear elementwise ops: a Partial input is reduced first.
+NONLINEAR_OPS = [
+    "abs", "sgn", "sign", "signbit", "sqrt", "rsqrt", "log", "log2", "log10", "log1p",
+    "sin", "cos", "tan", "asin", "acos", "sinh", "cosh", "acosh", "atanh", "reciprocal",
+    "square", "gelu", "silu", "mish", "hardswish", "hardsigmoid", "elu", "selu", "celu",
+    "leaky_relu", "softplus", "logit", "lgamma", "digamma", "erfc", "erfinv", "i0",
+    "frac", "exp2", "sinc", "deg2rad", "rad2deg", "xlogy", "special_xlog1py",
+    "pow", "float_power", "fmod", "remainder", "atan2", "arctan2", "hypot", "copysign",
+    "nextafter", "logaddexp", "logaddexp2", "floor_divide", "heaviside", "fmax", "fmin",
+    "eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isposinf",
+    "isneginf", "nan_to_num", "logical_and", "logical_or", "logical_not", "logical_xor",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "bitwise_left_shift",
+    "bitwise_right_shift", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__",
+    "relu6", "hardtanh", "threshold", "polygamma", "igamma", "igammac", "special_erfcx",
+    "special_i0e", "special_i1", "special_i1e", "special_ndtr", "special_ndtri",
+    "special_log_ndtr",
+]
+
+# Non-decreasing in their first argument over all reals: Partial("max"/"min") passes.
+MONOTONE_OPS = [
+    "exp", "expm1", "sigmoid", "tanh", "relu", "erf", "floor", "ceil", "round", "trunc",
+    "fix", "atan", "arctan", "asinh", "arcsinh", "clamp", "clamp_min", "clamp_max", "clip",
+]
+
+# Backward ops linear in their first argument (the incoming gradient).
+GRAD_LINEAR_OPS = [
+    "threshold_backward", "sigmoid_backward", "tanh_backward", "gelu_backward",
+    "silu_backward", "mish_backward", "hardswish_backward", "hardsigmoid_backward",
+    "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward",
+    "logit_backward", "log_sigmoid_backward",
+]
+
+
+def _rounding_division_ops() -> list[Any]:
+    """``div(..., rounding_mode=...)`` overloads: rounding is not linear."""
+    return [
+        op
+        for name in ("div", "div_", "divide", "divide_")
+        for op in _tensor_overloads(name)
+        if "mode" in op._overloadname
+    ]
+
+
+def _register_all() -> None:
+    register_pointwise(NONLINEAR_OPS)
+    register_pointwise(MONOTONE_OPS, INCREASING)
+    register_pointwise(["maximum", "minimum"], Linearity(monotone=((0, 1), (1, 1))))
+    register_pointwise(GRAD_LINEAR_OPS, Linearity(groups=((0,),)))
+    # x + alpha * y, x - alpha * y, y - alpha * x: alpha is positional argument 2
+    register_pointwise(
+        ["add"], Linearity(((0, 1),), monotone=((0, 1), (1, 1)), alpha_at=1), static_argnum=2
+    )
+    register_pointwise(
+        ["sub", "subtract"],
+        Linearity(((0, 1),), monotone=((0, 1), (1, -1)), alpha_at=1),
+        static_argnum=2,
+    )
+    register_pointwise(
+        ["rsub"], Linearity(((0, 1),), monotone=((0, -1), (1, 1)), alpha_at=0), static_argnum=2
+    )
+    register_pointwise(["neg", "negative"], Linearity(groups=((0,),), monotone=((0, -1),)))
+    register_pointwise(["positive"], Linearity(groups=((0,),), monotone=((0, 1),)))
+    register_pointwise(["mul", "multiply"], Linearity(groups=((0,), (1,))))
+    register_pointwise(["div", "divide", "true_divide"], Linearity(groups=((0,),)))
+    register_op_strategy(_rounding_division_ops(), schema_info=RuntimeSchemaInfo())(
+        pointwise_strategy
+    )
+    register_pointwise(["where"], Linearity(groups=((1, 2),)))
+    register_pointwise(["lerp"], Linearity(groups=((0, 1),)))
+    register_pointwise(["addcmul"], Linearity(groups=((0, 1), (0, 2))))
+    register_pointwise(["addcdiv"], Linearity(groups=((0, 1),)))
+    # the fill value is part of the cache key, so filling a Partial("sum") with 0 stays linear
+    register_pointwise(["masked_fill"], Linearity(groups=((0, 2),)), static_argnum=2)
+
+
+_register_all()

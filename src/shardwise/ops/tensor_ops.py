@@ -1,0 +1,356 @@
+"""Tensor ops: casts and copies, the ``*_like`` and ``new_*`` factories, ``fill_``/``zero_``
+and ``tril``/``triu``.
+
+Also the helpers the indexing, sorting and random families share: binding an op's arguments by
+name, and building an ``OpStrategy`` as the product of per-mesh-dim options.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..factories import keeps_value
+from ..mesh import DeviceMesh
+from ..placements import Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec, TensorMeta, contiguous_meta
+from .common import input_strategies, strategy
+from .registry import (
+    OpSchema,
+    OpStrategy,
+    PlacementStrategy,
+    RuntimeSchemaInfo,
+    register_local_args,
+    register_op_strategy,
+)
+
+aten = torch.ops.aten
+
+# One mesh dim's choice: a placement per DTensor input, then the output placement(s).
+Option = tuple[Placement, ...]
+
+
+# ----- shared helpers --------------------------------------------------------------------------
+
+
+def bind(op: Any, args: Sequence, kwargs: dict) -> dict[str, Any]:
+    """The op's arguments by schema name, defaults filled in (positional or keyword alike)."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def bind_schema(schema: OpSchema) -> dict[str, Any]:
+    return bind(schema.op, schema.args_schema, schema.kwargs_schema)
+
+
+def product_strategy(
+    mesh: DeviceMesh,
+    options: Sequence[Sequence[Option]],
+    n_inputs: int,
+    *,
+    multi: bool = False,
+    valid: Callable[[list[tuple[Placement, ...]]], bool] | None = None,
+) -> OpStrategy:
+    """Every combination of one option per mesh dim (``options[m]``), as placement strategies.
+
+    An option lists the placement of each of the ``n_inputs`` DTensor inputs on that mesh dim,
+    then the output's (or, with ``multi``, one per output). ``valid`` may drop combinations
+    whose per-tensor placements (inputs then outputs, each a tuple over mesh dims) do not fit
+    together, e.g. two tensors sharding one dim over different mesh dims.
+    """
+    found: list[PlacementStrategy] = []
+    for combo in itertools.product(*options):
+        per_tensor = [tuple(c[i] for c in combo) for i in range(len(combo[0]))]
+        if valid is not None and not valid(per_tensor):
+            continue
+        ins, outs = per_tensor[:n_inputs], per_tensor[n_inputs:]
+        found.append(strategy(mesh, ins, outs if multi else outs[0], multi=multi))
+    return OpStrategy(found)
+
+
+def is_inplace(op: Any) -> bool:
+    """An op that writes its first argument (``scatter_``, ``index_put_``...)."""
+    first = op._schema.arguments[0] if op._schema.arguments else None
+    return first is not None and first.alias_info is not None and first.alias_info.is_write
+
+
+def keep_self_inplace(schema: OpSchema, found: OpStrategy) -> OpStrategy:
+    """For an in-place op, only the candidates that leave ``self`` where it is (dispatch cannot
+    move the tensor being written); when there is none, all of them, so that dispatch names
+    the move the op would need."""
+    if not is_inplace(schema.op):
+        return found
+    current = input_strategies(schema)[0].output_spec.placements
+    kept = [s for s in found.strategies if tuple(s.input_specs[0].placements) == current]
+    return OpStrategy(kept) if kept else found
+
+
+def with_output_meta(found: OpStrategy, meta: TensorMeta) -> OpStrategy:
+    """Give every candidate's single output known metadata: it spares dispatch a meta-tensor
+    run of the op (slow for ops decomposed in Python, and unable to honour ``device=``)."""
+    for candidate in found.strategies:
+        candidate.output_specs = DTensorSpec(
+            candidate.output_spec.mesh, candidate.output_spec.placements, meta
+        )
+    return found
+
+
+def sharding_mesh_dims(placements: Sequence[Placement], dim: int) -> tuple[int, ...]:
+    """The mesh dims that shard tensor dim ``dim``, in order."""
+    return tuple(m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim)
+
+
+def aligned(a: Sequence[Placement], b: Sequence[Placement], dims: Sequence[int]) -> bool:
+    """True if ``a`` and ``b`` shard each of ``dims`` over the same mesh dims (so their pieces
+    cover the same global indices of those dims, for tensors of equal size there)."""
+    return all(sharding_mesh_dims(a, d) == sharding_mesh_dims(b, d) for d in dims)
+
+
+def partial_ops(placements: Sequence[Placement]) -> list[Partial]:
+    """The distinct Partial placements among ``placements`` (the ones worth offering)."""
+    seen: list[Partial] = []
+    for p in placements:
+        if isinstance(p, Partial) and p not in seen:
+            seen.append(p)
+    return seen
+
+
+def unary_options(
+    placements: Sequence[Placement], ndim: int, allowed: Callable[[Placement], bool]
+) -> list[list[Option]]:
+    """Per mesh dim, (input, output) options of an op whose output is laid out like its input:
+    the current placement when ``allowed``, plus Replicate and every allowed plain Shard."""
+    options = []
+    for p in placements:
+        candidates: list[Placement] = [Replicate()] + [Shard(d) for d in range(ndim)]
+        if allowed(p) and p not in candidates:
+            candidates.append(p)
+        options.append([(c, c) for c in candidates if allowed(c)])
+    return options
+
+
+# ----- *_like, zero_, casts ------------------------------------------------------------------
+
+KEEP_PARTIAL_LIKE = [aten.zero_.default, aten.zeros_like.default]
+VALUE_LIKE = [aten.ones_like.default, aten.full_like.default, aten.empty_like.default]
+
+
+@register_op_strategy(KEEP_PARTIAL_LIKE, schema_info=RuntimeSchemaInfo(1))
+def zeros_like_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Zeros are a valid value for every placement, Partial included: the output keeps the
+    input's placements and nothing moves."""
+    placements = input_strategies(schema)[0].output_spec.placements
+    return OpStrategy([strategy(mesh, [placements], placements)])
+
+
+@register_op_strategy(VALUE_LIKE, schema_info=RuntimeSchemaInfo(1))
+def value_like_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``ones_like``/``full_like``/``empty_like`` ignore the input's values: shards stay shards
+    and a Partial mesh dim becomes Replicate (every device writes the whole constant), with no
+    data moved. (``empty_like`` is usually filled next, e.g. by dropout's ``bernoulli_``: the
+    filled values are not partial.)"""
+    placements = input_strategies(schema)[0].output_spec.placements
+    out = tuple(Replicate() if p.is_partial() else p for p in placements)
+    return OpStrategy([strategy(mesh, [placements], out)])
+
+
+@register_op_strategy(aten._to_copy.default, schema_info=RuntimeSchemaInfo(1, ("dtype",)))
+def to_copy_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Casts and copies keep the layout. A cast to a floating or complex dtype is linear, so
+    Partial passes through; a cast to an integer or bool dtype is not (two partial halves of 1
+    each truncate to 0), so a Partial input is reduced (to Replicate or a Shard) first."""
+    arg = input_strategies(schema)[0]
+    bound = bind_schema(schema)
+    source = arg.output_spec.tensor_meta
+    dtype = bound.get("dtype") or source.dtype
+    linear = dtype.is_floating_point or dtype.is_complex
+    found = product_strategy(
+        mesh,
+        unary_options(arg.output_spec.placements, arg.ndim, lambda p: linear or not p.is_partial()),
+        1,
+    )
+    if bound.get("memory_format") in (None, torch.preserve_format):
+        return with_output_meta(found, TensorMeta(source.shape, source.stride, dtype))
+    return with_output_meta(found, contiguous_meta(source.shape, dtype))
+
+
+# ----- new_* factories -----------------------------------------------------------------------
+
+NEW_ZEROS_LIKE = [aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default]
+NEW_VALUE = [aten.new_ones.default, aten.new_full.default]
+
+
+@register_op_strategy(NEW_ZEROS_LIKE + NEW_VALUE, schema_info=RuntimeSchemaInfo(1))
+def new_factory_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``self.new_zeros(size)`` and friends make a tensor of the *global* ``size``.
+
+    When ``size`` is ``self``'s global shape the output takes ``self``'s placements (each device
+    makes its own piece: what autograd's formulas want, e.g. a zero gradient shaped like its
+    input); a Partial dim stays Partial for zeros/empty and becomes Replicate for ones/full.
+    Any other size gives a Replicate output: every device makes the whole tensor.
+    """
+    arg = input_strategies(schema)[0]
+    placements = arg.output_spec.placements
+    size = tuple(bind_schema(schema)["size"])
+    if size != tuple(arg.shape):
+        out = (Replicate(),) * mesh.ndim
+    elif schema.op in NEW_VALUE:
+        out = tuple(Replicate() if p.is_partial() else p for p in placements)
+    else:
+        out = placements
+    return OpStrategy([strategy(mesh, [placements], out)])
+
+
+def _local_stride(global_stride: Sequence[int], local_shape: Sequence[int]) -> list[int]:
+    """A dense stride for ``local_shape`` with the dim order of ``global_stride``."""
+    order = sorted(range(len(local_shape)), key=lambda d: global_stride[d])
+    stride, acc = [0] * len(local_shape), 1
+    for d in order:
+        stride[d] = acc
+        acc *= max(local_shape[d], 1)
+    return stride
+
+
+def _new_factory_local(
+    args: tuple, kwargs: dict, inputs: list[DTensorSpec], output: DTensorSpec, device: int
+) -> tuple[tuple, dict]:
+    """Sharded outputs (``size`` is ``self``'s shape): the global size (and stride) become
+    this device's piece's."""
+    if output.is_replicated():
+        return args, kwargs
+    local = list(
+        DTensorSpec(output.mesh, output.placements, inputs[0].tensor_meta).local_shape(device)
+    )
+    new_args = (args[0], local, *args[2:])
+    if len(args) > 2 and isinstance(args[2], (list, tuple)) and len(args[2]) == len(local):
+        new_args = (args[0], local, _local_stride(args[2], local), *args[3:])
+    return new_args, kwargs
+
+
+register_local_args(NEW_ZEROS_LIKE + NEW_VALUE, _new_factory_local)
+
+
+# ----- fill_ and copy_ -----------------------------------------------------------------------
+
+
+@register_op_strategy([aten.fill_.Scalar, aten.fill_.Tensor], schema_info=RuntimeSchemaInfo(1))
+def fill_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """In place, so ``self`` keeps its placements; a tensor fill value is replicated. On a
+    Partial("sum") dim only the first device writes the value (see ``_fill_local``)."""
+    strategies = input_strategies(schema)
+    placements = strategies[0].output_spec.placements
+    ins = [placements] + [(Replicate(),) * mesh.ndim] * (len(strategies) - 1)
+    return OpStrategy([strategy(mesh, ins, placements)])
+
+
+def _fill_local(
+    args: tuple, kwargs: dict, inputs: list[DTensorSpec], _output: Any, device: int
+) -> tuple[tuple, dict]:
+    """Devices holding the zeros of a Partial("sum") ``self`` fill with 0, so the reduced value
+    is the fill value (not n times it)."""
+    if keeps_value(inputs[0], device):
+        return args, kwargs
+    value = args[1]
+    zero = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0
+    return (args[0], zero, *args[2:]), kwargs
+
+
+register_local_args([aten.fill_.Scalar, aten.fill_.Tensor], _fill_local)
+
+
+def _broadcast_placement(p: Placement, self_shape: Sequence[int], src_shape: Sequence[int]):
+    """The placement ``src`` needs on one mesh dim so that, broadcast to ``self``'s shape, each
+    device's piece lines up with ``self``'s piece there."""
+    if not isinstance(p, Shard):
+        return p
+    d = p.dim - (len(self_shape) - len(src_shape))
+    if d < 0 or src_shape[d] == 1:
+        return Replicate()
+    return Shard(d) if type(p) is Shard else type(p)(d, p.interleaved_size)
+
+
+@register_op_strategy(aten.copy_.default, schema_info=RuntimeSchemaInfo(2))
+def copy_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``self.copy_(src)`` keeps ``self``'s placements; ``src`` is redistributed to match
+    (broadcast dims replicated). For a Partial ``self`` the source may be Partial alike (linear
+    casts only) or Replicate, in which case only the devices keeping the value write it
+    (``_copy_local``), so the reduced value is ``src`` whatever the dtypes."""
+    dst, src = input_strategies(schema)
+    placements = dst.output_spec.placements
+    target = tuple(_broadcast_placement(p, dst.shape, src.shape) for p in placements)
+    replicated = tuple(Replicate() if p.is_partial() else p for p in target)
+    candidates = [strategy(mesh, [placements, replicated], placements)]
+    dtype = dst.output_spec.tensor_meta.dtype
+    same_kind = dtype == src.output_spec.tensor_meta.dtype or dtype.is_floating_point
+    if target != replicated and same_kind:
+        candidates.append(strategy(mesh, [placements, target], placements))
+    return OpStrategy(candidates)
+
+
+def _copy_local(
+    args: tuple, kwargs: dict, inputs: list[DTensorSpec], _output: Any, device: int
+) -> tuple[tuple, dict]:
+    """With a replicated source into a Partial("sum") ``self``, the devices holding zeros copy
+    zeros (a Partial source carries its own zeros)."""
+    dst, src = inputs
+    coord = dst.mesh.coordinate_of(device)
+    zero = any(
+        isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0 and q.is_replicate()
+        for m, (p, q) in enumerate(zip(dst.placements, src.placements, strict=True))
+    )
+    if not zero:
+        return args, kwargs
+    return (args[0], torch.zeros_like(args[1]), *args[2:]), kwargs
+
+
+register_local_args(aten.copy_.default, _copy_local)
+
+
+# ----- tril / triu -----------------------------------------------------------------------------
+
+
+@register_op_strategy([aten.tril.default, aten.triu.default], schema_info=RuntimeSchemaInfo(1))
+def tril_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Masking by position is linear, so Partial passes; any dim may be sharded. The last two
+    dims may only be sharded contiguously (plain Shard): each device then shifts the diagonal
+    by its global row and column offsets (``_tril_local``)."""
+    arg = input_strategies(schema)[0]
+    ndim = arg.ndim
+
+    def allowed(p: Placement) -> bool:
+        return not (isinstance(p, Shard) and type(p) is not Shard and p.dim >= ndim - 2)
+
+    found = product_strategy(mesh, unary_options(arg.output_spec.placements, ndim, allowed), 1)
+    meta = arg.output_spec.tensor_meta
+    return with_output_meta(found, contiguous_meta(meta.shape, meta.dtype))  # always contiguous
+
+
+def _offset(spec: DTensorSpec, device: int, dim: int) -> int:
+    return spec.local_segments(device)[dim][0][0]
+
+
+def _tril_local(
+    args: tuple, kwargs: dict, inputs: list[DTensorSpec], _output: Any, device: int
+) -> tuple[tuple, dict]:
+    """Local element (i, j) is global (i + r0, j + c0): keep it when j + c0 - (i + r0) <= k,
+    i.e. the local diagonal is k + r0 - c0."""
+    spec = inputs[0]
+    ndim = spec.ndim
+    diagonal = bind(aten.tril.default, args, kwargs)["diagonal"]
+    shift = _offset(spec, device, ndim - 2) - _offset(spec, device, ndim - 1)
+    if shift == 0:
+        return args, kwargs
+    return (args[0], diagonal + shift), {}
+
+
+register_local_args([aten.tril.default, aten.triu.default], _tril_local)

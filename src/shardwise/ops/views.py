@@ -1,0 +1,613 @@
+"""Sharding of view and shape ops: view/reshape, transpose/permute, squeeze/unsqueeze, expand,
+slice/select, split/unbind, cat/stack, repeat, diagonal, and the backward ops they emit.
+
+Every op here moves data without arithmetic, so Partial passes through unchanged. A Shard stays
+a Shard when the op maps its tensor dim onto an output dim whose per-device pieces are exactly
+the local results (same size, or for views the same global elements in the same order); else
+that mesh dim must be Replicate. Strategies list every such per-mesh-dim choice, ordered so that
+among equally cheap ones dispatch keeps the inputs as they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from math import prod
+
+import torch
+
+from ..errors import InvalidPlacementError
+from ..mesh import DeviceMesh
+from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec, Segments, shard_segments
+from .common import input_strategies, strategy
+from .registry import (
+    OpSchema,
+    OpStrategy,
+    PlacementStrategy,
+    RuntimeSchemaInfo,
+    bypass_dispatch,
+    register_local_args,
+    register_op_strategy,
+)
+
+aten = torch.ops.aten
+
+# (input placement, output placement) on one mesh dim
+Option = tuple[Placement, Placement]
+DimMap = dict[int, int]
+
+# ----- helpers shared with the matrix family ------------------------------------------------------
+
+
+def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, ...]]:
+    """Every coordinate of the mesh (all processes' devices: SPMD decisions must agree)."""
+    return list(itertools.product(*(range(s) for s in mesh.shape)))
+
+
+def fits(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> bool:
+    """True when ``placements`` can place a tensor of ``shape`` (interleaves divide sizes)."""
+    if not any(isinstance(p, InterleavedShard) for p in placements):
+        return True
+    try:
+        for coord in mesh_coords(mesh):
+            shard_segments(tuple(shape), mesh.shape, tuple(placements), coord)
+    except InvalidPlacementError:
+        return False
+    return True
+
+
+def same_kind(p: Shard, dim: int) -> Shard:
+    """A shard of the same kind as ``p`` (plain or interleaved) on tensor dim ``dim``."""
+    if isinstance(p, InterleavedShard):
+        return InterleavedShard(dim, p.interleaved_size)
+    return Shard(dim)
+
+
+def ranked(
+    current: Sequence[Sequence[Placement]], candidates: Sequence[PlacementStrategy]
+) -> OpStrategy:
+    """Deduplicate ``candidates`` and order them by how many input placements they change, so
+    that free moves (Replicate -> Shard/Partial cost nothing) never beat keeping the input."""
+
+    def changes(c: PlacementStrategy) -> int:
+        return sum(
+            a != b
+            for spec, cur in zip(c.input_specs, current, strict=True)
+            for a, b in zip(spec.placements, cur, strict=True)
+        )
+
+    seen, unique = set(), []
+    for c in candidates:
+        key = repr(c)
+        if key not in seen:
+            seen.add(key)
+            unique.append(c)
+    return OpStrategy(sorted(unique, key=changes))
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+def _options(current: Placement, dim_map: DimMap) -> list[Option]:
+    """Per-mesh-dim choices of a unary data-movement op: Partial passes through; otherwise
+    Replicate, or a shard of any mapped dim (interleaved kept when the input has one)."""
+    if isinstance(current, Partial):
+        return [(current, current)]
+    options: list[Option] = [(Replicate(), Replicate())]
+    options += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
+    if isinstance(current, InterleavedShard) and current.dim in dim_map:
+        options.append((current, same_kind(current, dim_map[current.dim])))
+    return options
+
+
+def _unary(
+    mesh: DeviceMesh,
+    current: tuple[Placement, ...],
+    per_dim: Sequence[list[Option]],
+    n_outputs: int | None = None,
+    valid: Callable[[tuple[Placement, ...], tuple[Placement, ...]], bool] | None = None,
+) -> OpStrategy:
+    """The strategies from per-mesh-dim options (``n_outputs``: a list-returning op whose
+    outputs all take the same placements)."""
+    candidates = []
+    for combo in itertools.product(*per_dim):
+        ins = tuple(c[0] for c in combo)
+        outs = tuple(c[1] for c in combo)
+        if valid is not None and not valid(ins, outs):
+            continue
+        if n_outputs is None:
+            candidates.append(strategy(mesh, [ins], outs))
+        else:
+            candidates.append(strategy(mesh, [ins], [outs] * n_outputs, multi=True))
+    return ranked([current], candidates)
+
+
+def _mapped(mesh: DeviceMesh, schema: OpSchema, dim_map: DimMap) -> OpStrategy:
+    current = input_strategies(schema)[0].output_spec.placements
+    return _unary(mesh, current, [_options(p, dim_map) for p in current])
+
+
+def _arg(schema: OpSchema, pos: int, name: str, default: object) -> object:
+    args = schema.args_schema
+    if len(args) > pos:
+        return args[pos]
+    return schema.kwargs_schema.get(name, default)
+
+
+def _input(schema: OpSchema) -> DTensorSpec:
+    return input_strategies(schema)[0].output_spec
+
+
+def _local_shape(
+    mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Sequence[int], device: int
+) -> list[int]:
+    segments = shard_segments(tuple(shape), mesh.shape, placements, mesh.coordinate_of(device))
+    return [sum(b - a for a, b in runs) for runs in segments]
+
+
+# ----- view / _unsafe_view ------------------------------------------------------------------
+
+
+def infer_size(size: Sequence[int], numel: int, what: str) -> list[int]:
+    """``size`` with its -1 resolved for ``numel`` elements."""
+    size = [int(s) for s in size]
+    if size.count(-1) == 1:
+        known = prod(s for s in size if s != -1)
+        if known == 0 or numel % known:
+            raise InvalidPlacementError(f"{what}: shape {size} is invalid for {numel} elements")
+        size[size.index(-1)] = numel // known
+    return size
+
+
+def view_groups(
+    in_shape: Sequence[int], out_shape: Sequence[int]
+) -> list[tuple[list[int], list[int]]]:
+    """Split a view into independent groups (input dims, output dims) of equal products; a
+    size-1 dim that appears or disappears is a group of its own (for nonzero numel)."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    a, b = list(in_shape), list(out_shape)
+    while i < len(a) or j < len(b):
+        if i < len(a) and j < len(b) and a[i] == 1 and b[j] == 1:
+            groups.append(([i], [j]))
+            i, j = i + 1, j + 1
+        elif i < len(a) and a[i] == 1:
+            groups.append(([i], []))
+            i += 1
+        elif j < len(b) and b[j] == 1:
+            groups.append(([], [j]))
+            j += 1
+        else:
+            ins, outs, pa, pb = [i], [j], a[i], b[j]
+            i, j = i + 1, j + 1
+            while pa != pb:
+                if pa < pb:
+                    ins.append(i)
+                    pa *= a[i]
+                    i += 1
+                else:
+                    outs.append(j)
+                    pb *= b[j]
+                    j += 1
+            groups.append((ins, outs))
+    return groups
+
+
+_RUN_LIMIT = 4096
+
+
+def _flat_runs(sizes: Sequence[int], segments: Sequence[Segments]) -> list[tuple[int, int]] | None:
+    """The row-major flat indices (as sorted runs) of a product of per-dim index runs within a
+    group of dims; None when it would take more than ``_RUN_LIMIT`` runs to say."""
+    runs = [(0, 1)]
+    for size, segs in zip(sizes, segments, strict=True):
+        segs = [(a, b) for a, b in segs if b > a]
+        if not segs:
+            return []
+        if segs == [(0, size)]:
+            runs = [(a * size, b * size) for a, b in runs]
+        else:
+            if sum(b - a for a, b in runs) * len(segs) > _RUN_LIMIT:
+                return None
+            runs = [(f * size + s, f * size + e) for a, b in runs for f in range(a, b)
+                    for s, e in segs]
+        merged: list[tuple[int, int]] = []
+        for start, stop in runs:
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], stop)
+            else:
+                merged.append((start, stop))
+        runs = merged
+    return runs
+
+
+def view_is_local(
+    mesh: DeviceMesh,
+    in_shape: Sequence[int],
+    out_shape: Sequence[int],
+    ins: tuple[Placement, ...],
+    outs: tuple[Placement, ...],
+) -> bool:
+    """True when every device's component viewed to its local output shape is exactly its
+    output piece: per view group, both sides hold the same global elements (row-major order
+    then agrees too)."""
+    groups = view_groups(in_shape, out_shape)
+    for coord in mesh_coords(mesh):
+        try:
+            a = shard_segments(tuple(in_shape), mesh.shape, ins, coord)
+            b = shard_segments(tuple(out_shape), mesh.shape, outs, coord)
+        except InvalidPlacementError:
+            return False
+        for gi, go in groups:
+            left = _flat_runs([in_shape[d] for d in gi], [a[d] for d in gi])
+            right = _flat_runs([out_shape[d] for d in go], [b[d] for d in go])
+            if left is None or right is None or left != right:
+                return False
+    return True
+
+
+def _view_options(
+    current: Placement, in_shape: Sequence[int], out_shape: Sequence[int]
+) -> list[Option]:
+    """Candidate choices for one mesh dim of a view (checked by ``view_is_local`` later): a
+    shard of any input dim onto any output dim of its group, an interleaved input onto the
+    inner dim of a [k, n] split, and a shard of an inner dim onto an interleaved merge."""
+    if isinstance(current, Partial):
+        return [(current, current)]
+    options: list[Option] = [(Replicate(), Replicate())]
+    for gi, go in view_groups(in_shape, out_shape):
+        options += [(Shard(d), Shard(e)) for d in gi for e in go]
+        if gi and go and len(gi) > 1:
+            for pos in range(1, len(gi)):
+                k = prod(in_shape[d] for d in gi[:pos])
+                if k > 1:
+                    options.append((Shard(gi[pos]), InterleavedShard(go[0], k)))
+        if isinstance(current, InterleavedShard) and current.dim in gi:
+            k = current.interleaved_size
+            options += [(current, InterleavedShard(e, k)) for e in go]
+            options += [(current, Shard(go[pos])) for pos in range(1, len(go))
+                        if prod(out_shape[e] for e in go[:pos]) == k]
+    return options
+
+
+@register_op_strategy(
+    [aten.view.default, aten._unsafe_view.default], schema_info=RuntimeSchemaInfo(1)
+)
+def view_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """A view keeps a shard when each device's elements stay a contiguous-in-order local view."""
+    spec = _input(schema)
+    in_shape = list(spec.shape)
+    out_shape = infer_size(schema.args_schema[1], prod(in_shape), str(schema.op))
+    current = spec.placements
+    if prod(in_shape) == 0:
+        per_dim = [[(p, p)] if isinstance(p, Partial) else [(Replicate(), Replicate())]
+                   for p in current]
+        return _unary(mesh, current, per_dim)
+    per_dim = [_view_options(p, in_shape, out_shape) for p in current]
+    return _unary(
+        mesh,
+        current,
+        per_dim,
+        valid=lambda ins, outs: view_is_local(mesh, in_shape, out_shape, ins, outs),
+    )
+
+
+# ----- local sizes for ops that take a global size ----------------------------------------
+
+
+def _view_global(args: tuple, spec: DTensorSpec) -> list[int]:
+    return infer_size(args[1], prod(spec.shape), "view")
+
+
+def _expand_global(args: tuple, spec: DTensorSpec) -> list[int]:
+    size = [int(s) for s in args[1]]
+    offset = len(size) - spec.ndim
+    return [spec.shape[i - offset] if s == -1 else s for i, s in enumerate(size)]
+
+
+def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:  # noqa: ARG001
+    return [int(s) for s in args[1]]
+
+
+def _size_hook(global_size: Callable[[tuple, DTensorSpec], list[int]]):
+    """A local-args hook replacing the global size (argument 1) by the device's output shape."""
+
+    def hook(args: tuple, kwargs: dict, in_specs: list[DTensorSpec], out_spec, device: int):
+        shape = global_size(args, in_specs[0])
+        local = _local_shape(in_specs[0].mesh, out_spec.placements, shape, device)
+        return (args[0], local, *args[2:]), kwargs
+
+    return hook
+
+
+def _view_hook(args: tuple, kwargs: dict, in_specs: list[DTensorSpec], out_spec, device: int):
+    """The local view size; a component whose strides cannot take the view (a shard cut out of
+    a larger tensor, say) is made contiguous first, as the global tensor's layout allows it."""
+    (component, local, *rest), kwargs = _size_hook(_view_global)(
+        args, kwargs, in_specs, out_spec, device
+    )
+    try:
+        component.view(local)
+    except RuntimeError:
+        component = component.contiguous()
+    return (component, local, *rest), kwargs
+
+
+register_local_args([aten.view.default, aten._unsafe_view.default], _view_hook)
+register_local_args(aten.expand.default, _size_hook(_expand_global))
+register_local_args(
+    [aten.slice_backward.default, aten.select_backward.default, aten.diagonal_backward.default],
+    _size_hook(_literal_global),
+)
+
+# ----- dim permutations ---------------------------------------------------------------------
+
+
+@register_op_strategy(
+    [aten.transpose.int, aten.t.default, aten.permute.default], schema_info=RuntimeSchemaInfo(1)
+)
+def permute_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """A shard follows its dim to wherever the permutation puts it."""
+    ndim = _input(schema).ndim
+    if schema.op == aten.permute.default:
+        order = [_norm(d, ndim) for d in schema.args_schema[1]]
+    else:
+        order = list(range(ndim))
+        if schema.op == aten.transpose.int:
+            d0, d1 = (_norm(d, ndim) for d in schema.args_schema[1:3])
+        else:
+            d0, d1 = 0, ndim - 1
+        if ndim:
+            order[d0], order[d1] = order[d1], order[d0]
+    return _mapped(mesh, schema, {d: i for i, d in enumerate(order)})
+
+
+# ----- squeeze / unsqueeze ---------------------------------------------------------------
+
+
+@register_op_strategy(aten.squeeze.dims, schema_info=RuntimeSchemaInfo(1))
+def squeeze_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Removed size-1 dims must be Replicate (a shard of one element sits on one device)."""
+    shape = _input(schema).shape
+    ndim = len(shape)
+    dims = {_norm(d, ndim) for d in schema.args_schema[1] if shape[_norm(d, ndim)] == 1}
+    kept = [d for d in range(ndim) if d not in dims]
+    return _mapped(mesh, schema, {d: i for i, d in enumerate(kept)})
+
+
+def _squeeze_as_dims(op: object, args: tuple, kwargs: dict) -> object:
+    """squeeze() and squeeze(dim) act on local sizes; squeeze only the globally size-1 dims."""
+    x = args[0]
+    ndim = x.ndim
+    if op in (aten.squeeze.default, aten.squeeze_.default):
+        wanted = range(ndim)
+    else:
+        dim = args[1] if len(args) > 1 else kwargs["dim"]
+        wanted = dim if isinstance(dim, (list, tuple)) else [dim]
+    dims = [_norm(d, ndim) for d in wanted if ndim and x.shape[_norm(d, ndim)] == 1]
+    return aten.squeeze.dims(x, dims)
+
+
+def _squeeze_dims_hook(args: tuple, kwargs: dict, in_specs: list[DTensorSpec], out_spec, device):
+    """Squeeze only dims of global size 1 (a shard may have local size 1 where the global
+    size is not)."""
+    shape = in_specs[0].shape
+    dims = [_norm(d, len(shape)) for d in args[1]]
+    return (args[0], [d for d in dims if not shape or shape[d] == 1], *args[2:]), kwargs
+
+
+register_local_args(aten.squeeze.dims, _squeeze_dims_hook)
+
+
+@register_op_strategy(aten.unsqueeze.default, schema_info=RuntimeSchemaInfo(1))
+def unsqueeze_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    ndim = _input(schema).ndim
+    new = _norm(schema.args_schema[1], ndim + 1)
+    return _mapped(mesh, schema, {d: d + (d >= new) for d in range(ndim)})
+
+
+_INPLACE_VIEWS = {
+    aten.squeeze_.default: _squeeze_as_dims,
+    aten.squeeze_.dim: _squeeze_as_dims,
+    aten.squeeze_.dims: _squeeze_as_dims,
+    aten.unsqueeze_.default: lambda op, a, k: aten.unsqueeze.default(*a, **k),
+    aten.t_.default: lambda op, a, k: aten.t.default(*a, **k),
+    aten.transpose_.default: lambda op, a, k: aten.transpose.int(*a, **k),
+}
+
+
+def _inplace_view(op: object, args: tuple, kwargs: dict) -> object:
+    """In-place view ops change the DTensor's own shape: compute the out-of-place view, then
+    give its spec and components to the input and correct the wrapper's sizes and strides."""
+    out = _INPLACE_VIEWS[op](op, args, kwargs)
+    self = args[0]
+    with torch._C._DisableTorchDispatch():
+        op(self, *args[1:], **kwargs)
+    self._spec = out._spec
+    self._components = out._components
+    return self
+
+
+bypass_dispatch([aten.squeeze.default, aten.squeeze.dim], _squeeze_as_dims)
+bypass_dispatch(list(_INPLACE_VIEWS), _inplace_view)
+
+# ----- expand / repeat ----------------------------------------------------------------------
+
+
+@register_op_strategy(aten.expand.default, schema_info=RuntimeSchemaInfo(1))
+def expand_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Dims that keep their size keep their shard; broadcast and new dims are Replicate."""
+    shape = _input(schema).shape
+    size = list(schema.args_schema[1])
+    offset = len(size) - len(shape)
+    dim_map = {d: d + offset for d in range(len(shape)) if size[d + offset] in (-1, shape[d])}
+    return _mapped(mesh, schema, dim_map)
+
+
+@register_op_strategy(aten.repeat.default, schema_info=RuntimeSchemaInfo(1))
+def repeat_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Only dims repeated once keep their shard (a repeated shard is not a chunk)."""
+    ndim = _input(schema).ndim
+    repeats = list(schema.args_schema[1])
+    offset = len(repeats) - ndim
+    return _mapped(mesh, schema, {d: d + offset for d in range(ndim) if repeats[d + offset] == 1})
+
+
+# ----- slice / select and their backward ----------------------------------------------------
+
+
+def _slice_bounds(schema: OpSchema, size: int, first: int) -> tuple[int, int, int]:
+    """(start, end, step) of a slice normalized like Python's, for a dim of ``size``."""
+    start = _arg(schema, first, "start", None)
+    end = _arg(schema, first + 1, "end", None)
+    step = _arg(schema, first + 2, "step", 1)
+    return slice(start, end, step).indices(size)
+
+
+def _is_full(bounds: tuple[int, int, int], size: int) -> bool:
+    return bounds[0] == 0 and bounds[1] >= size and bounds[2] == 1
+
+
+@register_op_strategy(aten.slice.Tensor, schema_info=RuntimeSchemaInfo(1))
+def slice_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """A slice along a sharded dim needs that dim whole, unless it takes the full range."""
+    shape = _input(schema).shape
+    ndim = len(shape)
+    dim = _norm(_arg(schema, 1, "dim", 0), ndim)
+    full = _is_full(_slice_bounds(schema, shape[dim], 2), shape[dim]) if ndim else True
+    return _mapped(mesh, schema, {d: d for d in range(ndim) if d != dim or full})
+
+
+@register_op_strategy(aten.slice_backward.default, schema_info=RuntimeSchemaInfo(1))
+def slice_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Zero-padding the gradient back to the input shape: as the forward slice."""
+    sizes = list(schema.args_schema[1])
+    dim = _norm(schema.args_schema[2], len(sizes))
+    bounds = slice(*schema.args_schema[3:6]).indices(sizes[dim])
+    full = _is_full(bounds, sizes[dim])
+    return _mapped(mesh, schema, {d: d for d in range(len(sizes)) if d != dim or full})
+
+
+@register_op_strategy(aten.select.int, schema_info=RuntimeSchemaInfo(1))
+def select_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    ndim = _input(schema).ndim
+    dim = _norm(schema.args_schema[1], ndim)
+    return _mapped(mesh, schema, {d: d - (d > dim) for d in range(ndim) if d != dim})
+
+
+@register_op_strategy(aten.select_backward.default, schema_info=RuntimeSchemaInfo(1))
+def select_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    ndim = len(schema.args_schema[1])
+    dim = _norm(schema.args_schema[2], ndim)
+    return _mapped(mesh, schema, {g: g + (g >= dim) for g in range(ndim - 1)})
+
+
+# ----- diagonal ----------------------------------------------------------------------------
+
+
+def _diag_dims(ndim: int, schema: OpSchema, first: int) -> tuple[int, int]:
+    d1 = _norm(_arg(schema, first, "dim1", 0), ndim)
+    d2 = _norm(_arg(schema, first + 1, "dim2", 1), ndim)
+    return d1, d2
+
+
+@register_op_strategy(
+    [aten.diagonal.default, aten.diagonal_copy.default], schema_info=RuntimeSchemaInfo(1)
+)
+def diagonal_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """The two diagonal dims are Replicate; the other dims keep their shards."""
+    ndim = _input(schema).ndim
+    d1, d2 = _diag_dims(ndim, schema, 2)
+    rest = [d for d in range(ndim) if d not in (d1, d2)]
+    return _mapped(mesh, schema, {d: i for i, d in enumerate(rest)})
+
+
+@register_op_strategy(aten.diagonal_backward.default, schema_info=RuntimeSchemaInfo(1))
+def diagonal_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    ndim = len(schema.args_schema[1])
+    d1, d2 = _diag_dims(ndim, schema, 3)
+    rest = [d for d in range(ndim) if d not in (d1, d2)]
+    return _mapped(mesh, schema, dict(enumerate(rest)))
+
+
+# ----- split / unbind --------------------------------------------------------------------
+
+
+@register_op_strategy(
+    [aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int],
+    schema_info=RuntimeSchemaInfo(1),
+)
+def split_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """The split dim must be whole on every device; the pieces share the other dims' shards."""
+    shape = _input(schema).shape
+    ndim = len(shape)
+    if schema.op == aten.unbind.int:
+        dim = _norm(_arg(schema, 1, "dim", 0), ndim)
+        count = shape[dim]
+        dim_map = {d: d - (d > dim) for d in range(ndim) if d != dim}
+    else:
+        dim = _norm(_arg(schema, 2, "dim", 0), ndim)
+        sizes = schema.args_schema[1]
+        if schema.op == aten.split.Tensor:
+            count = max(1, -(-shape[dim] // sizes)) if sizes else 1
+        else:
+            count = len(sizes)
+        dim_map = {d: d for d in range(ndim) if d != dim}
+    current = _input(schema).placements
+    return _unary(mesh, current, [_options(p, dim_map) for p in current], n_outputs=count)
+
+
+# ----- cat / stack -------------------------------------------------------------------------
+
+
+def _joined(
+    mesh: DeviceMesh,
+    specs: list[DTensorSpec],
+    skipped: list[bool],
+    dim_map: DimMap,
+) -> OpStrategy:
+    """cat/stack: on each mesh dim all joined inputs are Replicate, share a shard of a mapped
+    dim, or share a Partial (both ops are linear). Skipped inputs keep their placements."""
+    joined = [s for s, skip in zip(specs, skipped, strict=True) if not skip]
+    per_dim: list[list[tuple[Placement, Placement]]] = []
+    for m in range(mesh.ndim):
+        here = [s.placements[m] for s in joined]
+        options: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
+        options += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
+        for p in dict.fromkeys(here):
+            if isinstance(p, Partial):
+                options.append((p, p))
+            elif isinstance(p, InterleavedShard) and p.dim in dim_map:
+                options.append((p, same_kind(p, dim_map[p.dim])))
+        per_dim.append(options)
+    candidates = []
+    for combo in itertools.product(*per_dim):
+        want = tuple(c[0] for c in combo)
+        outs = tuple(c[1] for c in combo)
+        ins = [s.placements if skip else want for s, skip in zip(specs, skipped, strict=True)]
+        candidates.append(strategy(mesh, ins, outs))
+    return ranked([s.placements for s in specs], candidates)
+
+
+@register_op_strategy(aten.cat.default, schema_info=RuntimeSchemaInfo(1))
+def cat_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Concatenation along a dim needs it whole; other dims keep a common shard. 1-D empty
+    inputs are skipped by cat (legacy rule) and keep their placements."""
+    specs = [s.output_spec for s in input_strategies(schema)]
+    ndims = {s.ndim for s in specs if not (s.ndim == 1 and s.shape[0] == 0)}
+    ndim = max(ndims) if ndims else 1
+    skipped = [ndim != 1 and s.ndim == 1 and s.shape[0] == 0 for s in specs]
+    dim = _norm(_arg(schema, 1, "dim", 0), ndim)
+    return _joined(mesh, specs, skipped, {d: d for d in range(ndim) if d != dim})
+
+
+@register_op_strategy(aten.stack.default, schema_info=RuntimeSchemaInfo(1))
+def stack_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Stacking inserts a new dim; every input dim keeps a common shard."""
+    specs = [s.output_spec for s in input_strategies(schema)]
+    ndim = specs[0].ndim
+    new = _norm(_arg(schema, 1, "dim", 0), ndim + 1)
+    dim_map = {d: d + (d >= new) for d in range(ndim)}
+    return _joined(mesh, specs, [False] * len(specs), dim_map)

@@ -1,0 +1,246 @@
+"""View and shape ops on DTensors against single-device torch, with the placements they keep
+(no communication where the local view is exact) and the ones they must redistribute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from op_oracle import run_oracle
+from shardwise import InterleavedShard, Partial, Shard
+
+aten = torch.ops.aten
+
+
+def _rand(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape) + len(shape)))
+
+
+def _no_comm(fn, *tensors):
+    with sw.CommCounter() as counter:
+        out = fn(*tensors)
+    assert counter.total_bytes == 0 and not counter.counts, counter.counts
+    return out
+
+
+# ----- oracle --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "fn"),
+    [
+        ((5, 3, 2), lambda x: x.reshape(-1, 6)),
+        ((5, 6), lambda x: x.view(5, 2, 3)),
+        ((6, 5), lambda x: x.view(3, 2, 5)),
+        ((4, 6), lambda x: x.view(6, 4)),
+        ((5, 1, 3), lambda x: x.view(15)),
+        ((5, 3), lambda x: x.view(1, 5, 1, 3)),
+        ((7, 3), lambda x: x.t().reshape(-1)),
+        ((5, 3, 2), lambda x: x.flatten(1)),
+        ((5, 3, 2), lambda x: x.flatten()),
+        ((5, 6), lambda x: x.unflatten(1, (3, 2))),
+        ((5, 3), lambda x: x.view_as(torch.empty(15))),
+        ((0, 3), lambda x: x.view(3, 0)),
+    ],
+)
+def test_view_oracle(shape, fn) -> None:
+    run_oracle(fn, [_rand(*shape)], max_cases=10)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.transpose(0, 2),
+        lambda x: x.permute(2, 0, 1),
+        lambda x: x.movedim(0, -1),
+        lambda x: x.mT,
+        lambda x: x.squeeze(),
+        lambda x: x.squeeze(1),
+        lambda x: x.squeeze(0),
+        lambda x: x.squeeze((1, 2)),
+        lambda x: x.unsqueeze(1),
+        lambda x: x.unsqueeze(-1),
+        lambda x: x.expand(2, 5, 3, 3),
+        lambda x: x.repeat(2, 1, 1, 2),
+        lambda x: x.contiguous(),
+        lambda x: aten.alias(x),
+        lambda x: x.diagonal(0, 0, 2),
+        lambda x: torch.diag(x[:, 0, :]),
+    ],
+)
+def test_reorder_and_broadcast_oracle(fn) -> None:
+    run_oracle(fn, [_rand(5, 1, 3)], max_cases=8)
+
+
+def test_t_and_expand_as_oracle() -> None:
+    run_oracle(lambda x: x.t(), [_rand(5, 3)], max_cases=8)
+    run_oracle(lambda x: x.t(), [_rand(5)], max_cases=4)
+    run_oracle(lambda x, y: x.expand_as(y), [_rand(5, 1), _rand(3, 5, 2)], max_cases=8)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x[1:4],
+        lambda x: x[:, ::2],
+        lambda x: x[-3:, 1:],
+        lambda x: x[:, 0:99],
+        lambda x: x[2],
+        lambda x: x[:, -1],
+        lambda x: x.narrow(1, 1, 3),
+        lambda x: x.split(2, 1),
+        lambda x: x.split([1, 4], 0),
+        lambda x: x.chunk(3, 0),
+        lambda x: x.tensor_split(3, 1),
+        lambda x: x.unbind(1),
+        lambda x: x.unbind(0),
+    ],
+)
+def test_slice_select_split_oracle(fn) -> None:
+    run_oracle(fn, [_rand(5, 5)], max_cases=10)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "fn"),
+    [
+        ([(5, 3), (2, 3)], lambda x, y: torch.cat([x, y], 0)),
+        ([(5, 3), (5, 2)], lambda x, y: torch.cat([x, y], -1)),
+        ([(5, 3), (5, 3)], lambda x, y: torch.stack([x, y], 1)),
+        ([(5, 3), (5, 3)], lambda x, y: torch.stack([x, y])),
+        ([(5, 3), (2, 3)], lambda x, y: torch.vstack([x, y])),
+        ([(5, 3), (5, 2)], lambda x, y: torch.hstack([x, y])),
+    ],
+)
+def test_cat_stack_oracle(shapes, fn) -> None:
+    run_oracle(fn, [_rand(*s) for s in shapes], max_cases=12)
+
+
+def test_cat_skips_legacy_empty_inputs() -> None:
+    run_oracle(lambda x, y: torch.cat([x, y], 1), [_rand(4, 3), torch.empty(0)], max_cases=8)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: (x * 1).squeeze_(1),
+        lambda x: (x * 1).squeeze_(),
+        lambda x: (x * 1).unsqueeze_(0),
+        lambda x: (x * 1).transpose_(0, 2),
+        lambda x: (x * 1)[:, 0].t_(),
+    ],
+)
+def test_inplace_views_oracle(fn) -> None:
+    run_oracle(fn, [_rand(5, 1, 3)], max_cases=6)
+
+
+def test_interleaved_inputs_oracle() -> None:
+    run_oracle(lambda x: x.view(2, 3, 4), [_rand(6, 4)], interleaved=True, max_cases=10)
+    run_oracle(lambda x: x.reshape(-1), [_rand(6, 4)], interleaved=True, max_cases=10)
+    run_oracle(lambda x: x.t()[1:], [_rand(6, 4)], interleaved=True, max_cases=10)
+
+
+# ----- placements kept, and redistribution where needed -------------------------------------
+
+
+def test_merge_keeps_outer_shard_when_even() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(4, 3)
+    out = _no_comm(lambda d: d.view(12), sw.distribute_tensor(x, mesh, [Shard(0)]))
+    assert out.placements == (Shard(0),)
+    assert torch.equal(out.full_tensor(), x.view(12))
+
+
+def test_uneven_merge_needs_redistribution() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(5, 3)
+    d = sw.distribute_tensor(x, mesh, [Shard(0)])
+    with pytest.raises(sw.ImplicitRedistributeError, match="aten.view"):
+        d.view(15)
+    with sw.allow_implicit_redistribute():
+        out = d.view(15)
+    assert torch.equal(out.full_tensor(), x.view(15))
+
+
+@pytest.mark.parametrize(("size", "split", "kept"), [(12, (4, 3), True), (10, (5, 2), False)])
+def test_split_of_sharded_dim_keeps_outer_shard_when_sizes_allow(size, split, kept) -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(size)
+    d = sw.distribute_tensor(x, mesh, [Shard(0)])
+    with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+        out = d.view(*split)
+    assert (counter.total_bytes == 0) == kept
+    assert (out.placements == (Shard(0),)) == kept
+    assert torch.equal(out.full_tensor(), x.view(*split))
+
+
+def test_interleaved_split_becomes_inner_shard_and_back() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(6, 4)  # a merged [q; k; v] of 3 blocks of 2 rows
+    d = sw.distribute_tensor(x, mesh, [InterleavedShard(0, 3)])
+    split = _no_comm(lambda t: t.view(3, 2, 4), d)
+    assert split.placements == (Shard(1),)
+    assert torch.equal(split.full_tensor(), x.view(3, 2, 4))
+    merged = _no_comm(lambda t: t.reshape(6, 4), split)
+    assert merged.placements == (InterleavedShard(0, 3),)
+    assert torch.equal(merged.full_tensor(), x)
+
+
+def test_transpose_and_permute_move_the_shard() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    x = _rand(5, 3, 2)
+    d = sw.distribute_tensor(x, mesh, [Shard(0), Partial()])
+    out = _no_comm(lambda t: t.permute(2, 0, 1).transpose(0, 1), d)
+    assert out.placements == (Shard(0), Partial())
+    assert torch.equal(out.full_tensor(), x.permute(2, 0, 1).transpose(0, 1))
+
+
+def test_slice_along_sharded_dim() -> None:
+    mesh = sw.init_device_mesh("cpu", (3,))
+    x = _rand(7, 4)
+    d = sw.distribute_tensor(x, mesh, [Shard(0)])
+    with pytest.raises(sw.ImplicitRedistributeError, match="aten.slice"):
+        d[1:5]
+    full = _no_comm(lambda t: t[0:7, 1:3], d)
+    assert full.placements == (Shard(0),)
+    assert torch.equal(full.full_tensor(), x[:, 1:3])
+
+
+def test_cat_along_other_dim_and_split_keep_shard() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x, y = _rand(5, 3), _rand(5, 2)
+    dx = sw.distribute_tensor(x, mesh, [Shard(0)])
+    dy = sw.distribute_tensor(y, mesh, [Shard(0)])
+    out = _no_comm(lambda a, b: torch.cat([a, b], 1), dx, dy)
+    assert out.placements == (Shard(0),)
+    pieces = _no_comm(lambda t: t.split([3, 2], 1), out)
+    assert [p.placements for p in pieces] == [(Shard(0),), (Shard(0),)]
+    assert torch.equal(pieces[1].full_tensor(), y)
+
+
+def test_squeeze_uses_global_sizes() -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    x = _rand(3, 1, 2)  # dim 0 has local size 1 (or 0) on every device
+    d = sw.distribute_tensor(x, mesh, [Shard(0)])
+    out = _no_comm(lambda t: t.squeeze(), d)
+    assert out.shape == (3, 2) and out.placements == (Shard(0),)
+    assert torch.equal(out.full_tensor(), x.squeeze())
+    assert _no_comm(lambda t: t.squeeze(0), d).shape == (3, 1, 2)
+
+
+def test_inplace_squeeze_updates_the_dtensor() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(1, 5, 3)
+    d = sw.distribute_tensor(x, mesh, [Shard(1)])
+    d.squeeze_(0)
+    assert d.shape == (5, 3) and d.placements == (Shard(0),)
+    assert torch.equal(d.full_tensor(), x[0])
+
+
+def test_expand_keeps_partial_and_new_dims_are_replicate() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    x = _rand(5, 1)
+    d = sw.distribute_tensor(x, mesh, [Shard(0), Partial()])
+    out = _no_comm(lambda t: t.expand(4, 5, 3), d)
+    assert out.placements == (Shard(1), Partial())
+    assert torch.equal(out.full_tensor(), x.expand(4, 5, 3))
