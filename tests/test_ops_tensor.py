@@ -205,3 +205,14 @@ def test_interleaved_factory() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     d = sw.full((6, 2), 1.5, device_mesh=mesh, placements=[InterleavedShard(0, 3)])
     assert torch.equal(d.full_tensor(), torch.full((6, 2), 1.5))
+
+
+def test_dtype_keyword_keys_the_sharding_cache() -> None:
+    """Two calls that differ only in a dtype keyword must not share cached output metadata."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = sw.distribute_tensor(_t(5, 3), mesh, [Shard(0)])
+    assert x.new_zeros((2, 2)).dtype == torch.float32
+    ints = x.new_zeros((2, 2), dtype=torch.int64)
+    assert ints.dtype == ints.full_tensor().dtype == torch.int64
+    assert torch.zeros_like(x).dtype == torch.float32
+    assert torch.zeros_like(x, dtype=torch.float64).full_tensor().dtype == torch.float64

@@ -67,6 +67,10 @@ def test_view_oracle(shape, fn) -> None:
         lambda x: aten.alias(x),
         lambda x: x.diagonal(0, 0, 2),
         lambda x: torch.diag(x[:, 0, :]),
+        lambda x: x.flip(0, -1),
+        lambda x: x.roll(2, 0),
+        lambda x: x.roll((1, -1), (0, 2)),
+        lambda x: x.roll(4),
     ],
 )
 def test_reorder_and_broadcast_oracle(fn) -> None:
@@ -244,3 +248,10 @@ def test_expand_keeps_partial_and_new_dims_are_replicate() -> None:
     out = _no_comm(lambda t: t.expand(4, 5, 3), d)
     assert out.placements == (Shard(1), Partial())
     assert torch.equal(out.full_tensor(), x.expand(4, 5, 3))
+
+
+def test_view_to_a_wrong_size_names_the_shapes() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    d = sw.distribute_tensor(_rand(3, 4), mesh, [Shard(0)])
+    with pytest.raises(sw.InvalidArgumentError, match=r"shape \[-1, 5\] is invalid for 12"):
+        d.view(-1, 5)

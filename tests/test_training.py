@@ -34,7 +34,9 @@ class Block(nn.Module):
         self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
         self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
+        # no key bias: it shifts every score of a row equally, so its true gradient is zero
+        # and Adam would amplify rounding noise of either sign
+        self.k = nn.Linear(dim, dim, bias=False)
         self.v = nn.Linear(dim, dim)
         self.out = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)

@@ -221,8 +221,15 @@ class DeviceMesh:
 
     def groups(self, mesh_dim: int) -> list[tuple[int, ...]]:
         """Every group of devices along ``mesh_dim`` (the rows of the mesh on that dim)."""
-        moved = self.mesh.movedim(mesh_dim, -1).reshape(-1, self.mesh.shape[mesh_dim])
-        return [tuple(row) for row in moved.tolist()]
+        return list(self._groups[mesh_dim])
+
+    @cached_property
+    def _groups(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        result = []
+        for mesh_dim in range(self.ndim):
+            moved = self.mesh.movedim(mesh_dim, -1).reshape(-1, self.mesh.shape[mesh_dim])
+            result.append(tuple(tuple(row) for row in moved.tolist()))
+        return tuple(result)
 
     def __getitem__(self, dims: str | Sequence[str]) -> DeviceMesh:
         """The sub-mesh over ``dims`` through this process's first local device (PyTorch)."""

@@ -112,10 +112,15 @@ class _Pricer:
     def __init__(self, mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int) -> None:
         self.mesh, self.shape, self.itemsize = mesh, shape, itemsize
         self.local = set(mesh.local_device_ids)
+        self._shapes: dict[tuple[State, tuple[int, ...]], tuple[int, ...]] = {}
 
     def local_shape(self, state: State, coord: tuple[int, ...]) -> list[int]:
-        runs = shard_segments(self.shape, self.mesh.shape, state, coord)
-        return [sum(b - a for a, b in r) for r in runs]
+        key = (state, coord)
+        shape = self._shapes.get(key)
+        if shape is None:
+            runs = shard_segments(self.shape, self.mesh.shape, state, coord)
+            shape = self._shapes[key] = tuple(sum(b - a for a, b in r) for r in runs)
+        return list(shape)
 
     def numel(self, state: State, coord: tuple[int, ...]) -> int:
         return prod(self.local_shape(state, coord))

@@ -132,7 +132,8 @@ def _fix_shapes(_op: Any, result: tuple, _args: tuple, _kwargs: dict) -> tuple:
     for out in result:
         ids = out.device_mesh.local_device_ids
         comps = [
-            c if c.shape == out._spec.local_shape(i) else c.new_zeros(out._spec.local_shape(i))
+            c.new_zeros(out._spec.local_shape(i))
+            if c.numel() == 0 and c.shape != out._spec.local_shape(i) else c
             for i, c in zip(ids, out._components, strict=True)
         ]
         changed = any(a is not b for a, b in zip(comps, out._components, strict=True))

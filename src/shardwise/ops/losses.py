@@ -14,6 +14,10 @@ with the target's. Per reduction, with a sharded batch:
   ``total_weight`` becomes replicated, which is what the backward needs.
 
 The loss is linear in its input, so a Partial input with replicated target gives a Partial loss.
+
+The elementwise losses (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``) shard like pointwise
+ops; with ``mean`` over a sharded input each device sums and divides by the global element count
+(static), so they need no communication at all.
 """
 
 from __future__ import annotations
@@ -119,3 +123,89 @@ def nll_loss_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy
         return opts
 
     return mesh_strategies(mesh, schema, options, multi=False)
+
+
+# ----- elementwise losses (mse, smooth_l1, huber) ----------------------------------------------
+
+ELEMENTWISE_OPS = [aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default]
+ELEMENTWISE_BACKWARD_OPS = [
+    aten.mse_loss_backward.default,
+    aten.smooth_l1_loss_backward.default,
+    aten.huber_loss_backward.default,
+]
+
+
+def _reduction(args: tuple, kwargs: dict, at: int) -> int:
+    """The ``reduction`` argument, which callers may leave at its default (mean)."""
+    if len(args) > at:
+        return args[at]
+    return kwargs.get("reduction", MEAN)
+
+
+@register_op_strategy(ELEMENTWISE_OPS, schema_info=RuntimeSchemaInfo(2))
+def elementwise_loss_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``mse_loss(input, target, reduction, ...)``: input and target sharded alike on any dim give
+    a sharded loss (``none``) or a Partial one (``sum``; ``mean`` sums locally and divides by
+    the global element count, so uneven shards need no communication)."""
+    inputs, target = input_strategies(schema)
+    reduction = _reduction(schema.args_schema, schema.kwargs_schema, 2)
+    options: list[Option] = [((R, R), (R,))]
+    if inputs.shape == target.shape:
+        for d in range(inputs.ndim):
+            loss = Shard(d) if reduction not in (MEAN, SUM) else P
+            options.append(((Shard(d), Shard(d)), (loss,)))
+    return mesh_strategies(mesh, schema, options, multi=False)
+
+
+def _elementwise_local_args(
+    args: tuple, kwargs: dict, specs: list[DTensorSpec], _out: Any, _device: int
+) -> tuple[tuple, dict]:
+    """A sharded ``mean``: sum locally (the post-patch divides by the global count)."""
+    sharded = any(isinstance(p, Shard) for p in specs[0].placements)
+    if _reduction(args, kwargs, 2) == MEAN and sharded:
+        if len(args) > 2:
+            return (*args[:2], SUM, *args[3:]), kwargs
+        return args, {**kwargs, "reduction": SUM}
+    return args, kwargs
+
+
+def _elementwise_post_patch(_op: Any, result: DTensor, args: tuple, kwargs: dict) -> DTensor:
+    """Finish a sharded ``mean``: divide the Partial local sums by the global element count."""
+    if _reduction(args, kwargs, 2) != MEAN or not any(p.is_partial() for p in result.placements):
+        return result
+    count = args[0].numel()
+    return DTensor([c / count for c in result._components], result._spec)
+
+
+for _op in ELEMENTWISE_OPS:
+    register_local_args(_op, _elementwise_local_args)
+    register_post_patch(_op, _elementwise_post_patch)
+
+
+@register_op_strategy(ELEMENTWISE_BACKWARD_OPS, schema_info=RuntimeSchemaInfo(3))
+def elementwise_loss_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``mse_loss_backward(grad, input, target, reduction, ...)``: input and target sharded alike
+    (grad too for ``none``) give a gradient sharded the same way; linear in grad, so a Partial
+    grad with the rest replicated gives a Partial gradient."""
+    _, inputs, target = input_strategies(schema)
+    reduction = schema.args_schema[3]
+    options: list[Option] = [((R, R, R), (R,)), ((P, R, R), (P,))]
+    if inputs.shape == target.shape:
+        for d in range(inputs.ndim):
+            grad = Shard(d) if reduction not in (MEAN, SUM) else R
+            options.append(((grad, Shard(d), Shard(d)), (Shard(d),)))
+    return mesh_strategies(mesh, schema, options, multi=False)
+
+
+def _elementwise_backward_local_args(
+    args: tuple, kwargs: dict, specs: list[DTensorSpec], _out: Any, _device: int
+) -> tuple[tuple, dict]:
+    """A sharded ``mean``: the kernel divides by the local count; rescale grad to the global."""
+    grad, local = args[0], args[1]
+    if args[3] == MEAN and any(isinstance(p, Shard) for p in specs[1].placements):
+        grad = grad * (local.numel() / max(specs[1].shape.numel(), 1))
+        return (grad, *args[1:]), kwargs
+    return args, kwargs
+
+
+register_local_args(ELEMENTWISE_BACKWARD_OPS, _elementwise_backward_local_args)

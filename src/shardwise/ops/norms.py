@@ -58,7 +58,7 @@ def mesh_strategies(
     for combo in itertools.product(*per_dim):
         ins = [tuple(opt[0][i] for opt in combo) for i in range(len(combo[0][0]))]
         outs = [tuple(opt[1][j] for opt in combo) for j in range(len(combo[0][1]))]
-        moved = sum(a != b for a, b in zip(ins, current, strict=False))
+        moved = sum(a != b for a, b in zip(ins, current, strict=True))
         candidates.append((moved, ins, outs))
     candidates.sort(key=lambda c: c[0])
     strategies = []

@@ -80,13 +80,23 @@ class OutputSharding:
     needs_redistribute: bool = False
 
 
-@dataclass
 class PlacementStrategy:
-    """One way to run an op: the specs the inputs must have, and the spec(s) of the output."""
+    """One way to run an op: the specs the inputs must have, and the spec(s) of the output.
 
-    output_specs: OutputSpecs
-    input_specs: Sequence[DTensorSpec] | None = None
-    redistribute_cost: list[list[float]] | None = None
+    ``output_spec=`` is accepted as a synonym of ``output_specs=`` (the seed's spelling).
+    """
+
+    def __init__(
+        self,
+        output_specs: OutputSpecs = None,
+        input_specs: Sequence[DTensorSpec] | None = None,
+        redistribute_cost: list[list[float]] | None = None,
+        *,
+        output_spec: OutputSpecs = None,
+    ) -> None:
+        self.output_specs = output_specs if output_spec is None else output_spec
+        self.input_specs = input_specs
+        self.redistribute_cost = redistribute_cost
 
     @property
     def output_spec(self) -> DTensorSpec:

@@ -19,7 +19,7 @@ SAME_SPEC_OPS = [
 ]
 
 
-@register_op_strategy(SAME_SPEC_OPS, schema_info=RuntimeSchemaInfo(1))
+@register_op_strategy(SAME_SPEC_OPS, schema_info=RuntimeSchemaInfo(1, ("memory_format",)))
 def same_spec_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """The output keeps the input's placements (Partial included: these ops are the identity
     on values)."""

@@ -29,6 +29,9 @@ from .registry import (
 
 aten = torch.ops.aten
 
+# Keyword arguments that change the output's metadata, so they key the sharding cache.
+META_KWARGS = RuntimeSchemaInfo(1, ("dtype", "layout", "device", "memory_format"))
+
 # One mesh dim's choice: a placement per DTensor input, then the output placement(s).
 Option = tuple[Placement, ...]
 
@@ -145,7 +148,7 @@ KEEP_PARTIAL_LIKE = [aten.zero_.default, aten.zeros_like.default]
 VALUE_LIKE = [aten.ones_like.default, aten.full_like.default, aten.empty_like.default]
 
 
-@register_op_strategy(KEEP_PARTIAL_LIKE, schema_info=RuntimeSchemaInfo(1))
+@register_op_strategy(KEEP_PARTIAL_LIKE, schema_info=META_KWARGS)
 def zeros_like_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """Zeros are a valid value for every placement, Partial included: the output keeps the
     input's placements and nothing moves."""
@@ -153,7 +156,7 @@ def zeros_like_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     return OpStrategy([strategy(mesh, [placements], placements)])
 
 
-@register_op_strategy(VALUE_LIKE, schema_info=RuntimeSchemaInfo(1))
+@register_op_strategy(VALUE_LIKE, schema_info=META_KWARGS)
 def value_like_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """``ones_like``/``full_like``/``empty_like`` ignore the input's values: shards stay shards
     and a Partial mesh dim becomes Replicate (every device writes the whole constant), with no
@@ -164,7 +167,7 @@ def value_like_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     return OpStrategy([strategy(mesh, [placements], out)])
 
 
-@register_op_strategy(aten._to_copy.default, schema_info=RuntimeSchemaInfo(1, ("dtype",)))
+@register_op_strategy(aten._to_copy.default, schema_info=META_KWARGS)
 def to_copy_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """Casts and copies keep the layout. A cast to a floating or complex dtype is linear, so
     Partial passes through; a cast to an integer or bool dtype is not (two partial halves of 1
@@ -190,7 +193,7 @@ NEW_ZEROS_LIKE = [aten.new_zeros.default, aten.new_empty.default, aten.new_empty
 NEW_VALUE = [aten.new_ones.default, aten.new_full.default]
 
 
-@register_op_strategy(NEW_ZEROS_LIKE + NEW_VALUE, schema_info=RuntimeSchemaInfo(1))
+@register_op_strategy(NEW_ZEROS_LIKE + NEW_VALUE, schema_info=META_KWARGS)
 def new_factory_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """``self.new_zeros(size)`` and friends make a tensor of the *global* ``size``.
 

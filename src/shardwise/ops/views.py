@@ -16,7 +16,7 @@ from math import prod
 
 import torch
 
-from ..errors import InvalidPlacementError
+from ..errors import InvalidArgumentError, InvalidPlacementError
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, Segments, shard_segments
@@ -155,9 +155,10 @@ def infer_size(size: Sequence[int], numel: int, what: str) -> list[int]:
     size = [int(s) for s in size]
     if size.count(-1) == 1:
         known = prod(s for s in size if s != -1)
-        if known == 0 or numel % known:
-            raise InvalidPlacementError(f"{what}: shape {size} is invalid for {numel} elements")
-        size[size.index(-1)] = numel // known
+        if known and numel % known == 0:
+            size[size.index(-1)] = numel // known
+    if size.count(-1) or prod(size) != numel:
+        raise InvalidArgumentError(f"{what}: shape {size} is invalid for {numel} elements")
     return size
 
 
@@ -279,7 +280,10 @@ def view_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """A view keeps a shard when each device's elements stay a contiguous-in-order local view."""
     spec = _input(schema)
     in_shape = list(spec.shape)
-    out_shape = infer_size(schema.args_schema[1], prod(in_shape), str(schema.op))
+    out_shape = infer_size(
+        schema.args_schema[1], prod(in_shape),
+        f"{schema.op} of a DTensor of shape {in_shape} with placements {list(spec.placements)}",
+    )
     current = spec.placements
     if prod(in_shape) == 0:
         per_dim = [[(p, p)] if isinstance(p, Partial) else [(Replicate(), Replicate())]
@@ -611,3 +615,20 @@ def stack_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     new = _norm(_arg(schema, 1, "dim", 0), ndim + 1)
     dim_map = {d: d + (d >= new) for d in range(ndim)}
     return _joined(mesh, specs, [False] * len(specs), dim_map)
+
+
+# ----- flip / roll (cumsum's and cumprod's backward use flip) ------------------------------
+
+
+@register_op_strategy([aten.flip.default, aten.roll.default], schema_info=RuntimeSchemaInfo(1))
+def flip_roll_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Reversed or rolled dims must be whole on every device (a mirrored or shifted chunk is
+    not a chunk); the other dims keep their shards. roll without dims rolls the flat tensor."""
+    ndim = _input(schema).ndim
+    if schema.op == aten.flip.default:
+        moved = schema.args_schema[1]
+    else:
+        moved = _arg(schema, 2, "dims", [])
+        moved = moved if moved else range(ndim)
+    moved = {_norm(d, ndim) for d in moved}
+    return _mapped(mesh, schema, {d: d for d in range(ndim) if d not in moved})
