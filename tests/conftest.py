@@ -273,4 +273,7 @@ def check_components(
         expected = ref_slice(x, ref_indices(x.shape, mesh_shape, placements, coord))
         assert by_coord[coord].shape == expected.shape, (coord, placements, mesh)
         assert by_coord[coord].dtype == x.dtype
-        assert torch.equal(value, expected), (coord, placements, mesh)
+        if any(p == Partial("avg") for p in placements) and value.is_floating_point():
+            torch.testing.assert_close(value, expected)  # division rounds by reduction order
+        else:
+            assert torch.equal(value, expected), (coord, placements, mesh)

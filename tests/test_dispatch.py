@@ -188,3 +188,43 @@ def test_different_meshes_are_refused() -> None:
     b = sw.distribute_tensor(torch.randn(4), sw.init_device_mesh("cpu", (4,)), [Shard(0)])
     with pytest.raises(sw.MeshError, match="different meshes"):
         torch.ops.aten.add.Tensor(a, b)
+
+
+def test_plain_tensors_need_implicit_replication_unless_small(mesh) -> None:
+    x, big, small = torch.randn(4, 5), torch.randn(4, 5), torch.randn(5)
+    dt = sw.distribute_tensor(x, mesh, [Shard(0)])
+    torch.testing.assert_close((dt + small).full_tensor(), x + small)  # a small constant
+    with pytest.raises(sw.MeshError, match="implicit_replication"):
+        dt + big
+    with sw.implicit_replication():
+        torch.testing.assert_close((dt + big).full_tensor(), x + big)
+
+
+def test_three_dim_causal_attention_with_its_plain_mask(mesh) -> None:
+    q = torch.randn(3, 5, 4)
+    dq = sw.distribute_tensor(q, mesh, [Shard(0)])
+    with sw.implicit_replication():
+        out = torch.nn.functional.scaled_dot_product_attention(dq, dq, dq, is_causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out.full_tensor(), expected)
+
+
+def test_inplace_op_moves_self_when_allowed_and_refuses_otherwise(mesh) -> None:
+    x = torch.randn(5, 6)
+    part = sw.distribute_tensor(x, mesh, [Shard(1)]).sum(1, keepdim=True)  # Partial("sum")
+    assert part.placements[0].is_partial()
+    with pytest.raises(sw.ImplicitRedistributeError):
+        part.add_(1.0)
+    with sw.allow_implicit_redistribute():
+        part.add_(1.0)
+    assert not part.placements[0].is_partial()
+    torch.testing.assert_close(part.full_tensor(), x.sum(1, keepdim=True) + 1)
+
+
+def test_rms_norm_over_a_sharded_dim(mesh) -> None:
+    x, w = torch.randn(5, 3, 6), torch.randn(6)
+    dx = sw.distribute_tensor(x, mesh, [Shard(2)])
+    dw = sw.distribute_tensor(w, mesh, [Replicate()])
+    with sw.allow_implicit_redistribute():
+        out = torch.nn.functional.rms_norm(dx, (6,), dw)
+    torch.testing.assert_close(out.full_tensor(), torch.nn.functional.rms_norm(x, (6,), w))

@@ -222,6 +222,30 @@ def test_batch_sharded_mean_is_exact_and_moves_one_scalar(mesh_shape) -> None:
     torch.testing.assert_close(x.grad.full_tensor(), expected_x.grad)
 
 
+@pytest.mark.parametrize("loss", [F.mse_loss, F.smooth_l1_loss, F.huber_loss])
+def test_elementwise_losses_oracle(loss) -> None:
+    x, y = randn(5, 3, seed=13), randn(5, 3, seed=14)
+    for reduction in ("mean", "sum", "none"):
+        run_oracle(lambda a, b, r=reduction: loss(a, b, reduction=r), [x, y],
+                   mesh_shapes=[(2,), (4,), (2, 2)], max_cases=6)
+
+
+@pytest.mark.parametrize("mesh_shape", [(3,), (4,)])
+def test_sharded_mse_mean_is_exact_without_communication(mesh_shape) -> None:
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    x, y = randn(5, 3, seed=13), randn(5, 3, seed=14)
+    dx = sw.distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+    with CommCounter() as comm:
+        loss = F.mse_loss(dx, sw.distribute_tensor(y, mesh, [Shard(0)]))
+        loss.backward()
+    assert comm.total_bytes == 0 and loss.placements == (Partial(),)
+    expected_x = x.clone().requires_grad_()
+    expected = F.mse_loss(expected_x, y)
+    expected.backward()
+    torch.testing.assert_close(loss.full_tensor(), expected)
+    torch.testing.assert_close(dx.grad.full_tensor(), expected_x.grad)
+
+
 def test_cross_entropy_over_sharded_classes_needs_a_move() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     x = sw.distribute_tensor(LOGITS, mesh, [Shard(1)])

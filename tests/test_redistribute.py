@@ -58,8 +58,11 @@ def test_redistribute_round_trips_exactly(transition: tuple, seed: int) -> None:
     assert out.placements == tuple(_positive(p, len(case.shape)) for p in target)
     assert out.shape == x.shape and out.dtype == x.dtype
     check_components(sw.unpack(out), x, case.mesh, target)
-    assert torch.equal(out.full_tensor(), x)
-    assert torch.equal(out.redistribute(placements=case.placements).full_tensor(), x)
+    # avg Partials divide, so the order of reduction rounds differently: compare to float
+    # tolerance there, exactly everywhere else
+    same = torch.testing.assert_close if _has_avg(case.placements, target) else _assert_equal
+    same(out.full_tensor(), x)
+    same(out.redistribute(placements=case.placements).full_tensor(), x)
     # the counted communication is exactly the plan
     moving = [s for s in plan.steps if s.collective != "local"]
     assert all(s.bytes == 0 for s in plan.steps if s.collective == "local")
@@ -69,6 +72,14 @@ def test_redistribute_round_trips_exactly(transition: tuple, seed: int) -> None:
         expected_bytes[s.collective] += s.bytes
     assert +counter.bytes == +expected_bytes
     assert counter.total_bytes == plan.bytes
+
+
+def _has_avg(*placement_lists: tuple) -> bool:
+    return any(p == Partial("avg") for ps in placement_lists for p in ps)
+
+
+def _assert_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b), (a, b)
 
 
 def _chunk_lengths(size: int, n: int) -> list[int]:

@@ -11,6 +11,7 @@ from .debug import explain_redistribute
 from .dispatch import (
     allow_implicit_redistribute,
     clear_sharding_cache,
+    implicit_replication,
     set_implicit_redistribute,
     set_redistribute_logging,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "full",
     "get_collective_timeout",
     "get_default_mesh",
+    "implicit_replication",
     "init_device_mesh",
     "is_dtensor",
     "manual_seed",

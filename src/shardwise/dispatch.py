@@ -41,6 +41,7 @@ log = logging.getLogger("shardwise.redistribute")
 class _Settings:
     implicit: bool = os.environ.get("SHARDWISE_IMPLICIT_REDISTRIBUTE", "0") == "1"
     log_moves: bool = False
+    implicit_replication: bool = False
 
 
 _settings = _Settings()
@@ -285,13 +286,31 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 SMALL_CONSTANT_NUMEL = 16
 
 
+@contextlib.contextmanager
+def implicit_replication(enabled: bool = True) -> Iterator[None]:
+    """Within the block, plain tensors mixed with DTensors are taken as replicated global
+    values (PyTorch's ``implicit_replication``), e.g. masks that decompositions create."""
+    previous = _settings.implicit_replication
+    _settings.implicit_replication = enabled
+    try:
+        yield
+    finally:
+        _settings.implicit_replication = previous
+
+
 def _implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """A plain tensor among DTensor arguments is taken as replicated when it is a small
-    constant (TF DTensor's rule) or when autograd's backward made it; otherwise refused."""
-    if tensor.numel() > SMALL_CONSTANT_NUMEL and torch._C._current_graph_task_id() == -1:
+    constant (TF DTensor's rule), when autograd's backward made it, or inside
+    ``implicit_replication()``; otherwise it is refused."""
+    if (
+        tensor.numel() > SMALL_CONSTANT_NUMEL
+        and torch._C._current_graph_task_id() == -1
+        and not _settings.implicit_replication
+    ):
         raise MeshError(
             f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)}; "
-            f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements))"
+            f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)) or "
+            f"take it as replicated inside `with shardwise.implicit_replication():`"
         )
     return distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim)
 
@@ -321,12 +340,6 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     decision = _cache.get(key)
     if decision is None:
         decision = _decide(func, args, kwargs, specs)
-    if _is_inplace(func) and decision.input_placements[0] != specs[0].placements:
-        raise ImplicitRedistributeError(
-            f"in-place {func} cannot run on its input of shape {list(specs[0].shape)} with "
-            f"placements {list(specs[0].placements)}: it needs "
-            f"{list(decision.input_placements[0])}; redistribute it first (out of place)"
-        )
     components = _redistribute_inputs(func, dtensors, decision.input_placements)
 
     local_args = registry.LOCAL_ARGS.get(func)
@@ -348,6 +361,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if key not in _cache:
         decision = _complete(func, flat, tree, dtensors_at, specs, decision, local_results[0])
         _cache[key] = decision
+    if _is_inplace(func) and decision.input_placements[0] != specs[0].placements:
+        # the op needed self elsewhere: self now lives there (same global value, updated)
+        dtensors[0]._components = components[0]
+        dtensors[0]._spec = DTensorSpec(mesh, decision.input_placements[0], specs[0].tensor_meta)
     return _wrap(func, decision, local_results, dtensors)
 
 
@@ -413,6 +430,7 @@ def _is_inplace(func: Any) -> bool:
 set_dispatch_handler(dispatch)
 
 __all__ = [
+    "implicit_replication",
     "allow_implicit_redistribute",
     "clear_sharding_cache",
     "dispatch",

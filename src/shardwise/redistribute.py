@@ -89,10 +89,9 @@ def _blocked(state: State, mesh_dim: int, p: Placement) -> bool:
 
 
 def _reduce_class(p: Placement) -> str | None:
-    """Partial reductions of one class commute with each other (sum and avg are both linear)."""
-    if not isinstance(p, Partial):
-        return None
-    return "linear" if p.reduce_op in ("sum", "avg") else p.reduce_op
+    """Partial reductions with the same op commute; different ops (sum and avg included, whose
+    float rounding depends on the order) must be reduced lowest mesh dim first."""
+    return p.reduce_op if isinstance(p, Partial) else None
 
 
 def _out_of_order(state: State, mesh_dim: int, a: Placement, mesh_shape: tuple[int, ...]) -> bool:
