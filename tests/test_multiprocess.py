@@ -182,6 +182,73 @@ def from_group_checks() -> dict:
     }
 
 
+def _op_cases(ndim: int) -> list:
+    """(name, fn, inputs, placements) for a representative subset of the op oracle."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 5, generator=g), torch.randn(5, 7, generator=g)
+    gamma, beta = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    labels = torch.randint(0, 5, (6,), generator=g)
+    table, ids = torch.randn(9, 4, generator=g), torch.randint(0, 9, (6, 3), generator=g)
+    rep = Replicate()
+    if ndim == 1:
+        s0, s1, part = (Shard(0),), (Shard(1),), (Partial(),)
+        r = (rep,)
+    else:
+        s0, s1, part = (Shard(0), Shard(1)), (Shard(1), Shard(0)), (Partial(), Shard(0))
+        r = (rep, rep)
+    F = torch.nn.functional
+    return [
+        ("mm", torch.mm, [x, w], [s1, (Shard(0),) + r[1:]]),
+        ("add_broadcast", torch.add, [x, gamma], [s0, r]),
+        ("sum_dim", lambda t: t.sum(0), [x], [s0]),
+        ("partial_mul", lambda t: t * 3, [x], [part]),
+        ("softmax", lambda t: t.softmax(1), [x], [(Shard(0),) + r[1:]]),
+        ("layer_norm", lambda t, a, b: F.layer_norm(t, (5,), a, b), [x, gamma, beta], [s0, r, r]),
+        ("cross_entropy", F.cross_entropy, [x, labels], [(Shard(0),) + r[1:]] * 2),
+        ("embedding", F.embedding, [ids, table], [r, (Shard(0),) + r[1:]]),
+        ("argmax", lambda t: t.argmax(0), [x], [s0]),
+        ("cumsum", lambda t: t.cumsum(1), [x], [s1]),
+        ("nonzero", lambda t: torch.nonzero(t > 0), [x], [s0]),
+    ]
+
+
+def op_checks(mesh_shape: tuple[int, ...]) -> dict:
+    """Global results of a representative subset of ops (implicit moves allowed)."""
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    out = {}
+    with sw.allow_implicit_redistribute():
+        for name, fn, inputs, placements in _op_cases(mesh.ndim):
+            pairs = zip(inputs, placements, strict=True)
+            args = [sw.distribute_tensor(t, mesh, list(p)) for t, p in pairs]
+            out[name] = fn(*args).full_tensor()
+    return out
+
+
+def tp_mlp_checks(mesh_shape: tuple[int, ...]) -> dict:
+    """Two Adam steps of the data x tensor parallel MLP of test_training on a 2-D mesh."""
+    from test_training import MLP, shard_module
+
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    torch.manual_seed(0)
+    model = MLP(8, 12)
+    shard_module(model, mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(2):
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+        dx = sw.distribute_tensor(x, mesh, [Shard(0), Replicate()])
+        dy = sw.distribute_tensor(y, mesh, [Shard(0), Replicate()])
+        with sw.allow_implicit_redistribute():
+            loss = torch.nn.functional.mse_loss(model(dx), dy)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses.append(loss.full_tensor())
+    params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
 def job(mesh_shapes: list[tuple[int, ...]], extras: list[str]) -> dict:
     """One spawned job: redistribution and autograd checks on each mesh, plus named extras."""
     result = {
@@ -189,8 +256,32 @@ def job(mesh_shapes: list[tuple[int, ...]], extras: list[str]) -> dict:
         for shape in mesh_shapes
     }
     for name in extras:
-        result[name] = {"tf_seed": tf_seed_examples, "from_group": from_group_checks}[name]()
+        if name in ("ops", "tp_mlp"):
+            fn = op_checks if name == "ops" else tp_mlp_checks
+            result[name] = {shape: fn(shape) for shape in mesh_shapes if len(shape) == 2
+                            or name == "ops"}
+        else:
+            result[name] = {"tf_seed": tf_seed_examples, "from_group": from_group_checks}[name]()
     return result
+
+
+def _check_ops_and_training(per_rank: list[dict], mesh_shapes: list[tuple[int, ...]]) -> None:
+    """Every rank's op results and trained parameters equal the embedded run bit for bit."""
+    for shape in mesh_shapes:
+        want_ops = op_checks(shape)
+        for rank, result in enumerate(per_rank):
+            for name, value in want_ops.items():
+                got = result["ops"][shape][name]
+                assert torch.equal(got, value), f"{name} on mesh {shape}, rank {rank}"
+        if len(shape) != 2:
+            continue
+        want = tp_mlp_checks(shape)
+        for rank, result in enumerate(per_rank):
+            got = result["tp_mlp"][shape]
+            for a, b in zip(got["losses"], want["losses"], strict=True):
+                assert torch.equal(a, b), f"loss on mesh {shape}, rank {rank}"
+            for name, value in want["params"].items():
+                assert torch.equal(got["params"][name], value), f"{name} on {shape}, rank {rank}"
 
 
 def divergent_program() -> dict:
@@ -279,11 +370,12 @@ def test_two_processes() -> None:
         job,
         2,
         shapes,
-        ["tf_seed", "from_group"],
-        timeout=110,
+        ["tf_seed", "from_group", "ops", "tp_mlp"],
+        timeout=150,
         env={"SHARDWISE_DEBUG_CHECKS": "1", "SHARDWISE_COLLECTIVE_TIMEOUT": "60"},
     )
     _check_job(per_rank, shapes)
+    _check_ops_and_training(per_rank, shapes)
     for rank, result in enumerate(per_rank):
         tf = result["tf_seed"]
         assert torch.equal(tf["vector"]["full"], torch.arange(128.0))
@@ -302,9 +394,10 @@ def test_four_processes() -> None:
     """World size 4: mesh 4 and 2x2 (one device each), mesh 2x4 (two devices each)."""
     shapes = [(4,), (2, 2), (2, 4)]
     per_rank = run_in_processes(
-        job, 4, shapes, [], timeout=110, env={"SHARDWISE_COLLECTIVE_TIMEOUT": "60"}
+        job, 4, shapes, ["ops", "tp_mlp"], timeout=150, env={"SHARDWISE_COLLECTIVE_TIMEOUT": "60"}
     )
     _check_job(per_rank, shapes)
+    _check_ops_and_training(per_rank, shapes)
 
 
 def test_divergent_program_fails_fast() -> None:
