@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from op_oracle import check_op, placement_cases, run_oracle
+from op_oracle import run_oracle
 from shardwise import Partial, Replicate, Shard
 
 
@@ -113,20 +113,20 @@ INPLACE = {
 
 @pytest.mark.parametrize("name", list(INPLACE))
 def test_inplace_oracle(name: str) -> None:
-    """In place, ``self`` cannot move: a ``self`` sharded on the written dim 0 is refused with
-    ImplicitRedistributeError; every other placement matches torch."""
+    """In place on every placement (a ``self`` sharded on the written dim 0 is moved first, in
+    implicit mode); in explicit mode that move is refused with ImplicitRedistributeError."""
     fn, tensors = INPLACE[name]
-    checked = refused = 0
-    for mesh_shape in [(2,), (3,), (2, 2)]:
-        for case in placement_cases(mesh_shape, tensors, max_cases=10):
-            if any(isinstance(p, Shard) and p.dim == 0 for p in case[0]):
-                with pytest.raises(sw.ImplicitRedistributeError, match="in-place"):
-                    check_op(fn, tensors, mesh_shape, case)
-                refused += 1
-            else:
-                check_op(fn, tensors, mesh_shape, case)
-                checked += 1
-    assert checked and refused
+    assert run_oracle(fn, tensors, mesh_shapes=[(2,), (3,), (2, 2)], max_cases=10) > 0
+    mesh = sw.init_device_mesh("cpu", (2,))
+    row_sharded = sw.distribute_tensor(tensors[0], mesh, [Shard(0)])
+    others = [sw.distribute_tensor(t, mesh, [Replicate()]) for t in tensors[1:]]
+    with pytest.raises(sw.ImplicitRedistributeError):
+        fn(row_sharded, *others)
+    column_sharded = sw.distribute_tensor(tensors[0], mesh, [Shard(1)])
+    with sw.CommCounter() as counter:
+        out = fn(column_sharded, *others)
+    assert counter.total_bytes == 0 and out.placements == (Shard(1),)
+    assert torch.equal(out.full_tensor(), fn(*tensors))
 
 
 # ----- chosen strategies: what stays sharded and what moves ------------------------------------

@@ -42,10 +42,14 @@ def op_table_markdown() -> str:
     rows: dict[str, tuple[str, str, str]] = {}
     for op, reg in registry.registered_ops().items():
         fn = reg.strategy or reg.rule
+        if not fn.__module__.startswith("shardwise."):
+            continue  # a user's registration, not a built-in
         kind = "strategy" if reg.strategy else "rule"
         rows[str(op)] = (kind, fn.__module__.rsplit(".", 1)[-1], _first_line(fn))
     for op, handler in registry.BYPASS_DISPATCH.items():
-        module = getattr(handler, "__module__", "?").rsplit(".", 1)[-1]
+        if not getattr(handler, "__module__", "").startswith("shardwise."):
+            continue
+        module = handler.__module__.rsplit(".", 1)[-1]
         rows[str(op)] = ("handler", module, _first_line(handler))
     lines = [
         "# Supported ops",

@@ -106,7 +106,6 @@ def _cache_key(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -
     reg = registry.registration(func)
     info = reg.schema_info if reg is not None else None
     static_argnum = info.static_argnum if info else 100
-    static_kwargs = set(info.static_kwargkey or ()) if info else set()
     parts = []
     for i, a in enumerate(args):
         if isinstance(a, DTensor):
@@ -117,10 +116,8 @@ def _cache_key(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -
             parts.append(type(a).__name__ if not isinstance(a, (list, tuple)) else _key_part(
                 [type(x).__name__ if not isinstance(x, DTensor) else "D" for x in a]
             ))
-    kw = tuple(
-        sorted((k, _key_part(v) if k in static_kwargs else type(v).__name__)
-               for k, v in kwargs.items())
-    )
+    # keyword arguments (dtype, device, keepdim...) decide output metadata: key them all
+    kw = tuple(sorted((k, _key_part(v)) for k, v in kwargs.items()))
     return (func, tuple(specs), tuple(parts), kw)
 
 

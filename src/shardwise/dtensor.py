@@ -192,7 +192,13 @@ def _as_components(
     ranks = {c.ndim for c in components}
     if len(ranks) > 1:
         raise PackError(f"components have different ranks: {[list(c.shape) for c in components]}")
-    return [c.to(mesh.device_of(d)) for c, d in zip(components, mesh.local_device_ids, strict=True)]
+    seen: set[int] = set()
+    placed = []
+    for c, d in zip(components, mesh.local_device_ids, strict=True):
+        c = c.to(mesh.device_of(d))
+        placed.append(c.clone() if id(c) in seen else c)  # one tensor given twice: no aliasing
+        seen.add(id(c))
+    return placed
 
 
 def _infer_global_shape(

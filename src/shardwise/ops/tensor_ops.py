@@ -88,9 +88,9 @@ def is_inplace(op: Any) -> bool:
 
 
 def keep_self_inplace(schema: OpSchema, found: OpStrategy) -> OpStrategy:
-    """For an in-place op, only the candidates that leave ``self`` where it is (dispatch cannot
-    move the tensor being written); when there is none, all of them, so that dispatch names
-    the move the op would need."""
+    """For an in-place op, only the candidates that leave ``self`` where it is (moving the
+    tensor being written costs a collective and changes its placements); when there is none,
+    all of them: dispatch then moves ``self`` (implicit mode) or names the move (explicit)."""
     if not is_inplace(schema.op):
         return found
     current = input_strategies(schema)[0].output_spec.placements
