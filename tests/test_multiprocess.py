@@ -249,6 +249,18 @@ def tp_mlp_checks(mesh_shape: tuple[int, ...]) -> dict:
     return {"losses": losses, "params": params}
 
 
+def random_checks(mesh_shape: tuple[int, ...]) -> dict:
+    """Seeded random DTensors and dropout: the global values of every mode and placement."""
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    placements = [Shard(0)] + [Shard(1)] * (len(mesh_shape) - 1)
+    sw.manual_seed(11)
+    randn = sw.randn(7, 5, device_mesh=mesh, placements=placements).full_tensor()
+    x = sw.distribute_tensor(torch.ones(7, 5), mesh, [Replicate()] * len(mesh_shape))
+    sw.manual_seed(12)
+    dropped = torch.nn.functional.dropout(x, 0.5).full_tensor()
+    return {"randn": randn, "dropout": dropped}
+
+
 def job(mesh_shapes: list[tuple[int, ...]], extras: list[str]) -> dict:
     """One spawned job: redistribution and autograd checks on each mesh, plus named extras."""
     result = {
@@ -256,7 +268,9 @@ def job(mesh_shapes: list[tuple[int, ...]], extras: list[str]) -> dict:
         for shape in mesh_shapes
     }
     for name in extras:
-        if name in ("ops", "tp_mlp"):
+        if name == "random":
+            result[name] = {shape: random_checks(shape) for shape in mesh_shapes}
+        elif name in ("ops", "tp_mlp"):
             fn = op_checks if name == "ops" else tp_mlp_checks
             result[name] = {shape: fn(shape) for shape in mesh_shapes if len(shape) == 2
                             or name == "ops"}
@@ -267,7 +281,15 @@ def job(mesh_shapes: list[tuple[int, ...]], extras: list[str]) -> dict:
 
 def _check_ops_and_training(per_rank: list[dict], mesh_shapes: list[tuple[int, ...]]) -> None:
     """Every rank's op results and trained parameters equal the embedded run bit for bit."""
+    torch.manual_seed(11)
+    want_randn = torch.randn(7, 5)
+    torch.manual_seed(12)
+    want_dropout = torch.nn.functional.dropout(torch.ones(7, 5), 0.5)
     for shape in mesh_shapes:
+        for rank, result in enumerate(per_rank):
+            got = result["random"][shape]
+            assert torch.equal(got["randn"], want_randn), f"randn on mesh {shape}, rank {rank}"
+            assert torch.equal(got["dropout"], want_dropout), f"dropout on {shape}, rank {rank}"
         want_ops = op_checks(shape)
         for rank, result in enumerate(per_rank):
             for name, value in want_ops.items():
@@ -370,7 +392,7 @@ def test_two_processes() -> None:
         job,
         2,
         shapes,
-        ["tf_seed", "from_group", "ops", "tp_mlp"],
+        ["tf_seed", "from_group", "ops", "tp_mlp", "random"],
         timeout=150,
         env={"SHARDWISE_DEBUG_CHECKS": "1", "SHARDWISE_COLLECTIVE_TIMEOUT": "60"},
     )
@@ -394,7 +416,12 @@ def test_four_processes() -> None:
     """World size 4: mesh 4 and 2x2 (one device each), mesh 2x4 (two devices each)."""
     shapes = [(4,), (2, 2), (2, 4)]
     per_rank = run_in_processes(
-        job, 4, shapes, ["ops", "tp_mlp"], timeout=150, env={"SHARDWISE_COLLECTIVE_TIMEOUT": "60"}
+        job,
+        4,
+        shapes,
+        ["ops", "tp_mlp", "random"],
+        timeout=150,
+        env={"SHARDWISE_COLLECTIVE_TIMEOUT": "60"},
     )
     _check_job(per_rank, shapes)
     _check_ops_and_training(per_rank, shapes)
