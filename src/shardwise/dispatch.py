@@ -180,10 +180,11 @@ def _choose(func: Any, strategy: OpStrategy, specs: list[DTensorSpec]) -> Placem
         inputs = candidate.input_specs if candidate.input_specs is not None else specs
         if len(inputs) != len(specs):
             continue
-        cost = (0, 0)
+        cost = (0, 0, 0)  # bytes, collectives, inputs moved (ties keep inputs in place)
         for spec, want in zip(specs, inputs, strict=True):
             moved = _move_cost(spec, want.placements)
-            cost = (cost[0] + moved[0], cost[1] + moved[1])
+            changed = tuple(want.placements) != spec.placements
+            cost = (cost[0] + moved[0], cost[1] + moved[1], cost[2] + changed)
         if best_cost is None or cost < best_cost:
             best, best_cost = candidate, cost
     if best is None:
@@ -197,6 +198,37 @@ def _choose(func: Any, strategy: OpStrategy, specs: list[DTensorSpec]) -> Placem
 # ----- running -------------------------------------------------------------------------------
 
 
+def _flatten(args: tuple, kwargs: dict) -> tuple[list, tuple]:
+    """Flatten aten arguments one level deep (aten schemas nest tensors only in lists), much
+    cheaper than pytree on the hot path."""
+    flat: list = []
+    layout: list = []
+    for a in args:
+        if type(a) in (list, tuple):
+            flat.extend(a)
+            layout.append((type(a), len(a)))
+        else:
+            flat.append(a)
+            layout.append(None)
+    flat.extend(kwargs.values())
+    return flat, (tuple(layout), tuple(kwargs))
+
+
+def _unflatten(flat: list, tree: tuple) -> tuple[tuple, dict]:
+    layout, keys = tree
+    args, i = [], 0
+    for entry in layout:
+        if entry is None:
+            args.append(flat[i])
+            i += 1
+        else:
+            kind, n = entry
+            args.append(kind(flat[i : i + n]))
+            i += n
+    return tuple(args), dict(zip(keys, flat[i:], strict=True))
+
+
+
 def _call_site() -> str:
     for frame in reversed(traceback.extract_stack()[:-3]):
         name = frame.filename
@@ -208,6 +240,8 @@ def _call_site() -> str:
 def _redistribute_inputs(
     func: Any, dtensors: list[DTensor], targets: tuple[tuple[Placement, ...], ...]
 ) -> list[list[torch.Tensor]]:
+    if all(dt._spec.placements == t for dt, t in zip(dtensors, targets, strict=True)):
+        return [dt._components for dt in dtensors]
     plans: list[RedistributePlan | None] = []
     for dt, target in zip(dtensors, targets, strict=True):
         plans.append(None if dt._spec.placements == target else plan_redistribute(dt._spec, target))
@@ -251,7 +285,7 @@ def _meta_outputs(func: Any, flat: list, tree: Any, dtensors_at: list[int], spec
     for i, a in enumerate(metas):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.device.type != "meta":
             metas[i] = a.to("meta")
-    args, kwargs = pytree.tree_unflatten(metas, tree)
+    args, kwargs = _unflatten(metas, tree)
     return func(*args, **kwargs)
 
 
@@ -313,7 +347,7 @@ def _implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) ->
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    flat, tree = pytree.tree_flatten((args, kwargs))
+    flat, tree = _flatten(args, kwargs)
     mesh = next(a for a in flat if isinstance(a, DTensor)).device_mesh
     plain = [
         i for i, a in enumerate(flat)
@@ -322,7 +356,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     for i in plain:
         flat[i] = _implicitly_replicated(func, flat[i], mesh)
     if plain:
-        args, kwargs = pytree.tree_unflatten(flat, tree)
+        args, kwargs = _unflatten(flat, tree)
     dtensors_at = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
     dtensors: list[DTensor] = [flat[i] for i in dtensors_at]
     specs = [d._spec for d in dtensors]
@@ -350,7 +384,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         local_flat = list(flat)
         for pos, comps in zip(dtensors_at, components, strict=True):
             local_flat[pos] = comps[k]
-        a, kw = pytree.tree_unflatten(local_flat, tree)
+        a, kw = _unflatten(local_flat, tree)
         if local_args is not None:
             a, kw = local_args(a, kw, moved, decision.output_specs, device)
         local_results.append(func(*a, **kw))
