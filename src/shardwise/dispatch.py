@@ -11,6 +11,7 @@ or autograd's backward is running (gradients of differing placements must be com
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import traceback
@@ -348,16 +349,18 @@ def _implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) ->
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     flat, tree = _flatten(args, kwargs)
-    mesh = next(a for a in flat if isinstance(a, DTensor)).device_mesh
-    plain = [
-        i for i, a in enumerate(flat)
-        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0
-    ]
-    for i in plain:
-        flat[i] = _implicitly_replicated(func, flat[i], mesh)
+    dtensors_at, plain = [], []
+    for i, a in enumerate(flat):
+        if isinstance(a, DTensor):
+            dtensors_at.append(i)
+        elif isinstance(a, torch.Tensor) and a.ndim > 0:
+            plain.append(i)
+    mesh = flat[dtensors_at[0]].device_mesh
     if plain:
+        for i in plain:
+            flat[i] = _implicitly_replicated(func, flat[i], mesh)
         args, kwargs = _unflatten(flat, tree)
-    dtensors_at = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
+        dtensors_at = sorted(dtensors_at + plain)
     dtensors: list[DTensor] = [flat[i] for i in dtensors_at]
     specs = [d._spec for d in dtensors]
     for d in dtensors:
@@ -450,6 +453,7 @@ def _wrap_one(spec: DTensorSpec | None, components: list) -> Any:
     return DTensor(components, spec)
 
 
+@functools.cache
 def _is_inplace(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:

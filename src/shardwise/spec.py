@@ -36,6 +36,13 @@ class DTensorSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "placements", tuple(self.placements))
 
+    def __hash__(self) -> int:  # cached: specs key the dispatch and plan caches
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.mesh, self.placements, self.tensor_meta))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def shape(self) -> torch.Size:
         if self.tensor_meta is None:
