@@ -4,6 +4,7 @@ result (and the gradients) with single-device PyTorch on the full tensors."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections.abc import Callable, Sequence
 
@@ -39,7 +40,9 @@ def placement_cases(
     seed: int = 0,
 ) -> list[list[tuple]]:
     """Input placement combinations: all of them when few, else a seeded random subset that
-    always includes the all-Replicate case."""
+    always includes the all-Replicate case. ``SHARDWISE_ORACLE_CASES=0`` in the environment
+    runs every combination (N > 0: at most N)."""
+    max_cases = int(os.environ.get("SHARDWISE_ORACLE_CASES", max_cases)) or 10**9
     per_input = []
     for t in tensors:
         opts = placement_options(t, partial=partial, interleaved=interleaved)
