@@ -26,8 +26,8 @@ from ..errors import UnsupportedOpError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Shard
 from ..spec import DTensorSpec
-from .common import input_strategies
-from .norms import Option, P, R, mesh_strategies
+from .common import input_strategies, product_strategy
+from .norms import Option, P, R
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -87,7 +87,7 @@ def flash_attention_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         options.append(((Shard(QUERY), R, R) + _mask_placement(mask, QUERY),
                         (Shard(QUERY), Shard(QUERY))))
     options.append(((R, R, P) + _mask_placement(mask, None), (P, R)))
-    return mesh_strategies(mesh, schema, options)
+    return product_strategy(mesh, options, multi=True)
 
 
 @register_op_strategy(FLASH_BACKWARD, schema_info=RuntimeSchemaInfo(6))
@@ -106,7 +106,7 @@ def flash_attention_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpS
         s = Shard(QUERY)
         options.append(((s, s, R, R, s, s) + _mask_placement(mask, QUERY), (s, P, P)))
     options.append(((P,) + (R,) * 5 + _mask_placement(mask, None), (P, P, P)))
-    return mesh_strategies(mesh, schema, options)
+    return product_strategy(mesh, options, multi=True)
 
 
 def _empty_safe_args(

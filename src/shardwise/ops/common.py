@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
@@ -64,3 +65,33 @@ def replicate_strategy(mesh: DeviceMesh, n_inputs: int, n_outputs: int = 1) -> P
 def shard_dim_on(placements: Sequence[Placement], dim: int) -> bool:
     """True if some mesh dim shards tensor dim ``dim``."""
     return any(isinstance(p, Shard) and p.dim == dim for p in placements)
+
+
+# One mesh dim's choice: a placement for every DTensor input (flattened order), and one for every
+# output (None: the output is not a DTensor, e.g. an opaque workspace).
+DimOption = tuple[Sequence[Placement], Sequence[Placement | None]]
+
+
+def product_strategy(
+    mesh: DeviceMesh,
+    options: Sequence[DimOption] | Callable[[int], Sequence[DimOption]],
+    *,
+    multi: bool = False,
+    valid: Callable[[tuple[DimOption, ...]], bool] | None = None,
+) -> OpStrategy:
+    """Every way to pick one option per mesh dim, as an ``OpStrategy``. ``options`` may depend
+    on the mesh dim; ``valid`` may reject a combination (e.g. two mesh dims splitting a dim
+    that may be split once). Dispatch breaks cost ties in favour of inputs that stay put."""
+    per_dim = [options(m) if callable(options) else options for m in range(mesh.ndim)]
+    found = []
+    for combo in itertools.product(*per_dim):
+        if valid is not None and not valid(combo):
+            continue
+        ins = [tuple(c[0][i] for c in combo) for i in range(len(combo[0][0]))]
+        outs = [tuple(c[1][j] for c in combo) for j in range(len(combo[0][1]))]
+        if multi:
+            outs_or_none = [None if any(p is None for p in o) else o for o in outs]
+            found.append(strategy(mesh, ins, outs_or_none, multi=True))
+        else:
+            found.append(strategy(mesh, ins, outs[0]))
+    return OpStrategy(found)

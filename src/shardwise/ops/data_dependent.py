@@ -33,9 +33,8 @@ Op table notes (one line per op):
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ from ..errors import ImplicitRedistributeError, InvalidArgumentError, MeshError
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, contiguous_meta, extract_local, make_tensor_meta
-from .common import input_strategies, replicate, strategy
+from .common import DimOption, input_strategies, product_strategy, replicate
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -59,34 +58,9 @@ from .registry import (
 
 aten = torch.ops.aten
 
-# One option on one mesh dim: the placement of every DTensor input, and of every output.
-DimOption = tuple[tuple[Placement, ...], tuple[Placement | None, ...]]
 
 
 # ----- helpers shared with the padding and recurrent families ----------------------------------
-
-
-def expand_options(
-    mesh: DeviceMesh,
-    options: Sequence[DimOption],
-    multi: bool = False,
-    valid: Callable[[tuple[DimOption, ...]], bool] | None = None,
-) -> OpStrategy:
-    """Every combination over the mesh dims of options valid on one mesh dim (``valid`` may
-    reject a combination, e.g. two mesh dims splitting a dim that must be split once)."""
-    strategies = []
-    for combo in itertools.product(options, repeat=mesh.ndim):
-        if valid is not None and not valid(combo):
-            continue
-        n_in, n_out = len(combo[0][0]), len(combo[0][1])
-        ins = [tuple(c[0][i] for c in combo) for i in range(n_in)]
-        outs = [tuple(c[1][j] for c in combo) for j in range(n_out)]
-        outs_or_none = [None if any(p is None for p in o) else o for o in outs]
-        if multi:
-            strategies.append(strategy(mesh, ins, outs_or_none, multi=True))
-        else:
-            strategies.append(strategy(mesh, ins, outs[0]))
-    return OpStrategy(strategies)
 
 
 def no_empty_shard(
@@ -512,7 +486,7 @@ def scatter_reduce_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         if reduce == "sum":
             options.append(((Partial(), Shard(dim), Shard(dim)), (Partial(),)))
             options.append(((Partial(), rep, Partial()), (Partial(),)))
-    return expand_options(mesh, options)
+    return product_strategy(mesh, options)
 
 
 # ----- searchsorted ------------------------------------------------------------------------------
@@ -538,7 +512,7 @@ def searchsorted_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
                 options.append(((rep, shard) + (rep,) * (n_in - 2), (shard,)))
             elif seq.shape[d] == values.shape[d]:
                 options.append(((Shard(d),) * n_in, (Shard(d),)))
-    return expand_options(mesh, options)
+    return product_strategy(mesh, options)
 
 
 # ----- cdist -------------------------------------------------------------------------------------
@@ -566,7 +540,7 @@ def cdist_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         ((rep, Shard(x2.ndim - 2)), (Shard(n - 1),)),
     ]
     options += [((Shard(d), Shard(d)), (Shard(d),)) for d in _batch_dims(x1, x2)]
-    return expand_options(mesh, options)
+    return product_strategy(mesh, options)
 
 
 @register_op_strategy(aten._cdist_backward.default, schema_info=RuntimeSchemaInfo(3))
@@ -583,7 +557,7 @@ def cdist_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         ((Partial(), rep, rep, rep), (Partial(),)),
     ]
     options += [((Shard(d),) * 4, (Shard(d),)) for d in _batch_dims(x1, x2)]
-    return expand_options(mesh, options)
+    return product_strategy(mesh, options)
 
 
 # ----- embedding_bag -----------------------------------------------------------------------------
@@ -616,7 +590,7 @@ def embedding_bag_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     def valid(combo: tuple[DimOption, ...]) -> bool:
         return no_empty_shard(mesh, ins[0].shape, [c[0][0] for c in combo], [1])
 
-    return expand_options(mesh, options, multi=True, valid=valid)
+    return product_strategy(mesh, options, multi=True, valid=valid)
 
 
 @register_op_strategy(aten._embedding_bag_backward.default, schema_info=RuntimeSchemaInfo(6))
@@ -638,7 +612,7 @@ def embedding_bag_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStr
     def valid(combo: tuple[DimOption, ...]) -> bool:
         return no_empty_shard(mesh, ins[0].shape, [c[0][0] for c in combo], [1])
 
-    return expand_options(mesh, options, valid=valid)
+    return product_strategy(mesh, options, valid=valid)
 
 
 @register_op_strategy(
@@ -650,7 +624,7 @@ def embedding_bag_psw_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> O
     ins = input_strategies(schema)
     rep = Replicate()
     tail = (rep,) * (len(ins) - 2)
-    return expand_options(
+    return product_strategy(
         mesh,
         [((rep,) * len(ins), (rep,)), ((Shard(1), Shard(1)) + tail, (Partial(),))],
     )

@@ -26,8 +26,8 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Shard
 from ..spec import DTensorSpec, shard_segments
-from .common import input_strategies
-from .norms import Option, P, R, mesh_strategies
+from .common import input_strategies, product_strategy
+from .norms import Option, P, R
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -79,7 +79,7 @@ def embedding_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     options += [((R, Shard(d)), (Shard(d),)) for d in range(indices.ndim)]
     options.append(((Shard(1), R), (Shard(indices.ndim),)))
     options.append(((Shard(0), R), (P,)))
-    return mesh_strategies(mesh, schema, options, multi=False)
+    return product_strategy(mesh, options)
 
 
 def _embedding_local_args(
@@ -133,7 +133,7 @@ def embedding_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrateg
     options += [((Shard(d), Shard(d)), (P,)) for d in range(indices.ndim)]
     options.append(((Shard(grad.ndim - 1), R), (Shard(1),)))
     options.append(((P, R), (P,)))
-    return mesh_strategies(mesh, schema, options, multi=False)
+    return product_strategy(mesh, options)
 
 
 def _embedding_backward_local_args(

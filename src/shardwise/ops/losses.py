@@ -30,8 +30,8 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .common import input_strategies
-from .norms import Option, P, R, mesh_strategies
+from .common import input_strategies, product_strategy
+from .norms import Option, P, R
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -71,7 +71,7 @@ def nll_loss_forward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         total = P if reduction in (MEAN, SUM) else R
         options.append(((Shard(d), Shard(t)) + extra, (loss, total)))
     options.append(((P, R) + extra, (P, R)))
-    return mesh_strategies(mesh, schema, options)
+    return product_strategy(mesh, options, multi=True)
 
 
 def _nll_forward_local_args(
@@ -122,7 +122,7 @@ def nll_loss_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy
         opts.append(((P, R, R) + extra + (total,), (P,)))
         return opts
 
-    return mesh_strategies(mesh, schema, options, multi=False)
+    return product_strategy(mesh, options)
 
 
 # ----- elementwise losses (mse, smooth_l1, huber) ----------------------------------------------
@@ -154,7 +154,7 @@ def elementwise_loss_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         for d in range(inputs.ndim):
             loss = Shard(d) if reduction not in (MEAN, SUM) else P
             options.append(((Shard(d), Shard(d)), (loss,)))
-    return mesh_strategies(mesh, schema, options, multi=False)
+    return product_strategy(mesh, options)
 
 
 def _elementwise_local_args(
@@ -194,7 +194,7 @@ def elementwise_loss_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> Op
         for d in range(inputs.ndim):
             grad = Shard(d) if reduction not in (MEAN, SUM) else R
             options.append(((grad, Shard(d), Shard(d)), (Shard(d),)))
-    return mesh_strategies(mesh, schema, options, multi=False)
+    return product_strategy(mesh, options)
 
 
 def _elementwise_backward_local_args(

@@ -21,8 +21,8 @@ import torch
 
 from ..mesh import DeviceMesh
 from ..placements import Partial, Replicate, Shard
-from .common import input_strategies
-from .data_dependent import DimOption, expand_options, no_empty_shard, shard_like
+from .common import DimOption, input_strategies, product_strategy
+from .data_dependent import no_empty_shard, shard_like
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, register_op_strategy
 
 aten = torch.ops.aten
@@ -82,7 +82,7 @@ def pad_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """Reflect/replicate padding copies values within the padded dims."""
     n = PADDED_DIMS[schema.op]
     options = _pad_options(schema, n, ALL_REDUCE_OPS, 1)
-    return expand_options(mesh, options, valid=_kernel_accepts(mesh, schema, n))
+    return product_strategy(mesh, options, valid=_kernel_accepts(mesh, schema, n))
 
 
 @register_op_strategy(list(BACKWARD_PADDED_DIMS), schema_info=RuntimeSchemaInfo(2))
@@ -91,7 +91,7 @@ def pad_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     (``self`` only gives the shape, so it follows grad's shards)."""
     n = BACKWARD_PADDED_DIMS[schema.op]
     options = _pad_options(schema, n, ("sum", "avg"), 2)
-    return expand_options(mesh, options, valid=_kernel_accepts(mesh, schema, n))
+    return product_strategy(mesh, options, valid=_kernel_accepts(mesh, schema, n))
 
 
 @register_op_strategy(aten.constant_pad_nd.default, schema_info=RuntimeSchemaInfo(1))
@@ -101,7 +101,7 @@ def constant_pad_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     value = schema.args_schema[2] if len(schema.args_schema) > 2 else 0
     value = schema.kwargs_schema.get("value", value)
     ops = ALL_REDUCE_OPS if value == 0 else ("avg", "max", "min")
-    return expand_options(mesh, _pad_options(schema, len(pad) // 2, ops, 1))
+    return product_strategy(mesh, _pad_options(schema, len(pad) // 2, ops, 1))
 
 
 def _channel_split_aligns(channels: int, block: int, n: int) -> bool:
@@ -134,7 +134,7 @@ def _fold_options(
             len(split) == 1 and _channel_split_aligns(channels, block, mesh.shape[split[0]])
         )
 
-    return expand_options(mesh, options, valid=valid)
+    return product_strategy(mesh, options, valid=valid)
 
 
 @register_op_strategy(aten.im2col.default, schema_info=RuntimeSchemaInfo(1))

@@ -22,7 +22,8 @@ import torch
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
-from .data_dependent import DimOption, expand_options, no_empty_shard, replicate_plain
+from .common import DimOption, product_strategy
+from .data_dependent import no_empty_shard, replicate_plain
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -87,7 +88,7 @@ def rnn_layer_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         (_per_arg(pos, {}, rep), (rep,) * 4),
         (_per_arg(pos, FORWARD_BATCH, rep), (Shard(1), Shard(0), Shard(0), rep)),
     ]
-    return expand_options(mesh, options, multi=True, valid=_batch_not_empty(mesh, schema))
+    return product_strategy(mesh, options, multi=True, valid=_batch_not_empty(mesh, schema))
 
 
 @register_op_strategy(aten.mkldnn_rnn_layer_backward.default, schema_info=RuntimeSchemaInfo(13))
@@ -103,4 +104,4 @@ def rnn_layer_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrateg
         (_per_arg(pos, BACKWARD_BATCH, rep), (Shard(1),) + (Partial(),) * 4 + (Shard(0),) * 2),
         (_per_arg(pos, grads_partial, rep), (Partial(),) * 7),
     ]
-    return expand_options(mesh, options, multi=True, valid=_batch_not_empty(mesh, schema))
+    return product_strategy(mesh, options, multi=True, valid=_batch_not_empty(mesh, schema))
