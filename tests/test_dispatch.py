@@ -228,3 +228,37 @@ def test_rms_norm_over_a_sharded_dim(mesh) -> None:
     with sw.allow_implicit_redistribute():
         out = torch.nn.functional.rms_norm(dx, (6,), dw)
     torch.testing.assert_close(out.full_tensor(), torch.nn.functional.rms_norm(x, (6,), w))
+
+
+class _RowsumInBackward(torch.autograd.Function):
+    """Identity forward; backward adds each row's sum, an op needing whole rows."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + rowsum(grad)
+
+
+def test_backward_moves_data_in_explicit_mode_and_counts_it(mesh) -> None:
+    x = torch.randn(7, 5)
+    dx = sw.distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+    out = _RowsumInBackward.apply(dx)
+    with pytest.raises(sw.ImplicitRedistributeError):
+        rowsum(out)  # the same op in forward is refused
+    with sw.CommCounter() as counter:
+        out.full_tensor().sum().backward()
+    assert counter.total_bytes > 0
+    torch.testing.assert_close(dx.grad.full_tensor(), torch.full((7, 5), 6.0))
+
+
+def test_python_values_are_global(mesh) -> None:
+    parts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0, 6.0])]
+    dt = sw.DTensor.from_local(parts, mesh, [sw.Partial()])
+    assert dt.tolist() == [9.0, 12.0]
+    assert dt.numpy().tolist() == [9.0, 12.0]
+    assert dt.sum().item() == 21.0 and float(dt.sum()) == 21.0
+    shards = sw.distribute_tensor(torch.arange(5.0), mesh, [Shard(0)])
+    assert shards.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]

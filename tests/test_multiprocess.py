@@ -12,7 +12,6 @@ import itertools
 import random
 import subprocess
 import sys
-import textwrap
 import time
 from math import prod
 from pathlib import Path
@@ -467,20 +466,34 @@ def test_collective_timeout_setting() -> None:
         sw.set_collective_timeout(old)
 
 
+SPMD_SCRIPT = """
+import torch, shardwise as sw
+mesh = sw.init_device_mesh("cpu", (4,))
+x = sw.distribute_tensor(torch.arange(8.0), mesh, [sw.Shard(0)])
+total = x.redistribute(placements=[sw.Replicate()]).full_tensor().sum()
+print(f"rank {torch.distributed.get_rank()} devices {mesh.local_device_ids} sum {total.item()}")
+"""
+
+
+def test_script_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "spmd.py"
+    script.write_text(SPMD_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "rank 0 devices (0, 1) sum 28.0" in run.stdout
+    assert "rank 1 devices (2, 3) sum 28.0" in run.stdout
+
+
 def test_launcher_runs_a_script_and_propagates_failures(tmp_path: Path) -> None:
     script = tmp_path / "spmd.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import torch, shardwise as sw
-            mesh = sw.init_device_mesh("cpu", (4,))
-            x = sw.distribute_tensor(torch.arange(8.0), mesh, [sw.Shard(0)])
-            total = x.redistribute(placements=[sw.Replicate()]).full_tensor().sum()
-            print(f"rank {torch.distributed.get_rank()} devices {mesh.local_device_ids} "
-                  f"sum {total.item()}")
-            """
-        )
-    )
+    script.write_text(SPMD_SCRIPT)
     run = subprocess.run(
         [sys.executable, "-m", "shardwise.launch", "--nproc", "2", str(script)],
         capture_output=True,
