@@ -136,3 +136,22 @@ def test_transformer_block_trains_like_single_device(opt_cls, opt_kwargs) -> Non
         return torch.randn(4, 5, 8, generator=g), torch.randn(4, 5, 8, generator=g)
 
     _train_and_compare(model, batch, opt_cls, opt_kwargs)
+
+
+def test_clip_grad_norm_matches_single_device() -> None:
+    torch.manual_seed(0)
+    model = MLP(8, 12)
+    sharded = copy.deepcopy(model)
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    shard_module(sharded, mesh)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    F.mse_loss(model(x), y).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    dx = sw.distribute_tensor(x, mesh, [Shard(0), Replicate()])
+    dy = sw.distribute_tensor(y, mesh, [Shard(0), Replicate()])
+    with sw.allow_implicit_redistribute():
+        F.mse_loss(sharded(dx), dy).backward()
+        total = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 0.1)
+    torch.testing.assert_close(total.full_tensor(), expected)
+    for p, ref in zip(sharded.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad)

@@ -9,7 +9,13 @@ import torch
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
 from .common import spec_of
-from .registry import OpSchema, OpStrategy, PlacementStrategy, register_op_strategy
+from .registry import (
+    OpSchema,
+    OpStrategy,
+    PlacementStrategy,
+    bypass_dispatch,
+    register_op_strategy,
+)
 
 aten = torch.ops.aten
 
@@ -53,3 +59,15 @@ def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
             input_specs.append(arg.output_spec)
     outputs = tuple(spec_of(mesh, t) for t in targets)
     return OpStrategy([PlacementStrategy(outputs, input_specs)])
+
+
+def foreach_norm(op, args: tuple, kwargs: dict) -> list:  # noqa: ANN001
+    """``_foreach_norm`` (what ``clip_grad_norm_`` runs): the global norm of each tensor, by the
+    reductions family's ``linalg_vector_norm`` on every DTensor."""
+    tensors = args[0]
+    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    return [aten.linalg_vector_norm.default(t, order, dtype=dtype) for t in tensors]
+
+
+bypass_dispatch([aten._foreach_norm.Scalar], foreach_norm)
