@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -342,6 +343,15 @@ def _init_process_group(device_type: str, wanted: bool | None) -> None:
             f"start the script with torchrun or python -m shardwise.launch"
         )
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    """Tear down the process group shardwise started, so gloo's threads stop before exit."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def create_mesh(
