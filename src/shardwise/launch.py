@@ -88,6 +88,8 @@ def launch(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
+        if nproc > 1:  # as torchrun: one intra-op thread each unless the user chose otherwise
+            env.setdefault("OMP_NUM_THREADS", "1")
         procs.append(subprocess.Popen([sys.executable, *target, *args], env=env))
     try:
         while True:

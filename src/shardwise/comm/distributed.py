@@ -182,7 +182,7 @@ class _Round:
         device = self.call.sample.device
         works = []
         for (ranks, peer), parts in self.outgoing.items():
-            buffer = torch.cat(parts)
+            buffer = parts[0] if len(parts) == 1 else torch.cat(parts)
             if buffer.numel():
                 pg = group_for_ranks(ranks)
                 works.append(dist.isend(buffer.to(device), dst=peer, group=pg, tag=TAG))
@@ -204,7 +204,10 @@ class _Round:
             start = offsets[key]
             nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
             offsets[key] = start + nbytes
-            out.append(buffers[key][start : start + nbytes].clone().view(dtype).reshape(shape))
+            piece = buffers[key][start : start + nbytes]  # a fresh buffer: views are safe
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            piece = piece.view(dtype) if start % itemsize == 0 else piece.clone().view(dtype)
+            out.append(piece.reshape(shape))
         return out
 
     def _wait(self, works: list) -> None:
