@@ -1,4 +1,4 @@
-"""Redistribution time and memory across processes: shardwise vs torch.distributed.tensor in the
+"""Redistribution time across processes: shardwise vs torch.distributed.tensor in the
 same run (gloo on CPU, one device per process, same mesh, same tensor, same transitions).
 
 Run: python -m shardwise.launch --nproc 4 bench/bench_redistribute.py [size]

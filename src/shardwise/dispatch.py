@@ -159,12 +159,8 @@ def _decide(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -> D
         raise UnsupportedOpError(
             f"the sharding of {func} gave {len(inputs)} input specs for {len(specs)} DTensor inputs"
         )
-    return Decision(
-        tuple(tuple(s.placements) for s in inputs),
-        outputs,
-        isinstance(func._schema.returns, list) and len(func._schema.returns) > 1
-        if hasattr(func, "_schema") else False,
-    )
+    schema_returns = getattr(getattr(func, "_schema", None), "returns", [])
+    return Decision(tuple(tuple(s.placements) for s in inputs), outputs, len(schema_returns) > 1)
 
 
 def _move_cost(spec: DTensorSpec, target: Sequence[Placement]) -> tuple[int, int]:
