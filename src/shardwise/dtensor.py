@@ -263,7 +263,7 @@ def _spec_from_components(
 
 
 def _broadcast_replicated(spec: DTensorSpec, components: list[torch.Tensor]) -> list[torch.Tensor]:
-    with comm.moving(f"from_local(run_check=True) of {spec}"):
+    with comm.moving(lambda: f"from_local(run_check=True) of {spec}"):
         for m, p in enumerate(spec.placements):
             if p.is_replicate():
                 components = comm.broadcast(spec.mesh, m, components)
@@ -364,7 +364,7 @@ class _Redistribute(torch.autograd.Function):
         spec = dtensor._spec
         ctx.source = spec.placements
         plan = plan_redistribute(spec, target)
-        with comm.moving(f"redistribute of {spec} to {list(target)}"):
+        with comm.moving(lambda: f"redistribute of {spec} to {list(target)}"):
             components = execute_plan(plan, spec.mesh, dtensor._components)
         return DTensor(components, spec.with_placements(target))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..errors import InvalidArgumentError
@@ -53,9 +53,9 @@ def debug_checks_enabled() -> bool:
 
 
 @contextmanager
-def moving(description: str) -> Iterator[None]:
+def moving(description: str | Callable[[], str]) -> Iterator[None]:
     """Name what the collectives inside are moving (a spec and its target), for the error
-    messages of timeouts and mismatches."""
+    messages of timeouts and mismatches; a callable is only formatted when a message needs it."""
     stack = _stack()
     stack.append(description)
     try:
@@ -67,10 +67,12 @@ def moving(description: str) -> Iterator[None]:
 def current_description() -> str:
     """What the innermost ``moving`` block said, or an empty string."""
     stack = _stack()
-    return stack[-1] if stack else ""
+    if not stack:
+        return ""
+    return stack[-1]() if callable(stack[-1]) else stack[-1]
 
 
-def _stack() -> list[str]:
+def _stack() -> list[str | Callable[[], str]]:
     if not hasattr(_context, "stack"):
         _context.stack = []
     return _context.stack
