@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 import shardwise as sw
 from shardwise import DTensor, InterleavedShard, Partial, Replicate, Shard
+from shardwise.spec import validate_placements
 
 MESH_SHAPES: list[tuple[int, ...]] = [(2,), (3,), (4,), (2, 2)]
 
@@ -43,16 +44,27 @@ def placement_cases(
     always includes the all-Replicate case. ``SHARDWISE_ORACLE_CASES=0`` in the environment
     runs every combination (N > 0: at most N)."""
     max_cases = int(os.environ.get("SHARDWISE_ORACLE_CASES", max_cases)) or 10**9
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
     per_input = []
     for t in tensors:
         opts = placement_options(t, partial=partial, interleaved=interleaved)
-        per_input.append(list(itertools.product(opts, repeat=len(mesh_shape))))
+        combos = itertools.product(opts, repeat=len(mesh_shape))
+        per_input.append([c for c in combos if _valid(t, mesh, c)])
     everything = list(itertools.product(*per_input))
     if len(everything) <= max_cases:
         return [list(c) for c in everything]
     rng = random.Random(seed)
     picked = [everything[0]] + rng.sample(everything[1:], max_cases - 1)
     return [list(c) for c in picked]
+
+
+def _valid(t: torch.Tensor, mesh: sw.DeviceMesh, placements: tuple) -> bool:
+    """Whether the placements fit ``t`` (an interleave must divide at its nesting level)."""
+    try:
+        validate_placements(t.shape, mesh, placements)
+    except sw.InvalidPlacementError:
+        return False
+    return True
 
 
 def _full(x):
