@@ -88,19 +88,12 @@ def _blocked(state: State, mesh_dim: int, p: Placement) -> bool:
     return dim is not None and any(_shard_dim(q) == dim for q in state[mesh_dim + 1 :])
 
 
-def _reduce_class(p: Placement) -> str | None:
-    """Partial reductions with the same op commute; different ops (sum and avg included, whose
-    float rounding depends on the order) must be reduced lowest mesh dim first."""
-    return p.reduce_op if isinstance(p, Partial) else None
-
-
 def _out_of_order(state: State, mesh_dim: int, a: Placement, mesh_shape: tuple[int, ...]) -> bool:
-    """True if resolving Partial ``a`` on ``mesh_dim`` would precede a lower mesh dim that is
-    still Partial with a non-commuting op: mixed Partials reduce the lowest mesh dim first
-    (PyTorch's order), so any other order could change the value."""
-    kind = _reduce_class(a)
-    return kind is not None and any(
-        _reduce_class(q) not in (None, kind) and mesh_shape[k] > 1
+    """True if resolving Partial ``a`` on ``mesh_dim`` would precede a lower mesh dim still
+    Partial with another reduce op: mixed Partials reduce the lowest mesh dim first (PyTorch's
+    order), since another order could change the value (or, for sum and avg, its rounding)."""
+    return isinstance(a, Partial) and any(
+        isinstance(q, Partial) and q.reduce_op != a.reduce_op and mesh_shape[k] > 1
         for k, q in enumerate(state[:mesh_dim])
     )
 

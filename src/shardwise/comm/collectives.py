@@ -75,6 +75,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _per_piece_received(
+    groups: Sequence, pieces: Sequence[Sequence[torch.Tensor]], formula: Callable
+) -> int:
+    """Bytes this process's members receive when ``formula(piece sizes, k)`` prices member k
+    and every member's list of per-member pieces has the same sizes (``pieces[i]``: local
+    device i's list)."""
+    received = 0
+    for _, indices in groups:
+        sizes = [_nbytes(p) for p in pieces[next(i for i in indices if i is not None)]]
+        received += sum(formula(sizes, k) for k, i in enumerate(indices) if i is not None)
+    return received
+
+
 def all_reduce(
     mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor], op: str = "sum"
 ) -> list[torch.Tensor]:
@@ -109,14 +122,7 @@ def all_gather(
         for k, i in enumerate(indices):
             out[i] = [_to(p, mesh, members[k]) for p in pieces]
     traffic = _across(out, distributed.all_gather, mesh, mesh_dim, across, components)
-    received = 0
-    for _, indices in inside + across:
-        sizes = [_nbytes(p) for p in out[next(i for i in indices if i is not None)]]
-        received += sum(
-            accounting.all_gather_received(sizes, k)
-            for k, i in enumerate(indices)
-            if i is not None
-        )
+    received = _per_piece_received(inside + across, out, accounting.all_gather_received)
     _record("all_gather", mesh_dim, received, traffic)
     return out
 
@@ -132,14 +138,7 @@ def reduce_scatter(
         for k, i in enumerate(indices):
             out[i] = _to(_reduce([pieces[j][k] for j in indices], op), mesh, members[k])
     traffic = _across(out, distributed.reduce_scatter, mesh, mesh_dim, across, pieces, op)
-    received = 0
-    for _, indices in inside + across:
-        sizes = [_nbytes(p) for p in pieces[next(i for i in indices if i is not None)]]
-        received += sum(
-            accounting.reduce_scatter_received(sizes, k)
-            for k, i in enumerate(indices)
-            if i is not None
-        )
+    received = _per_piece_received(inside + across, pieces, accounting.reduce_scatter_received)
     _record("reduce_scatter", mesh_dim, received, traffic)
     return out
 

@@ -35,9 +35,9 @@ from .tensor_ops import (
     aligned,
     bind,
     bind_schema,
+    flat_product_strategy,
     keep_self_inplace,
     partial_ops,
-    product_strategy,
 )
 
 aten = torch.ops.aten
@@ -68,7 +68,7 @@ def index_select_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     option: list[Option] = [(R, R, R), (R, Shard(0), Shard(dim))]
     option += [(Shard(d), R, Shard(d)) for d in range(src.ndim) if d != dim]
     option += [(p, R, p) for p in _linear_partials(src.output_spec.placements, False)]
-    return product_strategy(mesh, [option] * mesh.ndim, 2)
+    return flat_product_strategy(mesh, [option] * mesh.ndim, 2)
 
 
 # ----- gather / scatter -----------------------------------------------------------------------
@@ -99,7 +99,9 @@ def gather_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     together = _same_size_dims([src.shape, index.shape], dim)
     option += [(Shard(d), Shard(d), Shard(d)) for d in together]
     option += [(p, R, p) for p in _linear_partials(src.output_spec.placements, False)]
-    return product_strategy(mesh, [option] * mesh.ndim, 2, valid=lambda t: _self_aligned(t, [1]))
+    return flat_product_strategy(
+        mesh, [option] * mesh.ndim, 2, valid=lambda t: _self_aligned(t, [1])
+    )
 
 
 SCATTER_SRC = [aten.scatter.src, aten.scatter_.src]
@@ -131,7 +133,9 @@ def scatter_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
             per_tensor[1], per_tensor[2], sorted(index_dims)
         )
 
-    return keep_self_inplace(schema, product_strategy(mesh, [option] * mesh.ndim, 3, valid=valid))
+    return keep_self_inplace(
+        schema, flat_product_strategy(mesh, [option] * mesh.ndim, 3, valid=valid)
+    )
 
 
 @register_op_strategy(SCATTER_VALUE, schema_info=RuntimeSchemaInfo(1))
@@ -144,7 +148,9 @@ def scatter_value_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     together = _same_size_dims([dst.shape, index.shape], dim)
     option += [(Shard(d), Shard(d), Shard(d)) for d in together]
     option += [(p, R, p) for p in _linear_partials(dst.output_spec.placements, False)]
-    found = product_strategy(mesh, [option] * mesh.ndim, 2, valid=lambda t: _self_aligned(t, [1]))
+    found = flat_product_strategy(
+        mesh, [option] * mesh.ndim, 2, valid=lambda t: _self_aligned(t, [1])
+    )
     return keep_self_inplace(schema, found)
 
 
@@ -177,7 +183,7 @@ def index_add_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     option += [(Shard(d), R, Shard(d), Shard(d)) for d in range(dst.ndim) if d != dim]
     option += [(p, R, p, p) for p in partials]
     option.append((SUM, Shard(0), Shard(dim), SUM))
-    return keep_self_inplace(schema, product_strategy(mesh, [option] * mesh.ndim, 3))
+    return keep_self_inplace(schema, flat_product_strategy(mesh, [option] * mesh.ndim, 3))
 
 
 # ----- advanced indexing ----------------------------------------------------------------------
@@ -247,7 +253,7 @@ def index_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         for j in range(len(layout.broadcast)):
             option.append((R, *layout.index_option(j), Shard(layout.offset + j)))
         option += [(p, *[R] * len(present), p) for p in partial_ops(src.output_spec.placements)]
-    return product_strategy(mesh, [option] * mesh.ndim, n)
+    return flat_product_strategy(mesh, [option] * mesh.ndim, n)
 
 
 INDEX_PUT = [aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default]
@@ -278,7 +284,7 @@ def index_put_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
                 option.append((SUM, *layout.index_option(j), v, SUM))
     placements = src.output_spec.placements + values.output_spec.placements
     option += [(p, *[R] * k, p, p) for p in _linear_partials(placements, accumulate)]
-    return keep_self_inplace(schema, product_strategy(mesh, [option] * mesh.ndim, k + 2))
+    return keep_self_inplace(schema, flat_product_strategy(mesh, [option] * mesh.ndim, k + 2))
 
 
 def _mesh_of(args: Sequence[Any]) -> DeviceMesh | None:

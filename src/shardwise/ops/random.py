@@ -22,7 +22,7 @@ from ..placements import Placement, Replicate, Shard
 from .common import input_strategies
 from .data_dependent import move_components
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, bypass_dispatch, register_op_strategy
-from .tensor_ops import bind, partial_ops, product_strategy
+from .tensor_ops import bind, flat_product_strategy, partial_ops
 
 aten = torch.ops.aten
 
@@ -147,4 +147,4 @@ def native_dropout_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpSt
     option: list[tuple[Placement, ...]] = [(Replicate(),) * 3]
     option += [(Shard(d), Shard(d), Shard(d)) for d in range(grad.ndim)]
     option += [(p, Replicate(), p) for p in partial_ops(grad.output_spec.placements)]
-    return product_strategy(mesh, [option] * mesh.ndim, 2)
+    return flat_product_strategy(mesh, [option] * mesh.ndim, 2)

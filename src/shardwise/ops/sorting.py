@@ -14,7 +14,7 @@ from ..placements import Placement, Replicate, Shard
 from .common import input_strategies
 from .data_dependent import run_replicated
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, bypass_dispatch, register_op_strategy
-from .tensor_ops import bind_schema, product_strategy
+from .tensor_ops import bind_schema, flat_product_strategy
 
 aten = torch.ops.aten
 
@@ -36,7 +36,7 @@ def sort_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         if isinstance(current, Shard) and current.dim != dim and current not in candidates:
             candidates.append(current)
         options.append([(p, p, p) for p in candidates])
-    return product_strategy(mesh, options, 1, multi=True)
+    return flat_product_strategy(mesh, options, 1, multi=True)
 
 
 # ``torch.unique``'s ``_unique2``: the output size depends on the data, so the input is

@@ -7,7 +7,6 @@ name, and building an ``OpStrategy`` as the product of per-mesh-dim options.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,11 +16,10 @@ from ..factories import keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta, contiguous_meta
-from .common import input_strategies, strategy
+from .common import input_strategies, product_strategy, strategy
 from .registry import (
     OpSchema,
     OpStrategy,
-    PlacementStrategy,
     RuntimeSchemaInfo,
     register_local_args,
     register_op_strategy,
@@ -56,7 +54,7 @@ def bind_schema(schema: OpSchema) -> dict[str, Any]:
     return bind(schema.op, schema.args_schema, schema.kwargs_schema)
 
 
-def product_strategy(
+def flat_product_strategy(
     mesh: DeviceMesh,
     options: Sequence[Sequence[Option]],
     n_inputs: int,
@@ -64,21 +62,17 @@ def product_strategy(
     multi: bool = False,
     valid: Callable[[list[tuple[Placement, ...]]], bool] | None = None,
 ) -> OpStrategy:
-    """Every combination of one option per mesh dim (``options[m]``), as placement strategies.
+    """``common.product_strategy`` for options written flat: ``options[m]`` holds, per option,
+    the placements of the ``n_inputs`` DTensor inputs then of the output(s) on mesh dim m.
+    ``valid`` sees one placement tuple per tensor (inputs then outputs)."""
+    split = [[(o[:n_inputs], o[n_inputs:]) for o in per_dim] for per_dim in options]
 
-    An option lists the placement of each of the ``n_inputs`` DTensor inputs on that mesh dim,
-    then the output's (or, with ``multi``, one per output). ``valid`` may drop combinations
-    whose per-tensor placements (inputs then outputs, each a tuple over mesh dims) do not fit
-    together, e.g. two tensors sharding one dim over different mesh dims.
-    """
-    found: list[PlacementStrategy] = []
-    for combo in itertools.product(*options):
-        per_tensor = [tuple(c[i] for c in combo) for i in range(len(combo[0]))]
-        if valid is not None and not valid(per_tensor):
-            continue
-        ins, outs = per_tensor[:n_inputs], per_tensor[n_inputs:]
-        found.append(strategy(mesh, ins, outs if multi else outs[0], multi=multi))
-    return OpStrategy(found)
+    def per_tensor(combo: tuple) -> list[tuple[Placement, ...]]:
+        width = len(combo[0][0]) + len(combo[0][1])
+        return [tuple((c[0] + c[1])[i] for c in combo) for i in range(width)]
+
+    check = None if valid is None else (lambda combo: valid(per_tensor(combo)))
+    return product_strategy(mesh, lambda m: split[m], multi=multi, valid=check)
 
 
 def is_inplace(op: Any) -> bool:
@@ -177,7 +171,7 @@ def to_copy_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     source = arg.output_spec.tensor_meta
     dtype = bound.get("dtype") or source.dtype
     linear = dtype.is_floating_point or dtype.is_complex
-    found = product_strategy(
+    found = flat_product_strategy(
         mesh,
         unary_options(arg.output_spec.placements, arg.ndim, lambda p: linear or not p.is_partial()),
         1,
@@ -333,7 +327,7 @@ def tril_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     def allowed(p: Placement) -> bool:
         return not (isinstance(p, Shard) and type(p) is not Shard and p.dim >= ndim - 2)
 
-    found = product_strategy(mesh, unary_options(arg.output_spec.placements, ndim, allowed), 1)
+    found = flat_product_strategy(mesh, unary_options(arg.output_spec.placements, ndim, allowed), 1)
     meta = arg.output_spec.tensor_meta
     return with_output_meta(found, contiguous_meta(meta.shape, meta.dtype))  # always contiguous
 
