@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from . import settings
 from .dtensor import DTensor, distribute_tensor, set_dispatch_handler
 from .errors import ImplicitRedistributeError, MeshError, UnsupportedOpError
 from .mesh import DeviceMesh
@@ -35,39 +35,25 @@ aten = torch.ops.aten
 log = logging.getLogger("shardwise.redistribute")
 
 
-# ----- implicit redistribution settings --------------------------------------------------------
-
-
-@dataclass
-class _Settings:
-    implicit: bool = os.environ.get("SHARDWISE_IMPLICIT_REDISTRIBUTE", "0") == "1"
-    log_moves: bool = False
-    implicit_replication: bool = False
-
-
-_settings = _Settings()
+# ----- implicit redistribution settings (per context: see ``settings``) ------------------------
 
 
 def set_implicit_redistribute(enabled: bool) -> None:
-    """Globally allow (True) or forbid (False, the default) implicit redistribution in ops."""
-    _settings.implicit = enabled
+    """Process-wide: allow (True) or forbid (False, the default) implicit redistribution."""
+    settings.IMPLICIT_REDISTRIBUTE.set_default(bool(enabled))
 
 
 @contextlib.contextmanager
 def allow_implicit_redistribute(enabled: bool = True) -> Iterator[None]:
-    """Within the block, ops may redistribute their inputs themselves (counted as usual)."""
-    previous = _settings.implicit
-    _settings.implicit = enabled
-    try:
+    """Within the block (this thread only), ops may redistribute their inputs themselves."""
+    with settings.IMPLICIT_REDISTRIBUTE.override(bool(enabled)):
         yield
-    finally:
-        _settings.implicit = previous
 
 
 def set_redistribute_logging(enabled: bool) -> None:
     """Log every redistribution an op makes, with the user's call site, to
     the ``shardwise.redistribute`` logger (level INFO)."""
-    _settings.log_moves = enabled
+    settings.LOG_REDISTRIBUTE.set_default(bool(enabled))
 
 
 # ----- decisions -------------------------------------------------------------------------------
@@ -247,7 +233,8 @@ def _redistribute_inputs(
             s.collective != "local" for s in p.steps
         )
     ]
-    if moving and not _settings.implicit and torch._C._current_graph_task_id() == -1:
+    in_backward = torch._C._current_graph_task_id() != -1
+    if moving and not settings.IMPLICIT_REDISTRIBUTE.get() and not in_backward:
         lines = []
         for i, p in moving:
             dt = dtensors[i]
@@ -266,7 +253,7 @@ def _redistribute_inputs(
         if plan is None:
             components.append(dt._components)
             continue
-        if _settings.log_moves and any(s.collective != "local" for s in plan.steps):
+        if settings.LOG_REDISTRIBUTE.get() and any(s.collective != "local" for s in plan.steps):
             log.info(
                 "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, _call_site()
             )
@@ -318,12 +305,8 @@ SMALL_CONSTANT_NUMEL = 16
 def implicit_replication(enabled: bool = True) -> Iterator[None]:
     """Within the block, plain tensors mixed with DTensors are taken as replicated global
     values (PyTorch's ``implicit_replication``), e.g. masks that decompositions create."""
-    previous = _settings.implicit_replication
-    _settings.implicit_replication = enabled
-    try:
+    with settings.IMPLICIT_REPLICATION.override(bool(enabled)):
         yield
-    finally:
-        _settings.implicit_replication = previous
 
 
 def _implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -333,7 +316,7 @@ def _implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) ->
     if (
         tensor.numel() > SMALL_CONSTANT_NUMEL
         and torch._C._current_graph_task_id() == -1
-        and not _settings.implicit_replication
+        and not settings.IMPLICIT_REPLICATION.get()
     ):
         raise MeshError(
             f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)}; "

@@ -1,0 +1,61 @@
+"""Ambient settings: the one place for state that a ``with`` block, a ``set_*`` call or a
+thread changes.
+
+Each setting is a process-wide default (changed by the public ``set_*`` functions) plus a
+``contextvars.ContextVar`` override (changed by ``with`` blocks). A ``with`` block therefore
+affects only the thread (or asyncio task) that entered it and is undone when it leaves, as
+torch's modes are; a new thread sees the process-wide defaults.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+_UNSET: Any = object()
+
+
+class Setting(Generic[T]):
+    """A process-wide default with a per-context override."""
+
+    def __init__(self, name: str, default: T) -> None:
+        self.name = name
+        self._default = default
+        self._override: contextvars.ContextVar[Any] = contextvars.ContextVar(
+            f"shardwise.{name}", default=_UNSET
+        )
+
+    def get(self) -> T:
+        value = self._override.get()
+        return self._default if value is _UNSET else value
+
+    def set_default(self, value: T) -> None:
+        """Change the process-wide value (seen by every thread without an override)."""
+        self._default = value
+
+    @contextmanager
+    def override(self, value: T) -> Iterator[None]:
+        """Within the block, in this context only, the setting is ``value``."""
+        token = self._override.set(value)
+        try:
+            yield
+        finally:
+            self._override.reset(token)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() not in ("", "0", "false")
+
+
+# Ops may redistribute their inputs themselves (explicit mode forbids it; the default).
+IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
+    "implicit_redistribute", _env_flag("SHARDWISE_IMPLICIT_REDISTRIBUTE")
+)
+# Plain tensors mixed with DTensors are taken as replicated global values.
+IMPLICIT_REPLICATION: Setting[bool] = Setting("implicit_replication", False)
+# Every redistribution an op makes is logged with the user's call site.
+LOG_REDISTRIBUTE: Setting[bool] = Setting("log_redistribute", False)
