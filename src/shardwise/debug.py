@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from .dtensor import DTensor
 from .placements import Placement
-from .redistribute import RedistributePlan, plan_redistribute
+from .redistribute import RedistributePlan, lower_bound_bytes, plan_redistribute
 from .spec import validate_placements
 
 
 def explain_redistribute(dtensor: DTensor, placements: Sequence[Placement]) -> RedistributePlan:
     """The plan ``dtensor.redistribute(placements=placements)`` would run: its steps, each with
-    its collective, mesh dim and the bytes this process's devices would receive."""
+    its collective, mesh dim and the bytes this process's devices would receive, and beside
+    its ``global_bytes`` the ``lower_bound`` no plan can beat (bytes over all devices)."""
+    spec = dtensor._spec
     target = validate_placements(dtensor.shape, dtensor.device_mesh, placements)
-    return plan_redistribute(dtensor._spec, target)
+    plan = plan_redistribute(spec, target)
+    bound = lower_bound_bytes(
+        spec.mesh, tuple(spec.shape), dtensor.element_size(), spec.placements, target
+    )
+    return dataclasses.replace(plan, lower_bound=bound)
 
 
 def _first_line(fn: object) -> str:

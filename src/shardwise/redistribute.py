@@ -51,6 +51,9 @@ class RedistributePlan:
     source: State
     target: State
     steps: tuple[Step, ...]
+    # the fewest bytes all devices must receive (``lower_bound_bytes``); filled in by
+    # ``explain_redistribute``, not on the hot path
+    lower_bound: int | None = None
 
     @property
     def bytes(self) -> int:
@@ -154,8 +157,16 @@ class _Pricer:
         return accounting.all_to_all_received(incoming, k)
 
 
-def _candidates(source: State, target: State, mesh_dim: int) -> list[Placement]:
-    shard_dims = sorted({p.dim for p in source + target if isinstance(p, Shard)})
+def _candidates(
+    source: State, target: State, mesh_dim: int, shape: tuple[int, ...]
+) -> list[Placement]:
+    """Placements worth visiting on ``mesh_dim``: the two ends, Replicate, the tensor dims
+    either end shards, and, when a Partial must be resolved, the largest tensor dim (reducing
+    by reduce_scatter then all_gather halves what successive all_reduces move)."""
+    shard_dims = {p.dim for p in source + target if isinstance(p, Shard)}
+    if any(p.is_partial() for p in source) and shape:
+        shard_dims.add(max(range(len(shape)), key=lambda d: (shape[d], -d)))
+    shard_dims = sorted(shard_dims)
     options = [source[mesh_dim], target[mesh_dim], Replicate(), *(Shard(d) for d in shard_dims)]
     return list(dict.fromkeys(options))
 
@@ -165,7 +176,7 @@ def _plan(
     mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int, source: State, target: State
 ) -> RedistributePlan:
     pricer = _Pricer(mesh, shape, itemsize)
-    options = [_candidates(source, target, m) for m in range(mesh.ndim)]
+    options = [_candidates(source, target, m, shape) for m in range(mesh.ndim)]
     # Dijkstra on (global bytes, collectives, steps); ties keep the first found.
     best: dict[State, tuple[int, int, int]] = {source: (0, 0, 0)}
     back: dict[State, tuple[State, Step]] = {}
@@ -290,3 +301,72 @@ def execute_plan(
         out = _run_step(step, mesh, out)
     return out
 
+
+
+# ----- lower bound ---------------------------------------------------------------------------
+
+
+def lower_bound_bytes(
+    mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int, source: State, target: State
+) -> int:
+    """The fewest bytes all devices together must receive to go from ``source`` to ``target``
+    (the planner's ``global_bytes`` can never be lower).
+
+    Per element: with ``k`` distinct Partial terms spread over the holders and ``m`` devices
+    that need it, a reduction tree rooted at a needer takes ``k - 1`` transfers (``k`` when no
+    needer holds a term) and handing the result to the other needers ``m - 1``; without
+    Partial terms, every needer that does not hold the element receives it once. A target
+    Partial("sum") group needs the value on one member only (the others may hold zeros); a
+    Partial kept on a mesh dim needs no reduction there. The index space is cut into blocks
+    on every segment boundary, so the count is per block."""
+    coords = [mesh.coordinate_of(d) for d in mesh.mesh.flatten().tolist()]
+    kept = {m for m, p in enumerate(source) if p.is_partial() and target[m] == p}
+    partial_dims = [
+        m for m, p in enumerate(source) if p.is_partial() and mesh.shape[m] > 1 and m not in kept
+    ]
+    summed = [
+        m for m, p in enumerate(target)
+        if isinstance(p, Partial) and p.reduce_op == "sum" and m not in kept
+    ]
+    src = [shard_segments(shape, mesh.shape, source, c) for c in coords]
+    dst = [shard_segments(shape, mesh.shape, target, c) for c in coords]
+    cuts = [{0, size} for size in shape]
+    for segments in src + dst:
+        for d, runs in enumerate(segments):
+            for a, b in runs:
+                cuts[d].update((a, b))
+    edges = [sorted(c) for c in cuts]
+    total = 0
+    for block in _blocks(edges):
+        size = prod(b - a for a, b in block)
+        if size == 0:
+            continue
+        holders = [i for i, s in enumerate(src) if _covers(s, block)]
+        needers = {i for i, s in enumerate(dst) if _covers(s, block)}
+        if summed:  # one needer per target sum group, a holder where the group has one
+            groups: dict[tuple[int, ...], int] = {}
+            for i in sorted(needers, key=lambda i: i not in holders):
+                groups.setdefault(tuple(c for m, c in enumerate(coords[i]) if m not in summed), i)
+            needers = set(groups.values())
+        terms = {tuple(coords[i][m] for m in partial_dims) for i in holders}
+        if len(terms) <= 1:
+            transfers = len(needers - set(holders))
+        else:
+            transfers = len(terms) + len(needers) - 1 - any(i in needers for i in holders)
+        total += transfers * size * itemsize
+    return total
+
+
+def _blocks(edges: list[list[int]]) -> list[tuple[tuple[int, int], ...]]:
+    spans = [list(zip(e[:-1], e[1:], strict=False)) or [(0, 0)] for e in edges]
+    out: list[tuple[tuple[int, int], ...]] = [()]
+    for dim_spans in spans:
+        out = [b + (s,) for b in out for s in dim_spans]
+    return out
+
+
+def _covers(segments: tuple, block: tuple[tuple[int, int], ...]) -> bool:
+    return all(
+        any(a <= lo and hi <= b for a, b in runs)
+        for runs, (lo, hi) in zip(segments, block, strict=True)
+    )
