@@ -120,7 +120,7 @@ class DeviceMesh:
     def ndim(self) -> int:
         return self.mesh.ndim
 
-    @property
+    @cached_property
     def shape(self) -> IdTuple:
         return IdTuple(self.mesh.shape)
 

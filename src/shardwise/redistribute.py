@@ -30,9 +30,9 @@ State = tuple[Placement, ...]
 class Step:
     """One change of placement on one mesh dim, with the collective it needs."""
 
-    mesh_dim: int
-    source: Placement
-    target: Placement
+    mesh_dim: int | tuple[int, ...]  # an exchange changes several mesh dims at once
+    source: Placement | tuple[Placement, ...]
+    target: Placement | tuple[Placement, ...]
     collective: str  # a comm kind, or "local" when no data moves between devices
     bytes: int  # received by this process's devices (what CommCounter counts)
     global_bytes: int  # received by all devices of the mesh (the planner's cost)
@@ -51,6 +51,7 @@ class RedistributePlan:
     source: State
     target: State
     steps: tuple[Step, ...]
+    shape: tuple[int, ...] = ()  # the global shape it was planned for
     # the fewest bytes all devices must receive (``lower_bound_bytes``); filled in by
     # ``explain_redistribute``, not on the hot path
     lower_bound: int | None = None
@@ -136,6 +137,21 @@ class _Pricer:
                     local_total += got
         return local_total, global_total
 
+    def exchange_price(self, before: State, after: State) -> tuple[int, int]:
+        """(bytes for this process's devices, bytes for all devices) when every device receives
+        the part of its new piece that its old piece lacks, once."""
+        local_total = global_total = 0
+        for device in self.mesh.mesh.flatten().tolist():
+            coord = self.mesh.coordinate_of(device)
+            old = shard_segments(self.shape, self.mesh.shape, before, coord)
+            new = shard_segments(self.shape, self.mesh.shape, after, coord)
+            kept = prod(_overlap(a, b) for a, b in zip(old, new, strict=True))
+            got = (prod(self.local_shape(after, coord)) - kept) * self.itemsize
+            global_total += got
+            if device in self.local:
+                local_total += got
+        return local_total, global_total
+
     def _received(self, kind, before, after, mesh_dim, coords, k, n) -> int:
         size = self.itemsize
         if kind == "all_gather":
@@ -171,16 +187,46 @@ def _candidates(
     return list(dict.fromkeys(options))
 
 
+def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> int:
+    """How many indices two run lists share."""
+    return sum(max(0, min(y1, y2) - max(x1, x2)) for x1, y1 in a for x2, y2 in b)
+
+
+def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None:
+    """The exchange straight from ``state`` to ``settled`` (no Partial on either side),
+    or None."""
+    mesh = pricer.mesh
+    if state == settled or any(
+        p.is_partial() and mesh.shape[m] > 1 for m, p in enumerate(state)
+    ):
+        return None
+    dims = tuple(m for m in range(mesh.ndim) if state[m] != settled[m])
+    try:
+        local_bytes, global_bytes = pricer.exchange_price(state, settled)
+    except InvalidPlacementError:
+        return None  # an interleave that does not divide at this nesting level
+    return Step(
+        dims,
+        tuple(state[m] for m in dims),
+        tuple(settled[m] for m in dims),
+        "exchange",
+        local_bytes,
+        global_bytes,
+    )
+
+
 @lru_cache(maxsize=4096)
 def _plan(
     mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int, source: State, target: State
 ) -> RedistributePlan:
     pricer = _Pricer(mesh, shape, itemsize)
     options = [_candidates(source, target, m, shape) for m in range(mesh.ndim)]
-    # Dijkstra on (global bytes, collectives, steps); ties keep the first found.
-    best: dict[State, tuple[int, int, int]] = {source: (0, 0, 0)}
+    settled = tuple(Replicate() if p.is_partial() else p for p in target)
+    # Dijkstra on (global bytes, exchanges, collectives, steps): an exchange is taken only
+    # when it moves fewer bytes than the named collectives; ties keep the first found.
+    best: dict[State, tuple[int, int, int, int]] = {source: (0, 0, 0, 0)}
     back: dict[State, tuple[State, Step]] = {}
-    heap: list[tuple[tuple[int, int, int], int, State]] = [((0, 0, 0), 0, source)]
+    heap: list[tuple[tuple[int, int, int, int], int, State]] = [((0, 0, 0, 0), 0, source)]
     counter = 0
     while heap:
         cost, _, state = heapq.heappop(heap)
@@ -208,14 +254,23 @@ def _plan(
                     continue  # an interleave that does not divide at this nesting level
                 new_cost = (
                     cost[0] + global_bytes,
-                    cost[1] + (kind != "local"),
-                    cost[2] + 1,
+                    cost[1],
+                    cost[2] + (kind != "local"),
+                    cost[3] + 1,
                 )
                 if nxt not in best or new_cost < best[nxt]:
                     best[nxt] = new_cost
                     back[nxt] = (state, Step(m, a, b, kind, local_bytes, global_bytes))
                     counter += 1
                     heapq.heappush(heap, (new_cost, counter, nxt))
+        direct = _exchange_step(pricer, state, settled)
+        if direct is not None:
+            new_cost = (cost[0] + direct.global_bytes, cost[1] + 1, cost[2] + 1, cost[3] + 1)
+            if settled not in best or new_cost < best[settled]:
+                best[settled] = new_cost
+                back[settled] = (state, direct)
+                counter += 1
+                heapq.heappush(heap, (new_cost, counter, settled))
     if target not in best:
         raise InvalidPlacementError(
             f"no redistribution from {list(source)} to {list(target)} for shape {list(shape)} "
@@ -226,14 +281,26 @@ def _plan(
     while state != source:
         state, step = back[state]
         steps.append(step)
-    return RedistributePlan(source, target, tuple(reversed(steps)))
+    return RedistributePlan(source, target, tuple(reversed(steps)), shape)
+
+
+_PLANS: dict[tuple[DTensorSpec, State], RedistributePlan] = {}
+_MAX_PLANS = 65536
 
 
 def plan_redistribute(spec: DTensorSpec, placements: Sequence[Placement]) -> RedistributePlan:
-    """The cheapest plan from ``spec`` to ``placements`` on the same mesh (cached)."""
-    meta = spec.tensor_meta
-    itemsize = torch.empty((), dtype=meta.dtype).element_size()
-    return _plan(spec.mesh, tuple(meta.shape), itemsize, spec.placements, tuple(placements))
+    """The cheapest plan from ``spec`` to ``placements`` on the same mesh, cached per (spec,
+    target) so a repeated redistribution costs one dictionary lookup (specs cache their hash);
+    ``_plan`` shares the planning itself between specs that differ only in strides."""
+    key = (spec, tuple(placements))
+    plan = _PLANS.get(key)
+    if plan is None:
+        meta = spec.tensor_meta
+        plan = _plan(spec.mesh, tuple(meta.shape), meta.dtype.itemsize, spec.placements, key[1])
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 # ----- execution ---------------------------------------------------------------------------
@@ -297,8 +364,107 @@ def execute_plan(
 ) -> list[torch.Tensor]:
     """Run ``plan`` on this process's components (ordered like ``mesh.local_device_ids``)."""
     out = list(components)
+    state = plan.source
     for step in plan.steps:
-        out = _run_step(step, mesh, out)
+        if step.collective == "exchange":
+            after = list(state)
+            for m, p in zip(step.mesh_dim, step.target, strict=True):
+                after[m] = p
+            out = _run_exchange(mesh, plan.shape, state, tuple(after), step.mesh_dim, out)
+            state = tuple(after)
+        else:
+            out = _run_step(step, mesh, out)
+            state = state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
+    return out
+
+
+Block = tuple[tuple[int, int], ...]  # a box of global indices, one interval per tensor dim
+Route = tuple[tuple[int, tuple[slice, ...], tuple[slice, ...], tuple[int, ...]], ...]
+
+
+def _local_slice(runs: tuple[tuple[int, int], ...], lo: int, hi: int) -> slice:
+    """Where the global interval [lo, hi), inside one run of ``runs``, sits in the piece."""
+    offset = 0
+    for a, b in runs:
+        if a <= lo and hi <= b:
+            return slice(offset + lo - a, offset + hi - a)
+        offset += b - a
+    raise AssertionError(f"[{lo}, {hi}) is not inside one run of {runs}")
+
+
+@lru_cache(maxsize=1024)
+def _routes(
+    mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
+) -> dict[int, Route]:
+    """For every device, each block of its new piece: the device it comes from (itself when it
+    already holds it, else a holder in its own process, else the nearest holder by mesh
+    coordinate, then the lowest id), the block's slices in the holder's old piece and in the
+    new piece, and its shape."""
+    devices = mesh.mesh.flatten().tolist()
+    coords = {d: mesh.coordinate_of(d) for d in devices}
+    old = {d: shard_segments(shape, mesh.shape, before, coords[d]) for d in devices}
+    new = {d: shard_segments(shape, mesh.shape, after, coords[d]) for d in devices}
+    cuts = [{0, size} for size in shape]
+    for segments in (*old.values(), *new.values()):
+        for dim, runs in enumerate(segments):
+            for a, b in runs:
+                cuts[dim].update((a, b))
+    blocks = _blocks([sorted(c) for c in cuts])
+    routes: dict[int, Route] = {}
+    for d in devices:
+        route = []
+        for block in blocks:
+            if prod(b - a for a, b in block) == 0 or not _covers(new[d], block):
+                continue
+            holders = [h for h in devices if _covers(old[h], block)]
+            holder = min(holders, key=lambda h: (
+                h != d,
+                mesh.owner_of(h) != mesh.owner_of(d),
+                sum(x != y for x, y in zip(coords[h], coords[d], strict=True)),
+                h,
+            ))
+            src = tuple(_local_slice(r, a, b) for r, (a, b) in zip(old[holder], block,
+                                                                     strict=True))
+            dst = tuple(_local_slice(r, a, b) for r, (a, b) in zip(new[d], block, strict=True))
+            route.append((holder, src, dst, tuple(b - a for a, b in block)))
+        routes[d] = tuple(route)
+    return routes
+
+
+def _run_exchange(
+    mesh: DeviceMesh,
+    shape: tuple[int, ...],
+    before: State,
+    after: State,
+    mesh_dims: tuple[int, ...],
+    components: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Every device assembles its new piece from the blocks it holds and the blocks other
+    devices send it, point to point (the bytes each receives are exactly what it lacks)."""
+    sample = components[0]
+    routes = _routes(mesh, shape, before, after)
+    local = mesh.local_device_ids
+    index = {d: i for i, d in enumerate(local)}
+    sends: list[list[tuple[int, torch.Tensor]]] = [[] for _ in local]
+    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in local]
+    for d in mesh.mesh.flatten().tolist():
+        for holder, src, _, block_shape in routes[d]:
+            if holder == d:
+                continue
+            if holder in index:
+                sends[index[holder]].append((d, components[index[holder]][src]))
+            if d in index:
+                receives[index[d]].append((holder, block_shape))
+    received = comm.exchange(mesh, mesh_dims, sends, receives, sample.dtype)
+    out = []
+    for i, d in enumerate(local):
+        coord = mesh.coordinate_of(d)
+        runs = shard_segments(shape, mesh.shape, after, coord)
+        piece = sample.new_empty(tuple(sum(b - a for a, b in r) for r in runs))
+        incoming = iter(received[i])
+        for holder, src, dst, _ in routes[d]:
+            piece[dst] = components[i][src] if holder == d else next(incoming)
+        out.append(piece)
     return out
 
 

@@ -1,7 +1,14 @@
 """Collectives over one mesh dim, and their accounting."""
 
 from .accounting import CommCounter, CommRecord
-from .collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
+from .collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    exchange,
+    reduce_scatter,
+)
 from .safety import (
     debug_checks_enabled,
     get_collective_timeout,
@@ -17,6 +24,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "exchange",
     "debug_checks_enabled",
     "get_collective_timeout",
     "moving",

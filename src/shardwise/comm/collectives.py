@@ -183,3 +183,43 @@ def broadcast(
     )
     _record("broadcast", mesh_dim, received, traffic)
     return out
+
+
+def exchange(
+    mesh: DeviceMesh,
+    mesh_dims: tuple[int, ...],
+    sends: Sequence[Sequence[tuple[int, torch.Tensor]]],
+    receives: Sequence[Sequence[tuple[int, Sequence[int]]]],
+    dtype: torch.dtype,
+) -> list[list[torch.Tensor]]:
+    """Point-to-point messages between any devices of the mesh (a collective permute over
+    ``mesh_dims``). ``sends[i]`` lists (destination device, tensor) from local device i,
+    ``receives[i]`` the (source device, shape) that local device i expects; messages between
+    one pair of devices arrive in the order they were listed. Returns, per local device, the
+    tensors received in ``receives`` order (all of ``dtype``). Every device of the mesh must
+    take part."""
+    local = mesh.local_device_ids
+    index = {d: i for i, d in enumerate(local)}
+    queues: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for i, d in enumerate(local):
+        for dst, t in sends[i]:
+            if dst in index:
+                queues.setdefault((d, dst), []).append(t)
+    traffic = distributed.Traffic()
+    remote: dict[tuple[int, int], torch.Tensor] = {}
+    if len(local) < mesh.size():
+        sample = torch.empty(0, dtype=dtype, device=mesh.device_of(local[0]))
+        remote, traffic = distributed.exchange(mesh, mesh_dims, sends, receives, sample)
+    out: list[list[torch.Tensor]] = []
+    received = 0
+    for i, d in enumerate(local):
+        row = []
+        for n, (src, _) in enumerate(receives[i]):
+            if src in index:
+                row.append(_to(queues[(src, d)].pop(0), mesh, d))
+            else:
+                row.append(remote[(i, n)])
+            received += _nbytes(row[-1])
+        out.append(row)
+    _record("exchange", mesh_dims, received, traffic)
+    return out

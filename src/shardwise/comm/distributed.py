@@ -88,11 +88,12 @@ class _Call:
     def __init__(
         self, kind: str, mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
         sample: torch.Tensor, detail: str = "",
+        ranks: dict[tuple[int, ...], tuple[int, ...]] | None = None,
     ) -> None:
         self.kind, self.mesh, self.mesh_dim, self.groups = kind, mesh, mesh_dim, groups
         self.sample, self.detail = sample, detail
         self.me = dist.get_rank()
-        self.ranks = group_ranks(mesh, mesh_dim)
+        self.ranks = group_ranks(mesh, mesh_dim) if ranks is None else ranks
         self.traffic = Traffic()
 
     def what(self) -> str:
@@ -487,4 +488,44 @@ def broadcast(
             value = next(received)
         for k, i in _local_members((members, indices)):
             out[i] = value if k == src else value.clone().to(mesh.device_of(members[k]))
+    return out, call.traffic
+
+
+def exchange(
+    mesh: DeviceMesh,
+    mesh_dims: tuple[int, ...],
+    sends: Sequence[Sequence[tuple[int, torch.Tensor]]],
+    receives: Sequence[Sequence[tuple[int, Sequence[int]]]],
+    sample: torch.Tensor,
+) -> tuple[dict[tuple[int, int], torch.Tensor], Traffic]:
+    """The cross-process part of ``collectives.exchange``: one buffer per peer process with
+    every tensor its devices send to that peer's devices, in (source, destination, order)
+    order; returns {(local index, position in receives[i]): tensor}."""
+    members = tuple(mesh.mesh.flatten().tolist())
+    ranks = tuple(sorted({mesh.owner_of(d) for d in members}))
+    call = _Call("exchange", mesh, mesh_dims, [], sample, ranks={members: ranks})
+    group_for_ranks(ranks)  # every process of the mesh takes part in creating its group
+    local = mesh.local_device_ids
+    data = call.round()
+    outgoing = sorted(
+        (d, dst, n, t)
+        for i, d in enumerate(local)
+        for n, (dst, t) in enumerate(sends[i])
+        if call.owner(dst) != call.me
+    )
+    for _, dst, _, t in outgoing:
+        data.send(ranks, call.owner(dst), t)
+    incoming = sorted(
+        (src, local[i], n, i, tuple(shape))
+        for i in range(len(local))
+        for n, (src, shape) in enumerate(receives[i])
+        if call.owner(src) != call.me
+    )
+    for src, _, _, _, shape in incoming:
+        data.expect(ranks, call.owner(src), shape, sample.dtype)
+    received = data.run()
+    out = {
+        (i, n): t.to(mesh.device_of(local[i]))
+        for (_, _, n, i, _), t in zip(incoming, received, strict=True)
+    }
     return out, call.traffic
