@@ -248,11 +248,13 @@ def _ref_step_bytes(
     mesh_shape = tuple(mesh.mesh.shape)
     coords = list(ref_coords(mesh.mesh).values())
     total = 0
-    if kind == "exchange":  # every device receives what its new piece has and its old lacks
+    if kind == "exchange":  # every device receives each Partial term of its new piece that
+        # it does not hold (one term without Partial)
+        terms = math.prod(n for n, p in zip(mesh_shape, before, strict=True) if p.is_partial())
         for coord in coords:
             old = set(itertools.product(*ref_indices(shape, mesh_shape, before, coord)))
             new = set(itertools.product(*ref_indices(shape, mesh_shape, after, coord)))
-            total += len(new - old)
+            total += terms * len(new) - len(new & old)
         return total
     for coord in coords:  # the receiver
         group = [coord[:m] + (i,) + coord[m + 1 :] for i in range(mesh_shape[m])]

@@ -138,15 +138,17 @@ class _Pricer:
         return local_total, global_total
 
     def exchange_price(self, before: State, after: State) -> tuple[int, int]:
-        """(bytes for this process's devices, bytes for all devices) when every device receives
-        the part of its new piece that its old piece lacks, once."""
+        """(bytes for this process's devices, bytes for all devices) of an exchange: every
+        device receives, for its new piece, each of the ``k`` Partial terms (1 without
+        Partial) it does not hold itself."""
+        terms = prod(n for n, p in zip(self.mesh.shape, before, strict=True) if p.is_partial())
         local_total = global_total = 0
         for device in self.mesh.mesh.flatten().tolist():
             coord = self.mesh.coordinate_of(device)
             old = shard_segments(self.shape, self.mesh.shape, before, coord)
             new = shard_segments(self.shape, self.mesh.shape, after, coord)
             kept = prod(_overlap(a, b) for a, b in zip(old, new, strict=True))
-            got = (prod(self.local_shape(after, coord)) - kept) * self.itemsize
+            got = (terms * prod(self.local_shape(after, coord)) - kept) * self.itemsize
             global_total += got
             if device in self.local:
                 local_total += got
@@ -193,12 +195,12 @@ def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> 
 
 
 def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None:
-    """The exchange straight from ``state`` to ``settled`` (no Partial on either side),
-    or None."""
+    """The exchange straight from ``state`` to the Partial-free ``settled``, or None. Pending
+    Partials are resolved on the way when they all reduce alike (mixed reduce ops must go
+    lowest mesh dim first, one dim at a time)."""
     mesh = pricer.mesh
-    if state == settled or any(
-        p.is_partial() and mesh.shape[m] > 1 for m, p in enumerate(state)
-    ):
+    ops = {p.reduce_op for m, p in enumerate(state) if isinstance(p, Partial) and mesh.shape[m] > 1}
+    if state == settled or len(ops) > 1:
         return None
     dims = tuple(m for m in range(mesh.ndim) if state[m] != settled[m])
     try:
@@ -378,8 +380,10 @@ def execute_plan(
     return out
 
 
-Block = tuple[tuple[int, int], ...]  # a box of global indices, one interval per tensor dim
-Route = tuple[tuple[int, tuple[slice, ...], tuple[slice, ...], tuple[int, ...]], ...]
+# per device: for each block of its new piece, where it goes in the new piece, its shape, and
+# (holder, where it is in the holder's old piece) for each Partial term in reduction order
+Route = tuple[tuple[tuple[slice, ...], tuple[int, ...], tuple[tuple[int, tuple[slice, ...]], ...]],
+              ...]
 
 
 def _local_slice(runs: tuple[tuple[int, int], ...], lo: int, hi: int) -> slice:
@@ -396,12 +400,14 @@ def _local_slice(runs: tuple[tuple[int, int], ...], lo: int, hi: int) -> slice:
 def _routes(
     mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
 ) -> dict[int, Route]:
-    """For every device, each block of its new piece: the device it comes from (itself when it
-    already holds it, else a holder in its own process, else the nearest holder by mesh
-    coordinate, then the lowest id), the block's slices in the holder's old piece and in the
-    new piece, and its shape."""
+    """For every device, each block of its new piece and, for each Partial term of the old
+    placements (one term without Partial), the device it comes from: itself when it holds
+    it, else a holder in its own process, else the nearest holder by mesh coordinate, then
+    the lowest id."""
     devices = mesh.mesh.flatten().tolist()
     coords = {d: mesh.coordinate_of(d) for d in devices}
+    partial = [m for m, p in enumerate(before) if p.is_partial()]
+    term = {d: tuple(coords[d][m] for m in partial) for d in devices}
     old = {d: shard_segments(shape, mesh.shape, before, coords[d]) for d in devices}
     new = {d: shard_segments(shape, mesh.shape, after, coords[d]) for d in devices}
     cuts = [{0, size} for size in shape]
@@ -416,17 +422,23 @@ def _routes(
         for block in blocks:
             if prod(b - a for a, b in block) == 0 or not _covers(new[d], block):
                 continue
-            holders = [h for h in devices if _covers(old[h], block)]
-            holder = min(holders, key=lambda h: (
-                h != d,
-                mesh.owner_of(h) != mesh.owner_of(d),
-                sum(x != y for x, y in zip(coords[h], coords[d], strict=True)),
-                h,
-            ))
-            src = tuple(_local_slice(r, a, b) for r, (a, b) in zip(old[holder], block,
-                                                                     strict=True))
+            holders: dict[tuple[int, ...], list[int]] = {}
+            for h in devices:
+                if _covers(old[h], block):
+                    holders.setdefault(term[h], []).append(h)
+            sources = []
+            for t in sorted(holders):
+                holder = min(holders[t], key=lambda h: (
+                    h != d,
+                    mesh.owner_of(h) != mesh.owner_of(d),
+                    sum(x != y for x, y in zip(coords[h], coords[d], strict=True)),
+                    h,
+                ))
+                src = tuple(_local_slice(r, a, b) for r, (a, b) in zip(old[holder], block,
+                                                                         strict=True))
+                sources.append((holder, src))
             dst = tuple(_local_slice(r, a, b) for r, (a, b) in zip(new[d], block, strict=True))
-            route.append((holder, src, dst, tuple(b - a for a, b in block)))
+            route.append((dst, tuple(b - a for a, b in block), tuple(sources)))
         routes[d] = tuple(route)
     return routes
 
@@ -440,21 +452,27 @@ def _run_exchange(
     components: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """Every device assembles its new piece from the blocks it holds and the blocks other
-    devices send it, point to point (the bytes each receives are exactly what it lacks)."""
+    devices send it, point to point (it receives exactly what it lacks); pending Partial
+    terms are reduced in term order, the same in every process."""
     sample = components[0]
     routes = _routes(mesh, shape, before, after)
+    ops = {
+        p.reduce_op for m, p in enumerate(before) if isinstance(p, Partial) and mesh.shape[m] > 1
+    }
+    op = ops.pop() if ops else None  # the planner exchanges only Partials that reduce alike
     local = mesh.local_device_ids
     index = {d: i for i, d in enumerate(local)}
     sends: list[list[tuple[int, torch.Tensor]]] = [[] for _ in local]
     receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in local]
     for d in mesh.mesh.flatten().tolist():
-        for holder, src, _, block_shape in routes[d]:
-            if holder == d:
-                continue
-            if holder in index:
-                sends[index[holder]].append((d, components[index[holder]][src]))
-            if d in index:
-                receives[index[d]].append((holder, block_shape))
+        for _, block_shape, sources in routes[d]:
+            for holder, src in sources:
+                if holder == d:
+                    continue
+                if holder in index:
+                    sends[index[holder]].append((d, components[index[holder]][src]))
+                if d in index:
+                    receives[index[d]].append((holder, block_shape))
     received = comm.exchange(mesh, mesh_dims, sends, receives, sample.dtype)
     out = []
     for i, d in enumerate(local):
@@ -462,11 +480,14 @@ def _run_exchange(
         runs = shard_segments(shape, mesh.shape, after, coord)
         piece = sample.new_empty(tuple(sum(b - a for a, b in r) for r in runs))
         incoming = iter(received[i])
-        for holder, src, dst, _ in routes[d]:
-            piece[dst] = components[i][src] if holder == d else next(incoming)
+        for dst, _, sources in routes[d]:
+            terms = [components[i][src] if h == d else next(incoming) for h, src in sources]
+            if len(terms) == 1:
+                piece[dst] = terms[0]
+            else:
+                piece[dst] = comm.reduce_terms(terms, op)
         out.append(piece)
     return out
-
 
 
 # ----- lower bound ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from .collectives import (
     exchange,
     reduce_scatter,
 )
+from .reduction import reduce_terms
 from .safety import (
     debug_checks_enabled,
     get_collective_timeout,
@@ -29,6 +30,7 @@ __all__ = [
     "get_collective_timeout",
     "moving",
     "reduce_scatter",
+    "reduce_terms",
     "set_collective_timeout",
     "set_debug_checks",
 ]

@@ -18,7 +18,7 @@ import torch
 
 from ..mesh import DeviceMesh
 from . import accounting, distributed
-from .reduction import combine, finish
+from .reduction import reduce_terms
 
 
 @lru_cache(maxsize=4096)
@@ -38,10 +38,6 @@ def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[list, list]:
     for members, indices in local_groups(mesh, mesh_dim):
         (across if any(i is None for i in indices) else inside).append((members, indices))
     return inside, across
-
-
-def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    return finish(combine(tensors, op), op, len(tensors))
 
 
 def _to(t: torch.Tensor, mesh: DeviceMesh, device_id: int) -> torch.Tensor:
@@ -95,7 +91,7 @@ def all_reduce(
     out: list[torch.Tensor] = list(components)
     inside, across = _split_groups(mesh, mesh_dim)
     for members, indices in inside:
-        result = _reduce([components[i] for i in indices], op)
+        result = reduce_terms([components[i] for i in indices], op)
         for k, i in enumerate(indices):
             out[i] = _to(result if k == 0 else result.clone(), mesh, members[k])
     traffic = _across(out, distributed.all_reduce, mesh, mesh_dim, across, components, op)
@@ -136,7 +132,7 @@ def reduce_scatter(
     inside, across = _split_groups(mesh, mesh_dim)
     for members, indices in inside:
         for k, i in enumerate(indices):
-            out[i] = _to(_reduce([pieces[j][k] for j in indices], op), mesh, members[k])
+            out[i] = _to(reduce_terms([pieces[j][k] for j in indices], op), mesh, members[k])
     traffic = _across(out, distributed.reduce_scatter, mesh, mesh_dim, across, pieces, op)
     received = _per_piece_received(inside + across, pieces, accounting.reduce_scatter_received)
     _record("reduce_scatter", mesh_dim, received, traffic)

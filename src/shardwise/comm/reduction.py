@@ -33,3 +33,8 @@ def finish(acc: torch.Tensor, op: str, n: int) -> torch.Tensor:
     if acc.is_floating_point() or acc.is_complex():
         return acc.div_(n)
     return torch.div(acc, n, rounding_mode="trunc")
+
+
+def reduce_terms(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """The finished reduction of ``tensors`` in the order given."""
+    return finish(combine(tensors, op), op, len(tensors))
