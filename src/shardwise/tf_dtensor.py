@@ -451,7 +451,7 @@ def _require_eager(what: str) -> None:
     """TF's rule: ``pack``, ``unpack`` and ``fetch_layout`` run eagerly, never while tracing."""
     if torch.compiler.is_compiling():
         _raise_not_eager_compiled(what)
-    if torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_tracing_symbolic_tracing():
+    if torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
         _raise_not_eager(what)
 
 
