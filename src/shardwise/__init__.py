@@ -1,5 +1,14 @@
 """shardwise: distributed tensors for PyTorch. Write for one device, run sharded over a mesh."""
 
+import sys as _sys
+
+if "shardwise.launch" in _sys.orig_argv[1:] and _sys.orig_argv[
+    _sys.orig_argv.index("shardwise.launch") - 1
+] == "-m":  # ``python -m shardwise.launch``: run the launcher now, without importing torch
+    from .launch import main as _launch_main
+
+    _sys.exit(_launch_main())
+
 from . import ops as _ops  # noqa: F401  (registers the built-in sharding strategies)
 from .comm import (
     CommCounter,
