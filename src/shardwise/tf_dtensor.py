@@ -279,6 +279,8 @@ class DVariable(DTensor):
         trainable = trainable and (dtype.is_floating_point or dtype.is_complex)
         variable = DTensor.__new__(cls, components, spec, requires_grad=trainable)
         variable._layout = fetch_layout(value)
+        if trainable:  # the gradient takes the variable's layout, so optimizers step in place
+            variable.register_hook(_GradTo(spec.placements))
         return variable
 
     @property
@@ -456,6 +458,19 @@ def _require_eager(what: str) -> None:
 
 
 # ----- helpers -------------------------------------------------------------------------------
+
+
+class _GradTo:
+    """Gradient hook of a DVariable: redistribute the gradient to the variable's placements
+    (dispatch may have computed it with others, Partial included)."""
+
+    def __init__(self, placements: tuple[Placement, ...]) -> None:
+        self.placements = placements
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor) and grad.placements != self.placements:
+            return grad.redistribute(placements=self.placements)
+        return grad
 
 
 class _CopyToMesh(torch.autograd.Function):
