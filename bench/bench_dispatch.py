@@ -1,54 +1,145 @@
-"""Dispatch overhead: an op on a DTensor vs the same op on the local tensor, for shardwise and
-torch.distributed.tensor in the same run (world size 1, gloo, one device, so both run exactly
-one local kernel per op and the difference is the library's own cost).
+"""Dispatch overhead: ops on DTensors vs the same ops on local tensors, shardwise and
+torch.distributed.tensor in the same run, interleaved, medians of repeats.
 
-Run: python bench/bench_dispatch.py
+World size 1 (gloo, one device), so both libraries run exactly one local kernel per op and the
+difference is their own cost: warm (cached sharding) and cold (first call after clearing the
+caches), with and without autograd. shardwise also runs on 4 simulated devices in one process
+(no DTensor counterpart): the cost of each extra device is (t4 - t1) / 3 minus the extra kernels.
+
+Run: python bench/bench_dispatch.py [--json FILE] [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import statistics
 import tempfile
-import timeit
+import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed import tensor as torch_dt
 
 import shardwise as sw
 
+OPS = {
+    "add": lambda a, b, e: a + b,
+    "mul_scalar": lambda a, b, e: a * 2.0,
+    "mm": lambda a, b, e: torch.mm(a, b),
+    "sum": lambda a, b, e: a.sum(0),
+    "transpose": lambda a, b, e: a.t(),
+    "softmax": lambda a, b, e: torch.softmax(a, -1),
+    "cat": lambda a, b, e: torch.cat([a, b], 0),
+    "view": lambda a, b, e: a.view(-1),
+    "embedding": lambda a, b, e: F.embedding(e, b),
+}
 
-def _time(fn, number: int = 2000) -> float:
+
+def _median_us(fn, number: int, repeat: int) -> float:
     fn()
-    return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples) * 1e6
+
+
+def _cold_us(fn, clear, repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        clear()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def _clear_torch_dt() -> None:
+    prop = torch_dt.DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding",):
+        fn = getattr(prop, name, None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
+def _inputs(lib, mesh, grad: bool):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=g)
+    y = torch.randn(64, 64, generator=g)
+    idx = torch.randint(0, 64, (32,), generator=g)
+    a = lib.distribute_tensor(x, mesh, [lib.Shard(0)])
+    b = lib.distribute_tensor(y, mesh, [lib.Replicate()])
+    e = lib.distribute_tensor(idx, mesh, [lib.Replicate()])
+    if grad:
+        a.requires_grad_(True)
+        b.requires_grad_(True)
+    return a, b, e
+
+
+def run(quick: bool) -> dict:
+    number, repeat = (100, 5) if quick else (500, 9)
+    smesh1 = sw.init_device_mesh("cpu", (1,))
+    smesh4 = sw.DeviceMesh("cpu", list(range(4)))
+    tmesh = torch_dt.init_device_mesh("cpu", (1,))
+    g = torch.Generator().manual_seed(0)
+    lx, ly = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+    lidx = torch.randint(0, 64, (32,), generator=g)
+    rows = []
+    for grad in (False, True):
+        ours1 = _inputs(sw, smesh1, grad)
+        ours4 = _inputs(sw, smesh4, grad)
+        theirs = _inputs(torch_dt, tmesh, grad)
+        local = (lx.requires_grad_(grad), ly.requires_grad_(grad), lidx)
+        with sw.allow_implicit_redistribute():
+            for name, op in OPS.items():
+                row = {"op": name, "autograd": grad}
+                # interleave the libraries: each repeat times all of them once
+                for who, args in (("local", local), ("shardwise", ours1),
+                                  ("torch_dt", theirs), ("shardwise_4dev", ours4)):
+                    row[who] = _median_us(lambda op=op, args=args: op(*args), number, repeat)
+                row["local_4x"] = 4 * row["local"]
+                if not grad:
+                    row["shardwise_cold"] = _cold_us(
+                        lambda op=op, a=ours1: op(*a), sw.clear_sharding_cache, repeat
+                    )
+                    row["torch_dt_cold"] = _cold_us(
+                        lambda op=op, a=theirs: op(*a), _clear_torch_dt, repeat
+                    )
+                rows.append(row)
+    return {"rows": rows}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    args = parser.parse_args()
     store = tempfile.NamedTemporaryFile(delete=False)
     dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
     try:
-        tmesh = torch_dt.init_device_mesh("cpu", (1,))
-        smesh = sw.init_device_mesh("cpu", (1,))
-        x, y = torch.randn(64, 64), torch.randn(64, 64)
-        cases = {
-            "add": lambda a, b: a + b,
-            "mm": torch.mm,
-            "sum(dim=0)": lambda a, b: a.sum(0),
-            "relu": lambda a, b: torch.relu(a),
-        }
-        print(f"{'op':<12}{'local us':>10}{'shardwise us':>14}{'torch DT us':>13}{'ratio':>8}")
-        for name, op in cases.items():
-            local = _time(lambda op=op: op(x, y))
-            sa = sw.distribute_tensor(x, smesh, [sw.Shard(0)])
-            sb = sw.distribute_tensor(y, smesh, [sw.Replicate()])
-            ta = torch_dt.distribute_tensor(x, tmesh, [torch_dt.Shard(0)])
-            tb = torch_dt.distribute_tensor(y, tmesh, [torch_dt.Replicate()])
-            ours = _time(lambda op=op, sa=sa, sb=sb: op(sa, sb))
-            theirs = _time(lambda op=op, ta=ta, tb=tb: op(ta, tb))
-            print(f"{name:<12}{local:>10.1f}{ours:>14.1f}{theirs:>13.1f}{ours / theirs:>8.2f}")
+        results = run(args.quick)
     finally:
         dist.destroy_process_group()
         os.unlink(store.name)
+    print("Per-op time in us (median), 64x64 float32; ratio = shardwise / torch DTensor")
+    print(f"{'op':<12}{'grad':>5}{'local':>8}{'sw':>8}{'DT':>8}{'ratio':>7}{'sw cold':>9}"
+          f"{'DT cold':>9}{'us/extra dev':>14}")
+    for r in results["rows"]:
+        per_device = (r["shardwise_4dev"] - r["shardwise"] - 3 * r["local"]) / 3
+        r["us_per_extra_device"] = per_device
+        cold = (f"{r['shardwise_cold']:>9.0f}{r['torch_dt_cold']:>9.0f}"
+                if "shardwise_cold" in r else " " * 18)
+        print(f"{r['op']:<12}{'yes' if r['autograd'] else 'no':>5}{r['local']:>8.1f}"
+              f"{r['shardwise']:>8.1f}{r['torch_dt']:>8.1f}"
+              f"{r['shardwise'] / r['torch_dt']:>7.2f}{cold}{per_device:>14.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
