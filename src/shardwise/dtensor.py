@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import comm
+from . import comm, settings
 from .errors import InvalidPlacementError, LocalComponentsError, PackError
 from .mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard
@@ -101,6 +101,19 @@ class DTensor(torch.Tensor):
         Components must follow chunk geometry; the global shape is inferred from them unless
         ``shape`` is given. ``run_check`` broadcasts Replicate components from coordinate 0.
         """
+        replica = settings.REPLICA_THREAD.get()
+        if (
+            replica is not None
+            and replica.count > 1
+            and isinstance(local, torch.Tensor)
+            and len(device_mesh.local_device_ids) == replica.count
+        ):  # per-replica view: this thread's piece; one DTensor built from every replica's
+            return replica.merge(
+                local,
+                lambda pieces: DTensor.from_local(
+                    pieces, device_mesh, placements, shape=shape, stride=stride, run_check=run_check
+                ),
+            )
         components = _as_components(local, device_mesh, placements)
         spec = _spec_from_components(components, device_mesh, placements, shape, stride)
         if run_check:
@@ -108,7 +121,11 @@ class DTensor(torch.Tensor):
         return _FromLocal.apply(spec, *components)
 
     def to_local(self) -> torch.Tensor:
-        """This process's component; when it owns several devices, use ``unpack``."""
+        """This process's component; when it owns several devices, use ``unpack`` (inside
+        ``Strategy.run``, the component of the replica this thread acts for)."""
+        replica = settings.REPLICA_THREAD.get()
+        if replica is not None and replica.count == len(self._components):
+            return unpack(self)[replica.index]
         if len(self._components) != 1:
             raise LocalComponentsError(
                 f"to_local() of a DTensor of shape {list(self.shape)} with placements "
