@@ -82,3 +82,6 @@ DISTRIBUTION_MODE: Setting[Any] = Setting("distribution_mode", None)
 REPLICA_TIMEOUT: Setting[float] = Setting(
     "replica_timeout", float(os.environ.get("SHARDWISE_REPLICA_TIMEOUT", "120"))
 )
+# Replica-context reads of sync-on-read variables aggregate (tf.distribute's internal
+# variable_sync_on_read_context).
+SYNC_ON_READ_AGGREGATES: Setting[bool] = Setting("sync_on_read_aggregates", False)

@@ -27,13 +27,12 @@ CROSS_REPLICA_ONLY = (
 @dataclass(frozen=True)
 class Mode:
     """One entry of the context stack: a strategy and its replica context (None: cross-replica);
-    ``update_replica`` is set inside ``extended.update``; ``sync_on_read`` inside
-    ``variable_sync_on_read_context``."""
+    ``update_replica`` is set inside ``extended.update``, ``colocate_with`` inside
+    ``extended.colocate_vars_with``."""
 
     strategy: Strategy
     replica_context: ReplicaContext | None
     update_replica: int | None = None
-    sync_on_read: bool = False
     explicit_default: bool = False
     colocate_with: Any = None
 
@@ -110,7 +109,7 @@ def update_context(replica: int) -> Iterator[None]:
 def variable_sync_on_read_context() -> Iterator[None]:
     """Replica-context reads of sync-on-read variables are aggregated (a collective every
     replica must reach) instead of local."""
-    with entered(replace(current_mode(), sync_on_read=True)):
+    with settings.SYNC_ON_READ_AGGREGATES.override(True):
         yield
 
 

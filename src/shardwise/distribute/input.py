@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import DistributeValueError
-from .values import PerReplica, leaves, map_nest
+from .values import leaves, map_nest, regroup
 
 if TYPE_CHECKING:
     from .strategy import Strategy
@@ -72,8 +72,9 @@ def _leading(batch: Any) -> int:
 
 
 class DistributedDataset:
-    """Iterates a dataset of global batches as per-replica batches (a ``PerReplica`` per
-    step with several local replicas; plain tensors with one). Each ``iter`` restarts."""
+    """Iterates a dataset of global batches as per-replica batches: each step is the batch's
+    structure with a ``PerReplica`` per tensor (plain tensors with one local replica). Each
+    ``iter`` restarts."""
 
     def __init__(self, strategy: Strategy, dataset: Iterable[Any]) -> None:
         self._strategy = strategy
@@ -102,7 +103,7 @@ class DistributedDataset:
                 parts.append(
                     map_nest(lambda t, a=start, b=stop, d=device: _slice(t, a, b, d), batch)
                 )
-            yield parts[0] if len(parts) == 1 else PerReplica(parts, self._strategy)
+            yield regroup(parts)
 
 
 def _slice(t: Any, start: int, stop: int, device: torch.device) -> Any:
@@ -149,4 +150,4 @@ class DistributedDatasetFromFunction:
                         lambda t, d=device: t.to(d) if isinstance(t, torch.Tensor) else t, batch
                     )
                 )
-            yield parts[0] if len(parts) == 1 else PerReplica(parts, self._strategy)
+            yield regroup(parts)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import comm
+from .. import comm, settings
 from ..dtensor import DTensor
 from ..errors import DistributeContextError, DistributeTypeError, DistributeValueError
 from ..placements import Partial, Placement, Replicate
@@ -88,8 +88,9 @@ class Variable(metaclass=_VariableMeta):
         raise NotImplementedError
 
     def read_value(self) -> torch.Tensor:
-        """The current value (aggregated for a sync-on-read variable in cross-replica context)."""
-        return self.value()
+        """A snapshot of the current value (aggregated for a sync-on-read variable in a
+        cross-replica context); differentiable."""
+        return self.value().clone()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -382,7 +383,7 @@ class SyncOnReadVariable(DistributedVariable):
         index = self._local_index(mode)
         if index is not None:
             local = self._values[index].value()
-            if mode.sync_on_read and mode.replica_context is not None:
+            if settings.SYNC_ON_READ_AGGREGATES.get() and mode.replica_context is not None:
                 return self._aggregate_in_replica(mode, local)
             return local
         return self._cross_replica_read()
