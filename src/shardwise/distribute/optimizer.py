@@ -42,6 +42,12 @@ class Optimizer:
                     f"wrap a module with strategy.distribute_module(module)"
                 )
         self._reduction = ReduceOp.resolve(gradient_reduction)
+        owners = {id(v.distribute_strategy): v.distribute_strategy for v in self._variables}
+        if len(owners) > 1:
+            raise DistributeTypeError(
+                f"Optimizer variables belong to different strategies {list(owners.values())}"
+            )
+        self._strategy = next(iter(owners.values()), None)
         copies = {len(_copies(v)) for v in self._variables}
         if len(copies) > 1:
             raise DistributeTypeError(
@@ -69,16 +75,17 @@ class Optimizer:
         """Apply the gradients. In a replica context of several replicas this is a merge
         point: every replica must call it."""
         rc = context.get_replica_context()
-        if rc is not None and rc._runner is not None:
+        if rc is not None and not rc.strategy._is_default:
             local = [_copies(v)[rc._local_index or 0].grad for v in self._variables]
             rc.merge_call(lambda strategy, grads: self._apply(strategy, grads), args=(local,))
             return
-        strategy = context.get_strategy()
+        strategy = self._strategy or context.get_strategy()
         if self._num_copies > 1:
             grads = [PerReplica([c.grad for c in _copies(v)]) for v in self._variables]
         else:
             grads = [_copies(v)[0].grad for v in self._variables]
-        self._apply(strategy, grads)
+        with context.require_cross_replica(strategy, "Optimizer.step"):
+            self._apply(strategy, grads)
 
     def _apply(self, strategy: Any, grads: list[Any]) -> None:
         n = strategy.num_replicas_in_sync

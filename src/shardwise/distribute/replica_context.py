@@ -42,7 +42,7 @@ class ReplicaContext:
         current = context.current_mode().replica_context
         if current is self:
             return
-        if current is None:
+        if current is None or (current._strategy._is_default and not self._strategy._is_default):
             raise DistributeContextError(
                 f"ReplicaContext.{what}: Need to be inside `call_for_each_replica()` "
                 f"(the function given to strategy.run)"

@@ -81,11 +81,9 @@ class Strategy:
         if mode.strategy is self:
             if mode.replica_context is not None and not self._is_default:
                 raise DistributeContextError(f"{self!r}.scope(): {context.CROSS_REPLICA_ONLY}")
-            if self._is_default and not mode.explicit_default:
-                with context.entered(context.Mode(self, None, explicit_default=True)):
-                    yield self
-                return
-            yield self
+            explicit = mode.explicit_default or self._is_default
+            with context.entered(replace(mode, replica_context=None, explicit_default=explicit)):
+                yield self  # re-entry: a new entry of the stack, popped on this exit
             return
         if self._is_default:
             raise DistributeContextError(
@@ -245,7 +243,7 @@ class StrategyExtended:
         if n == 1:
             rc = ReplicaContext(self._strategy, self._global_replica_id(0), 0)
             with context.entered(context.Mode(self._strategy, rc)):
-                return fn(*per_args[0], **per_kwargs[0])
+                return regroup([fn(*per_args[0], **per_kwargs[0])])
         results = ReplicaRunner(self._strategy, fn, per_args, per_kwargs).run()
         return regroup(results)
 

@@ -162,8 +162,6 @@ def regroup(per_replica: Sequence[Any], wrap: type[DistributedValues] = PerRepli
     is; the components of one distributed variable give that variable; anything else is
     wrapped (``PerReplica``; ``Mirrored`` for update results)."""
     first = per_replica[0]
-    if len(per_replica) == 1:
-        return first
     if isinstance(first, dict) and not isinstance(first, DistributedValues):
         keys = set(first)
         for other in per_replica[1:]:
@@ -173,7 +171,8 @@ def regroup(per_replica: Sequence[Any], wrap: type[DistributedValues] = PerRepli
                     f"{[sorted(map(str, o)) if isinstance(o, dict) else type(o).__name__ for o in per_replica]}"  # noqa: E501
                 )
         return type(first)((k, regroup([o[k] for o in per_replica], wrap)) for k in first)
-    if isinstance(first, (list, tuple)) and not all(o is first for o in per_replica):
+    shared = len(per_replica) > 1 and all(o is first for o in per_replica)
+    if isinstance(first, (list, tuple)) and not shared:
         for other in per_replica[1:]:
             if type(other) is not type(first) or len(other) != len(first):
                 raise DistributeValueError(
@@ -182,12 +181,12 @@ def regroup(per_replica: Sequence[Any], wrap: type[DistributedValues] = PerRepli
                 )
         parts = [regroup([o[i] for o in per_replica], wrap) for i in range(len(first))]
         return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
-    if all(o is first for o in per_replica):
-        return first
     container = _container_of(first)
     if container is not None and len(container.values) == len(per_replica):
         if all(o is c for o, c in zip(per_replica, container.values, strict=True)):
             return container
+    if all(o is first for o in per_replica):
+        return first
     return wrap(per_replica)
 
 

@@ -271,6 +271,18 @@ class DistributedVariable(Variable):
         return self._values
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.primary.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.primary.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.primary.device
+
+    @property
     def primary(self) -> LocalVariable:
         return self._values[0]
 
