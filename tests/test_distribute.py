@@ -898,3 +898,27 @@ def test_training_mean_reduction_and_cross_replica_step() -> None:
         opt.step()  # cross-replica: the same fused reduction, then every copy
         opt.zero_grad()
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_variable_created_in_run_is_shared_and_extended_helpers() -> None:
+    s = mirrored(3)
+    created = s.run(lambda: swd.Variable(torch.tensor([1.0, 2.0]), name="made_in_run"))
+    assert isinstance(created, swd.MirroredVariable) and len(created.values) == 3  # created once
+    assert created.name == "made_in_run" and s.extended.variable_created_in_scope(created)
+    with s.scope():
+        total = swd.Variable(0.0, synchronization=VS.ON_READ, aggregation=VA.SUM)
+    s.run(lambda: total.assign(rid()))
+    assert s.extended.read_var(total).item() == 3.0  # 0 + 1 + 2
+    assert [int(i) for i in local(s, s.extended.call_for_each_replica(rid))] == [0, 1, 2]
+    assert s.extended.broadcast_to(2.5, created) == 2.5
+    spread = s.extended.broadcast_to(torch.tensor(1.0), created)
+    assert [t.item() for t in spread.values] == [1.0] * 3
+
+    def bad_merge() -> None:
+        swd.get_replica_context().merge_call(lambda st: 1 / 0)
+
+    with pytest.raises(ZeroDivisionError):
+        s.run(bad_merge)
+    with s.scope(), pytest.raises(ValueError, match="one copy on each replica device"):
+        with s.extended.colocate_vars_with(("cpu:0",)):
+            swd.Variable(0.0)

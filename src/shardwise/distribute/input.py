@@ -123,14 +123,10 @@ class DistributedDatasetFromFunction:
         self._dataset_fn = dataset_fn
 
     def __iter__(self) -> Iterator[Any]:
-        import torch.distributed as dist
-
         ext = self._strategy.extended
         n_local = ext._num_local
         workers = self._strategy.num_replicas_in_sync // n_local
         worker = ext._global_replica_id(0) // n_local
-        if workers > 1 and not (dist.is_available() and dist.is_initialized()):
-            workers = 1
         ctx = InputContext(workers, worker, self._strategy.num_replicas_in_sync)
         iterator = iter(self._dataset_fn(ctx))
         devices = ext._torch_devices()

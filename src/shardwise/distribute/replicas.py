@@ -36,7 +36,7 @@ class _Replica:
         self.index = index
         self.go = threading.Event()
         self.paused = threading.Event()
-        self.state = "ready"  # running, merge, done, error
+        self.state = "ready"  # then running, merge (waiting in merge_call), done, error
         self.result: Any = None
         self.error: BaseException | None = None
         self.request: tuple[Callable, tuple, dict] | None = None
@@ -128,7 +128,6 @@ class ReplicaRunner:
             result = merge_fn(self.strategy, *args, **kwargs)
         for rep in self.replicas:
             rep.reply = select_replica(rep.index, result)
-            rep.state = "resumable"
 
     def _abort(self) -> None:
         self.aborted = True

@@ -68,7 +68,7 @@ class Mirrored(DistributedValues):
         mode = context.current_mode()
         rc = mode.replica_context
         if mode.update_replica is not None:
-            return self._values[_local_index(mode.update_replica, len(self._values))]
+            return self._values[mode.update_replica]
         if rc is not None and rc._local_index is not None:
             return self._values[rc._local_index]
         return self._values[0]
@@ -90,15 +90,8 @@ class Mirrored(DistributedValues):
         return float(self.closest())
 
     def __array__(self, dtype: Any = None) -> Any:
-        return (
-            torch.as_tensor(self.closest()).numpy().astype(dtype)
-            if dtype
-            else (torch.as_tensor(self.closest()).numpy())
-        )
-
-
-def _local_index(replica: int, count: int) -> int:
-    return replica % count
+        array = torch.as_tensor(self.closest()).detach().cpu().numpy()
+        return array if dtype is None else array.astype(dtype)
 
 
 def _unwrap_mirrored(nest: Any) -> Any:
