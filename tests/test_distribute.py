@@ -765,6 +765,7 @@ def test_dtensor_per_replica_view() -> None:
     dt, comps = s.run(per_rank, args=(pieces,))
     assert isinstance(dt, DTensor) and torch.equal(dt.full_tensor(), full * 10)
     assert [c.tolist() for c in comps.values] == [c.tolist() for c in (full * 10).chunk(3)]
+    assert torch.equal(pieces.as_dtensor(mesh).full_tensor(), full)  # batch slices: Shard(0)
     replicated = DTensor.from_local(torch.ones(2), mesh, [Replicate()])
     ones = s.run(lambda: replicated.to_local() + rid())
     assert [t.tolist() for t in ones.values] == [[1.0 + r] * 2 for r in range(3)]
@@ -875,6 +876,10 @@ def test_training_matches_single_device(n: int) -> None:
     for var, p in zip(model.variables(), reference.parameters(), strict=True):
         for copy_ in var.values:
             assert torch.allclose(copy_.value(), p, atol=1e-6)
+    state = model.state_dict()
+    assert state.keys() == reference.state_dict().keys()
+    assert all(torch.allclose(state[k], v, atol=1e-6) for k, v in reference.state_dict().items())
+    assert len(opt.state_dict()) == n and opt.variables == model.variables()
 
 
 def test_training_mean_reduction_and_cross_replica_step() -> None:

@@ -33,9 +33,6 @@ class DistributedModule:
         ``shardwise.distribute.Optimizer``)."""
         return list(self._variables.values())
 
-    def named_variables(self) -> dict[str, Variable]:
-        return dict(self._variables)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         params = {name: v.value() for name, v in self._variables.items()}
         return functional_call(self.module, params, args, kwargs)
