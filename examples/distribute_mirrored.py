@@ -64,7 +64,7 @@ def show(losses: list[float]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    parser.add_argument("--steps", type=int, default=10, help="training steps")
     parser.add_argument("--no-multiworker", action="store_true", help="skip the 2-process run")
     args = parser.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by shardwise.launch / torchrun
