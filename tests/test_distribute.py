@@ -927,3 +927,28 @@ def test_variable_created_in_run_is_shared_and_extended_helpers() -> None:
     with s.scope(), pytest.raises(ValueError, match="one copy on each replica device"):
         with s.extended.colocate_vars_with(("cpu:0",)):
             swd.Variable(0.0)
+
+
+def test_central_storage_training_matches_single_device() -> None:
+    data = _data()
+    expected, reference = _single_device_losses(data)
+    s = swd.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    with s.scope():
+        model = s.distribute_module(_model())
+        opt = swd.Optimizer(torch.optim.SGD, model.variables(), lr=0.1, momentum=0.9)
+    assert all(isinstance(v, swd.AggregatingVariable) for v in model.variables())
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()  # at the start: only the first replica clears the shared gradient
+        loss = swd.compute_average_loss(((model(x) - y) ** 2).mean(dim=1), global_batch_size=6)
+        loss.backward()
+        opt.step()
+        return loss
+
+    losses = [
+        s.reduce("sum", s.run(step, args=batch), axis=None).item()
+        for batch in s.experimental_distribute_dataset(data)
+    ]
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    for var, p in zip(model.variables(), reference.parameters(), strict=True):
+        assert torch.allclose(var.value(), p, atol=1e-6)

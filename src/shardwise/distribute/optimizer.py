@@ -65,10 +65,12 @@ class Optimizer:
         return list(self._variables)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients (in a replica context: this replica's copies only)."""
+        """Clear the gradients. In a replica context: this replica's copies only; a copy all
+        replicas share (CentralStorage) is cleared by the first replica only, since the others
+        run after it and add their gradients to it."""
         index = _replica_index()
         for i, opt in enumerate(self.optimizers):
-            if index is None or index == i or self._num_copies == 1:
+            if index is None or index == i:
                 opt.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
@@ -76,7 +78,8 @@ class Optimizer:
         point: every replica must call it."""
         rc = context.get_replica_context()
         if rc is not None and not rc.strategy._is_default:
-            local = [_copies(v)[rc._local_index or 0].grad for v in self._variables]
+            index = (rc._local_index or 0) if self._num_copies > 1 else 0
+            local = [_copies(v)[index].grad for v in self._variables]
             rc.merge_call(lambda strategy, grads: self._apply(strategy, grads), args=(local,))
             return
         strategy = self._strategy or context.get_strategy()
