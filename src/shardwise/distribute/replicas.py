@@ -12,7 +12,9 @@ seconds, or that calls ``merge_call`` a different number of times than the other
 from __future__ import annotations
 
 import contextvars
+import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,77 @@ class _Replica:
         self.error: BaseException | None = None
         self.request: tuple[Callable, tuple, dict] | None = None
         self.reply: Any = None
+        self.worker: _Worker | None = None
+
+
+class _Worker:
+    """A long-lived replica thread of a strategy: per-thread runtime state (OpenMP thread teams,
+    allocator caches) is set up once, not on every ``run``. On CPU it runs torch ops with one
+    intra-op thread: a simulated device is one core, and idle thread teams of the other
+    replicas would otherwise spin against the running one."""
+
+    def __init__(self, index: int, single_threaded: bool) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy = False
+        ready = threading.Event()
+        threading.Thread(
+            target=self._loop,
+            args=(ready, single_threaded),
+            name=f"shardwise-replica-{index}",
+            daemon=True,
+        ).start()
+        ready.wait()
+
+    def _loop(self, ready: threading.Event, single_threaded: bool) -> None:
+        if single_threaded:
+            torch.set_num_threads(1)  # this thread's OpenMP setting (the global is restored)
+        ready.set()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+            del job  # holds the strategy: let it be collected while this thread waits
+
+    def submit(self, ctx: contextvars.Context, fn: Callable[..., Any], *args: Any) -> None:
+        self.busy = True
+        self._jobs.put(lambda: ctx.run(fn, *args))
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+_WORKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def replica_workers(extended: Any, count: int) -> list[_Worker]:
+    """The replica threads of ``extended``'s strategy; one left busy by an abandoned run (a
+    replica past the timeout) is replaced."""
+    pool = _WORKERS.get(extended)
+    if pool is None:
+        pool = []
+        _WORKERS[extended] = pool
+        weakref.finalize(extended, _stop, pool)
+    single = extended.mesh.device_type == "cpu"
+    threads = torch.get_num_threads()
+    created = False
+    for i in range(count):
+        if i < len(pool) and not pool[i].busy:
+            continue
+        if i < len(pool):
+            pool[i].stop()  # exits once its stuck job returns
+            pool[i] = _Worker(i, single)
+        else:
+            pool.append(_Worker(i, single))
+        created = True
+    if created and single:
+        torch.set_num_threads(threads)  # the process-wide setting as it was
+    return pool[:count]
+
+
+def _stop(pool: list[_Worker]) -> None:
+    for worker in pool:
+        worker.stop()
 
 
 class ReplicaRunner:
@@ -68,18 +141,13 @@ class ReplicaRunner:
 
         extended = self.strategy.extended
         grad_enabled = torch.is_grad_enabled()
-        for rep in self.replicas:
+        workers = replica_workers(extended, self.count)
+        for rep, worker in zip(self.replicas, workers, strict=True):
             rc = ReplicaContext(
                 self.strategy, extended._global_replica_id(rep.index), rep.index, self
             )
-            ctx = contextvars.copy_context()
-            thread = threading.Thread(
-                target=ctx.run,
-                args=(self._body, rep, rc, grad_enabled),
-                name=f"shardwise-replica-{rep.index}",
-                daemon=True,
-            )
-            thread.start()
+            rep.worker = worker
+            worker.submit(contextvars.copy_context(), self._body, rep, rc, grad_enabled)
         try:
             while True:
                 for rep in self.replicas:
@@ -139,6 +207,7 @@ class ReplicaRunner:
         rep.go.wait()
         rep.go.clear()
         if self.aborted:
+            self._release(rep)
             return
         view = settings.ReplicaThread(rep.index, self.count, self._rendezvous(rep))
         try:
@@ -154,7 +223,13 @@ class ReplicaRunner:
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             rep.error = e
             rep.state = "error"
+        self._release(rep)
         rep.paused.set()
+
+    @staticmethod
+    def _release(rep: _Replica) -> None:
+        if rep.worker is not None:
+            rep.worker.busy = False
 
     def merge_call(
         self, index: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict
