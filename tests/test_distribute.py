@@ -952,3 +952,24 @@ def test_central_storage_training_matches_single_device() -> None:
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
     for var, p in zip(model.variables(), reference.parameters(), strict=True):
         assert torch.allclose(var.value(), p, atol=1e-6)
+
+
+def test_replica_threads_are_reused_and_stop_with_their_strategy() -> None:
+    import gc
+
+    def replica_threads() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("shardwise-replica")}
+
+    gc.collect()
+    before = replica_threads()
+    s = mirrored(3)
+    names = [s.run(lambda: threading.current_thread()) for _ in range(3)]
+    assert all(local(s, n) == local(s, names[0]) for n in names)  # the same threads each run
+    assert len(replica_threads() - before) == 3
+    del s, names
+    gc.collect()
+    for _ in range(100):
+        if not replica_threads() - before:
+            break
+        threading.Event().wait(0.01)
+    assert not replica_threads() - before
