@@ -542,6 +542,7 @@ def test_distribute_dataset_structure_mean_and_errors() -> None:
     assert [b.tolist() for b in one.experimental_distribute_dataset([torch.arange(3)])] == [
         [0, 1, 2]
     ]
+    assert [b.item() for b in one.experimental_distribute_dataset([torch.tensor(5)])] == [5]
     plain = [torch.arange(3)]
     assert swd.get_strategy().experimental_distribute_dataset(plain) is plain
 

@@ -87,6 +87,11 @@ class DistributedDataset:
         first = ext._global_replica_id(0)
         global_batch: int | None = None
         for batch in self._dataset:
+            if n == 1:  # one replica: the batch as it is, on its device
+                yield map_nest(
+                    lambda t: t.to(devices[0]) if isinstance(t, torch.Tensor) else t, batch
+                )
+                continue
             size = _leading(batch)
             if global_batch is None:
                 global_batch = size

@@ -433,7 +433,7 @@ class StrategyExtended:
             kept = self._non_distributed(op, value, "reduce")
             if isinstance(kept, Mirrored):
                 return kept.primary
-            return kept.value() if is_distributed_variable(kept) else kept
+            return kept.read_value() if is_distributed_variable(kept) else kept
         self._check_shapes(components, "reduce")
         partial = DTensor.from_local(components, self.mesh, [Partial(op.partial_op)])
         return partial.full_tensor()
