@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import comm
+from . import comm, settings
 from .errors import InvalidPlacementError, LocalComponentsError, PackError
 from .mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard
@@ -101,6 +101,19 @@ class DTensor(torch.Tensor):
         Components must follow chunk geometry; the global shape is inferred from them unless
         ``shape`` is given. ``run_check`` broadcasts Replicate components from coordinate 0.
         """
+        replica = settings.REPLICA_THREAD.get()
+        if (
+            replica is not None
+            and replica.count > 1
+            and isinstance(local, torch.Tensor)
+            and len(device_mesh.local_device_ids) == replica.count
+        ):  # per-replica view: this thread's piece; one DTensor built from every replica's
+            return replica.merge(
+                local,
+                lambda pieces: DTensor.from_local(
+                    pieces, device_mesh, placements, shape=shape, stride=stride, run_check=run_check
+                ),
+            )
         components = _as_components(local, device_mesh, placements)
         spec = _spec_from_components(components, device_mesh, placements, shape, stride)
         if run_check:
@@ -108,13 +121,18 @@ class DTensor(torch.Tensor):
         return _FromLocal.apply(spec, *components)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """This process's component; when it owns several devices, use ``unpack``.
+        """This process's component; when it owns several devices, use ``unpack`` (inside
+        ``Strategy.run``, the component of the replica this thread acts for).
 
         ``grad_placements`` says how the gradient of the local tensor is to be read (PyTorch's
         keyword), e.g. ``[Partial()]`` when each device's gradient is a partial sum; by default
         it has this DTensor's placements.
         """
-        if len(self._components) != 1:
+        index = 0
+        replica = settings.REPLICA_THREAD.get()
+        if replica is not None and replica.count == len(self._components):
+            index = replica.index
+        elif len(self._components) != 1:
             raise LocalComponentsError(
                 f"to_local() of a DTensor of shape {list(self.shape)} with placements "
                 f"{list(self.placements)} needs a process that owns one device, but this one owns "
@@ -122,8 +140,8 @@ class DTensor(torch.Tensor):
                 f"{self.device_mesh}; use shardwise.unpack(dt) for all its components"
             )
         if grad_placements is None:
-            return unpack(self)[0]
-        return _Unpack.apply(self, _grad_spec(self._spec, grad_placements, "to_local"))[0]
+            return unpack(self)[index]
+        return _Unpack.apply(self, _grad_spec(self._spec, grad_placements, "to_local"))[index]
 
     def redistribute(
         self,

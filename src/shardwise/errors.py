@@ -59,3 +59,23 @@ class CollectiveMismatchError(CollectiveError):
 class NotEagerError(ShardwiseError, RuntimeError):
     """A TF DTensor call that moves per-device components (``pack``, ``unpack``,
     ``fetch_layout``) was made while ``torch.compile`` or a tracer was building a graph."""
+
+
+class DistributeContextError(ShardwiseError, RuntimeError):
+    """A tf.distribute method called in the wrong context (replica vs cross-replica), or with
+    a different strategy current (TF raises RuntimeError)."""
+
+
+class DistributeValueError(ShardwiseError, ValueError):
+    """A tf.distribute argument with a wrong value: a reduction that is not defined, an update
+    without aggregation, an empty device list (TF raises ValueError)."""
+
+
+class DistributeTypeError(ShardwiseError, TypeError):
+    """A tf.distribute argument of the wrong kind: per-replica values where mirrored ones are
+    needed, a VariableAggregation where a ReduceOp is needed (TF raises TypeError)."""
+
+
+class ReplicaSyncError(ShardwiseError, RuntimeError):
+    """Replica threads did not meet at a merge point: one made a different number of
+    ``merge_call`` calls, or did not reach it within the replica timeout."""

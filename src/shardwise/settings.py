@@ -59,3 +59,29 @@ IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
 IMPLICIT_REPLICATION: Setting[bool] = Setting("implicit_replication", False)
 # Every redistribution an op makes is logged with the user's call site.
 LOG_REDISTRIBUTE: Setting[bool] = Setting("log_redistribute", False)
+
+
+class ReplicaThread:
+    """What a per-replica thread acts for inside ``Strategy.run`` (DESIGN.md "Two views of one
+    program"): its local component ``index`` among ``count`` local replicas, and ``merge``, the
+    rendezvous of the replica threads: ``merge(value, fn)`` waits for every local replica,
+    calls ``fn([value of replica 0, value of replica 1, ...])`` once and returns its result to
+    each of them."""
+
+    def __init__(self, index: int, count: int, merge: Any) -> None:
+        self.index = index
+        self.count = count
+        self.merge = merge
+
+
+# The per-replica view: set in the threads of ``shardwise.distribute`` replicas (None: global).
+REPLICA_THREAD: Setting[ReplicaThread | None] = Setting("replica_thread", None)
+# tf.distribute's context of this thread: the current strategy mode (None: default context).
+DISTRIBUTION_MODE: Setting[Any] = Setting("distribution_mode", None)
+# Seconds a replica thread may run before it reaches a merge point or returns.
+REPLICA_TIMEOUT: Setting[float] = Setting(
+    "replica_timeout", float(os.environ.get("SHARDWISE_REPLICA_TIMEOUT", "120"))
+)
+# Replica-context reads of sync-on-read variables aggregate (tf.distribute's internal
+# variable_sync_on_read_context).
+SYNC_ON_READ_AGGREGATES: Setting[bool] = Setting("sync_on_read_aggregates", False)
