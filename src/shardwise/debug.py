@@ -222,7 +222,7 @@ def visualize_sharding(dtensor: DTensor, header: str = "", file: TextIO | None =
             f"{list(spec.shape)} with placements {list(spec.placements)} on {spec.mesh}"
         )
     partial = any(p.is_partial() for p in spec.placements)
-    devices = spec.mesh.mesh.flatten().tolist()
+    devices = spec.mesh.device_ids
     held = {}
     for d in devices:
         segments = spec.local_segments(d)

@@ -70,6 +70,22 @@ class DTensor(torch.Tensor):
             raise UnsupportedOpError(f"{func} on a DTensor: import shardwise to enable ops")
         return _dispatch_handler[0](func, args, kwargs or {})
 
+    # ----- tracing (torch.compile sees a DTensor as its components plus a constant spec) -----
+    def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:
+        return [f"_component_{i}" for i in range(len(self._components))], self._spec
+
+    def __getattr__(self, name: str) -> Any:  # only reached for attributes not found
+        if name.startswith("_component_"):
+            return self._components[int(name[len("_component_") :])]
+        raise AttributeError(f"'DTensor' object has no attribute {name!r}")
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], spec: DTensorSpec, outer_size: Any, outer_stride: Any
+    ) -> DTensor:
+        components = [inner[f"_component_{i}"] for i in range(len(inner))]
+        return DTensor(components, spec, requires_grad=components[0].requires_grad)
+
     # ----- metadata ------------------------------------------------------------------------
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -257,7 +273,7 @@ def _infer_global_shape(
         if not mesh_dims:
             continue
         members = [
-            d for d in mesh.mesh.flatten().tolist() if _differs_only(mesh, d, base, mesh_dims)
+            d for d in mesh.device_ids if _differs_only(mesh, d, base, mesh_dims)
         ]
         if all(d in index for d in members):
             shape[dim] = sum(components[index[d]].shape[dim] for d in members)

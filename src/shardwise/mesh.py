@@ -87,8 +87,11 @@ class DeviceMesh:
             _devices_per_process = ids.numel() // world
         self._devices_per_process = _devices_per_process
         self._rank = rank if _rank is None else _rank
-        self._ids = flat
+        self._ids = tuple(flat)
         self._id_set = frozenset(flat)
+        # geometry as Python values now, so no tensor op runs on the mesh later (tracing under
+        # torch.compile runs shardwise's dispatch with fake tensors)
+        self._groups, self._coordinates, self._group_index  # noqa: B018
 
     @classmethod
     def from_group(
@@ -155,6 +158,11 @@ class DeviceMesh:
         """The process rank that owns ``device_id``."""
         return device_id // self._devices_per_process
 
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        """Every device id of the mesh, in mesh (row-major) order."""
+        return self._ids
+
     @cached_property
     def local_device_ids(self) -> IdTuple:
         """Ids of the mesh devices this process owns, ascending."""
@@ -217,9 +225,8 @@ class DeviceMesh:
     def group_of(self, device_id: int, mesh_dim: int | str) -> tuple[int, ...]:
         """The devices that differ from ``device_id`` only along ``mesh_dim`` (index or name),
         by coordinate."""
-        coord: list[Any] = list(self.coordinate_of(device_id))
-        coord[self.dim_index(mesh_dim)] = slice(None)
-        return tuple(self.mesh[tuple(coord)].tolist())
+        self.coordinate_of(device_id)  # checks the id
+        return self._group_index[self.dim_index(mesh_dim)][device_id]
 
     def groups(self, mesh_dim: int | str) -> list[tuple[int, ...]]:
         """Every group of devices along ``mesh_dim`` (index or name): the rows of the mesh on
@@ -233,6 +240,10 @@ class DeviceMesh:
             moved = self.mesh.movedim(mesh_dim, -1).reshape(-1, self.mesh.shape[mesh_dim])
             result.append(tuple(tuple(row) for row in moved.tolist()))
         return tuple(result)
+
+    @cached_property
+    def _group_index(self) -> tuple[dict[int, tuple[int, ...]], ...]:
+        return tuple({d: g for g in groups for d in g} for groups in self._groups)
 
     def __getitem__(self, dims: str | Sequence[str]) -> DeviceMesh:
         """The sub-mesh over ``dims`` through this process's first local device (PyTorch)."""

@@ -143,7 +143,7 @@ class _Pricer:
         Partial) it does not hold itself."""
         terms = prod(n for n, p in zip(self.mesh.shape, before, strict=True) if p.is_partial())
         local_total = global_total = 0
-        for device in self.mesh.mesh.flatten().tolist():
+        for device in self.mesh.device_ids:
             coord = self.mesh.coordinate_of(device)
             old = shard_segments(self.shape, self.mesh.shape, before, coord)
             new = shard_segments(self.shape, self.mesh.shape, after, coord)
@@ -404,7 +404,7 @@ def _routes(
     placements (one term without Partial), the device it comes from: itself when it holds
     it, else a holder in its own process, else the nearest holder by mesh coordinate, then
     the lowest id."""
-    devices = mesh.mesh.flatten().tolist()
+    devices = mesh.device_ids
     coords = {d: mesh.coordinate_of(d) for d in devices}
     partial = [m for m, p in enumerate(before) if p.is_partial()]
     term = {d: tuple(coords[d][m] for m in partial) for d in devices}
@@ -464,7 +464,7 @@ def _run_exchange(
     index = {d: i for i, d in enumerate(local)}
     sends: list[list[tuple[int, torch.Tensor]]] = [[] for _ in local]
     receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in local]
-    for d in mesh.mesh.flatten().tolist():
+    for d in mesh.device_ids:
         for _, block_shape, sources in routes[d]:
             for holder, src in sources:
                 if holder == d:
@@ -506,7 +506,7 @@ def lower_bound_bytes(
     Partial("sum") group needs the value on one member only (the others may hold zeros); a
     Partial kept on a mesh dim needs no reduction there. The index space is cut into blocks
     on every segment boundary, so the count is per block."""
-    coords = [mesh.coordinate_of(d) for d in mesh.mesh.flatten().tolist()]
+    coords = [mesh.coordinate_of(d) for d in mesh.device_ids]
     kept = {m for m, p in enumerate(source) if p.is_partial() and target[m] == p}
     partial_dims = [
         m for m, p in enumerate(source) if p.is_partial() and mesh.shape[m] > 1 and m not in kept

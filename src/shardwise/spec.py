@@ -172,7 +172,7 @@ def validate_placements(
         ) from None
     if any(isinstance(p, InterleavedShard) for p in normalized):
         try:
-            for device_id in mesh.local_device_ids or mesh.mesh.flatten().tolist()[:1]:
+            for device_id in mesh.local_device_ids or mesh.device_ids[:1]:
                 shard_segments(tuple(shape), mesh.shape, normalized, mesh.coordinate_of(device_id))
         except InvalidPlacementError as err:
             raise InvalidPlacementError(

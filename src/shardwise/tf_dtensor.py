@@ -399,7 +399,7 @@ def barrier(
     it raises ``CollectiveTimeoutError``."""
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(f"barrier needs a shardwise.DeviceMesh, got {_describe(mesh)}")
-    ranks = tuple(sorted({mesh.owner_of(d) for d in mesh.mesh.flatten().tolist()}))
+    ranks = tuple(sorted({mesh.owner_of(d) for d in mesh.device_ids}))
     if len(ranks) < 2:
         return
     import torch.distributed as dist

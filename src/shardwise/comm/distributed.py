@@ -501,7 +501,7 @@ def exchange(
     """The cross-process part of ``collectives.exchange``: one buffer per peer process with
     every tensor its devices send to that peer's devices, in (source, destination, order)
     order; returns {(local index, position in receives[i]): tensor}."""
-    members = tuple(mesh.mesh.flatten().tolist())
+    members = mesh.device_ids
     ranks = tuple(sorted({mesh.owner_of(d) for d in members}))
     call = _Call("exchange", mesh, mesh_dims, [], sample, ranks={members: ranks})
     group_for_ranks(ranks)  # every process of the mesh takes part in creating its group

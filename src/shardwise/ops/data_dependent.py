@@ -69,7 +69,7 @@ def no_empty_shard(
     """True if no device gets an empty piece of a non-empty dim among ``dims`` (kernels such as
     reflection padding or embedding_bag reject zero-size dims)."""
     spec = DTensorSpec(mesh, tuple(placements), contiguous_meta(shape, torch.float32))
-    for device in mesh.mesh.flatten().tolist():
+    for device in mesh.device_ids:
         local = spec.local_shape(device)
         if any(local[d] == 0 < shape[d] for d in dims):
             return False

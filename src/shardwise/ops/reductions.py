@@ -145,7 +145,7 @@ def _some_shard_empty(
     moved = spec.with_placements(placements)
     return any(
         any(moved.local_shape(device)[d] == 0 for d in dims)
-        for device in spec.mesh.mesh.flatten().tolist()
+        for device in spec.mesh.device_ids
     )
 
 
