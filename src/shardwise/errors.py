@@ -54,3 +54,12 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 class CollectiveMismatchError(CollectiveError):
     """Processes entered different collectives, or the same one on different tensors
     (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""
+
+
+class ParallelPlanError(ShardwiseError, ValueError):
+    """A parallelize plan entry matches no module or parameter, or its sizes do not divide
+    over the mesh dim it shards (attention heads, vocabulary)."""
+
+
+class ParallelStyleError(ParallelPlanError, TypeError):
+    """A parallel style applied to a module type it cannot shard."""
