@@ -84,21 +84,22 @@ class _LinearStyle(ParallelStyle):
         input_layouts: Placement | None,
         output_layouts: Placement | None,
         use_local_output: bool,
-        default_input: Placement,
         default_output: Placement,
     ) -> None:
-        self.input_layouts = input_layouts or default_input
+        self.input_layouts = input_layouts
         self.output_layouts = output_layouts or default_output
         self.use_local_output = use_local_output
 
     def _hooks(
         self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, desired_input: Placement
     ) -> None:
+        """Inputs arrive as ``input_layouts`` (default: already as the module wants them)."""
+        given = self.input_layouts or desired_input
+
         def pre(_module: nn.Module, args: tuple) -> tuple:
             if not args:
                 return args
-            first = _prepare(args[0], mesh, tp_dim, self.input_layouts, desired_input)
-            return (first, *args[1:])
+            return (_prepare(args[0], mesh, tp_dim, given, desired_input), *args[1:])
 
         def post(_module: nn.Module, _args: tuple, out: Any) -> Any:
             if isinstance(out, DTensor):
@@ -133,7 +134,6 @@ class ColwiseParallel(_LinearStyle):
             input_layouts=input_layouts,
             output_layouts=output_layouts,
             use_local_output=use_local_output,
-            default_input=Replicate(),
             default_output=natural,
         )
         self.interleave = interleave
@@ -183,7 +183,6 @@ class RowwiseParallel(_LinearStyle):
             input_layouts=input_layouts,
             output_layouts=output_layouts,
             use_local_output=use_local_output,
-            default_input=Shard(-1),
             default_output=Replicate(),
         )
 
