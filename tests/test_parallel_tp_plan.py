@@ -329,3 +329,26 @@ def test_sequence_parallel_plain_input_is_the_global_value_with_several_local_de
     out = norm(x)
     assert out.placements == (Shard(1),)
     torch.testing.assert_close(out.full_tensor(), reference(x))
+
+
+def test_vescale_plan_keeps_ties_whichever_name_the_plan_uses() -> None:
+    torch.manual_seed(5)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    for params in ({r"lm_head.weight": [Shard(1)]}, {}):  # the second holder named; none named
+        model = NanoGPT()
+        parallelize_module(model, mesh, {"parameter": params})
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert model.lm_head.weight.placements == ((Shard(1),) if params else (Replicate(),))
+    with pytest.raises(sw.ParallelPlanError, match="tied parameter"):
+        parallelize_module(
+            NanoGPT(),
+            mesh,
+            {"parameter": {r"lm_head.weight": [Shard(1)], r"transformer.wte.weight": [Shard(0)]}},
+        )
+
+
+def test_distribute_module_keeps_ties() -> None:
+    model = NanoGPT()
+    sw.distribute_module(model, sw.init_device_mesh("cpu", (2,)))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert isinstance(model.lm_head.weight, sw.DTensor)

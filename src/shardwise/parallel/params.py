@@ -47,11 +47,19 @@ def distribute_parameter(
 
 def replicate_rest(module: nn.Module, mesh: DeviceMesh, tp_dim: int | None = None) -> None:
     """Every parameter and buffer of ``module`` not yet a DTensor becomes a replicated one
-    (``tp_dim``: with the gradient hook of ``distribute_parameter``)."""
+    (``tp_dim``: with the gradient hook of ``distribute_parameter``); a tensor held by several
+    modules (tied weights) becomes one DTensor held by all of them."""
+    placed: dict[int, torch.Tensor] = {}
     for sub in module.modules():
-        for name, value in list(sub._parameters.items()) + list(sub._buffers.items()):
-            if value is not None and not isinstance(value, DTensor):
+        for slots in (sub._parameters, sub._buffers):
+            for name, value in list(slots.items()):
+                if value is None or isinstance(value, DTensor):
+                    continue
+                if id(value) in placed:
+                    slots[name] = placed[id(value)]
+                    continue
                 distribute_parameter(sub, name, mesh, [Replicate()] * mesh.ndim, tp_dim)
+                placed[id(value)] = slots[name]
 
 
 def _reduce_on(tp_dim: int, placements: tuple[Placement, ...]):  # noqa: ANN202
