@@ -40,7 +40,7 @@ class ParallelStyle:
     ) -> nn.Module:
         """Shard ``module`` in place on the tp mesh dim and install its layout hooks."""
         tp_dim = resolve_tp_dim(device_mesh, tp_mesh_dim)
-        self._apply(module, device_mesh, tp_dim, plan_entry or type(module).__name__)
+        self._apply(module, device_mesh, tp_dim, plan_entry or f"<{type(module).__name__}>")
         return module
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, entry: str) -> None:
@@ -61,17 +61,20 @@ def _prepare(x: Any, mesh: DeviceMesh, tp_dim: int, given: Placement, desired: P
 
 def _fail_module(style: ParallelStyle, module: nn.Module, entry: str, fits: str) -> None:
     raise ParallelStyleError(
-        f"plan entry {entry!r}: {type(style).__name__} shards {fits}, but the module is "
+        f"plan entry {entry}: {type(style).__name__} shards {fits}, but the module is "
         f"{type(module).__name__} ({module})"
     )
 
 
-def _check_divides(entry: str, what: str, size: int, mesh: DeviceMesh, tp_dim: int) -> None:
+def _check_divides(
+    entry: str, what: str, size: int, module: nn.Module, mesh: DeviceMesh, tp_dim: int
+) -> None:
     n = mesh.shape[tp_dim]
     if size % n:
+        shapes = {k: list(v.shape) for k, v in module.named_parameters(recurse=False)}
         raise ParallelPlanError(
-            f"plan entry {entry!r}: {what} = {size} is not divisible by the tensor-parallel "
-            f"mesh dim {tp_dim} of size {n} of {mesh}"
+            f"plan entry {entry}: {what} = {size} of {module} (parameter shapes {shapes}) is "
+            f"not divisible by the tensor-parallel mesh dim {tp_dim} of size {n} of {mesh}"
         )
 
 
@@ -145,14 +148,14 @@ class ColwiseParallel(_LinearStyle):
             out = module.out_features
             if out % k:
                 raise ParallelPlanError(
-                    f"plan entry {entry!r}: interleave={k} does not divide the {out} output "
+                    f"plan entry {entry}: interleave={k} does not divide the {out} output "
                     f"features of {module} (weight shape {list(module.weight.shape)})"
                 )
             if self.num_heads is not None:
-                _check_divides(entry, "num_heads", self.num_heads, mesh, tp_dim)
+                _check_divides(entry, "num_heads", self.num_heads, module, mesh, tp_dim)
                 if (out // k) % self.num_heads:
                     raise ParallelPlanError(
-                        f"plan entry {entry!r}: {out // k} features per block of {module} "
+                        f"plan entry {entry}: {out // k} features per block of {module} "
                         f"(weight shape {list(module.weight.shape)}) do not split into "
                         f"num_heads={self.num_heads} heads"
                     )
@@ -269,14 +272,14 @@ class _Inputs:
                 return x
             if desired is None:
                 raise ParallelPlanError(
-                    f"plan entry {entry!r}: input layout {given} has no desired layout"
+                    f"plan entry {entry}: input layout {given} has no desired layout"
                 )
             return local_output(_prepare(x, mesh, tp_dim, given, desired), self.use_local)
 
         def pre(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
             if len(args) < len(self.pairs):
                 raise ParallelPlanError(
-                    f"plan entry {entry!r}: {len(self.pairs)} input layouts for "
+                    f"plan entry {entry}: {len(self.pairs)} input layouts for "
                     f"{type(_module).__name__}, but it got {len(args)} positional inputs"
                 )
             args = tuple(
@@ -305,7 +308,7 @@ class _Outputs:
             outs = (out,) if single else tuple(out)
             if len(outs) != len(self.pairs):
                 raise ParallelPlanError(
-                    f"plan entry {entry!r}: {len(self.pairs)} output layouts for "
+                    f"plan entry {entry}: {len(self.pairs)} output layouts for "
                     f"{type(_module).__name__}, but it returned {len(outs)} outputs"
                 )
             done = []
