@@ -352,3 +352,63 @@ def test_distribute_module_keeps_ties() -> None:
     sw.distribute_module(model, sw.init_device_mesh("cpu", (2,)))
     assert model.lm_head.weight is model.transformer.wte.weight
     assert isinstance(model.lm_head.weight, sw.DTensor)
+
+
+class Decoder(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None):
+        self.mask_seen = attention_mask
+        return hidden_states + self.mlp(hidden_states) * attention_mask, None
+
+
+class Llamaish(nn.Module):
+    """Hugging Face conventions: keyword inputs, tuple layer outputs, a dict model output."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(Decoder(dim) for _ in range(2))
+        self.model.forward = self._run
+
+    def _run(self, x: torch.Tensor) -> dict:
+        mask = torch.ones(())
+        for layer in self.model.layers:
+            x, _ = layer(x, attention_mask=mask)
+        return {"last_hidden_state": x}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)["last_hidden_state"]
+
+
+def test_vescale_plan_with_named_inputs_tuple_and_dict_outputs() -> None:
+    """The structure of veScale's published Llama plan."""
+    torch.manual_seed(6)
+    model = Llamaish()
+    reference = copy.deepcopy(model)
+    decoder = {
+        "input": {"hidden_states": [Shard(1)], "attention_mask": [Replicate()]},
+        "mlp.input": [[Replicate()]],
+        "mlp.output": [[Shard(1)]],
+        "output": [[Shard(1)], None],
+    }
+    plan = {
+        "parameter": {
+            r"model.layers.\d+.mlp.0.(weight|bias)": [Shard(0)],
+            r"model.layers.\d+.mlp.2.weight": [Shard(1)],
+        },
+        "forward": {
+            "model.input": [[Replicate()]],
+            "model.output": {"last_hidden_state": [Replicate()]},
+            **{rf"model.layers.\d+.{k}": v for k, v in decoder.items()},
+        },
+    }
+    mesh = sw.init_device_mesh("cpu", (2, 3))
+    parallelize_module(model, mesh, plan)
+    x = torch.randn(2, 7, 6)
+    out = model(x)
+    assert out.placements == (Replicate(), Replicate())
+    assert model.model.layers[1].mask_seen.placements == (Replicate(), Replicate())
+    _same_as_reference(model, reference, x)
