@@ -412,3 +412,18 @@ def test_vescale_plan_with_named_inputs_tuple_and_dict_outputs() -> None:
     assert out.placements == (Replicate(), Replicate())
     assert model.model.layers[1].mask_seen.placements == (Replicate(), Replicate())
     _same_as_reference(model, reference, x)
+
+
+def test_replicated_then_parallelized_parameters_are_replaced_and_train() -> None:
+    """distribute_module first (all replicated), then a plan re-places the parameters it names:
+    they keep requires_grad and frozen ones stay frozen."""
+    torch.manual_seed(7)
+    model = Layer(6)
+    model.down.bias.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    sw.distribute_module(model, mesh)
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    assert model.up.weight.placements == (Shard(0),) and model.up.weight.requires_grad
+    assert not model.down.bias.requires_grad
+    _same_as_reference(model, reference, torch.randn(3, 6), mesh)

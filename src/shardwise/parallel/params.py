@@ -31,15 +31,16 @@ def distribute_parameter(
     value = getattr(module, name)
     if value is None:
         return
+    requires_grad = value.requires_grad
     if isinstance(value, DTensor):
         if value.device_mesh == mesh and value.placements == tuple(placements):
             return
-        value = value.full_tensor().detach()
+        value = value.full_tensor()
     dvalue = distribute_tensor(value.detach(), mesh, placements)
     if name in module._buffers:
         module._buffers[name] = dvalue
         return
-    param = nn.Parameter(dvalue, requires_grad=value.requires_grad)
+    param = nn.Parameter(dvalue, requires_grad=requires_grad)
     if tp_dim is not None and param.requires_grad:
         param.register_hook(_reduce_on(tp_dim, tuple(dvalue.placements)))
     module.register_parameter(name, param)
