@@ -427,3 +427,28 @@ def test_replicated_then_parallelized_parameters_are_replaced_and_train() -> Non
     assert model.up.weight.placements == (Shard(0),) and model.up.weight.requires_grad
     assert not model.down.bias.requires_grad
     _same_as_reference(model, reference, torch.randn(3, 6), mesh)
+
+
+def test_prepare_styles_check_their_layouts() -> None:
+    from shardwise.parallel import PrepareModuleInput, PrepareModuleOutput
+
+    with pytest.raises(sw.ParallelPlanError, match="same length"):
+        PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(),))
+    with pytest.raises(sw.ParallelPlanError, match="has no desired layout"):
+        PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(None,))
+    with pytest.raises(sw.ParallelPlanError, match="same keyword arguments"):
+        PrepareModuleInput(input_kwarg_layouts={"mask": Shard(0)})
+    with pytest.raises(sw.ParallelPlanError, match="same length"):
+        PrepareModuleOutput(output_layouts=(Shard(0), Shard(1)), desired_output_layouts=Shard(0))
+    mesh = sw.init_device_mesh("cpu", (2,))
+    model = nn.Linear(4, 4)
+    sw.distribute_module(model, mesh)
+    parallelize_module(
+        model,
+        mesh,
+        PrepareModuleInput(
+            input_layouts=(Shard(0), Shard(0)), desired_input_layouts=(Replicate(),) * 2
+        ),
+    )
+    with pytest.raises(sw.ParallelPlanError, match="2 input layouts for Linear, but it got 1"):
+        model(torch.randn(2, 4))

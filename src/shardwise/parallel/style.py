@@ -263,6 +263,12 @@ class _Inputs:
             )
         self.pairs = list(zip(given or (), desired or (), strict=True))
         self.kw = {k: (kw[k], kw_desired[k]) for k in kw}
+        for pair in self.pairs + list(self.kw.values()):
+            if pair[0] is not None and pair[1] is None:
+                raise ParallelPlanError(
+                    f"input layout {pair[0]} has no desired layout (input_layouts {given}, "
+                    f"desired_input_layouts {desired}, keyword layouts {self.kw})"
+                )
         self.use_local = use_local_input
 
     def install(self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, entry: str) -> None:
@@ -270,10 +276,6 @@ class _Inputs:
             given, desired = pair
             if given is None or not isinstance(x, torch.Tensor):
                 return x
-            if desired is None:
-                raise ParallelPlanError(
-                    f"plan entry {entry}: input layout {given} has no desired layout"
-                )
             return local_output(_prepare(x, mesh, tp_dim, given, desired), self.use_local)
 
         def pre(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
