@@ -125,7 +125,13 @@ def test_attention_block_forward_backward(mesh_shape) -> None:
     assert kinds == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"], kinds
     grad = torch.randn_like(ref)
     ref.backward(grad)
-    (out.full_tensor() * grad).sum().backward()
+    dgrad = sw.distribute_tensor(grad, mesh, out.placements)
+    with sw.CommCounter() as counter:
+        out.backward(dgrad)
+    # activation gradients: one reduce-scatter per all-gather and back; q, k and v gradients
+    # add up before theirs; the all-reduces are the sequence-parallel norm weights' and biases'
+    assert counter.counts["all_gather"] == 2 and counter.counts["reduce_scatter"] == 2
+    assert counter.counts["all_reduce"] == 4
     for (name, p), r in zip(block.named_parameters(), reference.parameters(), strict=True):
         assert p.grad.placements == p.placements, name
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, atol=1e-5, rtol=1e-4, msg=name)
