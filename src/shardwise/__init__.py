@@ -37,6 +37,8 @@ from .errors import (
     MeshError,
     NotEagerError,
     PackError,
+    ParallelPlanError,
+    ParallelStyleError,
     ShardwiseError,
     ShardwiseTypeError,
     UnsupportedOpError,
@@ -60,6 +62,7 @@ from .ops.registry import (
     register_prop_rule,
     remove_hooks,
 )
+from .parallel import distribute_module
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import RedistributePlan, Step
 from .spec import DTensorSpec, TensorMeta
@@ -123,6 +126,8 @@ __all__ = [
     "MATCH",
     "MeshError",
     "PackError",
+    "ParallelPlanError",
+    "ParallelStyleError",
     "Partial",
     "Placement",
     "RedistributePlan",
@@ -139,6 +144,7 @@ __all__ = [
     "copy_to_mesh",
     "create_mesh",
     "default_mesh",
+    "distribute_module",
     "distribute_tensor",
     "empty",
     "explain_redistribute",

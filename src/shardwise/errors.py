@@ -79,3 +79,12 @@ class DistributeTypeError(ShardwiseError, TypeError):
 class ReplicaSyncError(ShardwiseError, RuntimeError):
     """Replica threads did not meet at a merge point: one made a different number of
     ``merge_call`` calls, or did not reach it within the replica timeout."""
+
+
+class ParallelPlanError(ShardwiseError, ValueError):
+    """A parallelize plan entry matches no module or parameter, or its sizes do not divide
+    over the mesh dim it shards (attention heads, vocabulary)."""
+
+
+class ParallelStyleError(ParallelPlanError, TypeError):
+    """A parallel style applied to a module type it cannot shard."""

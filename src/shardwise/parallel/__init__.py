@@ -1,0 +1,28 @@
+"""Module-level parallelism with PyTorch's names: ``parallelize_module`` with tensor and sequence
+parallel styles (plans by name, glob, regex, or veScale's dict format), ``distribute_module``
+and ``loss_parallel``."""
+
+from .api import distribute_module, parallelize_module
+from .loss import loss_parallel
+from .style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "distribute_module",
+    "loss_parallel",
+    "parallelize_module",
+]
