@@ -1,12 +1,14 @@
 """shardwise: distributed tensors for PyTorch. Write for one device, run sharded over a mesh."""
 
 from . import ops as _ops  # noqa: F401  (registers the built-in sharding strategies)
+from .async_tensor import AsyncCollectiveTensor, AsyncDTensor
 from .comm import (
     CommCounter,
     get_collective_timeout,
     set_collective_timeout,
     set_debug_checks,
 )
+from .custom_sharding import register_sharding
 from .debug import explain_redistribute
 from .dispatch import (
     allow_implicit_redistribute,
@@ -33,6 +35,7 @@ from .errors import (
 )
 from .factories import empty, full, ones, rand, randn, zeros
 from .layout import MATCH, UNSHARDED, Layout
+from .local_map import local_map
 from .mesh import DeviceMesh, create_mesh, init_device_mesh
 from .ops.random import manual_seed
 from .ops.registry import (
@@ -141,4 +144,8 @@ __all__ = [
     "relayout_like",
     "unpack",
     "zeros",
+    "AsyncCollectiveTensor",
+    "AsyncDTensor",
+    "local_map",
+    "register_sharding",
 ]

@@ -95,12 +95,19 @@ class DTensor(torch.Tensor):
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
         run_check: bool = False,
+        async_op: bool = False,
     ) -> DTensor:
         """A DTensor from this process's components (a tensor, or one per local device).
 
         Components must follow chunk geometry; the global shape is inferred from them unless
         ``shape`` is given. ``run_check`` broadcasts Replicate components from coordinate 0.
+        ``async_op``: return at once; pending components and the broadcast finish in the
+        background (see ``async_tensor``).
         """
+        if async_op:
+            from .async_tensor import from_local_async
+
+            return from_local_async(local, device_mesh, placements, shape, stride, run_check)
         components = _as_components(local, device_mesh, placements)
         spec = _spec_from_components(components, device_mesh, placements, shape, stride)
         if run_check:
@@ -122,8 +129,12 @@ class DTensor(torch.Tensor):
         self,
         device_mesh: DeviceMesh | None = None,
         placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
     ) -> DTensor:
-        """The same global value with new ``placements`` (cheapest plan, differentiable)."""
+        """The same global value with new ``placements`` (cheapest plan, differentiable).
+        ``async_op``: return at once, the collectives run in the background; the first use
+        of the result (or ``wait()``) waits for them."""
         if device_mesh is not None:
             check_same_mesh(
                 self.device_mesh,
@@ -139,7 +150,27 @@ class DTensor(torch.Tensor):
         target = validate_placements(self.shape, self.device_mesh, placements)
         if target == self.placements:
             return self
+        if async_op:
+            from .async_tensor import redistribute_async
+
+            return redistribute_async(self, target)
         return _Redistribute.apply(self, target)
+
+    def wait(self) -> DTensor:
+        """This DTensor once its background collectives finished (at once when none run)."""
+        return self
+
+    def data_ptr(self) -> int:
+        """The local component's data pointer (for third-party kernels); with several local
+        devices there is no single pointer: use ``unpack`` or ``local_map``."""
+        if len(self._components) != 1:
+            raise LocalComponentsError(
+                f"data_ptr() of a DTensor of shape {list(self.shape)} with placements "
+                f"{list(self.placements)}: this process owns {len(self._components)} devices "
+                f"{list(self.device_mesh.local_device_ids)} of {self.device_mesh}, one pointer "
+                f"each; use shardwise.unpack(dt) or shardwise.local_map(fn, ...) instead"
+            )
+        return self._components[0].data_ptr()
 
     def tolist(self) -> Any:
         """The global value as (nested) Python lists, never one device's piece."""

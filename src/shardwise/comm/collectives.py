@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..mesh import DeviceMesh
-from . import accounting, distributed
+from . import accounting, background, distributed
 from .reduction import combine, finish
 
 
@@ -59,6 +59,7 @@ def _across(
     """Run the distributed ``collective`` for the cross-process ``groups``; store its results."""
     if not groups:
         return distributed.Traffic()
+    background.drain()  # background collectives first: every process keeps the same order
     results, traffic = collective(mesh, mesh_dim, groups, *args)
     for i, result in results.items():
         out[i] = result
