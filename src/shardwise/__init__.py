@@ -19,6 +19,7 @@ from .dispatch import (
 )
 from .dtensor import DTensor, distribute_tensor
 from .errors import (
+    CheckpointMismatchError,
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -148,4 +149,5 @@ __all__ = [
     "AsyncDTensor",
     "local_map",
     "register_sharding",
+    "CheckpointMismatchError",
 ]

@@ -172,6 +172,22 @@ class DTensor(torch.Tensor):
             )
         return self._components[0].data_ptr()
 
+    # torch.distributed.checkpoint's protocol for distributed tensors (checkpoint/protocol.py)
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:  # noqa: ARG002
+        from .checkpoint.protocol import create_write_items
+
+        return create_write_items(fqn, self)
+
+    def __create_chunk_list__(self) -> list:
+        from .checkpoint.protocol import create_chunk_list
+
+        return create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        from .checkpoint.protocol import get_tensor_shard
+
+        return get_tensor_shard(self, index)
+
     def tolist(self) -> Any:
         """The global value as (nested) Python lists, never one device's piece."""
         return self.full_tensor().tolist()

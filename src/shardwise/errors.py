@@ -54,3 +54,8 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 class CollectiveMismatchError(CollectiveError):
     """Processes entered different collectives, or the same one on different tensors
     (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""
+
+
+class CheckpointMismatchError(ShardwiseError, ValueError):
+    """A checkpoint does not fit the state it is loaded into: missing or unexpected keys,
+    different shapes or dtypes (nothing is loaded)."""
