@@ -19,11 +19,12 @@ import shardwise as sw
 from shardwise import Replicate, Shard
 
 
-def _best(fn: Callable[[], object], repeat: int = 7) -> float:
+def _best(fn: Callable[[], object], repeat: int = 7, sync: bool = True) -> float:
     fn()
     best = float("inf")
     for _ in range(repeat):
-        dist.barrier()
+        if sync:
+            dist.barrier()
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
@@ -43,13 +44,19 @@ def main() -> None:
         return x.redistribute(placements=[Replicate()]).to_local()
 
     t_comm = _best(gather)
-    n = 64  # grow the matmul until it takes about as long as the all_gather
+    # grow the matmul until it takes about as long as the all_gather (each process on its
+    # own, without collectives), then agree on the largest size
+    n = 64
     while n < 4096:
         a = torch.randn(n, n)
-        t_mm = _best(lambda a=a: a @ a, repeat=2)
-        if t_mm >= t_comm:
+        if _best(lambda a=a: a @ a, 2, sync=False) >= t_comm:
             break
         n = int(n * 1.1)
+    agreed = torch.tensor([n])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    n = int(agreed.item())
+    a = torch.randn(n, n)
+    t_mm = _best(lambda: a @ a)
 
     def sequential() -> None:
         a @ a
