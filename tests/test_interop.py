@@ -212,3 +212,19 @@ def test_async_from_local_with_run_check_broadcasts(mesh22: sw.DeviceMesh) -> No
     want = sw.DTensor.from_local(parts, mesh22, [Replicate(), Shard(0)], run_check=True)
     for got, ref in zip(sw.unpack(out), sw.unpack(want), strict=True):
         assert torch.equal(got, ref)
+
+
+def test_background_error_surfaces_at_wait_naming_the_collective() -> None:
+    from shardwise.comm import background
+
+    work = background.submit(lambda: 1 / 0, "all_gather of the test tensor")
+    with pytest.raises(sw.CollectiveError, match=r"all_gather of the test tensor.*division"):
+        work.wait()
+
+    def timeout() -> None:
+        raise sw.CollectiveTimeoutError("peer 1 did not answer")
+
+    work = background.submit(timeout, "broadcast of y")
+    with pytest.raises(sw.CollectiveTimeoutError, match=r"broadcast of y.*peer 1 did not answer"):
+        work.wait()
+    assert background.submit(lambda: 42, "fine").wait() == 42  # the worker lives on

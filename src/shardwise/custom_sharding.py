@@ -82,4 +82,5 @@ def _strategy_from(fn: ShardingFn, op: Any) -> Callable[[DeviceMesh, OpSchema], 
             raise InvalidArgumentError(f"register_sharding({op}) returned no sharding")
         return product_strategy(mesh, options, multi=n_out > 1)
 
+    strategy.__module__, strategy.__doc__ = fn.__module__, fn.__doc__  # the user's registration
     return strategy
