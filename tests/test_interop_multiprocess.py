@@ -144,10 +144,18 @@ def _check_loaded(loaded: dict) -> None:
             assert got[key].dtype == want.dtype and torch.equal(got[key], want), (mesh_shape, key)
 
 
-def test_async_and_checkpoints_across_processes(tmp_path: Path) -> None:
-    ckdir = str(tmp_path)
-    env = {"SHARDWISE_COLLECTIVE_TIMEOUT": "60"}
-    saved = run_in_processes(save_job, 2, ckdir, timeout=120, env=env)
+ENV = {"SHARDWISE_COLLECTIVE_TIMEOUT": "60"}
+
+
+@pytest.fixture(scope="module")
+def saved_by_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list]:
+    """The 2-process job, run once: its checkpoints directory and per-rank results."""
+    ckdir = str(tmp_path_factory.mktemp("two_processes"))
+    return ckdir, run_in_processes(save_job, 2, ckdir, timeout=100, env=ENV)
+
+
+def test_async_across_processes_and_loading_in_one_process(saved_by_two: tuple) -> None:
+    ckdir, saved = saved_by_two
     for rank, result in enumerate(saved):
         assert result["async_equal"] == [True] * len(ASYNC_CASES), rank
         assert result["to_local_type"] == "AsyncCollectiveTensor"
@@ -156,17 +164,20 @@ def test_async_and_checkpoints_across_processes(tmp_path: Path) -> None:
     assert "background collective" in error and "redistribute of" in error
     assert "all_gather" in error and "Shard(dim=0)" in error and "wait()" in error
 
-    # load in this one process: 3 devices, 1 device, plain tensors
+    # the 2-process checkpoint in this one process: 3 devices, 1 device, plain tensors
     _check_loaded(_load_everywhere(ckdir, [
         ((3,), {"w": [Shard(1)], "ids": [Shard(1)], "b": [Shard(0)]}),
         ((1,), dict.fromkeys(SAVED, [Replicate()])),
     ]))
     plain = {k: torch.zeros_like(v) for k, v in _values().items()}
-    dcp.load(plain, checkpoint_id=tmp_path / "dcp",
+    dcp.load(plain, checkpoint_id=Path(ckdir) / "dcp",
              planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     assert all(torch.equal(plain[k], v) for k, v in _values().items())
 
-    loaded = run_in_processes(load_job, 4, ckdir, timeout=120, env=env)
+
+def test_checkpoint_of_two_processes_loads_in_four(saved_by_two: tuple) -> None:
+    ckdir, _ = saved_by_two
+    loaded = run_in_processes(load_job, 4, ckdir, timeout=100, env=ENV)
     reference = [p.detach() for p in _model().parameters()]
     for result in loaded:
         _check_loaded(result["dcp"])
