@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 import shardwise as sw
 import shardwise.checkpoint as ckpt
@@ -87,18 +86,26 @@ def test_plain_tensor_checkpoint_loads_into_dtensors(tmp_path: Path) -> None:
     assert torch.equal(into["ids"].full_tensor(), v["ids"])
 
 
-def test_partial_dtensor_is_refused_by_raw_dcp_and_reduced_by_the_helper(tmp_path: Path) -> None:
+def test_partial_dtensors_save_reduced_and_load_into_partial(tmp_path: Path) -> None:
+    m22 = sw.DeviceMesh("cpu", [[0, 1], [2, 3]])
+    g = torch.Generator().manual_seed(4)
+    parts = [torch.randn(5, 3, generator=g, dtype=torch.float64) for _ in range(4)]
+    summed = sw.DTensor.from_local(parts, m22, [Partial(), Partial()], shape=(5, 3))
+    maxed = sw.DTensor.from_local(parts, m22, [Shard(0), Partial("max")], shape=(10, 3))
+    want = {"sum": summed.full_tensor(), "max": maxed.full_tensor()}
+    dcp.save({"sum": summed, "max": maxed}, checkpoint_id=tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(sw.unpack(summed), parts, strict=True))
     mesh = _mesh(2)
-    parts = [torch.ones(3), torch.full((3,), 2.0)]
-    dt = sw.DTensor.from_local(parts, mesh, [Partial()])
-    with pytest.raises(CheckpointException, match=r"InvalidPlacementError.*Partial.*redistribute"):
-        dcp.save({"x": dt}, checkpoint_id=tmp_path / "raw")
-    model = nn.Linear(3, 1, bias=False)
-    model.weight = nn.Parameter(sw.DTensor.from_local([p[None] for p in parts], mesh, [Partial()]))
-    ckpt.save(tmp_path / "helper", model)
-    fresh = nn.Linear(3, 1, bias=False)
-    ckpt.load(tmp_path / "helper", fresh)
-    assert torch.equal(fresh.weight.detach(), torch.full((1, 3), 3.0))
+    plain = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(plain, checkpoint_id=tmp_path)
+    assert torch.equal(plain["sum"], want["sum"]) and torch.equal(plain["max"], want["max"])
+    for placements in ([Partial()], [Partial("avg")], [Partial("min")], [Shard(0)]):
+        into = {k: sw.distribute_tensor(torch.ones_like(v), mesh, placements)
+                for k, v in want.items()}
+        dcp.load(into, checkpoint_id=tmp_path)
+        for key, value in want.items():
+            assert into[key].placements == tuple(placements)
+            assert torch.equal(into[key].full_tensor(), value), (placements, key)
 
 
 # ----- the training-state helpers ----------------------------------------------------------
@@ -168,6 +175,28 @@ def test_training_state_round_trip_reshards_and_training_continues_identically(
     _train_step(other, other_opt, x)
     for a, b in zip(net.parameters(), other.parameters(), strict=True):
         assert torch.allclose(_full(a), _full(b), rtol=1e-6, atol=1e-7)
+
+
+def test_raw_dcp_on_model_and_optimizer_state_dicts(tmp_path: Path) -> None:
+    """``dcp.save``/``dcp.load`` unchanged on ``state_dict()``s holding DTensors: the load
+    lands in place in the parameters and optimizer state, resharded."""
+    torch.manual_seed(3)
+    base, x = Net(), torch.randn(4, 6)
+    net = _sharded(copy.deepcopy(base), sw.DeviceMesh("cpu", [[0, 1], [2, 3]]),
+                   [Shard(0), Shard(1)], [Replicate(), Shard(0)])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _train_step(net, opt, x)
+    dcp.save({"model": net.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path)
+
+    other = _sharded(copy.deepcopy(base), _mesh(2), [Shard(1)], [Shard(0)])
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    _train_step(other, other_opt, torch.zeros(4, 6))  # creates the momentum buffers
+    state = {"model": other.state_dict(), "optim": other_opt.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path)
+    for (name, a), (_, b) in zip(net.named_parameters(), other.named_parameters(), strict=True):
+        assert b.device_mesh.shape == (2,) and torch.equal(_full(a), _full(b)), name
+    for sa, sb in zip(opt.state.values(), other_opt.state.values(), strict=True):
+        assert torch.equal(_full(sa["momentum_buffer"]), _full(sb["momentum_buffer"]))
 
 
 def test_mismatched_model_raises_naming_keys_and_loads_nothing(tmp_path: Path) -> None:

@@ -9,12 +9,18 @@ contributes one box per combination of runs, a view of the component. Each box i
 by the device at coordinate 0 of every mesh dim that does not shard the tensor. On load every
 local device (replicas included) asks for its boxes, and DCP reads what overlaps them from the
 saved boxes, whatever mesh and placements saved them: that is the resharding.
+
+Partial values are saved reduced (one all_reduce per Partial mesh dim while DCP plans, in the
+same order in every process; the reduced copy is kept for the writes). Loading into a Partial
+DTensor gives every component the value, except under Partial("sum") where the devices past
+coordinate 0 get zeros, so the reduction is the loaded value.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -26,8 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..errors import InvalidPlacementError
-from ..placements import Shard
+from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
 
 if TYPE_CHECKING:
@@ -59,27 +64,52 @@ def _is_writer(spec: DTensorSpec, device: int) -> bool:
 
 
 def _local_boxes(dtensor: DTensor) -> list[tuple[int, Box]]:
-    """(local index, box) for every box of every local component, in chunk-list order."""
+    """(local index, box) for every box of every local component that loads the value, in
+    chunk-list order."""
     spec = dtensor._spec
     return [
         (i, box)
         for i, device in enumerate(spec.mesh.local_device_ids)
+        if _is_reader(spec, device)
         for box in boxes(spec, device)
     ]
 
 
+# DTensors with Partial placements, while DCP writes them: their reduced copy (until the
+# DTensor dies, a load into it, or release_reduced())
+# (keyed by id: tensors compare elementwise, so they cannot be dictionary keys themselves)
+_reduced: dict[int, tuple[weakref.ref, DTensor]] = {}
+
+
+def _reduced_copy(dtensor: DTensor) -> DTensor:
+    entry = _reduced.get(id(dtensor))
+    return entry[1] if entry is not None and entry[0]() is dtensor else dtensor
+
+
+def _without_partial(dtensor: DTensor) -> DTensor:
+    placements = dtensor._spec.placements
+    if not any(p.is_partial() for p in placements):
+        return dtensor
+    with torch.no_grad():
+        reduced = dtensor.redistribute(
+            placements=[Replicate() if p.is_partial() else p for p in placements]
+        )
+    key = id(dtensor)
+    _reduced[key] = (weakref.ref(dtensor, lambda _: _reduced.pop(key, None)), reduced)
+    return reduced
+
+
+def release_reduced() -> None:
+    """Drop the reduced copies of Partial DTensors kept for a save that has finished."""
+    _reduced.clear()
+
+
 def create_write_items(fqn: str, dtensor: DTensor) -> list[WriteItem]:
     """One write item per box this process must write (each global element exactly once)."""
-    spec = dtensor._spec
-    partial = [p for p in spec.placements if p.is_partial()]
-    if partial:
-        raise InvalidPlacementError(
-            f"cannot checkpoint {fqn!r}, a DTensor of shape {list(dtensor.shape)} with "
-            f"placements {list(spec.placements)} on {spec.mesh}: its Partial values are not "
-            f"reduced; redistribute it to Replicate first (shardwise.checkpoint.save does)"
-        )
-    components = dtensor._components
-    empty = dtensor.numel() == 0
+    source = _without_partial(dtensor)
+    spec = source._spec
+    components = source._components
+    empty = source.numel() == 0
     items = []
     for i, device in enumerate(spec.mesh.local_device_ids):
         if not _is_writer(spec, device):
@@ -98,7 +128,7 @@ def create_write_items(fqn: str, dtensor: DTensor) -> list[WriteItem]:
                             offsets=torch.Size(offsets), sizes=torch.Size(sizes)
                         ),
                         properties=properties,
-                        size=dtensor.size(),
+                        size=source.size(),
                     ),
                 )
             )
@@ -107,8 +137,22 @@ def create_write_items(fqn: str, dtensor: DTensor) -> list[WriteItem]:
     return items
 
 
+def _is_reader(spec: DTensorSpec, device: int) -> bool:
+    coord = spec.mesh.coordinate_of(device)
+    return all(
+        coord[m] == 0 for m, p in enumerate(spec.placements) if p == Partial("sum")
+    )
+
+
 def create_chunk_list(dtensor: DTensor) -> list[ChunkStorageMetadata]:
-    """Every box of every local component (replicas too: each device loads its copy)."""
+    """Every box of every local component that loads the value (replicas too); components
+    past coordinate 0 of a Partial("sum") mesh dim are zeroed instead."""
+    _reduced.pop(id(dtensor), None)  # a load reads into the tensor itself
+    spec = dtensor._spec
+    for i, device in enumerate(spec.mesh.local_device_ids):
+        if not _is_reader(spec, device):
+            with torch.no_grad():
+                dtensor._components[i].zero_()
     return [
         ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         for _, (offsets, sizes, _) in _local_boxes(dtensor)
@@ -118,6 +162,7 @@ def create_chunk_list(dtensor: DTensor) -> list[ChunkStorageMetadata]:
 def get_tensor_shard(dtensor: DTensor, index: MetadataIndex) -> torch.Tensor:
     """The view of a local component behind the box at ``index.offset`` (``index.index``, when
     it points into the chunk list at a box with that offset, picks among replicas)."""
+    dtensor = _reduced_copy(dtensor)  # while saving a Partial DTensor
     found = _local_boxes(dtensor)
     choice = None
     if index.index is not None and 0 <= index.index < len(found):

@@ -24,9 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..dtensor import DTensor
 from ..errors import CheckpointMismatchError
-from ..placements import Replicate
+from .protocol import release_reduced
 
 PROGRESS_BYTES = 64 << 20  # show a progress bar by default from this many bytes on
 
@@ -38,16 +37,6 @@ def _rank0() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _reduce_partials(value: Any) -> Any:
-    if isinstance(value, DTensor) and any(p.is_partial() for p in value.placements):
-        return value.redistribute(
-            placements=[Replicate() if p.is_partial() else p for p in value.placements]
-        )
-    if isinstance(value, dict):
-        return {k: _reduce_partials(v) for k, v in value.items()}
-    return value
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -181,13 +170,14 @@ def save(
     if _rank0():
         shutil.rmtree(saving, ignore_errors=True)
     _barrier()
-    state = _reduce_partials(_training_state(model, optimizer, step, extra))
+    state = _training_state(model, optimizer, step, extra)
     _with_planner(
         _SavePlanner(progress),
         lambda planner: dcp.save(
             state, checkpoint_id=saving, planner=planner, no_dist=not dist.is_initialized()
         ),
     )
+    release_reduced()
     _barrier()
     if _rank0():
         if path.exists():
