@@ -85,6 +85,11 @@ def save_job(ckdir: str) -> dict:
     values = _values()
     state = {k: sw.distribute_tensor(values[k], m22, SAVED[k]) for k in SAVED}
     state["meta"] = {"epoch": 4}
+    ids = values["ids"]  # a Partial sum across processes (saved reduced): 3 * ids
+    state["partial"] = sw.DTensor.from_local(
+        [ids * (1 + m22.coordinate_of(d)[1]) for d in m22.local_device_ids], m22,
+        [Replicate(), Partial()],
+    )
     dcp.save(state, checkpoint_id=Path(ckdir) / "dcp")
     model = _shard_model(_model(), _mesh((2,)), [Shard(0)])
     ckpt.save(Path(ckdir) / "train", model, step=3)
@@ -115,8 +120,11 @@ def _load_everywhere(ckdir: str, targets: list) -> dict:
             for k, v in _values().items()
         }
         into["meta"] = {"epoch": 0}
+        into["partial"] = sw.distribute_tensor(torch.zeros(8, 6, dtype=torch.int64), mesh,
+                                               placements["ids"])
         dcp.load(into, checkpoint_id=Path(ckdir) / "dcp")
-        out[mesh_shape] = {k: into[k].full_tensor() for k in placements} | {"meta": into["meta"]}
+        out[mesh_shape] = {k: into[k].full_tensor() for k in [*placements, "partial"]}
+        out[mesh_shape]["meta"] = into["meta"]
     return out
 
 
@@ -140,6 +148,7 @@ def _check_loaded(loaded: dict) -> None:
     values = _values()
     for mesh_shape, got in loaded.items():
         assert got["meta"] == {"epoch": 4}, mesh_shape
+        assert torch.equal(got["partial"], 3 * values["ids"]), mesh_shape
         for key, want in values.items():
             assert got[key].dtype == want.dtype and torch.equal(got[key], want), (mesh_shape, key)
 
