@@ -10,12 +10,14 @@ if "shardwise.launch" in _sys.orig_argv[1:] and _sys.orig_argv[
     _sys.exit(_launch_main())
 
 from . import ops as _ops  # noqa: F401  (registers the built-in sharding strategies)
+from .async_tensor import AsyncCollectiveTensor, AsyncDTensor
 from .comm import (
     CommCounter,
     get_collective_timeout,
     set_collective_timeout,
     set_debug_checks,
 )
+from .custom_sharding import register_sharding
 from .debug import explain_redistribute
 from .dispatch import (
     allow_implicit_redistribute,
@@ -26,6 +28,7 @@ from .dispatch import (
 )
 from .dtensor import DTensor, distribute_tensor
 from .errors import (
+    CheckpointMismatchError,
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -45,6 +48,7 @@ from .errors import (
 )
 from .factories import empty, full, ones, rand, randn, zeros
 from .layout import MATCH, UNSHARDED, Layout
+from .local_map import local_map
 from .mesh import DeviceMesh, Mesh, create_mesh, init_device_mesh
 from .ops.random import manual_seed
 from .ops.registry import (
@@ -174,4 +178,9 @@ __all__ = [
     "num_clients",
     "num_global_devices",
     "num_local_devices",
+    "AsyncCollectiveTensor",
+    "AsyncDTensor",
+    "local_map",
+    "register_sharding",
+    "CheckpointMismatchError",
 ]

@@ -111,11 +111,14 @@ class DTensor(torch.Tensor):
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
         run_check: bool = False,
+        async_op: bool = False,
     ) -> DTensor:
         """A DTensor from this process's components (a tensor, or one per local device).
 
         Components must follow chunk geometry; the global shape is inferred from them unless
         ``shape`` is given. ``run_check`` broadcasts Replicate components from coordinate 0.
+        ``async_op``: return at once; pending components and the broadcast finish in the
+        background (see ``async_tensor``).
         """
         replica = settings.REPLICA_THREAD.get()
         if (
@@ -130,6 +133,10 @@ class DTensor(torch.Tensor):
                     pieces, device_mesh, placements, shape=shape, stride=stride, run_check=run_check
                 ),
             )
+        if async_op:
+            from .async_tensor import from_local_async
+
+            return from_local_async(local, device_mesh, placements, shape, stride, run_check)
         components = _as_components(local, device_mesh, placements)
         spec = _spec_from_components(components, device_mesh, placements, shape, stride)
         if run_check:
@@ -166,12 +173,15 @@ class DTensor(torch.Tensor):
         *,
         forward_dtype: torch.dtype | None = None,
         backward_dtype: torch.dtype | None = None,
+        async_op: bool = False,
     ) -> DTensor:
         """The same global value with new ``placements`` (cheapest plan, differentiable).
 
         ``forward_dtype`` casts the components before the collectives (the result has that
         dtype); ``backward_dtype`` runs the backward collectives in that dtype, the gradient
         coming back in this DTensor's dtype (PyTorch's keywords, for low-precision traffic).
+        ``async_op``: return at once, the collectives run in the background; the first use
+        of the result (or ``wait()``) waits for them.
         """
         if device_mesh is not None:
             check_same_mesh(
@@ -190,7 +200,43 @@ class DTensor(torch.Tensor):
             return _Redistribute.apply(self, target, forward_dtype, backward_dtype)
         if target == self.placements:
             return self
+        if async_op:
+            from .async_tensor import redistribute_async
+
+            return redistribute_async(self, target)
         return _Redistribute.apply(self, target)
+
+    def wait(self) -> DTensor:
+        """This DTensor once its background collectives finished (at once when none run)."""
+        return self
+
+    def data_ptr(self) -> int:
+        """The local component's data pointer (for third-party kernels); with several local
+        devices there is no single pointer: use ``unpack`` or ``local_map``."""
+        if len(self._components) != 1:
+            raise LocalComponentsError(
+                f"data_ptr() of a DTensor of shape {list(self.shape)} with placements "
+                f"{list(self.placements)}: this process owns {len(self._components)} devices "
+                f"{list(self.device_mesh.local_device_ids)} of {self.device_mesh}, one pointer "
+                f"each; use shardwise.unpack(dt) or shardwise.local_map(fn, ...) instead"
+            )
+        return self._components[0].data_ptr()
+
+    # torch.distributed.checkpoint's protocol for distributed tensors (checkpoint/protocol.py)
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:  # noqa: ARG002
+        from .checkpoint.protocol import create_write_items
+
+        return create_write_items(fqn, self)
+
+    def __create_chunk_list__(self) -> list:
+        from .checkpoint.protocol import create_chunk_list
+
+        return create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        from .checkpoint.protocol import get_tensor_shard
+
+        return get_tensor_shard(self, index)
 
     def tolist(self) -> Any:
         """The global value as (nested) Python lists, never one device's piece."""

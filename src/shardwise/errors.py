@@ -88,3 +88,8 @@ class ParallelPlanError(ShardwiseError, ValueError):
 
 class ParallelStyleError(ParallelPlanError, TypeError):
     """A parallel style applied to a module type it cannot shard."""
+
+
+class CheckpointMismatchError(ShardwiseError, ValueError):
+    """A checkpoint does not fit the state it is loaded into: missing or unexpected keys,
+    different shapes or dtypes (nothing is loaded)."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..mesh import DeviceMesh
-from . import accounting, distributed
+from . import accounting, background, distributed
 from .reduction import reduce_terms
 
 
@@ -55,6 +55,7 @@ def _across(
     """Run the distributed ``collective`` for the cross-process ``groups``; store its results."""
     if not groups:
         return distributed.Traffic()
+    background.drain()  # background collectives first: every process keeps the same order
     results, traffic = collective(mesh, mesh_dim, groups, *args)
     for i, result in results.items():
         out[i] = result
@@ -205,6 +206,7 @@ def exchange(
     remote: dict[tuple[int, int], torch.Tensor] = {}
     if len(local) < mesh.size():
         sample = torch.empty(0, dtype=dtype, device=mesh.device_of(local[0]))
+        background.drain()  # as in _across: every process keeps the same order
         remote, traffic = distributed.exchange(mesh, mesh_dims, sends, receives, sample)
     out: list[list[torch.Tensor]] = []
     received = 0
