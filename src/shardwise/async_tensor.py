@@ -152,6 +152,7 @@ class _AsyncRedistribute(_Redistribute):
     def forward(ctx, dtensor: DTensor, target: tuple[Placement, ...]) -> DTensor:  # noqa: ANN001
         spec = dtensor._spec
         ctx.source = spec.placements
+        ctx.dtypes = (None, dtensor.dtype)  # the blocking backward, without dtype changes
         plan = plan_redistribute(spec, target)
 
         def job() -> list[torch.Tensor]:
