@@ -313,7 +313,7 @@ def divergent_program() -> dict:
     sw.set_debug_checks(True)
     out: dict = {}
     rows = 8 if rank == 0 else 6
-    x = sw.distribute_tensor(torch.ones(rows, 4), mesh, [Shard(0)])
+    x = sw.distribute_tensor(torch.ones(rows, 4), mesh, [Shard(0)], src_data_rank=None)
     start = time.monotonic()
     try:
         x.redistribute(placements=[Replicate()])

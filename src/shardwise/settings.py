@@ -59,3 +59,13 @@ IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
 IMPLICIT_REPLICATION: Setting[bool] = Setting("implicit_replication", False)
 # Every redistribution an op makes is logged with the user's call site.
 LOG_REDISTRIBUTE: Setting[bool] = Setting("log_redistribute", False)
+# Every cross-process collective (and process-group setup) is bounded by this many seconds.
+COLLECTIVE_TIMEOUT: Setting[float] = Setting(
+    "collective_timeout", float(os.environ.get("SHARDWISE_COLLECTIVE_TIMEOUT", "300"))
+)
+# Processes compare what they are about to do before each cross-process collective.
+DEBUG_CHECKS: Setting[bool] = Setting("debug_checks", _env_flag("SHARDWISE_DEBUG_CHECKS"))
+# What the collectives inside ``comm.moving`` blocks are moving (innermost last), for errors.
+MOVING: Setting[tuple] = Setting("moving", ())
+# The ``CommCounter``s entered in this context (innermost last).
+COMM_COUNTERS: Setting[tuple] = Setting("comm_counters", ())

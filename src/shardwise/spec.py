@@ -151,8 +151,13 @@ def validate_placements(
 ) -> tuple[Placement, ...]:
     """Check that ``placements`` fit a tensor of ``shape`` on ``mesh``; return them normalized.
     ``described`` names the tensor in error messages (default: its shape)."""
-    placements = tuple(placements)
     tensor = described or f"tensor shape {list(shape)}"
+    if isinstance(placements, Placement) or not isinstance(placements, (list, tuple)):
+        raise InvalidPlacementError(
+            f"placements must be a list with one placement per mesh dim of {mesh}, e.g. "
+            f"[{placements!r}], got {placements!r} ({tensor})"
+        )
+    placements = tuple(placements)
     if len(placements) != mesh.ndim:
         raise InvalidPlacementError(
             f"got {len(placements)} placements {list(placements)} for the {mesh.ndim}-D {mesh} "

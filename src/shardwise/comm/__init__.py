@@ -1,7 +1,15 @@
 """Collectives over one mesh dim, and their accounting."""
 
 from .accounting import CommCounter, CommRecord
-from .collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
+from .collectives import (
+    agree,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    reduce_scatter,
+    scatter_from,
+)
 from .safety import (
     debug_checks_enabled,
     get_collective_timeout,
@@ -13,6 +21,7 @@ from .safety import (
 __all__ = [
     "CommCounter",
     "CommRecord",
+    "agree",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -21,6 +30,7 @@ __all__ = [
     "get_collective_timeout",
     "moving",
     "reduce_scatter",
+    "scatter_from",
     "set_collective_timeout",
     "set_debug_checks",
 ]

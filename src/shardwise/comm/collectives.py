@@ -41,7 +41,7 @@ def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[list, list]:
 
 
 def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    return finish(combine(tensors, op), op, len(tensors))
+    return finish(combine(tensors, op), op, len(tensors), tensors[0].dtype)
 
 
 def _to(t: torch.Tensor, mesh: DeviceMesh, device_id: int) -> torch.Tensor:
@@ -183,3 +183,29 @@ def broadcast(
     )
     _record("broadcast", mesh_dim, received, traffic)
     return out
+
+
+def scatter_from(
+    mesh: DeviceMesh,
+    src: int,
+    piece: Callable[[int], torch.Tensor],
+    local_shapes: Sequence[Sequence[int]],
+    sample: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Each local device's piece of a value that process ``src`` holds: ``piece(device id)``
+    there, sent to the other processes (``piece`` runs on ``src`` only; elsewhere the pieces
+    arrive shaped ``local_shapes``). In one process nothing moves."""
+    local = mesh.local_device_ids
+    if not distributed.spans_processes(mesh):
+        return [_to(piece(d), mesh, d) for d in local]
+    pieces, traffic = distributed.scatter(mesh, src, piece, local_shapes, sample)
+    received = 0 if distributed.dist.get_rank() == src else sum(_nbytes(p) for p in pieces)
+    _record("scatter", -1, received, traffic)
+    return [_to(p, mesh, d) for p, d in zip(pieces, local, strict=True)]
+
+
+def agree(mesh: DeviceMesh, what: str, fields: dict[str, Any], sample: torch.Tensor) -> None:
+    """Raise ``CollectiveMismatchError`` on every process of ``mesh`` if their ``fields`` (JSON
+    values) differ; nothing to do in one process."""
+    if distributed.spans_processes(mesh):
+        distributed.agree(mesh, what, fields, sample)

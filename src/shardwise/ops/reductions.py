@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
+from ..comm.reduction import LOW_PRECISION
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..redistribute import execute_plan, plan_redistribute
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, TensorMeta
 from .common import spec_of
 from .registry import (
     OpSchema,
@@ -209,6 +210,9 @@ def _mean(op: Any, args: tuple, kwargs: dict) -> DTensor:
     meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     rest = args[1:]
     op(meta, *rest, **kwargs)  # raises aten's own error for invalid dtypes or dims
+    # float16/bfloat16 sum in float32 and divide before rounding, as torch.mean does
+    low = kwargs.get("dtype") is None and x.dtype in LOW_PRECISION
+    kwargs = {**kwargs, "dtype": torch.float32} if low else kwargs
     if op is aten.mean.default:
         total = aten.sum.default(x, **kwargs)
         count = x.numel()
@@ -217,7 +221,14 @@ def _mean(op: Any, args: tuple, kwargs: dict) -> DTensor:
         keepdim = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
         total = aten.sum.dim_IntList(x, dims, keepdim, dtype=kwargs.get("dtype"))
         count = math.prod(x.shape[d] for d in dims)
-    return aten.div.Scalar(total, count)
+    mean = aten.div.Scalar(total, count)
+    if not low:
+        return mean
+    # each piece is at most max|x| in size, so rounding the pieces cannot overflow
+    spec = mean._spec
+    meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, x.dtype)
+    rounded = [c.to(x.dtype) for c in mean._components]
+    return DTensor(rounded, DTensorSpec(spec.mesh, spec.placements, meta))
 
 
 # ----- Python values ---------------------------------------------------------------------------
