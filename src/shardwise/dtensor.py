@@ -14,8 +14,8 @@ import torch
 from . import comm
 from .comm.reduction import reduce_op_problem
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
-from .mesh import DeviceMesh
-from .placements import Partial, Placement, Replicate, Shard
+from .mesh import DeviceMesh, IdTuple
+from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import execute_plan, plan_redistribute
 from .spec import (
     DTensorSpec,
@@ -476,3 +476,10 @@ class _FirstComponent(torch.autograd.Function):
             for i, d in enumerate(spec.mesh.local_device_ids)
         ]
         return DTensor(components, spec)
+
+
+# torch.load(weights_only=True), torch's default, accepts saved DTensors and meshes
+torch.serialization.add_safe_globals(
+    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, IdTuple, Shard, InterleavedShard, Replicate,
+     Partial]
+)

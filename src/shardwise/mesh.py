@@ -318,6 +318,16 @@ class DeviceMesh:
             _rank=self._rank,
         )
 
+    # ----- pickling (torch.save / torch.load with weights_only) -----------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Only the defining fields: cached tables are rebuilt on use."""
+        keep = ("device_type", "mesh", "mesh_dim_names", "_devices_per_process", "_rank", "_ids")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._id_set = frozenset(self._ids)
+
     # ----- identity -----------------------------------------------------------------------
     @cached_property
     def _key(self) -> tuple:

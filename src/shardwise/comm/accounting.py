@@ -98,8 +98,10 @@ class CommCounter:
     def add(self, record: CommRecord) -> None:
         self.counts[record.kind] += 1
         self.bytes[record.kind] += record.bytes
-        self.cross_process_bytes[record.kind] += record.cross_process_bytes
-        self.meta_bytes[record.kind] += record.meta_bytes
+        if record.cross_process_bytes:
+            self.cross_process_bytes[record.kind] += record.cross_process_bytes
+        if record.meta_bytes:
+            self.meta_bytes[record.kind] += record.meta_bytes
         self.records.append(record)
 
 

@@ -243,7 +243,8 @@ class _Round:
     def _run(self) -> list[torch.Tensor]:
         device = self.call.sample.device
         self.call.rounds += 1
-        self._exchange_headers(device)
+        if self.call.rounds == 1:  # later rounds' sizes follow from the first one's
+            self._exchange_headers(device)
         works = []
         for (ranks, peer), parts in self.outgoing.items():
             buffer = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -282,11 +283,13 @@ class _Round:
         ]
 
     def _exchange_headers(self, device: torch.device) -> None:
-        """Before the data, each pair of processes swaps a fixed-size header (collective,
-        sequence number, round, bytes to send, bytes expected), so processes that entered
-        different collectives, or the same one with other sizes, raise
+        """Before the first round of a collective, each pair of processes swaps a fixed-size
+        header (collective, sequence number, bytes to send, bytes expected), so processes that
+        entered different collectives, or the same one with other sizes, raise
         ``CollectiveMismatchError`` on both sides instead of handing the transport a message of
-        the wrong size (gloo aborts the process on that)."""
+        the wrong size (gloo aborts the process on that). The sizes of later rounds follow from
+        what the first one carried (shapes, lengths) or from the same local shapes, so they
+        agree once the first round's do."""
         keys = list(dict.fromkeys([*self.outgoing, *self.incoming]))
         mine = {key: self._header(key) for key in keys}
         theirs = {key: torch.empty(len(mine[key]), dtype=torch.int64) for key in keys}
