@@ -328,7 +328,8 @@ def divergent_program() -> dict:
     start = time.monotonic()
     if rank == 0:
         try:
-            sw.distribute_tensor(full, mesh, [Shard(0)]).redistribute(placements=[Replicate()])
+            x = sw.distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+            x.redistribute(placements=[Replicate()])
         except CollectiveTimeoutError as err:
             out["timeout"] = str(err)
     else:
