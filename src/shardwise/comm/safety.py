@@ -15,8 +15,6 @@ from contextlib import contextmanager
 from .. import settings
 from ..errors import InvalidArgumentError
 
-DEFAULT_TIMEOUT_S = 300.0
-
 
 def set_collective_timeout(seconds: float) -> None:
     """Bound every cross-process collective to ``seconds`` (default 300, or the environment
