@@ -43,6 +43,11 @@ class DTensorSpec:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    def __getstate__(self) -> dict:
+        """The fields only: the cached hash (of strings, salted per process) and marks are
+        recomputed where the spec is loaded."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
     @property
     def shape(self) -> torch.Size:
         if self.tensor_meta is None:
