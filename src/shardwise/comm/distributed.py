@@ -12,6 +12,7 @@ are made per set of processes that share a device group, once, in mesh order.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -119,6 +120,8 @@ class _Call:
         self.ranks = ranks if ranks is not None else group_ranks(mesh, mesh_dim)
         self.traffic = Traffic()
         self.rounds = 0
+        self.fields: Callable[[Group], dict[str, object]] | None = None
+        self.fingerprints: dict[tuple[int, ...], int] = {}
         with _sequence_lock:
             self.seq = {}
             for members, _ in groups:
@@ -145,8 +148,10 @@ class _Call:
         return _Round(self, meta)
 
     def check(self, fields: Callable[[Group], dict[str, object]]) -> None:
-        """Debug checks: every process tells the others of each group what it is about to do
-        (``fields(group)`` adds the group's shapes); raise on any difference."""
+        """Debug checks: the first round's header carries a fingerprint of what this process
+        is about to do in each group (``fields(group)`` adds the group's shapes); processes
+        whose fingerprints differ exchange the details and raise ``CollectiveMismatchError``
+        naming what differs per rank. The same programs pay no extra message."""
         if not safety.debug_checks_enabled():
             return
         common = {
@@ -157,32 +162,52 @@ class _Call:
             "moving": safety.current_description(),
             "call site": call_site(),
         }
-        self.compare(
+        self.expect_same(
             lambda group: {**common, "sequence": self.seq[self.ranks[group[0]]], **fields(group)}
         )
 
-    def compare(self, fields: Callable[[Group], dict[str, object]]) -> None:
-        """Every process of each group sends the others ``fields(group)``; raise
-        ``CollectiveMismatchError`` naming what differs per rank (on every rank)."""
-        mine = [fields(group) for group in self.groups]
+    def expect_same(self, fields: Callable[[Group], dict[str, object]]) -> None:
+        """The next round's headers carry a fingerprint of ``fields(group)`` per process group;
+        a difference is explained by ``compare`` (see ``check``)."""
+        self.fields = fields
+        by_ranks: dict[tuple[int, ...], list] = {}
+        for group in self.groups:
+            by_ranks.setdefault(self.ranks[group[0]], []).append(fields(group))
+        self.fingerprints = {
+            ranks: int.from_bytes(
+                hashlib.sha1(json.dumps(values, sort_keys=True).encode()).digest()[:7], "big"
+            )
+            for ranks, values in by_ranks.items()
+        }
+
+    def compare(self, keys: set[tuple[tuple[int, ...], int]]) -> None:
+        """Exchange ``self.fields`` with the peers of ``keys`` ((ranks, peer) pairs whose
+        fingerprints differed, who do the same towards this process) and raise
+        ``CollectiveMismatchError`` naming what differs per rank."""
+        mine = [self.fields(group) for group in self.groups]
         encoded = [
             torch.frombuffer(bytearray(json.dumps(d).encode()), dtype=torch.uint8) for d in mine
         ]
+
+        def peers(members: tuple[int, ...]) -> list[int]:
+            return [p for p in self.peers(members) if (self.ranks[members], p) in keys]
+
         lengths = self.round(meta=True)
         for (members, _), payload in zip(self.groups, encoded, strict=True):
-            for peer in self.peers(members):
+            for peer in peers(members):
                 lengths.send(self.ranks[members], peer, torch.tensor([payload.numel()]))
                 lengths.expect(self.ranks[members], peer, (1,), torch.int64)
         sizes = iter(lengths.run())
         bodies = self.round(meta=True)
         for (members, _), payload in zip(self.groups, encoded, strict=True):
-            for peer in self.peers(members):
+            for peer in peers(members):
                 bodies.send(self.ranks[members], peer, payload)
                 bodies.expect(self.ranks[members], peer, (int(next(sizes).item()),), torch.uint8)
         received = iter(bodies.run())
+        report = []
         for (members, _), own in zip(self.groups, mine, strict=True):
             seen = {self.me: own}
-            for peer in self.peers(members):
+            for peer in peers(members):
                 seen[peer] = json.loads(next(received).numpy().tobytes().decode())
             diffs = [
                 f"  {key}: " + "; ".join(f"rank {r}: {seen[r].get(key)!r}" for r in sorted(seen))
@@ -190,10 +215,11 @@ class _Call:
                 if len({json.dumps(d.get(key)) for d in seen.values()}) > 1
             ]
             if diffs:
-                raise CollectiveMismatchError(
-                    f"processes disagree on a collective; {self.what()}, device group "
-                    f"{list(members)}. What differs per rank:\n" + "\n".join(diffs)
-                )
+                report.append(f"device group {list(members)}:\n" + "\n".join(diffs))
+        raise CollectiveMismatchError(
+            f"processes disagree on a collective; {self.what()}. What differs per rank, "
+            f"{'; '.join(report) or 'the order of their groups'}"
+        )
 
 
 def call_site() -> str:
@@ -280,6 +306,7 @@ class _Round:
         return [
             _HEADER_MAGIC, KIND_CODES.index(self.call.kind), self.call.seq.get(key[0], -1),
             self.call.rounds, sent, sum(self.incoming.get(key, [])),
+            self.call.fingerprints.get(key[0], 0),
         ]
 
     def _exchange_headers(self, device: torch.device) -> None:
@@ -302,10 +329,13 @@ class _Round:
             works.append(dist.irecv(theirs[key], src=key[1], group=pg, tag=TAG))
         self._wait(works)
         self.call.traffic.meta += sum(t.numel() * 8 for t in theirs.values())
+        differ = set()
         for key in keys:
             own, other = mine[key], theirs[key].tolist()
             agree = other[:4] == own[:4] and other[4] == own[5] and other[5] == own[4]
-            if not agree:
+            if agree and other[6] != own[6]:
+                differ.add(key)
+            elif not agree:
                 raise CollectiveMismatchError(
                     f"processes entered different collectives: {self.call.what()}. Rank "
                     f"{self.call.me}: {_describe_header(own)}; rank {key[1]}: "
@@ -313,6 +343,8 @@ class _Round:
                     f"in the same order on tensors of the same shapes; set_debug_checks(True) "
                     f"names the call sites"
                 )
+        if differ:
+            self.call.compare(differ)
 
     def _wait(self, works: list) -> None:
         timeout = safety.get_collective_timeout()
@@ -333,7 +365,7 @@ class _Round:
 
 
 def _describe_header(header: list[int]) -> str:
-    magic, kind, seq, round_no, sent, expected = header
+    magic, kind, seq, round_no, sent, expected, _ = header
     if magic != _HEADER_MAGIC:
         return f"a message that is not a shardwise header ({header})"
     name = KIND_CODES[kind] if 0 <= kind < len(KIND_CODES) else f"kind {kind}"
@@ -627,7 +659,13 @@ def agree(mesh: DeviceMesh, what: str, fields: dict[str, object], sample: torch.
     ``CollectiveMismatchError`` on every rank, naming what differs per rank, if any does."""
     groups, ranks = _whole_mesh(mesh)
     call = _Call("agree", mesh, None, groups, sample, f" ({what})", ranks=ranks)
-    call.compare(lambda group: fields)
+    call.expect_same(lambda group: fields)
+    (members, _), = groups
+    empty = call.round(meta=True)  # nothing but the headers, which carry the fingerprint
+    for peer in call.peers(members):
+        empty.send(ranks[members], peer, torch.empty(0, dtype=torch.uint8))
+        empty.expect(ranks[members], peer, (0,), torch.uint8)
+    empty.run()
 
 
 def scatter(
