@@ -328,6 +328,18 @@ def test_saved_dtensor_loads_with_weights_only() -> None:
     assert torch.equal(loaded["w"].full_tensor(), torch.arange(8.0).reshape(4, 2))
 
 
+def test_a_loaded_spec_hashes_like_a_fresh_one() -> None:
+    """Spec hashes cache string hashes, salted per process: a saved one must not travel."""
+    x = sw.distribute_tensor(torch.ones(4, 2), MESH22, [Shard(0), Partial()])
+    object.__setattr__(x._spec, "_hash", 12345)  # as if computed by another process
+    buffer = io.BytesIO()
+    torch.save(x, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    fresh = sw.distribute_tensor(torch.ones(4, 2), MESH22, [Shard(0), Partial()])
+    assert loaded._spec == fresh._spec and hash(loaded._spec) == hash(fresh._spec)
+
+
 # ----- 17: accounting fields ----------------------------------------------------------------
 
 

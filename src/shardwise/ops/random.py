@@ -7,7 +7,9 @@ amount) and each device keeps its piece. Hence, after the same seeding, the glob
 the single-device ones whatever the mesh and placements, and dropout on a DTensor uses the
 single-device mask. The cost: the process materialises the global random tensor once per op
 (memory of the whole tensor, no communication). In multi-process runs every process draws the
-same tensor, so every process must seed alike (``manual_seed``) and run the same random ops.
+same tensor, so every process must seed alike (``manual_seed``) and run the same random ops:
+the first random op on each mesh compares the processes' generator states (every one does under
+debug checks) and raises ``CollectiveMismatchError`` if they differ.
 """
 
 from __future__ import annotations
