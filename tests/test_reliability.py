@@ -285,7 +285,7 @@ BAD_INPUT = [
     (lambda: sw.set_collective_timeout("abc"), sw.InvalidArgumentError, "'abc'"),
     (lambda: sw.set_collective_timeout(float("inf")), sw.InvalidArgumentError, "inf"),
     (lambda: sw.set_collective_timeout(float("nan")), sw.InvalidArgumentError, "nan"),
-    (lambda: MESH22[0], sw.MeshError, "dim name"),
+    (lambda: MESH22[0], sw.ShardwiseTypeError, "mesh dim names"),
     (lambda: MESH22.groups("pp"), sw.MeshError, "'pp'"),
     (lambda: sw.distribute_tensor(torch.ones(4), MESH4, [Shard(0)], src_data_rank=1),
      sw.InvalidArgumentError, "src_data_rank=1"),

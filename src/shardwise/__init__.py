@@ -1,5 +1,14 @@
 """shardwise: distributed tensors for PyTorch. Write for one device, run sharded over a mesh."""
 
+import sys as _sys
+
+if "shardwise.launch" in _sys.orig_argv[1:] and _sys.orig_argv[
+    _sys.orig_argv.index("shardwise.launch") - 1
+] == "-m":  # ``python -m shardwise.launch``: run the launcher now, without importing torch
+    from .launch import main as _launch_main
+
+    _sys.exit(_launch_main())
+
 from . import ops as _ops  # noqa: F401  (registers the built-in sharding strategies)
 from .comm import (
     CommCounter,
@@ -26,6 +35,7 @@ from .errors import (
     LayoutError,
     LocalComponentsError,
     MeshError,
+    NotEagerError,
     PackError,
     ShardwiseError,
     ShardwiseTypeError,
@@ -33,7 +43,7 @@ from .errors import (
 )
 from .factories import empty, full, ones, rand, randn, zeros
 from .layout import MATCH, UNSHARDED, Layout
-from .mesh import DeviceMesh, create_mesh, init_device_mesh
+from .mesh import DeviceMesh, Mesh, create_mesh, init_device_mesh
 from .ops.random import manual_seed
 from .ops.registry import (
     OpSchema,
@@ -55,13 +65,20 @@ from .redistribute import RedistributePlan, Step
 from .spec import DTensorSpec, TensorMeta
 from .tf_dtensor import (
     DVariable,
+    barrier,
     call_with_layout,
     check_layout,
+    client_id,
     copy_to_mesh,
+    create_distributed_mesh,
     default_mesh,
     fetch_layout,
     get_default_mesh,
     is_dtensor,
+    local_devices,
+    num_clients,
+    num_global_devices,
+    num_local_devices,
     pack,
     relayout,
     relayout_like,
@@ -141,4 +158,14 @@ __all__ = [
     "relayout_like",
     "unpack",
     "zeros",
+    # parity with PyTorch DTensor and TF DTensor names
+    "Mesh",
+    "NotEagerError",
+    "barrier",
+    "client_id",
+    "create_distributed_mesh",
+    "local_devices",
+    "num_clients",
+    "num_global_devices",
+    "num_local_devices",
 ]

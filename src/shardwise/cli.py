@@ -9,28 +9,10 @@ from collections.abc import Sequence
 import torch
 
 from .comm import CommCounter
-from .debug import explain_redistribute, op_table_markdown
-from .dtensor import DTensor, distribute_tensor
+from .debug import explain_redistribute, op_table_markdown, visualize_sharding
+from .dtensor import distribute_tensor
 from .mesh import init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard
-from .tf_dtensor import unpack
-
-
-def _runs(segments: tuple) -> str:
-    return "+".join(f"{a}:{b}" for a, b in segments)
-
-
-def device_table(dt: DTensor) -> str:
-    """One line per device: its mesh coordinate, the global slice it holds and its shape."""
-    spec = dt._spec
-    lines = [f"  {'device':>6}  {'coord':>7}  {'rows':>9}  {'cols':>9}  local shape"]
-    for device, component in zip(dt.device_mesh.local_device_ids, unpack(dt), strict=True):
-        rows, cols = spec.local_segments(device)
-        lines.append(
-            f"  {device:>6}  {str(dt.device_mesh.coordinate_of(device)):>7}  "
-            f"{_runs(rows):>9}  {_runs(cols):>9}  {list(component.shape)}"
-        )
-    return "\n".join(lines)
 
 
 def demo(out=sys.stdout) -> None:
@@ -51,10 +33,8 @@ def demo(out=sys.stdout) -> None:
     ]
     for placements in layouts:
         dt = distribute_tensor(tensor, mesh, placements)
-        say(f"\nplacements {placements}: which device holds which slice (rows, cols)")
-        say(device_table(dt))
-        if any(p.is_partial() for p in placements):
-            say("  (Partial: the devices' components sum to the value)")
+        say(f"\nplacements {placements}: which device holds which block (rows x cols)")
+        visualize_sharding(dt, file=out)
         if not torch.equal(dt.full_tensor(), tensor):
             raise SystemExit(f"round trip through {placements} changed the value")
     source = distribute_tensor(tensor, mesh, [Shard(0), Shard(0)])
@@ -70,7 +50,7 @@ def demo(out=sys.stdout) -> None:
         moved = source.redistribute(placements=target)
     say(f"counted: {dict(counter.counts)} moving {counter.total_bytes} bytes "
         f"(plan said {plan.bytes})")
-    say(device_table(moved))
+    visualize_sharding(moved, file=out)
     back = moved.redistribute(placements=[Shard(0), Shard(0)]).full_tensor()
     ok = torch.equal(back, tensor) and torch.equal(moved.full_tensor(), tensor)
     say(f"\nround trip equals the original: {ok}")

@@ -126,8 +126,13 @@ class DTensor(torch.Tensor):
             components = _broadcast_replicated(spec, components)
         return _FromLocal.apply(spec, *components)
 
-    def to_local(self) -> torch.Tensor:
-        """This process's component; when it owns several devices, use ``unpack``."""
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This process's component; when it owns several devices, use ``unpack``.
+
+        ``grad_placements`` says how the gradient of the local tensor is to be read (PyTorch's
+        keyword), e.g. ``[Partial()]`` when each device's gradient is a partial sum; by default
+        it has this DTensor's placements.
+        """
         if len(self._components) != 1:
             raise LocalComponentsError(
                 f"to_local() of a DTensor of shape {list(self.shape)} with placements "
@@ -135,14 +140,24 @@ class DTensor(torch.Tensor):
                 f"{len(self._components)} devices {list(self.device_mesh.local_device_ids)} of "
                 f"{self.device_mesh}; use shardwise.unpack(dt) for all its components"
             )
-        return unpack(self)[0]
+        if grad_placements is None:
+            return unpack(self)[0]
+        return _Unpack.apply(self, _grad_spec(self._spec, grad_placements, "to_local"))[0]
 
     def redistribute(
         self,
         device_mesh: DeviceMesh | None = None,
         placements: Sequence[Placement] | None = None,
+        *,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> DTensor:
-        """The same global value with new ``placements`` (cheapest plan, differentiable)."""
+        """The same global value with new ``placements`` (cheapest plan, differentiable).
+
+        ``forward_dtype`` casts the components before the collectives (the result has that
+        dtype); ``backward_dtype`` runs the backward collectives in that dtype, the gradient
+        coming back in this DTensor's dtype (PyTorch's keywords, for low-precision traffic).
+        """
         if device_mesh is not None:
             check_same_mesh(
                 self.device_mesh,
@@ -156,6 +171,8 @@ class DTensor(torch.Tensor):
                 f"{list(self.placements)} needs target placements"
             )
         target = validate_placements(self.shape, self.device_mesh, placements)
+        if forward_dtype is not None or backward_dtype is not None:
+            return _Redistribute.apply(self, target, forward_dtype, backward_dtype)
         if target == self.placements:
             return self
         check_partials(self._spec.with_placements(target))
@@ -169,10 +186,17 @@ class DTensor(torch.Tensor):
         """The global value as a NumPy array, never one device's piece."""
         return self.full_tensor().detach().numpy(force=force)
 
-    def full_tensor(self) -> torch.Tensor:
-        """The global value as a plain tensor (differentiable)."""
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The global value as a plain tensor (differentiable).
+
+        ``grad_placements`` (Replicate or Partial per mesh dim) says how the gradient of the
+        result is to be read: ``[Partial()]`` when each device computes a partial gradient.
+        """
         replicated = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim)
-        return _FirstComponent.apply(replicated)
+        if grad_placements is None:
+            return _FirstComponent.apply(replicated)
+        grad_spec = _grad_spec(replicated._spec, grad_placements, "full_tensor")
+        return _FirstComponent.apply(replicated, grad_spec)
 
 
 # ----- construction helpers ------------------------------------------------------------------
@@ -432,10 +456,26 @@ def _grad_components(grad: DTensor, spec: DTensorSpec) -> list[torch.Tensor]:
     return components if scale == 1 else [c / scale for c in components]
 
 
+def _grad_spec(spec: DTensorSpec, grad_placements: Sequence[Placement], what: str) -> DTensorSpec:
+    """``spec`` with the ``grad_placements`` of ``to_local``/``full_tensor``: the gradient keeps
+    the local shapes, so the placements must give every local device the same shape."""
+    target = validate_placements(spec.shape, spec.mesh, grad_placements)
+    grad_spec = spec.with_placements(target)
+    for d in spec.mesh.local_device_ids:
+        if grad_spec.local_shape(d) != spec.local_shape(d):
+            raise InvalidPlacementError(
+                f"{what}(grad_placements={list(grad_placements)}) of a DTensor of shape "
+                f"{list(spec.shape)} with placements {list(spec.placements)} on {spec.mesh}: "
+                f"device {d} holds {list(spec.local_shape(d))} but those placements give it "
+                f"{list(grad_spec.local_shape(d))}; the gradient must have the local shape"
+            )
+    return grad_spec
+
+
 class _Unpack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dtensor: DTensor):  # noqa: ANN001
-        ctx.spec = dtensor._spec
+    def forward(ctx, dtensor: DTensor, grad_spec: DTensorSpec | None = None):  # noqa: ANN001
+        ctx.spec = grad_spec or dtensor._spec
         return tuple(c.view_as(c) for c in dtensor._components)
 
     @staticmethod
@@ -445,31 +485,53 @@ class _Unpack(torch.autograd.Function):
             g if g is not None else torch.zeros(spec.local_shape(d), dtype=spec.tensor_meta.dtype)
             for g, d in zip(grads, spec.mesh.local_device_ids, strict=True)
         ]
-        return DTensor(components, spec)
+        return DTensor(components, spec), None
 
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dtensor: DTensor, target: tuple[Placement, ...]) -> DTensor:  # noqa: ANN001
+    def forward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        dtensor: DTensor,
+        target: tuple[Placement, ...],
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
+    ):
         spec = dtensor._spec
         ctx.source = spec.placements
+        ctx.dtypes = (backward_dtype, dtensor.dtype)
+        components = dtensor._components
+        if forward_dtype is not None and forward_dtype != dtensor.dtype:
+            components = [c.to(forward_dtype) for c in components]
+            spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
         plan = plan_redistribute(spec, target)
         with comm.moving(lambda: f"redistribute of {spec} to {list(target)}"):
-            components = execute_plan(plan, spec.mesh, dtensor._components)
+            components = execute_plan(plan, spec.mesh, components)
         return DTensor(components, spec.with_placements(target))
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # noqa: ANN001
         target = [Replicate() if p.is_partial() else p for p in ctx.source]
-        return grad.redistribute(placements=target), None
+        backward_dtype, input_dtype = ctx.dtypes
+        if backward_dtype is not None and backward_dtype != grad.dtype:
+            grad = grad.to(backward_dtype)
+        grad = grad.redistribute(placements=target)
+        return (grad if grad.dtype == input_dtype else grad.to(input_dtype)), None, None, None
+
+
+def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> TensorMeta:
+    meta = spec.tensor_meta
+    return TensorMeta(meta.shape, meta.stride, dtype)
 
 
 class _FirstComponent(torch.autograd.Function):
     """A replicated DTensor's value as a plain tensor; the gradient is replicated back."""
 
     @staticmethod
-    def forward(ctx, dtensor: DTensor) -> torch.Tensor:  # noqa: ANN001
-        ctx.spec = dtensor._spec
+    def forward(  # noqa: ANN205
+        ctx, dtensor: DTensor, grad_spec: DTensorSpec | None = None  # noqa: ANN001
+    ):
+        ctx.spec = grad_spec or dtensor._spec
         return dtensor._components[0].view_as(dtensor._components[0])
 
     @staticmethod
@@ -479,7 +541,7 @@ class _FirstComponent(torch.autograd.Function):
             grad.to(spec.mesh.device_of(d)) if i == 0 else grad.to(spec.mesh.device_of(d)).clone()
             for i, d in enumerate(spec.mesh.local_device_ids)
         ]
-        return DTensor(components, spec)
+        return DTensor(components, spec), None
 
 
 # torch.load(weights_only=True), torch's default, accepts saved DTensors and meshes

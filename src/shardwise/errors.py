@@ -54,3 +54,8 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 class CollectiveMismatchError(CollectiveError):
     """Processes entered different collectives, or the same one on different tensors
     (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""
+
+
+class NotEagerError(ShardwiseError, RuntimeError):
+    """A TF DTensor call that moves per-device components (``pack``, ``unpack``,
+    ``fetch_layout``) was made while ``torch.compile`` or a tracer was building a graph."""

@@ -3,19 +3,27 @@
 For people without ``torchrun`` habits: each process gets the environment ``torchrun`` would
 give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` on 127.0.0.1 and a free port), so ``init_device_mesh`` joins the processes
-into one world. If one process fails the others are stopped and its exit code is returned.
+into one world. Every line a process prints comes out prefixed with its rank (``[0] ...``, as
+torchrun's ``--tee``/``--role`` output). If one process fails the others are stopped and its
+exit code is returned.
+
+The launcher uses the standard library only and the package runs it before importing torch,
+so the processes start at once; it returns as soon as they have all exited.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from typing import BinaryIO
 
 _GRACE_S = 5.0
 
@@ -64,6 +72,41 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _child_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    if nproc > 1:  # as torchrun: one intra-op thread each unless the user chose otherwise
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")  # lines come out as they are printed
+    return env
+
+
+def _pump(rank: int, source: BinaryIO, sink: BinaryIO, lock: threading.Lock) -> None:
+    """Copy a child's output to ``sink`` line by line, each line prefixed with its rank."""
+    prefix = f"[{rank}] ".encode()
+    for line in iter(source.readline, b""):
+        with lock:
+            sink.write(prefix + line)
+            sink.flush()
+    source.close()
+
+
+def _report_exit(rank: int, proc: subprocess.Popen, exits: queue.Queue) -> None:
+    exits.put((rank, proc.wait()))
+
+
+def _binary(stream: object) -> BinaryIO:
+    return getattr(stream, "buffer", stream)  # type: ignore[return-value]
+
+
 def launch(
     script: str,
     args: Sequence[str] = (),
@@ -75,41 +118,53 @@ def launch(
     """Run ``script`` in ``nproc`` processes; return 0 if all succeed, else the first failing
     process's exit code (the others are stopped)."""
     port = master_port or _free_port()
-    target = ["-m", script] if module else [script]
-    procs = []
-    for rank in range(nproc):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            GROUP_RANK="0",
-            WORLD_SIZE=str(nproc),
-            LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+    command = [sys.executable, *(["-m", script] if module else [script]), *args]
+    procs = [
+        subprocess.Popen(
+            command, env=_child_env(rank, nproc, port), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
-        if nproc > 1:  # as torchrun: one intra-op thread each unless the user chose otherwise
-            env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, *target, *args], env=env))
+        for rank in range(nproc)
+    ]
+    locks = {"out": threading.Lock(), "err": threading.Lock()}
+    pumps = [
+        threading.Thread(target=_pump, args=(rank, pipe, _binary(sink), locks[name]), daemon=True)
+        for rank, p in enumerate(procs)
+        for name, pipe, sink in (("out", p.stdout, sys.stdout), ("err", p.stderr, sys.stderr))
+    ]
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    for rank, p in enumerate(procs):
+        threading.Thread(target=_report_exit, args=(rank, p, exits), daemon=True).start()
+    for t in pumps:
+        t.start()
+    code = 0
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
+        for _ in procs:
+            rank, returncode = exits.get()
+            if returncode != 0:
+                code = _exit_code(returncode)
+                _stop(procs)
+                _drain(pumps)
+                sys.stdout.flush()
                 print(
-                    f"shardwise.launch: process {rank} exited with code {_exit_code(code)}; "
-                    f"stopping the others",
+                    f"shardwise.launch: process {rank} exited with code {code}; "
+                    f"stopped the others",
                     file=sys.stderr,
                 )
-                _stop(procs)
-                return _exit_code(code)
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.05)
+                return code
     except KeyboardInterrupt:
         _stop(procs)
-        return 128 + signal.SIGINT
+        code = 128 + signal.SIGINT
+    _drain(pumps)
+    return code
+
+
+def _drain(pumps: list[threading.Thread]) -> None:
+    """Wait for the children's last lines (a grandchild holding a pipe open is not waited
+    for beyond a moment)."""
+    deadline = time.monotonic() + _GRACE_S
+    for t in pumps:
+        t.join(timeout=max(deadline - time.monotonic(), 0.01))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

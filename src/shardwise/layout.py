@@ -154,6 +154,27 @@ class Layout:
                 placements[mesh_dim] = Shard(axis_of[name])
         return tuple(placements)
 
+    def delete(self, dims: Sequence[int]) -> Layout:
+        """TF: this layout without the tensor axes ``dims`` (as after reducing them away)."""
+        drop = {_check_axis(d, self.rank, self._mesh) for d in dims}
+        return Layout([s for i, s in enumerate(self._specs) if i not in drop], self._mesh)
+
+    def to_string(self) -> str:
+        """TF's serialized layout ``sharding_specs:x,unsharded, mesh:<mesh.to_string()>``."""
+        return f"sharding_specs:{','.join(self._specs)}, mesh:{self._mesh.to_string()}"
+
+    @classmethod
+    def from_string(cls, layout_str: str) -> Layout:
+        """The layout ``to_string`` wrote."""
+        head, sep, mesh_str = str(layout_str).partition(", mesh:")
+        if not sep or not head.startswith("sharding_specs:"):
+            raise LayoutError(
+                f"cannot read a layout from {layout_str!r}: expected "
+                f"'sharding_specs:<specs>, mesh:<mesh>'"
+            )
+        specs = head[len("sharding_specs:"):]
+        return cls(specs.split(",") if specs else [], DeviceMesh.from_string(mesh_str))
+
     # ----- identity ------------------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Layout):

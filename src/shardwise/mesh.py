@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import settings
-from .errors import CollectiveError, CollectiveTimeoutError, MeshError
+from .errors import CollectiveError, CollectiveTimeoutError, MeshError, ShardwiseTypeError
 
 
 class MeshDimNameError(MeshError, KeyError):
@@ -152,7 +152,7 @@ class DeviceMesh:
     def ndim(self) -> int:
         return self.mesh.ndim
 
-    @property
+    @cached_property
     def shape(self) -> IdTuple:
         return IdTuple(self.mesh.shape)
 
@@ -256,8 +256,8 @@ class DeviceMesh:
         return tuple(self.mesh[tuple(coord)].tolist())
 
     def groups(self, mesh_dim: int | str) -> list[tuple[int, ...]]:
-        """Every group of devices along ``mesh_dim`` (index or name; the rows of the mesh on
-        that dim)."""
+        """Every group of devices along ``mesh_dim`` (index or name): the rows of the mesh on
+        that dim."""
         return list(self._groups[self.dim_index(mesh_dim)])
 
     @cached_property
@@ -270,14 +270,13 @@ class DeviceMesh:
 
     def __getitem__(self, dims: str | Sequence[str]) -> DeviceMesh:
         """The sub-mesh over ``dims`` through this process's first local device (PyTorch)."""
-        if not (isinstance(dims, str) or (
-            isinstance(dims, (tuple, list)) and all(isinstance(d, str) for d in dims)
-        )):
-            raise MeshError(
-                f"index a mesh by dim name(s), as mesh['x'] or mesh['x', 'y'], got {dims!r} for "
-                f"{self}; name the dims with mesh_dim_names, or use mesh.submeshes(dims)"
+        names = (dims,) if isinstance(dims, str) else dims
+        if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+            raise ShardwiseTypeError(
+                f"a DeviceMesh is indexed by mesh dim names (mesh['x'] or mesh['x', 'y']), got "
+                f"{dims!r} for {self}; the device ids are mesh.mesh[...], every sub-mesh along "
+                f"a dim is mesh.submeshes(dim)"
             )
-        names = (dims,) if isinstance(dims, str) else tuple(dims)
         anchor = self.local_device_ids[0] if self.local_device_ids else self._ids[0]
         return self._submesh_through(names, self.coordinate_of(anchor))
 
@@ -321,12 +320,134 @@ class DeviceMesh:
     # ----- pickling (torch.save / torch.load with weights_only) -----------------------------
     def __getstate__(self) -> dict[str, Any]:
         """Only the defining fields: cached tables are rebuilt on use."""
-        keep = ("device_type", "mesh", "mesh_dim_names", "_devices_per_process", "_rank", "_ids")
-        return {k: self.__dict__[k] for k in keep}
+        keep = ("device_type", "mesh", "mesh_dim_names", "_devices_per_process", "_rank", "_ids",
+                "mesh_name")
+        return {k: self.__dict__[k] for k in keep if k in self.__dict__}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._id_set = frozenset(self._ids)
+
+    # ----- PyTorch: process groups, rank, flattening -----------------------------------------
+    def get_rank(self) -> int:
+        """This process's global rank (0 when torch.distributed is not initialized)."""
+        return self._rank
+
+    def get_group(self, mesh_dim: int | str | None = None) -> Any:
+        """The ``torch.distributed`` process group of this process's group along ``mesh_dim``
+        (PyTorch's ``get_group``), for code that calls ``torch.distributed`` itself.
+
+        Only a dim whose groups span processes has one: along a dim that lives inside this
+        process shardwise's own collectives (``redistribute``, ``shardwise.comm``) are the way
+        to communicate, and asking for its group raises ``MeshError``.
+        """
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise MeshError(f"get_group needs a mesh_dim on the {self.ndim}-D {self}")
+            mesh_dim = 0
+        dim = self.dim_index(mesh_dim)
+        rank_sets = {
+            tuple(sorted({self.owner_of(m) for m in self.group_of(d, dim)}))
+            for d in self.local_device_ids
+        }
+        if not rank_sets or all(len(ranks) == 1 for ranks in rank_sets):
+            raise MeshError(
+                f"mesh dim {mesh_dim!r} of {self} lives inside process {self._rank} (its devices "
+                f"{list(self.local_device_ids)} are all local), so it has no torch.distributed "
+                f"process group; communicate with DTensor.redistribute or shardwise.comm"
+            )
+        if len(rank_sets) > 1:
+            raise MeshError(
+                f"this process's devices {list(self.local_device_ids)} of {self} belong to "
+                f"{len(rank_sets)} groups of processes {sorted(rank_sets)} along mesh dim "
+                f"{mesh_dim!r}; get_group needs one, index a sub-mesh first (mesh[...])"
+            )
+        # the transport keeps one process group per set of ranks: share it
+        from .comm.distributed import group_for_ranks
+
+        return group_for_ranks(rank_sets.pop())
+
+    def get_all_groups(self) -> list[Any]:
+        """``get_group`` of every mesh dim, in dim order."""
+        return [self.get_group(d) for d in range(self.ndim)]
+
+    def flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+        """This mesh as a 1-D mesh over the same devices in row-major order (PyTorch's
+        ``_flatten``): sharding over it splits a tensor dim over all of this mesh's dims.
+
+        The name defaults to the dim names joined by ``_``. Take it from a sub-mesh to flatten
+        some dims only: ``mesh["dp", "cp"].flatten()``.
+        """
+        name = mesh_dim_name
+        if name is None and self.mesh_dim_names is not None:
+            name = "_".join(self.mesh_dim_names)
+        if name is not None and not isinstance(name, str):
+            raise MeshError(f"flatten needs a str mesh_dim_name, got {name!r} for {self}")
+        return DeviceMesh(
+            self.device_type,
+            self.mesh.flatten(),
+            mesh_dim_names=None if name is None else (name,),
+            _devices_per_process=self._devices_per_process,
+            _rank=self._rank,
+        )
+
+    _flatten = flatten
+
+    # ----- TF DTensor's Mesh names --------------------------------------------------------
+    mesh_name: str = ""
+
+    @property
+    def dim_names(self) -> list[str]:
+        """TF: the dim names (``dim0``, ``dim1``... for a mesh created without names)."""
+        return list(self._names_or_default())
+
+    def contains_dim(self, dim_name: str) -> bool:
+        """TF: whether the mesh has a dim called ``dim_name``."""
+        return dim_name in self
+
+    def to_string(self) -> str:
+        """TF's serialized mesh: ``|x=2,y=3|global ids|local ids|local devices``; read it back
+        with ``DeviceMesh.from_string`` (an unnamed mesh writes its sizes without names)."""
+        sizes = [str(s) for s in self.mesh.shape]
+        if self.mesh_dim_names is not None:
+            sizes = [f"{n}={s}" for n, s in zip(self.mesh_dim_names, sizes, strict=True)]
+        dims = ",".join(sizes)
+        kind = {"cuda": "GPU", "cpu": "CPU"}.get(self.device_type, self.device_type.upper())
+        devices = ",".join(
+            f"/job:localhost/replica:0/task:{self.owner_of(i)}/device:{kind}:{i}"
+            for i in self.local_device_ids
+        )
+        ids = ",".join(map(str, self._ids))
+        local = ",".join(map(str, self.local_device_ids))
+        return f"{self.mesh_name}|{dims}|{ids}|{local}|{devices}"
+
+    @classmethod
+    def from_string(cls, mesh_str: str) -> DeviceMesh:
+        """The mesh ``to_string`` wrote. Which devices this process owns follows from its own
+        rank, so a string written by another process reads back as the same mesh."""
+        parts = mesh_str.split("|") if isinstance(mesh_str, str) else []
+        try:
+            if len(parts) < 5:
+                raise ValueError("expected name|dims|global ids|local ids|local devices")
+            entries = parts[1].split(",")
+            named = ["=" in e for e in entries]
+            if any(named) and not all(named):
+                raise ValueError("either every dim is named or none is")
+            names = [e.split("=")[0] for e in entries] if all(named) else None
+            shape = [int(e.split("=")[-1]) for e in entries]
+            ids = [int(i) for i in parts[2].split(",")]
+            first_device = parts[4].split(",")[0]
+            device_type = tf_device_type(first_device.split(":")[-2]) if first_device else "cpu"
+        except (ValueError, IndexError) as err:
+            raise MeshError(f"cannot read a mesh from {mesh_str!r}: {err}") from None
+        if math.prod(shape) != len(ids):
+            raise MeshError(
+                f"cannot read a mesh from {mesh_str!r}: shape {shape} needs {math.prod(shape)} "
+                f"device ids, got {len(ids)}"
+            )
+        mesh = DeviceMesh(device_type, torch.tensor(ids).reshape(shape), mesh_dim_names=names)
+        mesh.mesh_name = parts[0]
+        return mesh
 
     # ----- identity -----------------------------------------------------------------------
     @cached_property
@@ -342,6 +463,64 @@ class DeviceMesh:
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+
+_TF_DEVICE_TYPES = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "meta": "meta"}
+
+
+def tf_device_type(device_type: str) -> str:
+    """The torch device type of a TF device type name (``"CPU"``, ``"GPU"``; any case)."""
+    kind = _TF_DEVICE_TYPES.get(str(device_type).lower())
+    if kind is None:
+        raise MeshError(
+            f"device type {device_type!r} is not supported; use 'CPU' or 'GPU' ('cpu', 'cuda')"
+        )
+    return kind
+
+
+class Mesh(DeviceMesh):
+    """TF DTensor's ``Mesh(dim_names, global_device_ids, local_device_ids, local_devices)``: a
+    ``DeviceMesh`` built with TF's arguments (usable wherever a DeviceMesh is).
+
+    Which devices this process owns follows from its rank (DESIGN.md); ``local_device_ids``,
+    when given, must agree. The device type is read from ``local_devices`` (``"CPU:0"``,
+    ``"/job:localhost/replica:0/task:0/device:GPU:0"``, torch devices) or ``device_type``.
+    """
+
+    def __init__(
+        self,
+        dim_names: Sequence[str],
+        global_device_ids: Any,
+        local_device_ids: Sequence[int] | None = None,
+        local_devices: Sequence[Any] | None = None,
+        mesh_name: str = "",
+        global_devices: Sequence[Any] | None = None,
+        *,
+        device_type: str | None = None,
+    ) -> None:
+        devices = list(local_devices or []) + list(global_devices or [])
+        if device_type is None:
+            device_type = _device_type_of(devices[0]) if devices else "cpu"
+        super().__init__(
+            tf_device_type(device_type), global_device_ids, mesh_dim_names=list(dim_names)
+        )
+        if local_device_ids is not None and list(local_device_ids) != list(self.local_device_ids):
+            raise MeshError(
+                f"local_device_ids {list(local_device_ids)} disagree with {self}: process "
+                f"{self._rank} owns devices {list(self.local_device_ids)}"
+            )
+        self.mesh_name = mesh_name
+
+
+def _device_type_of(device: Any) -> str:
+    """``"cpu"``/``"cuda"`` of a TF device string (``"CPU:0"``, ``"/device:GPU:1"``) or a
+    torch device."""
+    if isinstance(device, torch.device):
+        return device.type
+    parts = str(device).split(":")
+    if len(parts) < 2:
+        raise MeshError(f"cannot tell the device type of {device!r}; write e.g. 'CPU:0'")
+    return parts[-2].rsplit("/", 1)[-1]
 
 
 def _unravel(flat_index: int, shape: Iterable[int]) -> list[int]:
@@ -468,6 +647,7 @@ def create_mesh(
 ) -> DeviceMesh:
     """TF DTensor's ``create_mesh([("x", 2), ("y", 3)])``: a named mesh with row-major ids, or
     with ``devices`` (each id 0..N-1 once) laid out in row-major order."""
+    device_type = tf_device_type(device_type)
     dims = list(mesh_dims)
     if not dims or any(not (isinstance(n, str) and isinstance(s, int) and s > 0) for n, s in dims):
         raise MeshError(f"mesh_dims must be (name, positive size) pairs, got {mesh_dims!r}")

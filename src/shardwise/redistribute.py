@@ -30,9 +30,9 @@ State = tuple[Placement, ...]
 class Step:
     """One change of placement on one mesh dim, with the collective it needs."""
 
-    mesh_dim: int
-    source: Placement
-    target: Placement
+    mesh_dim: int | tuple[int, ...]  # an exchange changes several mesh dims at once
+    source: Placement | tuple[Placement, ...]
+    target: Placement | tuple[Placement, ...]
     collective: str  # a comm kind, or "local" when no data moves between devices
     bytes: int  # received by this process's devices (what CommCounter counts)
     global_bytes: int  # received by all devices of the mesh (the planner's cost)
@@ -51,6 +51,10 @@ class RedistributePlan:
     source: State
     target: State
     steps: tuple[Step, ...]
+    shape: tuple[int, ...] = ()  # the global shape it was planned for
+    # the fewest bytes all devices must receive (``lower_bound_bytes``); filled in by
+    # ``explain_redistribute``, not on the hot path
+    lower_bound: int | None = None
 
     @property
     def bytes(self) -> int:
@@ -133,6 +137,23 @@ class _Pricer:
                     local_total += got
         return local_total, global_total
 
+    def exchange_price(self, before: State, after: State) -> tuple[int, int]:
+        """(bytes for this process's devices, bytes for all devices) of an exchange: every
+        device receives, for its new piece, each of the ``k`` Partial terms (1 without
+        Partial) it does not hold itself."""
+        terms = prod(n for n, p in zip(self.mesh.shape, before, strict=True) if p.is_partial())
+        local_total = global_total = 0
+        for device in self.mesh.mesh.flatten().tolist():
+            coord = self.mesh.coordinate_of(device)
+            old = shard_segments(self.shape, self.mesh.shape, before, coord)
+            new = shard_segments(self.shape, self.mesh.shape, after, coord)
+            kept = prod(_overlap(a, b) for a, b in zip(old, new, strict=True))
+            got = (terms * prod(self.local_shape(after, coord)) - kept) * self.itemsize
+            global_total += got
+            if device in self.local:
+                local_total += got
+        return local_total, global_total
+
     def _received(self, kind, before, after, mesh_dim, coords, k, n) -> int:
         size = self.itemsize
         if kind == "all_gather":
@@ -154,10 +175,46 @@ class _Pricer:
         return accounting.all_to_all_received(incoming, k)
 
 
-def _candidates(source: State, target: State, mesh_dim: int) -> list[Placement]:
-    shard_dims = sorted({p.dim for p in source + target if isinstance(p, Shard)})
+def _candidates(
+    source: State, target: State, mesh_dim: int, shape: tuple[int, ...]
+) -> list[Placement]:
+    """Placements worth visiting on ``mesh_dim``: the two ends, Replicate, the tensor dims
+    either end shards, and, when a Partial must be resolved, the largest tensor dim (reducing
+    by reduce_scatter then all_gather halves what successive all_reduces move)."""
+    shard_dims = {p.dim for p in source + target if isinstance(p, Shard)}
+    if any(p.is_partial() for p in source) and shape:
+        shard_dims.add(max(range(len(shape)), key=lambda d: (shape[d], -d)))
+    shard_dims = sorted(shard_dims)
     options = [source[mesh_dim], target[mesh_dim], Replicate(), *(Shard(d) for d in shard_dims)]
     return list(dict.fromkeys(options))
+
+
+def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> int:
+    """How many indices two run lists share."""
+    return sum(max(0, min(y1, y2) - max(x1, x2)) for x1, y1 in a for x2, y2 in b)
+
+
+def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None:
+    """The exchange straight from ``state`` to the Partial-free ``settled``, or None. Pending
+    Partials are resolved on the way when they all reduce alike (mixed reduce ops must go
+    lowest mesh dim first, one dim at a time)."""
+    mesh = pricer.mesh
+    ops = {p.reduce_op for m, p in enumerate(state) if isinstance(p, Partial) and mesh.shape[m] > 1}
+    if state == settled or len(ops) > 1:
+        return None
+    dims = tuple(m for m in range(mesh.ndim) if state[m] != settled[m])
+    try:
+        local_bytes, global_bytes = pricer.exchange_price(state, settled)
+    except InvalidPlacementError:
+        return None  # an interleave that does not divide at this nesting level
+    return Step(
+        dims,
+        tuple(state[m] for m in dims),
+        tuple(settled[m] for m in dims),
+        "exchange",
+        local_bytes,
+        global_bytes,
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -165,11 +222,13 @@ def _plan(
     mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int, source: State, target: State
 ) -> RedistributePlan:
     pricer = _Pricer(mesh, shape, itemsize)
-    options = [_candidates(source, target, m) for m in range(mesh.ndim)]
-    # Dijkstra on (global bytes, collectives, steps); ties keep the first found.
-    best: dict[State, tuple[int, int, int]] = {source: (0, 0, 0)}
+    options = [_candidates(source, target, m, shape) for m in range(mesh.ndim)]
+    settled = tuple(Replicate() if p.is_partial() else p for p in target)
+    # Dijkstra on (global bytes, exchanges, collectives, steps): an exchange is taken only
+    # when it moves fewer bytes than the named collectives; ties keep the first found.
+    best: dict[State, tuple[int, int, int, int]] = {source: (0, 0, 0, 0)}
     back: dict[State, tuple[State, Step]] = {}
-    heap: list[tuple[tuple[int, int, int], int, State]] = [((0, 0, 0), 0, source)]
+    heap: list[tuple[tuple[int, int, int, int], int, State]] = [((0, 0, 0, 0), 0, source)]
     counter = 0
     while heap:
         cost, _, state = heapq.heappop(heap)
@@ -197,14 +256,23 @@ def _plan(
                     continue  # an interleave that does not divide at this nesting level
                 new_cost = (
                     cost[0] + global_bytes,
-                    cost[1] + (kind != "local"),
-                    cost[2] + 1,
+                    cost[1],
+                    cost[2] + (kind != "local"),
+                    cost[3] + 1,
                 )
                 if nxt not in best or new_cost < best[nxt]:
                     best[nxt] = new_cost
                     back[nxt] = (state, Step(m, a, b, kind, local_bytes, global_bytes))
                     counter += 1
                     heapq.heappush(heap, (new_cost, counter, nxt))
+        direct = _exchange_step(pricer, state, settled)
+        if direct is not None:
+            new_cost = (cost[0] + direct.global_bytes, cost[1] + 1, cost[2] + 1, cost[3] + 1)
+            if settled not in best or new_cost < best[settled]:
+                best[settled] = new_cost
+                back[settled] = (state, direct)
+                counter += 1
+                heapq.heappush(heap, (new_cost, counter, settled))
     if target not in best:
         raise InvalidPlacementError(
             f"no redistribution from {list(source)} to {list(target)} for shape {list(shape)} "
@@ -215,14 +283,26 @@ def _plan(
     while state != source:
         state, step = back[state]
         steps.append(step)
-    return RedistributePlan(source, target, tuple(reversed(steps)))
+    return RedistributePlan(source, target, tuple(reversed(steps)), shape)
+
+
+_PLANS: dict[tuple[DTensorSpec, State], RedistributePlan] = {}
+_MAX_PLANS = 65536
 
 
 def plan_redistribute(spec: DTensorSpec, placements: Sequence[Placement]) -> RedistributePlan:
-    """The cheapest plan from ``spec`` to ``placements`` on the same mesh (cached)."""
-    meta = spec.tensor_meta
-    itemsize = torch.empty((), dtype=meta.dtype).element_size()
-    return _plan(spec.mesh, tuple(meta.shape), itemsize, spec.placements, tuple(placements))
+    """The cheapest plan from ``spec`` to ``placements`` on the same mesh, cached per (spec,
+    target) so a repeated redistribution costs one dictionary lookup (specs cache their hash);
+    ``_plan`` shares the planning itself between specs that differ only in strides."""
+    key = (spec, tuple(placements))
+    plan = _PLANS.get(key)
+    if plan is None:
+        meta = spec.tensor_meta
+        plan = _plan(spec.mesh, tuple(meta.shape), meta.dtype.itemsize, spec.placements, key[1])
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 # ----- execution ---------------------------------------------------------------------------
@@ -286,7 +366,194 @@ def execute_plan(
 ) -> list[torch.Tensor]:
     """Run ``plan`` on this process's components (ordered like ``mesh.local_device_ids``)."""
     out = list(components)
+    state = plan.source
     for step in plan.steps:
-        out = _run_step(step, mesh, out)
+        if step.collective == "exchange":
+            after = list(state)
+            for m, p in zip(step.mesh_dim, step.target, strict=True):
+                after[m] = p
+            out = _run_exchange(mesh, plan.shape, state, tuple(after), step.mesh_dim, out)
+            state = tuple(after)
+        else:
+            out = _run_step(step, mesh, out)
+            state = state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
     return out
 
+
+# per device: for each block of its new piece, where it goes in the new piece, its shape, and
+# (holder, where it is in the holder's old piece) for each Partial term in reduction order
+Route = tuple[tuple[tuple[slice, ...], tuple[int, ...], tuple[tuple[int, tuple[slice, ...]], ...]],
+              ...]
+
+
+def _local_slice(runs: tuple[tuple[int, int], ...], lo: int, hi: int) -> slice:
+    """Where the global interval [lo, hi), inside one run of ``runs``, sits in the piece."""
+    offset = 0
+    for a, b in runs:
+        if a <= lo and hi <= b:
+            return slice(offset + lo - a, offset + hi - a)
+        offset += b - a
+    raise AssertionError(f"[{lo}, {hi}) is not inside one run of {runs}")
+
+
+@lru_cache(maxsize=1024)
+def _routes(
+    mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
+) -> dict[int, Route]:
+    """For every device, each block of its new piece and, for each Partial term of the old
+    placements (one term without Partial), the device it comes from: itself when it holds
+    it, else a holder in its own process, else the nearest holder by mesh coordinate, then
+    the lowest id."""
+    devices = mesh.mesh.flatten().tolist()
+    coords = {d: mesh.coordinate_of(d) for d in devices}
+    partial = [m for m, p in enumerate(before) if p.is_partial()]
+    term = {d: tuple(coords[d][m] for m in partial) for d in devices}
+    old = {d: shard_segments(shape, mesh.shape, before, coords[d]) for d in devices}
+    new = {d: shard_segments(shape, mesh.shape, after, coords[d]) for d in devices}
+    cuts = [{0, size} for size in shape]
+    for segments in (*old.values(), *new.values()):
+        for dim, runs in enumerate(segments):
+            for a, b in runs:
+                cuts[dim].update((a, b))
+    blocks = _blocks([sorted(c) for c in cuts])
+    routes: dict[int, Route] = {}
+    for d in devices:
+        route = []
+        for block in blocks:
+            if prod(b - a for a, b in block) == 0 or not _covers(new[d], block):
+                continue
+            holders: dict[tuple[int, ...], list[int]] = {}
+            for h in devices:
+                if _covers(old[h], block):
+                    holders.setdefault(term[h], []).append(h)
+            sources = []
+            for t in sorted(holders):
+                holder = min(holders[t], key=lambda h: (
+                    h != d,
+                    mesh.owner_of(h) != mesh.owner_of(d),
+                    sum(x != y for x, y in zip(coords[h], coords[d], strict=True)),
+                    h,
+                ))
+                src = tuple(_local_slice(r, a, b) for r, (a, b) in zip(old[holder], block,
+                                                                         strict=True))
+                sources.append((holder, src))
+            dst = tuple(_local_slice(r, a, b) for r, (a, b) in zip(new[d], block, strict=True))
+            route.append((dst, tuple(b - a for a, b in block), tuple(sources)))
+        routes[d] = tuple(route)
+    return routes
+
+
+def _run_exchange(
+    mesh: DeviceMesh,
+    shape: tuple[int, ...],
+    before: State,
+    after: State,
+    mesh_dims: tuple[int, ...],
+    components: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Every device assembles its new piece from the blocks it holds and the blocks other
+    devices send it, point to point (it receives exactly what it lacks); pending Partial
+    terms are reduced in term order, the same in every process."""
+    sample = components[0]
+    routes = _routes(mesh, shape, before, after)
+    ops = {
+        p.reduce_op for m, p in enumerate(before) if isinstance(p, Partial) and mesh.shape[m] > 1
+    }
+    op = ops.pop() if ops else None  # the planner exchanges only Partials that reduce alike
+    local = mesh.local_device_ids
+    index = {d: i for i, d in enumerate(local)}
+    sends: list[list[tuple[int, torch.Tensor]]] = [[] for _ in local]
+    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in local]
+    for d in mesh.mesh.flatten().tolist():
+        for _, block_shape, sources in routes[d]:
+            for holder, src in sources:
+                if holder == d:
+                    continue
+                if holder in index:
+                    sends[index[holder]].append((d, components[index[holder]][src]))
+                if d in index:
+                    receives[index[d]].append((holder, block_shape))
+    received = comm.exchange(mesh, mesh_dims, sends, receives, sample.dtype)
+    out = []
+    for i, d in enumerate(local):
+        coord = mesh.coordinate_of(d)
+        runs = shard_segments(shape, mesh.shape, after, coord)
+        piece = sample.new_empty(tuple(sum(b - a for a, b in r) for r in runs))
+        incoming = iter(received[i])
+        for dst, _, sources in routes[d]:
+            terms = [components[i][src] if h == d else next(incoming) for h, src in sources]
+            if len(terms) == 1:
+                piece[dst] = terms[0]
+            else:
+                piece[dst] = comm.reduce_terms(terms, op)
+        out.append(piece)
+    return out
+
+
+# ----- lower bound ---------------------------------------------------------------------------
+
+
+def lower_bound_bytes(
+    mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int, source: State, target: State
+) -> int:
+    """The fewest bytes all devices together must receive to go from ``source`` to ``target``
+    (the planner's ``global_bytes`` can never be lower).
+
+    Per element: with ``k`` distinct Partial terms spread over the holders and ``m`` devices
+    that need it, a reduction tree rooted at a needer takes ``k - 1`` transfers (``k`` when no
+    needer holds a term) and handing the result to the other needers ``m - 1``; without
+    Partial terms, every needer that does not hold the element receives it once. A target
+    Partial("sum") group needs the value on one member only (the others may hold zeros); a
+    Partial kept on a mesh dim needs no reduction there. The index space is cut into blocks
+    on every segment boundary, so the count is per block."""
+    coords = [mesh.coordinate_of(d) for d in mesh.mesh.flatten().tolist()]
+    kept = {m for m, p in enumerate(source) if p.is_partial() and target[m] == p}
+    partial_dims = [
+        m for m, p in enumerate(source) if p.is_partial() and mesh.shape[m] > 1 and m not in kept
+    ]
+    summed = [
+        m for m, p in enumerate(target)
+        if isinstance(p, Partial) and p.reduce_op == "sum" and m not in kept
+    ]
+    src = [shard_segments(shape, mesh.shape, source, c) for c in coords]
+    dst = [shard_segments(shape, mesh.shape, target, c) for c in coords]
+    cuts = [{0, size} for size in shape]
+    for segments in src + dst:
+        for d, runs in enumerate(segments):
+            for a, b in runs:
+                cuts[d].update((a, b))
+    edges = [sorted(c) for c in cuts]
+    total = 0
+    for block in _blocks(edges):
+        size = prod(b - a for a, b in block)
+        if size == 0:
+            continue
+        holders = [i for i, s in enumerate(src) if _covers(s, block)]
+        needers = {i for i, s in enumerate(dst) if _covers(s, block)}
+        if summed:  # one needer per target sum group, a holder where the group has one
+            groups: dict[tuple[int, ...], int] = {}
+            for i in sorted(needers, key=lambda i: i not in holders):
+                groups.setdefault(tuple(c for m, c in enumerate(coords[i]) if m not in summed), i)
+            needers = set(groups.values())
+        terms = {tuple(coords[i][m] for m in partial_dims) for i in holders}
+        if len(terms) <= 1:
+            transfers = len(needers - set(holders))
+        else:
+            transfers = len(terms) + len(needers) - 1 - any(i in needers for i in holders)
+        total += transfers * size * itemsize
+    return total
+
+
+def _blocks(edges: list[list[int]]) -> list[tuple[tuple[int, int], ...]]:
+    spans = [list(zip(e[:-1], e[1:], strict=False)) or [(0, 0)] for e in edges]
+    out: list[tuple[tuple[int, int], ...]] = [()]
+    for dim_spans in spans:
+        out = [b + (s,) for b in out for s in dim_spans]
+    return out
+
+
+def _covers(segments: tuple, block: tuple[tuple[int, int], ...]) -> bool:
+    return all(
+        any(a <= lo and hi <= b for a, b in runs)
+        for runs, (lo, hi) in zip(segments, block, strict=True)
+    )

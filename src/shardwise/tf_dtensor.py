@@ -13,16 +13,26 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 from .dtensor import DTensor, distribute_tensor
 from .dtensor import unpack as _unpack_dtensor
-from .errors import InvalidArgumentError, LayoutError, MeshError, PackError, ShardwiseTypeError
+from .errors import (
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    LayoutError,
+    MeshError,
+    NotEagerError,
+    PackError,
+    ShardwiseTypeError,
+)
 from .layout import MATCH, UNSHARDED, Layout
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, Mesh, init_device_mesh, tf_device_type
 from .placements import Placement, Replicate, Shard
+from .spec import DTensorSpec, TensorMeta
 
 _DEFAULT_MESH: ContextVar[DeviceMesh | None] = ContextVar("shardwise_default_mesh", default=None)
 
@@ -36,6 +46,7 @@ def pack(components: Sequence[torch.Tensor], layout: Layout) -> DTensor:
     The global shape is each axis's components put end to end along the mesh dim that splits
     it; replicated components are not compared (the caller's responsibility, as in TF).
     """
+    _require_eager("pack")
     _check_layout_arg(layout, "pack")
     if isinstance(components, torch.Tensor) or not isinstance(components, Sequence):
         raise ShardwiseTypeError(
@@ -92,6 +103,7 @@ def pack(components: Sequence[torch.Tensor], layout: Layout) -> DTensor:
 
 def unpack(tensor: DTensor) -> list[torch.Tensor]:
     """This process's components of a DTensor, one per local device in ascending id."""
+    _require_eager("unpack")
     if isinstance(tensor, DVariable):
         raise ShardwiseTypeError(
             f"unpack expects a tensor, got the variable {tensor}; read it first: "
@@ -107,6 +119,7 @@ def unpack(tensor: DTensor) -> list[torch.Tensor]:
 
 def fetch_layout(tensor: Any) -> Layout | None:
     """The Layout of a DTensor or DVariable; None for a value that is not a tensor."""
+    _require_eager("fetch_layout")
     if isinstance(tensor, DVariable):
         return tensor.layout
     if isinstance(tensor, DTensor):
@@ -126,10 +139,11 @@ def check_layout(tensor: Any, layout: Layout) -> None:
         raise LayoutError(f"expected {layout} but {_describe(tensor)} has layout {actual}")
 
 
-def relayout(tensor: Any, layout: Layout) -> DTensor:
+def relayout(tensor: Any, layout: Layout, name: str | None = None) -> DTensor:  # noqa: ARG001
     """The same global value with ``layout`` (differentiable); MATCH axes keep their sharding.
 
     A plain tensor is placed on the mesh like ``copy_to_mesh``; the same layout is identity.
+    ``name`` is TF's op name, accepted for compatibility (shardwise builds no graph to name).
     """
     _check_layout_arg(layout, "relayout")
     if isinstance(tensor, DVariable):
@@ -218,22 +232,25 @@ def is_dtensor(value: Any) -> bool:
 # ----- variables -----------------------------------------------------------------------------
 
 
-class DVariable:
-    """A variable whose value is a DTensor with a fixed layout (TF's ``DVariable``; like an
-    ``nn.Parameter`` over a DTensor). Updates write the components in place."""
+class DVariable(DTensor):
+    """A variable whose value is a DTensor with a fixed layout (TF's ``DVariable``): itself a
+    leaf DTensor, like an ``nn.Parameter``, so it takes part in ops (``v + 1``, ``v @ x``),
+    collects ``.grad`` and is stepped by ``torch.optim``. Updates write its components in
+    place; ops on it give plain DTensors."""
 
-    def __init__(
-        self,
+    _layout: Layout
+
+    @staticmethod
+    def __new__(
+        cls,
         initial_value: Any,
         *,
         layout: Layout | None = None,
         dtype: torch.dtype | None = None,
         trainable: bool = True,
-    ) -> None:
+    ) -> DVariable:
         if callable(initial_value):
             initial_value = initial_value()
-        if isinstance(initial_value, DVariable):
-            initial_value = initial_value.value
         if layout is not None:
             _check_layout_arg(layout, "DVariable")
         if isinstance(initial_value, DTensor):
@@ -253,39 +270,31 @@ class DVariable:
             if not isinstance(initial_value, torch.Tensor):
                 initial_value = torch.as_tensor(initial_value, dtype=dtype)
             value = copy_to_mesh(initial_value.detach(), layout)
-        self._layout = fetch_layout(value)
+        dtype = dtype or value.dtype
         with torch.no_grad():
-            components = [c.to(dtype or c.dtype, copy=True) for c in _unpack_dtensor(value)]
-            self._value = DTensor.from_local(
-                components, value.device_mesh, value.placements, shape=value.shape
-            )
-        grad_dtype = self._value.dtype.is_floating_point or self._value.dtype.is_complex
-        self._value.requires_grad_(trainable and grad_dtype)
+            components = [c.to(dtype, copy=True) for c in value._components]
+        meta = value._spec.tensor_meta
+        meta = TensorMeta(meta.shape, meta.stride, dtype)
+        spec = DTensorSpec(value.device_mesh, value.placements, meta)
+        trainable = trainable and (dtype.is_floating_point or dtype.is_complex)
+        variable = DTensor.__new__(cls, components, spec, requires_grad=trainable)
+        variable._layout = fetch_layout(value)
+        if trainable:  # the gradient takes the variable's layout, so optimizers step in place
+            variable.register_hook(_GradTo(spec.placements))
+        return variable
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> Layout:  # TF's attribute (a torch.Tensor's memory layout is strided)
         return self._layout
 
     @property
     def value(self) -> DTensor:
-        """The variable's storage: a leaf DTensor (its ``.grad`` collects gradients)."""
-        return self._value
-
-    @property
-    def shape(self) -> torch.Size:
-        return self._value.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._value.dtype
-
-    @property
-    def grad(self) -> torch.Tensor | None:
-        return self._value.grad
+        """The variable's storage: the variable itself, a leaf DTensor."""
+        return self
 
     def read_value(self) -> DTensor:
         """A snapshot of the value with the variable's layout (differentiable)."""
-        return self._value.clone()
+        return self.clone()
 
     def assign(self, value: Any) -> DVariable:
         """Overwrite the value (same shape and dtype); it keeps the variable's layout."""
@@ -302,8 +311,6 @@ class DVariable:
     def _update(
         self, value: Any, what: str, op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     ) -> DVariable:
-        if isinstance(value, DVariable):
-            value = value.value
         if not isinstance(value, torch.Tensor):
             value = torch.as_tensor(value, dtype=self.dtype)
         if value.shape != self.shape:
@@ -317,15 +324,153 @@ class DVariable:
             )
         with torch.no_grad():
             source = relayout(value, self._layout)
-            for dst, src in zip(self._value._components, source._components, strict=True):
+            for dst, src in zip(self._components, source._components, strict=True):
                 op(dst, src)
         return self
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
         return f"DVariable(shape={list(self.shape)}, dtype={self.dtype}, layout={self._layout})"
 
 
+# ----- clients and devices -------------------------------------------------------------------
+
+
+def client_id() -> int:
+    """TF: this client's id, the ``torch.distributed`` rank (0 in a single process)."""
+    return _world()[0]
+
+
+def num_clients() -> int:
+    """TF: the number of clients, the ``torch.distributed`` world size (1 in one process)."""
+    return _world()[1]
+
+
+def local_devices(device_type: str, for_client_id: int | None = None) -> list[torch.device]:
+    """TF: the devices of ``device_type`` (``"CPU"``, ``"GPU"``) a client has. Every client
+    has the same: its GPUs, or its one host CPU (the devices of a CPU mesh are simulated on it,
+    any number of them)."""
+    clients = num_clients()
+    if for_client_id is not None and not 0 <= for_client_id < clients:
+        raise InvalidArgumentError(
+            f"for_client_id {for_client_id} is out of range for {clients} clients"
+        )
+    kind = tf_device_type(device_type)
+    if kind == "cuda":
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device(kind)]
+
+
+def num_local_devices(device_type: str) -> int:
+    """TF: ``len(local_devices(device_type))``."""
+    return len(local_devices(device_type))
+
+
+def num_global_devices(device_type: str) -> int:
+    """TF: the devices of ``device_type`` over all clients."""
+    return num_local_devices(device_type) * num_clients()
+
+
+def create_distributed_mesh(
+    mesh_dims: Sequence[tuple[str, int]],
+    mesh_name: str = "",
+    local_devices: Sequence[Any] | None = None,  # noqa: ARG001 - TF's; devices follow the rank
+    device_type: str | None = None,
+) -> Mesh:
+    """TF: a mesh over every client's devices, ``[("batch", 4), ("model", 2)]``, ids row-major.
+
+    Joins the ``torch.distributed`` world from the launcher's environment when it is not yet
+    initialized (as ``init_device_mesh``); each of the W clients owns N/W consecutive devices.
+    On CPU those are simulated, so N is any multiple of W. ``local_devices`` is accepted for
+    TF compatibility: which devices a client owns follows from its rank.
+    """
+    dims = list(mesh_dims)
+    if not dims or any(not (isinstance(n, str) and isinstance(k, int) and k > 0) for n, k in dims):
+        raise MeshError(f"mesh_dims must be (name, positive size) pairs, got {mesh_dims!r}")
+    kind = tf_device_type(device_type or "CPU")
+    base = init_device_mesh(kind, [k for _, k in dims], mesh_dim_names=[n for n, _ in dims])
+    return Mesh([n for n, _ in dims], base.mesh, mesh_name=mesh_name, device_type=kind)
+
+
+def barrier(
+    mesh: DeviceMesh, barrier_name: str | None = None, timeout_in_ms: int | None = None
+) -> None:
+    """TF: wait until every process of ``mesh`` reaches this barrier (nothing to wait for when
+    the mesh lives in this process). Past ``timeout_in_ms`` (default: the collective timeout)
+    it raises ``CollectiveTimeoutError``."""
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"barrier needs a shardwise.DeviceMesh, got {_describe(mesh)}")
+    ranks = tuple(sorted({mesh.owner_of(d) for d in mesh.mesh.flatten().tolist()}))
+    if len(ranks) < 2:
+        return
+    import torch.distributed as dist
+
+    from .comm import get_collective_timeout
+    from .comm.distributed import group_for_ranks
+
+    seconds = timeout_in_ms / 1000 if timeout_in_ms is not None else get_collective_timeout()
+    group = group_for_ranks(ranks)
+    if dist.get_backend(group) != "gloo":
+        dist.barrier(group)
+        return
+    try:
+        dist.monitored_barrier(group, timeout=timedelta(seconds=seconds))
+    except RuntimeError as err:
+        raise CollectiveTimeoutError(
+            f"barrier {barrier_name or ''!r} on {mesh}: processes {list(ranks)} did not all "
+            f"arrive within {seconds:g} s ({err})"
+        ) from None
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# ----- eager-only calls ----------------------------------------------------------------------
+
+_NOT_EAGER = (
+    "must be called eagerly: it moves this process's per-device components, which a graph "
+    "being traced (torch.compile, torch.jit.trace, torch.fx) cannot hold; call it outside the "
+    "compiled or traced function"
+)
+
+
+def _raise_not_eager(what: str) -> None:
+    raise NotEagerError(f"{what} {_NOT_EAGER}")
+
+
+# Under torch.compile the check must run when the compiled code runs: dynamo would otherwise
+# give up on the frame and run it eagerly, where it succeeds. fullgraph=True reports the reason.
+_raise_not_eager_compiled = torch.compiler.disable(
+    _raise_not_eager, reason=f"shardwise.pack/unpack/fetch_layout {_NOT_EAGER}"
+)
+
+
+def _require_eager(what: str) -> None:
+    """TF's rule: ``pack``, ``unpack`` and ``fetch_layout`` run eagerly, never while tracing."""
+    if torch.compiler.is_compiling():
+        _raise_not_eager_compiled(what)
+    if torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+        _raise_not_eager(what)
+
+
 # ----- helpers -------------------------------------------------------------------------------
+
+
+class _GradTo:
+    """Gradient hook of a DVariable: redistribute the gradient to the variable's placements
+    (dispatch may have computed it with others, Partial included)."""
+
+    def __init__(self, placements: tuple[Placement, ...]) -> None:
+        self.placements = placements
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor) and grad.placements != self.placements:
+            return grad.redistribute(placements=self.placements)
+        return grad
 
 
 class _CopyToMesh(torch.autograd.Function):

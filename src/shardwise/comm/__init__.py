@@ -7,9 +7,11 @@ from .collectives import (
     all_reduce,
     all_to_all,
     broadcast,
+    exchange,
     reduce_scatter,
     scatter_from,
 )
+from .reduction import reduce_terms
 from .safety import (
     debug_checks_enabled,
     get_collective_timeout,
@@ -26,10 +28,12 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "exchange",
     "debug_checks_enabled",
     "get_collective_timeout",
     "moving",
     "reduce_scatter",
+    "reduce_terms",
     "scatter_from",
     "set_collective_timeout",
     "set_debug_checks",

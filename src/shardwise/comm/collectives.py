@@ -18,7 +18,7 @@ import torch
 
 from ..mesh import DeviceMesh
 from . import accounting, distributed
-from .reduction import combine, finish
+from .reduction import reduce_terms
 
 
 @lru_cache(maxsize=4096)
@@ -38,10 +38,6 @@ def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[list, list]:
     for members, indices in local_groups(mesh, mesh_dim):
         (across if any(i is None for i in indices) else inside).append((members, indices))
     return inside, across
-
-
-def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    return finish(combine(tensors, op), op, len(tensors), tensors[0].dtype)
 
 
 def _to(t: torch.Tensor, mesh: DeviceMesh, device_id: int) -> torch.Tensor:
@@ -95,7 +91,7 @@ def all_reduce(
     out: list[torch.Tensor] = list(components)
     inside, across = _split_groups(mesh, mesh_dim)
     for members, indices in inside:
-        result = _reduce([components[i] for i in indices], op)
+        result = reduce_terms([components[i] for i in indices], op)
         for k, i in enumerate(indices):
             out[i] = _to(result if k == 0 else result.clone(), mesh, members[k])
     traffic = _across(out, distributed.all_reduce, mesh, mesh_dim, across, components, op)
@@ -136,7 +132,7 @@ def reduce_scatter(
     inside, across = _split_groups(mesh, mesh_dim)
     for members, indices in inside:
         for k, i in enumerate(indices):
-            out[i] = _to(_reduce([pieces[j][k] for j in indices], op), mesh, members[k])
+            out[i] = _to(reduce_terms([pieces[j][k] for j in indices], op), mesh, members[k])
     traffic = _across(out, distributed.reduce_scatter, mesh, mesh_dim, across, pieces, op)
     received = _per_piece_received(inside + across, pieces, accounting.reduce_scatter_received)
     _record("reduce_scatter", mesh_dim, received, traffic)
@@ -209,3 +205,43 @@ def agree(mesh: DeviceMesh, what: str, fields: dict[str, Any], sample: torch.Ten
     values) differ; nothing to do in one process."""
     if distributed.spans_processes(mesh):
         distributed.agree(mesh, what, fields, sample)
+
+
+def exchange(
+    mesh: DeviceMesh,
+    mesh_dims: tuple[int, ...],
+    sends: Sequence[Sequence[tuple[int, torch.Tensor]]],
+    receives: Sequence[Sequence[tuple[int, Sequence[int]]]],
+    dtype: torch.dtype,
+) -> list[list[torch.Tensor]]:
+    """Point-to-point messages between any devices of the mesh (a collective permute over
+    ``mesh_dims``). ``sends[i]`` lists (destination device, tensor) from local device i,
+    ``receives[i]`` the (source device, shape) that local device i expects; messages between
+    one pair of devices arrive in the order they were listed. Returns, per local device, the
+    tensors received in ``receives`` order (all of ``dtype``). Every device of the mesh must
+    take part."""
+    local = mesh.local_device_ids
+    index = {d: i for i, d in enumerate(local)}
+    queues: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for i, d in enumerate(local):
+        for dst, t in sends[i]:
+            if dst in index:
+                queues.setdefault((d, dst), []).append(t)
+    traffic = distributed.Traffic()
+    remote: dict[tuple[int, int], torch.Tensor] = {}
+    if len(local) < mesh.size():
+        sample = torch.empty(0, dtype=dtype, device=mesh.device_of(local[0]))
+        remote, traffic = distributed.exchange(mesh, mesh_dims, sends, receives, sample)
+    out: list[list[torch.Tensor]] = []
+    received = 0
+    for i, d in enumerate(local):
+        row = []
+        for n, (src, _) in enumerate(receives[i]):
+            if src in index:
+                row.append(_to(queues[(src, d)].pop(0), mesh, d))
+            else:
+                row.append(remote[(i, n)])
+            received += _nbytes(row[-1])
+        out.append(row)
+    _record("exchange", mesh_dims, received, traffic)
+    return out

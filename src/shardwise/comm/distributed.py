@@ -42,7 +42,7 @@ _group_lock = threading.Lock()
 _sequence: dict[tuple[int, ...], int] = {}
 _sequence_lock = threading.Lock()
 KIND_CODES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "broadcast", "scatter",
-              "agree")
+              "agree", "exchange")
 _HEADER_MAGIC = 0x5357_4844
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -117,18 +117,16 @@ class _Call:
         self.kind, self.mesh, self.mesh_dim, self.groups = kind, mesh, mesh_dim, groups
         self.sample, self.detail = sample, detail
         self.me = dist.get_rank()
-        self.ranks = ranks if ranks is not None else group_ranks(mesh, mesh_dim)
+        self.ranks = group_ranks(mesh, mesh_dim) if ranks is None else ranks
         self.traffic = Traffic()
         self.rounds = 0
         self.fields: Callable[[Group], dict[str, object]] | None = None
         self.fingerprints: dict[tuple[int, ...], int] = {}
         with _sequence_lock:
             self.seq = {}
-            for members, _ in groups:
-                key = self.ranks[members]
-                if key not in self.seq:
-                    self.seq[key] = _sequence.get(key, 0)
-                    _sequence[key] = self.seq[key] + 1
+            for key in dict.fromkeys(self.ranks.values()):  # the process sets this call spans
+                self.seq[key] = _sequence.get(key, 0)
+                _sequence[key] = self.seq[key] + 1
 
     def what(self) -> str:
         moving = safety.current_description() or "local components"
@@ -635,6 +633,46 @@ def broadcast(
             value = next(received)
         for k, i in _local_members((members, indices)):
             out[i] = value if k == src else value.clone().to(mesh.device_of(members[k]))
+    return out, call.traffic
+
+
+def exchange(
+    mesh: DeviceMesh,
+    mesh_dims: tuple[int, ...],
+    sends: Sequence[Sequence[tuple[int, torch.Tensor]]],
+    receives: Sequence[Sequence[tuple[int, Sequence[int]]]],
+    sample: torch.Tensor,
+) -> tuple[dict[tuple[int, int], torch.Tensor], Traffic]:
+    """The cross-process part of ``collectives.exchange``: one buffer per peer process with
+    every tensor its devices send to that peer's devices, in (source, destination, order)
+    order; returns {(local index, position in receives[i]): tensor}."""
+    members = tuple(mesh.mesh.flatten().tolist())
+    ranks = tuple(sorted({mesh.owner_of(d) for d in members}))
+    call = _Call("exchange", mesh, mesh_dims, [], sample, ranks={members: ranks})
+    group_for_ranks(ranks)  # every process of the mesh takes part in creating its group
+    local = mesh.local_device_ids
+    data = call.round()
+    outgoing = sorted(
+        (d, dst, n, t)
+        for i, d in enumerate(local)
+        for n, (dst, t) in enumerate(sends[i])
+        if call.owner(dst) != call.me
+    )
+    for _, dst, _, t in outgoing:
+        data.send(ranks, call.owner(dst), t)
+    incoming = sorted(
+        (src, local[i], n, i, tuple(shape))
+        for i in range(len(local))
+        for n, (src, shape) in enumerate(receives[i])
+        if call.owner(src) != call.me
+    )
+    for src, _, _, _, shape in incoming:
+        data.expect(ranks, call.owner(src), shape, sample.dtype)
+    received = data.run()
+    out = {
+        (i, n): t.to(mesh.device_of(local[i]))
+        for (_, _, n, i, _), t in zip(incoming, received, strict=True)
+    }
     return out, call.traffic
 
 

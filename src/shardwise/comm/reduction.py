@@ -100,3 +100,8 @@ def cast_keeps_partial(op: str, src: torch.dtype, dst: torch.dtype) -> bool:
     if dst.is_floating_point:
         return True  # rounding is monotonic, NaN stays NaN
     return not src.is_floating_point and torch.promote_types(src, dst) == dst
+
+
+def reduce_terms(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """The finished reduction of ``tensors`` in the order given."""
+    return finish(combine(tensors, op), op, len(tensors), tensors[0].dtype)

@@ -1,0 +1,211 @@
+"""Redistribution planning: bytes against the lower bound, and planning time, for shardwise and
+torch.distributed.tensor's planners in the same run.
+
+Every transition between placement tuples of Shard(0), Shard(1), Shard(2), Replicate and
+Partial on meshes (4,), (2, 2) and (2, 2, 2) is planned by both libraries for one tensor.
+Bytes are those all devices receive under the ring model of DESIGN.md; DTensor's steps are
+priced by the same model (its flattened steps move what the per-dim steps they merge move, so
+they are priced unflattened). The bound is ``shardwise.redistribute.lower_bound_bytes``.
+
+Run: python bench/bench_planner.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed import tensor as torch_dt
+from torch.distributed.tensor._dtensor_spec import DTensorSpec as TorchSpec
+from torch.distributed.tensor._dtensor_spec import TensorMeta as TorchMeta
+from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import shardwise as sw
+from shardwise.redistribute import (
+    _PLANS,
+    _plan,
+    _Pricer,
+    _step_kind,
+    lower_bound_bytes,
+    plan_redistribute,
+)
+from shardwise.spec import DTensorSpec, contiguous_meta
+
+SHAPE = (16, 12, 8)
+ITEMSIZE = 4
+MESHES = [(4,), (2, 2), (2, 2, 2)]
+NAMED = [  # the transitions of issue 13, on the 2x2x2 mesh
+    ("S0,S1,S2", "S2,S0,S1"),
+    ("S0,S0,R", "S1,S1,R"),
+    ("S0,R,R", "R,R,S0"),
+    ("P,P,P", "R,R,R"),
+    ("P,R,S0", "S0,S1,R"),
+    ("S0,S1,R", "R,S0,S1"),
+]
+
+
+def _ours(code: str) -> sw.Placement:
+    return {"R": sw.Replicate(), "P": sw.Partial()}.get(code) or sw.Shard(int(code[1]))
+
+
+def _theirs(code: str):
+    return {"R": torch_dt.Replicate(), "P": torch_dt.Partial()}.get(code) or torch_dt.Shard(
+        int(code[1])
+    )
+
+
+def _their_bytes(mesh: sw.DeviceMesh, infos, source: tuple) -> int:
+    """DTensor's steps priced by shardwise's ring model, tracking the placements."""
+    pricer = _Pricer(mesh, SHAPE, ITEMSIZE)
+    state, total = source, 0
+    for info in infos:
+        m = info.mesh_dim
+        a, b = (_ours(_code(p)) for p in info.src_dst_placements)
+        after = state[:m] + (b,) + state[m + 1 :]
+        kind = _step_kind(a, b, mesh.shape[m])
+        total += pricer.price(kind, state, after, m)[1]
+        state = after
+    return total
+
+
+def _code(p) -> str:
+    if p.is_replicate():
+        return "R"
+    if p.is_partial():
+        return "P"
+    return f"S{p.dim}"
+
+
+def _time_ms(fn, repeat: int = 3) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run() -> dict:
+    results: dict = {"meshes": {}, "named": []}
+    for mesh_shape in MESHES:
+        ids = torch.arange(int(torch.tensor(mesh_shape).prod())).reshape(mesh_shape)
+        ours_mesh = sw.DeviceMesh("meta", ids)
+        their_mesh = torch_dt.DeviceMesh("cpu", ids)
+        codes = ["S0", "S1", "S2", "R", "P"]
+        states = list(itertools.product(codes, repeat=len(mesh_shape)))
+        rows = []
+        for src, dst in itertools.product(states, states):
+            if "P" in dst:
+                continue  # targets are Partial-free: a Partial target is a free local step
+            rows.append(_compare(ours_mesh, their_mesh, src, dst, graph=False))
+        results["meshes"][str(mesh_shape)] = _summary(rows)
+    cube = sw.DeviceMesh("meta", torch.arange(8).reshape(2, 2, 2))
+    their_cube = torch_dt.DeviceMesh("cpu", torch.arange(8).reshape(2, 2, 2))
+    for src, dst in NAMED:
+        row = _compare(cube, their_cube, tuple(src.split(",")), tuple(dst.split(",")), True)
+        results["named"].append(row)
+    spec = DTensorSpec(cube, (sw.Shard(0), sw.Shard(1), sw.Shard(2)),
+                       contiguous_meta(SHAPE, torch.float32))
+    target = (sw.Shard(2), sw.Shard(0), sw.Shard(1))
+    plan_redistribute(spec, target)
+    n = 20000
+    start = time.perf_counter()
+    for _ in range(n):
+        plan_redistribute(spec, target)
+    results["cached_lookup_us"] = (time.perf_counter() - start) / n * 1e6
+    return results
+
+
+def _compare(mesh, their_mesh, src: tuple, dst: tuple, graph: bool) -> dict:
+    source = tuple(_ours(c) for c in src)
+    target = tuple(_ours(c) for c in dst)
+    bound = lower_bound_bytes(mesh, SHAPE, ITEMSIZE, source, target)
+
+    def plan_ours():
+        _plan.cache_clear()
+        _PLANS.clear()
+        return _plan(mesh, SHAPE, ITEMSIZE, source, target)
+
+    ours = plan_ours().global_bytes
+    meta = TorchMeta(torch.Size(SHAPE), (SHAPE[1] * SHAPE[2], SHAPE[2], 1), torch.float32)
+    tsrc = TorchSpec(their_mesh, tuple(_theirs(c) for c in src), meta)
+    tdst = TorchSpec(their_mesh, tuple(_theirs(c) for c in dst), meta)
+    row = {
+        "transition": f"({','.join(src)})->({','.join(dst)})",
+        "bound": bound,
+        "shardwise": ours,
+        "shardwise_ms": _time_ms(plan_ours),
+    }
+    greedy = _gen_transform_infos_non_cached(tsrc, tdst, use_graph_based_transform=False)
+    row["dtensor_greedy"] = _their_bytes(mesh, greedy, source)
+    row["dtensor_greedy_ms"] = _time_ms(
+        lambda: _gen_transform_infos_non_cached(tsrc, tdst, use_graph_based_transform=False)
+    )
+    if graph:
+        infos = _gen_transform_infos_non_cached(tsrc, tdst, use_graph_based_transform=True)
+        row["dtensor_graph"] = _their_bytes(mesh, infos, source)
+        row["dtensor_graph_ms"] = _time_ms(
+            lambda: _gen_transform_infos_non_cached(tsrc, tdst, use_graph_based_transform=True),
+            repeat=1,
+        )
+    return row
+
+
+def _ratio(value: int, bound: int) -> float:
+    return 1.0 if value == bound else (value / bound if bound else float("inf"))
+
+
+def _summary(rows: list[dict]) -> dict:
+    moving = [r for r in rows if r["bound"] > 0 or r["shardwise"] > 0]
+    out = {"transitions": len(rows)}
+    for who in ("shardwise", "dtensor_greedy"):
+        ratios = [_ratio(r[who], r["bound"]) for r in moving]
+        out[who] = {
+            "at_bound": sum(x == 1.0 for x in ratios) + len(rows) - len(moving),
+            "worst_ratio": max(ratios),
+            "mean_ratio": statistics.fmean(ratios),
+        }
+    out["shardwise_plan_ms_median"] = statistics.median(r["shardwise_ms"] for r in rows)
+    out["shardwise_plan_ms_max"] = max(r["shardwise_ms"] for r in rows)
+    out["dtensor_greedy_ms_median"] = statistics.median(r["dtensor_greedy_ms"] for r in rows)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        results = run()
+    finally:
+        dist.destroy_process_group()
+    print(f"Planner, tensor {list(SHAPE)} float32: bytes over all devices / lower bound")
+    print(f"{'mesh':<11}{'pairs':>6}{'sw at bound':>13}{'sw worst':>10}{'DT at bound':>13}"
+          f"{'DT worst':>10}{'sw ms':>8}{'DT ms':>8}")
+    for mesh, s in results["meshes"].items():
+        print(f"{mesh:<11}{s['transitions']:>6}{s['shardwise']['at_bound']:>13}"
+              f"{s['shardwise']['worst_ratio']:>10.2f}{s['dtensor_greedy']['at_bound']:>13}"
+              f"{s['dtensor_greedy']['worst_ratio']:>10.2f}{s['shardwise_plan_ms_median']:>8.2f}"
+              f"{s['dtensor_greedy_ms_median']:>8.2f}")
+    print(f"\n{'2x2x2 transition':<26}{'sw':>7}{'DT greedy':>11}{'DT graph':>10}{'sw ms':>8}"
+          f"{'graph ms':>10}")
+    for r in results["named"]:
+        b = r["bound"]
+        print(f"{r['transition']:<26}{_ratio(r['shardwise'], b):>7.2f}"
+              f"{_ratio(r['dtensor_greedy'], b):>11.2f}{_ratio(r['dtensor_graph'], b):>10.2f}"
+              f"{r['shardwise_ms']:>8.2f}{r['dtensor_graph_ms']:>10.1f}")
+    print(f"\ncached plan lookup: {results['cached_lookup_us']:.2f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
