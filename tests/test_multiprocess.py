@@ -310,10 +310,10 @@ def divergent_program() -> dict:
     rank = dist.get_rank()
     mesh = sw.init_device_mesh("cpu", (4,))
     sw.set_collective_timeout(10)
-    sw.set_debug_checks(True)
     out: dict = {}
     rows = 8 if rank == 0 else 6
-    x = sw.distribute_tensor(torch.ones(rows, 4), mesh, [Shard(0)])
+    x = sw.distribute_tensor(torch.ones(rows, 4), mesh, [Shard(0)], src_data_rank=None)
+    sw.set_debug_checks(True)
     start = time.monotonic()
     try:
         x.redistribute(placements=[Replicate()])
@@ -328,7 +328,8 @@ def divergent_program() -> dict:
     start = time.monotonic()
     if rank == 0:
         try:
-            sw.distribute_tensor(full, mesh, [Shard(0)]).redistribute(placements=[Replicate()])
+            x = sw.distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+            x.redistribute(placements=[Replicate()])
         except CollectiveTimeoutError as err:
             out["timeout"] = str(err)
     else:

@@ -51,6 +51,13 @@ def transitions(draw: st.DrawFn, max_dims: int = 3) -> tuple:
 def test_redistribute_round_trips_exactly(transition: tuple, seed: int) -> None:
     case, target = transition
     x = make_tensor(case.shape, case.dtype, seed)
+    if case.dtype.is_floating_point is False and _has_avg(case.placements, target):
+        # the mean of integers is not an integer: Partial("avg") refuses them (issue 7)
+        with pytest.raises(sw.InvalidPlacementError, match="Partial\\('avg'\\) needs"):
+            sw.DTensor.from_local(
+                components_for(x, case.mesh, case.placements, seed), case.mesh, case.placements
+            ).redistribute(case.mesh, target)
+        return
     dt = sw.DTensor.from_local(
         components_for(x, case.mesh, case.placements, seed), case.mesh, case.placements
     )

@@ -88,7 +88,7 @@ class CommDebugMode(CommCounter):
         self.bytes.clear()
         self.records.clear()
         self.cross_process_bytes.clear()
-        self.meta_bytes = 0
+        self.meta_bytes.clear()
         self._depth = {"Global": 0}
         self._tracker = ModTracker()
         self._tracker.register_user_hooks(pre_fw_hook=self._enter_module)

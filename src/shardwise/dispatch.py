@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -68,13 +69,22 @@ class Decision:
     multi_output: bool
 
 
+# Read without a lock (a dict lookup is atomic); a new entry is built completely by the thread
+# that missed and published with one assignment under ``_publish``, unless the registry or a
+# ``clear_sharding_cache`` changed the generation meanwhile (the entry could be stale).
 _cache: dict[Any, Decision] = {}
-registry.on_registry_change(_cache.clear)
+_publish = threading.Lock()
+_generation = [0]
 
 
 def clear_sharding_cache() -> None:
     """Forget every cached sharding decision."""
-    _cache.clear()
+    with _publish:
+        _generation[0] += 1
+        _cache.clear()
+
+
+registry.on_registry_change(clear_sharding_cache)
 
 
 def _key_part(value: Any) -> Any:
@@ -323,7 +333,7 @@ def _implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) ->
             f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)) or "
             f"take it as replicated inside `with shardwise.implicit_replication():`"
         )
-    return distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim)
+    return distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -351,7 +361,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
     key = _cache_key(func, args, kwargs, specs)
     decision = _cache.get(key)
-    if decision is None:
+    fresh = decision is None  # this thread decides, fills in and publishes its own entry
+    if fresh:
+        generation = _generation[0]
         decision = _decide(func, args, kwargs, specs)
     components = _redistribute_inputs(func, dtensors, decision.input_placements)
 
@@ -371,9 +383,11 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             a, kw = local_args(a, kw, moved, decision.output_specs, device)
         local_results.append(func(*a, **kw))
 
-    if key not in _cache:
+    if fresh:
         decision = _complete(func, flat, tree, dtensors_at, specs, decision, local_results[0])
-        _cache[key] = decision
+        with _publish:
+            if _generation[0] == generation:
+                _cache[key] = decision
     if _is_inplace(func) and decision.input_placements[0] != specs[0].placements:
         # the op needed self elsewhere: self now lives there (same global value, updated)
         dtensors[0]._components = components[0]

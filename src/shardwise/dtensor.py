@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from . import comm, settings
-from .errors import InvalidPlacementError, LocalComponentsError, PackError
-from .mesh import DeviceMesh
-from .placements import Partial, Placement, Replicate, Shard
+from .comm.reduction import reduce_op_problem
+from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
+from .mesh import DeviceMesh, IdTuple
+from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import execute_plan, plan_redistribute
 from .spec import (
     DTensorSpec,
@@ -35,6 +36,23 @@ def set_dispatch_handler(handler: DispatchHandler) -> None:
     _dispatch_handler[:] = [handler]
 
 
+def check_partials(spec: DTensorSpec) -> None:
+    """Raise if a Partial placement of ``spec`` has no meaning for its dtype (the rule lives
+    in ``comm.reduction``): a DTensor never holds such a pending reduction. A spec that
+    passed is marked, so the hot path pays one dict lookup."""
+    if "_partials_ok" in spec.__dict__:
+        return
+    for p in spec.placements:
+        if type(p) is Partial:
+            problem = reduce_op_problem(p.reduce_op, spec.tensor_meta.dtype)
+            if problem is not None:
+                raise InvalidPlacementError(
+                    f"{problem} (tensor shape {list(spec.tensor_meta.shape)}, placements "
+                    f"{list(spec.placements)}, {spec.mesh})"
+                )
+    object.__setattr__(spec, "_partials_ok", True)
+
+
 class DTensor(torch.Tensor):
     """A tensor distributed over a ``DeviceMesh`` by one ``Placement`` per mesh dim."""
 
@@ -48,6 +66,7 @@ class DTensor(torch.Tensor):
         cls, components: Sequence[torch.Tensor], spec: DTensorSpec, *, requires_grad: bool = False
     ) -> DTensor:
         meta = spec.tensor_meta
+        check_partials(spec)
         first = components[0] if components else None
         device = first.device if first is not None else spec.mesh.device_of(0)
         out = torch.Tensor._make_wrapper_subclass(
@@ -200,6 +219,7 @@ class DTensor(torch.Tensor):
             return _Redistribute.apply(self, target, forward_dtype, backward_dtype)
         if target == self.placements:
             return self
+        check_partials(self._spec.with_placements(target))
         if async_op:
             from .async_tensor import redistribute_async
 
@@ -270,6 +290,12 @@ def _as_components(
     n_local = len(mesh.local_device_ids)
     if isinstance(local, DTensor):
         raise PackError(f"from_local/pack got a DTensor {local}; pass its local components")
+    for c in [local] if isinstance(local, torch.Tensor) else local:
+        if isinstance(c, torch.Tensor) and c.is_meta and mesh.device_type != "meta":
+            raise PackError(
+                f"a component of shape {list(c.shape)} is on the meta device (it has no data) "
+                f"but {mesh} is a {mesh.device_type!r} mesh (placements {list(placements)})"
+            )
     if isinstance(local, torch.Tensor):
         if n_local == 1 or all(p.is_replicate() for p in placements):
             return [local] + [local.clone() for _ in range(n_local - 1)]
@@ -290,6 +316,7 @@ def _as_components(
                 f"components must be plain tensors, got {type(c).__name__} "
                 f"(placements {list(placements)}, {mesh})"
             )
+
     dtypes = {c.dtype for c in components}
     if len(dtypes) > 1:
         raise PackError(f"components have different dtypes {sorted(map(str, dtypes))}")
@@ -353,6 +380,7 @@ def _spec_from_components(
     normalized = validate_placements(shape, mesh, normalized)
     meta = contiguous_meta(shape, components[0].dtype)
     if stride is not None:
+        _check_stride(shape, stride, mesh, normalized)
         meta = TensorMeta(meta.shape, tuple(stride), meta.dtype)
     spec = DTensorSpec(mesh, normalized, meta)
     for c, d in zip(components, mesh.local_device_ids, strict=True):
@@ -366,6 +394,30 @@ def _spec_from_components(
     return spec
 
 
+def _check_stride(
+    shape: Sequence[int], stride: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> None:
+    """A global stride must lay the global shape out densely without overlap (a permutation of
+    the contiguous strides: what torch gives a tensor with no gaps nor aliasing)."""
+    stride = list(stride) if isinstance(stride, (list, tuple, torch.Size)) else stride
+    ok = isinstance(stride, list) and len(stride) == len(shape) and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stride
+    )
+    if ok:
+        expected = 1
+        for d in sorted(range(len(shape)), key=lambda d: (stride[d], shape[d])):
+            if shape[d] == 1:
+                continue
+            ok = ok and stride[d] == expected
+            expected *= shape[d]
+    if not ok:
+        raise PackError(
+            f"stride {stride!r} does not lay out the global shape {list(shape)} densely (one "
+            f"non-negative stride per dim, a permutation of the contiguous strides); "
+            f"placements {list(placements)}, {mesh}"
+        )
+
+
 def _broadcast_replicated(spec: DTensorSpec, components: list[torch.Tensor]) -> list[torch.Tensor]:
     with comm.moving(lambda: f"from_local(run_check=True) of {spec}"):
         for m, p in enumerate(spec.placements):
@@ -375,22 +427,62 @@ def _broadcast_replicated(spec: DTensorSpec, components: list[torch.Tensor]) -> 
 
 
 def distribute_tensor(
-    tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
 ) -> DTensor:
     """Place a global ``tensor`` on ``device_mesh``: each device keeps its piece (a leaf DTensor
-    with the tensor's ``requires_grad``, as in PyTorch)."""
+    with the tensor's ``requires_grad``, as in PyTorch).
+
+    Across processes, every process passes a tensor of the same shape and dtype (checked: a
+    difference raises ``CollectiveMismatchError`` on every process) and the values are those of
+    process ``src_data_rank``, which sends each process its devices' pieces. With
+    ``src_data_rank=None`` every process must already hold the same tensor and nothing moves
+    (shapes are then compared only under debug checks). In one process nothing moves either way.
+    """
     if isinstance(tensor, DTensor):
         raise InvalidPlacementError(
             f"distribute_tensor got a DTensor {tensor}; use its redistribute() instead"
         )
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgumentError(
+            f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}"
+        )
     placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
     normalized = validate_placements(tensor.shape, device_mesh, placements)
     spec = DTensorSpec(device_mesh, normalized, make_tensor_meta(tensor))
+    check_partials(spec)
     data = tensor.detach()
-    components = [
-        _component_of(data, spec, device).to(device_mesh.device_of(device))
-        for device in device_mesh.local_device_ids
-    ]
+    local = device_mesh.local_device_ids
+    owners = sorted({device_mesh.owner_of(d) for d in device_mesh.mesh.flatten().tolist()})
+    if src_data_rank is not None and (
+        isinstance(src_data_rank, bool)
+        or not isinstance(src_data_rank, int)
+        or src_data_rank not in owners
+    ):
+        raise InvalidArgumentError(
+            f"distribute_tensor: src_data_rank={src_data_rank!r} must be None or the rank of a "
+            f"process that owns devices of {device_mesh} (ranks {owners}); tensor shape "
+            f"{list(tensor.shape)}, placements {list(normalized)}"
+        )
+    if len(owners) > 1 and (src_data_rank is not None or comm.debug_checks_enabled()):
+        fields = {"shape": list(tensor.shape), "dtype": str(tensor.dtype),
+                  "placements": repr(list(normalized)), "src_data_rank": src_data_rank}
+        with comm.moving(lambda: f"distribute_tensor of {spec}"):
+            comm.agree(device_mesh, "distribute_tensor", fields, data)
+    if src_data_rank is None or len(owners) == 1:
+        components = [_component_of(data, spec, d).to(device_mesh.device_of(d)) for d in local]
+    else:
+        with comm.moving(lambda: f"distribute_tensor of {spec} from rank {src_data_rank}"):
+            components = comm.scatter_from(
+                device_mesh,
+                src_data_rank,
+                lambda d: _component_of(data, spec, d),
+                [spec.local_shape(d) for d in local],
+                data,
+            )
     return DTensor(components, spec, requires_grad=tensor.requires_grad)
 
 
@@ -408,8 +500,6 @@ def _component_of(tensor: torch.Tensor, spec: DTensorSpec, device: int) -> torch
 def unpack(dtensor: DTensor) -> list[torch.Tensor]:
     """This process's components of ``dtensor``, in ascending device id (differentiable)."""
     if not isinstance(dtensor, DTensor):
-        from .errors import InvalidArgumentError
-
         raise InvalidArgumentError(
             f"unpack expects a DTensor, got {type(dtensor).__name__}"
             + (f" of shape {list(dtensor.shape)}" if isinstance(dtensor, torch.Tensor) else "")
@@ -532,3 +622,10 @@ class _FirstComponent(torch.autograd.Function):
             for i, d in enumerate(spec.mesh.local_device_ids)
         ]
         return DTensor(components, spec), None
+
+
+# torch.load(weights_only=True), torch's default, accepts saved DTensors and meshes
+torch.serialization.add_safe_globals(
+    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, IdTuple, Shard, InterleavedShard, Replicate,
+     Partial]
+)

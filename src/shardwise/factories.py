@@ -10,11 +10,13 @@ global tensor's memory, once, in this process).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from . import comm
 from .dtensor import DTensor, distribute_tensor
 from .errors import InvalidArgumentError, MeshError
 from .mesh import DeviceMesh
@@ -52,6 +54,8 @@ def _mesh_and_spec(
     device_mesh: DeviceMesh | None,
     placements: Sequence[Placement] | None,
 ) -> DTensorSpec:
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentError(f"shardwise.{what}: dtype must be a torch.dtype, got {dtype!r}")
     if layout != torch.strided:
         raise InvalidArgumentError(
             f"shardwise.{what}: only the torch.strided layout is supported, not {layout}"
@@ -78,7 +82,20 @@ def _build(spec: DTensorSpec, make: LocalMaker, requires_grad: bool) -> DTensor:
 
 def _constant(what: str, value: Any, size: tuple, dtype, layout, requires_grad, mesh, placements):
     shape = _normalize_size(size, what)
-    probe = torch.full((), value, dtype=dtype)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentError(f"shardwise.{what}: dtype must be a torch.dtype, got {dtype!r}")
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, (bool, int, float, complex)):
+        raise InvalidArgumentError(
+            f"shardwise.{what}({list(shape)}): the fill value must be a number, got {value!r}"
+        )
+    try:
+        probe = torch.full((), value, dtype=dtype)
+    except RuntimeError as err:
+        raise InvalidArgumentError(
+            f"shardwise.{what}({list(shape)}): cannot fill {dtype} with {value!r} ({err})"
+        ) from None
     spec = _mesh_and_spec(what, shape, probe.dtype, layout, mesh, placements)
 
     def make(local: torch.Size, device: torch.device, keep: bool) -> torch.Tensor:
@@ -149,6 +166,27 @@ def empty(
     return _build(spec, make, requires_grad)
 
 
+_checked_generators: set[tuple] = set()
+
+
+def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
+    """Random DTensors are drawn whole in every process from its own generator (no data
+    moves), so the processes of ``mesh`` must hold the same generator state: compare it on
+    the first random op of each mesh, and on every one under debug checks; a difference raises
+    ``CollectiveMismatchError`` on every process."""
+    key = (mesh, device)
+    if key in _checked_generators and not comm.debug_checks_enabled():
+        return
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    fields = {"generator state": hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16]}
+    with comm.moving(
+        "the random generator state: call shardwise.manual_seed(seed) with the same seed in "
+        "every process before random DTensor ops"
+    ):
+        comm.agree(mesh, "random op", fields, state)
+    _checked_generators.add(key)
+
+
 def _random(
     what: str,
     draw: Callable[..., torch.Tensor],
@@ -164,8 +202,10 @@ def _random(
     spec = _mesh_and_spec(what, shape, dtype, layout, device_mesh, placements)
     mesh = spec.mesh
     first = mesh.device_of(mesh.local_device_ids[0])
+    check_generator(mesh, first)
     drawn = draw(shape, dtype=dtype, device=first)
-    return distribute_tensor(drawn, mesh, spec.placements).requires_grad_(requires_grad)
+    out = distribute_tensor(drawn, mesh, spec.placements, src_data_rank=None)
+    return out.requires_grad_(requires_grad)
 
 
 def rand(

@@ -5,13 +5,16 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import time
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
 import torch
 
-from .errors import MeshError, ShardwiseTypeError
+from . import settings
+from .errors import CollectiveError, CollectiveTimeoutError, MeshError, ShardwiseTypeError
 
 
 class MeshDimNameError(MeshError, KeyError):
@@ -38,6 +41,23 @@ def _process_info() -> tuple[int, int]:
     return 0, 1
 
 
+def _mesh_ids(mesh: Any) -> torch.Tensor:
+    """The device ids of ``mesh`` (nested lists or a tensor of ints) as an int64 tensor."""
+    try:
+        ids = torch.as_tensor(mesh)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise MeshError(
+            f"a device mesh must be a (nested, rectangular) list or tensor of int device ids, "
+            f"got {mesh!r} ({err})"
+        ) from None
+    if ids.numel() == 0:
+        raise MeshError(f"a device mesh needs at least one device, got mesh {mesh!r}")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise MeshError(f"device ids of a mesh must be ints, got {mesh!r} ({ids.dtype})")
+    ids = ids.detach().to("cpu", torch.int64)
+    return ids.reshape(1) if ids.ndim == 0 else ids
+
+
 class DeviceMesh:
     """An n-D array of device ids ``0..N-1`` with optional dim names (PyTorch ``DeviceMesh``).
 
@@ -54,11 +74,7 @@ class DeviceMesh:
         _devices_per_process: int | None = None,
         _rank: int | None = None,
     ) -> None:
-        ids = torch.as_tensor(mesh, dtype=torch.int64).detach().cpu()
-        if ids.ndim == 0:
-            ids = ids.reshape(1)
-        if ids.numel() == 0:
-            raise MeshError(f"a device mesh needs at least one device, got mesh {mesh!r}")
+        ids = _mesh_ids(mesh)
         flat = ids.flatten().tolist()
         if len(set(flat)) != len(flat) or min(flat) < 0:
             raise MeshError(f"device ids of a mesh must be unique and >= 0, got {flat}")
@@ -73,12 +89,28 @@ class DeviceMesh:
                 )
             if len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
                 raise MeshError(f"mesh_dim_names must be unique strings, got {names}")
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise MeshError(
+                f"a 'cuda' mesh {flat} needs CUDA, but torch.cuda.is_available() is False here; "
+                f"use device_type='cpu' for simulated devices"
+            )
+        if device_type != "meta" and _devices_per_process is None:
+            _init_process_group(device_type, None)
         self.device_type = device_type
         self.mesh = ids
         self.mesh_dim_names = names
         # a meta mesh has no devices to own: it plans and propagates shapes for the whole mesh
         rank, world = (0, 1) if device_type == "meta" else _process_info()
-        if _devices_per_process is None:
+        if _devices_per_process is None and world == 1:
+            _devices_per_process = max(flat) + 1  # the only process owns every id
+        elif _devices_per_process is None:
+            if sorted(flat) != list(range(len(flat))):
+                raise MeshError(
+                    f"across {world} processes the device ids of a mesh must be "
+                    f"0..{len(flat) - 1} (process r owns a run of them), got {flat}; build "
+                    f"sub-meshes with mesh[...] or mesh.submeshes(...), or use "
+                    f"DeviceMesh.from_group"
+                )
             if ids.numel() % world:
                 raise MeshError(
                     f"a mesh of {ids.numel()} devices cannot be split over {world} processes: "
@@ -142,6 +174,8 @@ class DeviceMesh:
                     f"{self.mesh_dim_names or 'unnamed'}"
                 )
             return self.mesh_dim_names.index(mesh_dim)
+        if not isinstance(mesh_dim, int) or isinstance(mesh_dim, bool):
+            raise MeshError(f"a mesh dim is an int or a dim name, got {mesh_dim!r} for {self}")
         if not -self.ndim <= mesh_dim < self.ndim:
             raise MeshError(f"mesh dim {mesh_dim} is out of range for {self}")
         return mesh_dim % self.ndim
@@ -293,6 +327,17 @@ class DeviceMesh:
             _devices_per_process=self._devices_per_process,
             _rank=self._rank,
         )
+
+    # ----- pickling (torch.save / torch.load with weights_only) -----------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Only the defining fields: cached tables are rebuilt on use."""
+        keep = ("device_type", "mesh", "mesh_dim_names", "_devices_per_process", "_rank", "_ids",
+                "mesh_name")
+        return {k: self.__dict__[k] for k in keep if k in self.__dict__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._id_set = frozenset(self._ids)
 
     # ----- PyTorch: process groups, rank, flattening -----------------------------------------
     def get_rank(self) -> int:
@@ -513,8 +558,13 @@ def init_device_mesh(
     script runs unchanged under ``torchrun`` and ``python -m shardwise.launch``. A ``"meta"``
     mesh never initializes anything.
     """
+    if not isinstance(mesh_shape, (tuple, list, torch.Size)):
+        raise MeshError(
+            f"mesh_shape must be a tuple of positive ints, e.g. ({mesh_shape!r},), got "
+            f"{mesh_shape!r}"
+        )
     shape = tuple(mesh_shape)
-    if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
+    if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape):
         raise MeshError(f"mesh_shape must be a non-empty tuple of positive ints, got {shape}")
     if device_type != "meta":
         _init_process_group(device_type, init_process_group)
@@ -540,8 +590,56 @@ def _init_process_group(device_type: str, wanted: bool | None) -> None:
             f"init_process_group=True reads the torchrun environment, but {missing} are not set; "
             f"start the script with torchrun or python -m shardwise.launch"
         )
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    timeout = timedelta(seconds=settings.COLLECTIVE_TIMEOUT.get())
+    if "TORCHELASTIC_RUN_ID" in env:  # torchrun's agent owns the store and watches the peers
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        dist.init_process_group(
+            backend, store=_rendezvous(rank, world, timeout), rank=rank, world_size=world,
+            timeout=timeout,
+        )
     atexit.register(_destroy_process_group)
+
+
+def _rendezvous(rank: int, world: int, timeout: timedelta) -> Any:
+    """The store every process meets at (rank 0 hosts it at MASTER_ADDR:MASTER_PORT), once all
+    ``world`` processes have joined it; past ``timeout`` raise ``CollectiveTimeoutError``
+    naming the ranks that did not come."""
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    seconds = timeout.total_seconds()
+    try:
+        store = dist.TCPStore(
+            addr, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        )
+    except RuntimeError as err:
+        raise CollectiveTimeoutError(
+            f"process-group setup: rank {rank} of {world} could not reach the store of rank 0 "
+            f"at {addr}:{port} within {seconds:g} s (rank 0 did not start, died, or the "
+            f"address is wrong): {err}"
+        ) from None
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            store.set(f"shardwise/joined/{rank}", "1")
+            missing = [r for r in range(world) if not store.check([f"shardwise/joined/{r}"])]
+        except RuntimeError as err:
+            raise CollectiveError(
+                f"process-group setup: rank {rank} of {world} lost the store of rank 0 at "
+                f"{addr}:{port} (rank 0 died?): {err}"
+            ) from None
+        if not missing:
+            return store
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeoutError(
+                f"process-group setup: ranks {missing} of {world} did not join within the "
+                f"collective timeout of {seconds:g} s (rank {rank} waited at {addr}:{port}); "
+                f"they died or were not started"
+            )
+        time.sleep(0.02)
 
 
 def _destroy_process_group() -> None:
@@ -558,7 +656,8 @@ def create_mesh(
     device_type: str = "cpu",
     devices: Sequence[int] | None = None,
 ) -> DeviceMesh:
-    """TF DTensor's ``create_mesh([("x", 2), ("y", 3)])``: a named mesh with row-major ids."""
+    """TF DTensor's ``create_mesh([("x", 2), ("y", 3)])``: a named mesh with row-major ids, or
+    with ``devices`` (each id 0..N-1 once) laid out in row-major order."""
     device_type = tf_device_type(device_type)
     dims = list(mesh_dims)
     if not dims or any(not (isinstance(n, str) and isinstance(s, int) and s > 0) for n, s in dims):
@@ -570,4 +669,8 @@ def create_mesh(
             f"create_mesh got {len(devices)} devices for a mesh of shape {shape} "
             f"({math.prod(shape)} devices)"
         )
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if devices is None:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if device_type != "meta":
+        _init_process_group(device_type, None)
+    return DeviceMesh(device_type, _mesh_ids(list(devices)).reshape(shape), mesh_dim_names=names)

@@ -10,10 +10,13 @@ torch's modes are; a new thread sees the process-wide defaults.
 from __future__ import annotations
 
 import contextvars
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
+
+from .errors import InvalidArgumentError
 
 T = TypeVar("T")
 _UNSET: Any = object()
@@ -59,6 +62,27 @@ IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
 IMPLICIT_REPLICATION: Setting[bool] = Setting("implicit_replication", False)
 # Every redistribution an op makes is logged with the user's call site.
 LOG_REDISTRIBUTE: Setting[bool] = Setting("log_redistribute", False)
+# Every cross-process collective (and process-group setup) is bounded by this many seconds.
+def _env_seconds(name: str, default: float) -> float:
+    text = os.environ.get(name, "")
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidArgumentError(f"{name}={text!r} must be a finite positive number of seconds")
+    return value
+
+
+COLLECTIVE_TIMEOUT: Setting[float] = Setting(
+    "collective_timeout", _env_seconds("SHARDWISE_COLLECTIVE_TIMEOUT", 300.0)
+)
+# Processes compare what they are about to do before each cross-process collective.
+DEBUG_CHECKS: Setting[bool] = Setting("debug_checks", _env_flag("SHARDWISE_DEBUG_CHECKS"))
+# What the collectives inside ``comm.moving`` blocks are moving (innermost last), for errors.
+MOVING: Setting[tuple] = Setting("moving", ())
+# The ``CommCounter``s entered in this context (innermost last).
+COMM_COUNTERS: Setting[tuple] = Setting("comm_counters", ())
 
 
 class ReplicaThread:

@@ -43,6 +43,11 @@ class DTensorSpec:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    def __getstate__(self) -> dict:
+        """The fields only: the cached hash (of strings, salted per process) and marks are
+        recomputed where the spec is loaded."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
     @property
     def shape(self) -> torch.Size:
         if self.tensor_meta is None:
@@ -151,8 +156,13 @@ def validate_placements(
 ) -> tuple[Placement, ...]:
     """Check that ``placements`` fit a tensor of ``shape`` on ``mesh``; return them normalized.
     ``described`` names the tensor in error messages (default: its shape)."""
-    placements = tuple(placements)
     tensor = described or f"tensor shape {list(shape)}"
+    if isinstance(placements, Placement) or not isinstance(placements, (list, tuple)):
+        raise InvalidPlacementError(
+            f"placements must be a list with one placement per mesh dim of {mesh}, e.g. "
+            f"[{placements!r}], got {placements!r} ({tensor})"
+        )
+    placements = tuple(placements)
     if len(placements) != mesh.ndim:
         raise InvalidPlacementError(
             f"got {len(placements)} placements {list(placements)} for the {mesh.ndim}-D {mesh} "

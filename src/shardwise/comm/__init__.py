@@ -2,12 +2,14 @@
 
 from .accounting import CommCounter, CommRecord
 from .collectives import (
+    agree,
     all_gather,
     all_reduce,
     all_to_all,
     broadcast,
     exchange,
     reduce_scatter,
+    scatter_from,
 )
 from .reduction import reduce_terms
 from .safety import (
@@ -21,6 +23,7 @@ from .safety import (
 __all__ = [
     "CommCounter",
     "CommRecord",
+    "agree",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -31,6 +34,7 @@ __all__ = [
     "moving",
     "reduce_scatter",
     "reduce_terms",
+    "scatter_from",
     "set_collective_timeout",
     "set_debug_checks",
 ]

@@ -7,12 +7,13 @@ collectives use to count what they did, so a plan's cost equals the counted byte
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+from .. import settings
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter")
 
 
 def all_gather_received(piece_bytes: Sequence[int], index: int) -> int:
@@ -55,20 +56,23 @@ class CommRecord:
 
 @dataclass
 class CommCounter:
-    """Counts the collectives run inside ``with CommCounter() as c:``.
+    """Counts the collectives run inside ``with CommCounter() as c:`` (in this thread).
 
-    ``c.counts[kind]`` is the number of collectives of that kind, ``c.bytes[kind]`` the bytes
-    this process's devices received under the ring model (what plans price), ``c.total_bytes``
-    their sum; ``c.records`` keeps each one. Across processes, ``c.cross_process_bytes[kind]``
-    is the payload this process actually received from other processes, and ``c.meta_bytes``
-    the small shape headers and debug-check messages that went with it.
+    Per collective kind (``Counter``s, empty when nothing ran): ``c.counts[kind]`` collectives,
+    ``c.bytes[kind]`` bytes this process's devices received under the ring model (what plans
+    price), ``c.cross_process_bytes[kind]`` the payload this process really received from
+    other processes, and ``c.meta_bytes[kind]`` the small headers and debug-check messages that
+    went with it. ``c.total_bytes``, ``c.total_cross_process_bytes`` and ``c.total_meta_bytes``
+    are their sums (ints; the cross-process ones are 0 in one process); ``c.records`` keeps
+    each collective.
     """
 
     counts: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
     records: list[CommRecord] = field(default_factory=list)
     cross_process_bytes: Counter = field(default_factory=Counter)
-    meta_bytes: int = 0
+    meta_bytes: Counter = field(default_factory=Counter)
+    _scopes: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -78,28 +82,27 @@ class CommCounter:
     def total_cross_process_bytes(self) -> int:
         return sum(self.cross_process_bytes.values())
 
+    @property
+    def total_meta_bytes(self) -> int:
+        return sum(self.meta_bytes.values())
+
     def __enter__(self) -> CommCounter:
-        _active().append(self)
+        scope = settings.COMM_COUNTERS.override((*settings.COMM_COUNTERS.get(), self))
+        scope.__enter__()
+        self._scopes.append(scope)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _active().remove(self)
+        self._scopes.pop().__exit__(*exc)
 
     def add(self, record: CommRecord) -> None:
         self.counts[record.kind] += 1
         self.bytes[record.kind] += record.bytes
-        self.cross_process_bytes[record.kind] += record.cross_process_bytes
-        self.meta_bytes += record.meta_bytes
+        if record.cross_process_bytes:
+            self.cross_process_bytes[record.kind] += record.cross_process_bytes
+        if record.meta_bytes:
+            self.meta_bytes[record.kind] += record.meta_bytes
         self.records.append(record)
-
-
-_state = threading.local()
-
-
-def _active() -> list[CommCounter]:
-    if not hasattr(_state, "counters"):
-        _state.counters = []
-    return _state.counters
 
 
 def record(
@@ -112,7 +115,7 @@ def record(
     meta_bytes: int = 0,
 ) -> None:
     """Report one collective to every active ``CommCounter``."""
-    counters = _active()
+    counters = settings.COMM_COUNTERS.get()
     if counters:
         entry = CommRecord(kind, mesh_dim, nbytes, label, cross_process_bytes, meta_bytes)
         for counter in counters:

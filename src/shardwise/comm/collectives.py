@@ -182,6 +182,32 @@ def broadcast(
     return out
 
 
+def scatter_from(
+    mesh: DeviceMesh,
+    src: int,
+    piece: Callable[[int], torch.Tensor],
+    local_shapes: Sequence[Sequence[int]],
+    sample: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Each local device's piece of a value that process ``src`` holds: ``piece(device id)``
+    there, sent to the other processes (``piece`` runs on ``src`` only; elsewhere the pieces
+    arrive shaped ``local_shapes``). In one process nothing moves."""
+    local = mesh.local_device_ids
+    if not distributed.spans_processes(mesh):
+        return [_to(piece(d), mesh, d) for d in local]
+    pieces, traffic = distributed.scatter(mesh, src, piece, local_shapes, sample)
+    received = 0 if distributed.dist.get_rank() == src else sum(_nbytes(p) for p in pieces)
+    _record("scatter", -1, received, traffic)
+    return [_to(p, mesh, d) for p, d in zip(pieces, local, strict=True)]
+
+
+def agree(mesh: DeviceMesh, what: str, fields: dict[str, Any], sample: torch.Tensor) -> None:
+    """Raise ``CollectiveMismatchError`` on every process of ``mesh`` if their ``fields`` (JSON
+    values) differ; nothing to do in one process."""
+    if distributed.spans_processes(mesh):
+        distributed.agree(mesh, what, fields, sample)
+
+
 def exchange(
     mesh: DeviceMesh,
     mesh_dims: tuple[int, ...],

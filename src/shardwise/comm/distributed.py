@@ -12,7 +12,11 @@ are made per set of processes that share a device group, once, in mesh order.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,13 +29,23 @@ import torch.distributed as dist
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
 from . import safety
-from .reduction import combine, finish
+from .reduction import accumulation_dtype, combine, finish
 
 # Keeps shardwise's messages apart from a program's own send/recv on the same group.
 TAG = 0x5357
 Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local index of each or None
 
 _process_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_group_lock = threading.Lock()
+# Collectives so far per set of processes: the n-th collective between the same processes must be
+# the same one in each of them (the header and the debug checks compare it).
+_sequence: dict[tuple[int, ...], int] = {}
+_sequence_lock = threading.Lock()
+KIND_CODES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "broadcast", "scatter",
+              "agree", "exchange")
+_HEADER_MAGIC = 0x5357_4844
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
@@ -41,16 +55,26 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     the same order because they run the same program and create a mesh dim's groups together.
     """
     pg = _process_groups.get(ranks)
-    if pg is None:
-        if len(ranks) == dist.get_world_size():
-            pg = dist.group.WORLD
-        else:
-            pg = dist.new_group(
-                list(ranks),
-                timeout=timedelta(seconds=safety.get_collective_timeout()),
-                use_local_synchronization=True,
-            )
-        _process_groups[ranks] = pg
+    if pg is not None:
+        return pg
+    with _group_lock:
+        pg = _process_groups.get(ranks)
+        if pg is None:
+            if len(ranks) == dist.get_world_size():
+                pg = dist.group.WORLD
+            else:
+                try:
+                    pg = dist.new_group(
+                        list(ranks),
+                        timeout=timedelta(seconds=safety.get_collective_timeout()),
+                        use_local_synchronization=True,
+                    )
+                except RuntimeError as err:
+                    raise CollectiveError(
+                        f"creating the process group of ranks {list(ranks)} failed on rank "
+                        f"{dist.get_rank()}: {err}"
+                    ) from err
+            _process_groups[ranks] = pg
     return pg
 
 
@@ -86,7 +110,7 @@ class _Call:
     """One collective across processes: its description for errors, its rounds of messages."""
 
     def __init__(
-        self, kind: str, mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
+        self, kind: str, mesh: DeviceMesh, mesh_dim: int | None, groups: Sequence[Group],
         sample: torch.Tensor, detail: str = "",
         ranks: dict[tuple[int, ...], tuple[int, ...]] | None = None,
     ) -> None:
@@ -95,13 +119,21 @@ class _Call:
         self.me = dist.get_rank()
         self.ranks = group_ranks(mesh, mesh_dim) if ranks is None else ranks
         self.traffic = Traffic()
+        self.rounds = 0
+        self.fields: Callable[[Group], dict[str, object]] | None = None
+        self.fingerprints: dict[tuple[int, ...], int] = {}
+        with _sequence_lock:
+            self.seq = {}
+            for key in dict.fromkeys(self.ranks.values()):  # the process sets this call spans
+                self.seq[key] = _sequence.get(key, 0)
+                _sequence[key] = self.seq[key] + 1
 
     def what(self) -> str:
         moving = safety.current_description() or "local components"
+        where = "the whole" if self.mesh_dim is None else f"mesh dim {self.mesh_dim} of"
         return (
-            f"{self.kind}{self.detail} over mesh dim {self.mesh_dim} of {self.mesh} (rank "
-            f"{self.me}, moving {moving}; local piece {list(self.sample.shape)} "
-            f"{self.sample.dtype})"
+            f"{self.kind}{self.detail} over {where} {self.mesh} (rank {self.me}, moving "
+            f"{moving}; local piece {list(self.sample.shape)} {self.sample.dtype})"
         )
 
     def owner(self, device: int) -> int:
@@ -114,8 +146,10 @@ class _Call:
         return _Round(self, meta)
 
     def check(self, fields: Callable[[Group], dict[str, object]]) -> None:
-        """Debug checks: every process tells the others of each group what it is about to do
-        (``fields(group)`` adds the group's shapes); raise on any difference."""
+        """Debug checks: the first round's header carries a fingerprint of what this process
+        is about to do in each group (``fields(group)`` adds the group's shapes); processes
+        whose fingerprints differ exchange the details and raise ``CollectiveMismatchError``
+        naming what differs per rank. The same programs pay no extra message."""
         if not safety.debug_checks_enabled():
             return
         common = {
@@ -124,26 +158,54 @@ class _Call:
             "mesh_dim": self.mesh_dim,
             "dtype": str(self.sample.dtype),
             "moving": safety.current_description(),
+            "call site": call_site(),
         }
-        mine = [{**common, **fields(group)} for group in self.groups]
+        self.expect_same(
+            lambda group: {**common, "sequence": self.seq[self.ranks[group[0]]], **fields(group)}
+        )
+
+    def expect_same(self, fields: Callable[[Group], dict[str, object]]) -> None:
+        """The next round's headers carry a fingerprint of ``fields(group)`` per process group;
+        a difference is explained by ``compare`` (see ``check``)."""
+        self.fields = fields
+        by_ranks: dict[tuple[int, ...], list] = {}
+        for group in self.groups:
+            by_ranks.setdefault(self.ranks[group[0]], []).append(fields(group))
+        self.fingerprints = {
+            ranks: int.from_bytes(
+                hashlib.sha1(json.dumps(values, sort_keys=True).encode()).digest()[:7], "big"
+            )
+            for ranks, values in by_ranks.items()
+        }
+
+    def compare(self, keys: set[tuple[tuple[int, ...], int]]) -> None:
+        """Exchange ``self.fields`` with the peers of ``keys`` ((ranks, peer) pairs whose
+        fingerprints differed, who do the same towards this process) and raise
+        ``CollectiveMismatchError`` naming what differs per rank."""
+        mine = [self.fields(group) for group in self.groups]
         encoded = [
             torch.frombuffer(bytearray(json.dumps(d).encode()), dtype=torch.uint8) for d in mine
         ]
+
+        def peers(members: tuple[int, ...]) -> list[int]:
+            return [p for p in self.peers(members) if (self.ranks[members], p) in keys]
+
         lengths = self.round(meta=True)
         for (members, _), payload in zip(self.groups, encoded, strict=True):
-            for peer in self.peers(members):
+            for peer in peers(members):
                 lengths.send(self.ranks[members], peer, torch.tensor([payload.numel()]))
                 lengths.expect(self.ranks[members], peer, (1,), torch.int64)
         sizes = iter(lengths.run())
         bodies = self.round(meta=True)
         for (members, _), payload in zip(self.groups, encoded, strict=True):
-            for peer in self.peers(members):
+            for peer in peers(members):
                 bodies.send(self.ranks[members], peer, payload)
                 bodies.expect(self.ranks[members], peer, (int(next(sizes).item()),), torch.uint8)
         received = iter(bodies.run())
+        report = []
         for (members, _), own in zip(self.groups, mine, strict=True):
             seen = {self.me: own}
-            for peer in self.peers(members):
+            for peer in peers(members):
                 seen[peer] = json.loads(next(received).numpy().tobytes().decode())
             diffs = [
                 f"  {key}: " + "; ".join(f"rank {r}: {seen[r].get(key)!r}" for r in sorted(seen))
@@ -151,10 +213,22 @@ class _Call:
                 if len({json.dumps(d.get(key)) for d in seen.values()}) > 1
             ]
             if diffs:
-                raise CollectiveMismatchError(
-                    f"processes disagree on a collective; {self.what()}, device group "
-                    f"{list(members)}. What differs per rank:\n" + "\n".join(diffs)
-                )
+                report.append(f"device group {list(members)}:\n" + "\n".join(diffs))
+        raise CollectiveMismatchError(
+            f"processes disagree on a collective; {self.what()}. What differs per rank, "
+            f"{'; '.join(report) or 'the order of their groups'}"
+        )
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame outside shardwise and torch (the user's line)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith((_PACKAGE_DIR, _TORCH_DIR)) or name.startswith("<frozen")):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
 
 
 class _Round:
@@ -180,7 +254,21 @@ class _Round:
         self.expected.append(((ranks, peer), shape, dtype))
 
     def run(self) -> list[torch.Tensor]:
+        try:
+            return self._run()
+        except CollectiveError:
+            raise
+        except RuntimeError as err:  # the transport broke (a peer died or closed)
+            raise CollectiveError(
+                f"{self.call.what()} failed: {err}; another process probably failed or timed "
+                f"out first"
+            ) from err
+
+    def _run(self) -> list[torch.Tensor]:
         device = self.call.sample.device
+        self.call.rounds += 1
+        if self.call.rounds == 1:  # later rounds' sizes follow from the first one's
+            self._exchange_headers(device)
         works = []
         for (ranks, peer), parts in self.outgoing.items():
             buffer = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -211,6 +299,51 @@ class _Round:
             out.append(piece.reshape(shape))
         return out
 
+    def _header(self, key: tuple[tuple[int, ...], int]) -> list[int]:
+        sent = sum(p.numel() for p in self.outgoing.get(key, []))
+        return [
+            _HEADER_MAGIC, KIND_CODES.index(self.call.kind), self.call.seq.get(key[0], -1),
+            self.call.rounds, sent, sum(self.incoming.get(key, [])),
+            self.call.fingerprints.get(key[0], 0),
+        ]
+
+    def _exchange_headers(self, device: torch.device) -> None:
+        """Before the first round of a collective, each pair of processes swaps a fixed-size
+        header (collective, sequence number, bytes to send, bytes expected), so processes that
+        entered different collectives, or the same one with other sizes, raise
+        ``CollectiveMismatchError`` on both sides instead of handing the transport a message of
+        the wrong size (gloo aborts the process on that). The sizes of later rounds follow from
+        what the first one carried (shapes, lengths) or from the same local shapes, so they
+        agree once the first round's do."""
+        keys = list(dict.fromkeys([*self.outgoing, *self.incoming]))
+        mine = {key: self._header(key) for key in keys}
+        theirs = {key: torch.empty(len(mine[key]), dtype=torch.int64) for key in keys}
+        works = []
+        for key in keys:
+            pg = group_for_ranks(key[0])
+            header = torch.tensor(mine[key], dtype=torch.int64).to(device)
+            works.append(dist.isend(header, dst=key[1], group=pg, tag=TAG))
+            theirs[key] = theirs[key].to(device)
+            works.append(dist.irecv(theirs[key], src=key[1], group=pg, tag=TAG))
+        self._wait(works)
+        self.call.traffic.meta += sum(t.numel() * 8 for t in theirs.values())
+        differ = set()
+        for key in keys:
+            own, other = mine[key], theirs[key].tolist()
+            agree = other[:4] == own[:4] and other[4] == own[5] and other[5] == own[4]
+            if agree and other[6] != own[6]:
+                differ.add(key)
+            elif not agree:
+                raise CollectiveMismatchError(
+                    f"processes entered different collectives: {self.call.what()}. Rank "
+                    f"{self.call.me}: {_describe_header(own)}; rank {key[1]}: "
+                    f"{_describe_header(other)}. Every process must run the same collectives "
+                    f"in the same order on tensors of the same shapes; set_debug_checks(True) "
+                    f"names the call sites"
+                )
+        if differ:
+            self.call.compare(differ)
+
     def _wait(self, works: list) -> None:
         timeout = safety.get_collective_timeout()
         deadline = time.monotonic() + timeout
@@ -227,6 +360,17 @@ class _Round:
                         f"divergent programs"
                     ) from err
                 raise CollectiveError(f"{self.call.what()} failed: {err}") from err
+
+
+def _describe_header(header: list[int]) -> str:
+    magic, kind, seq, round_no, sent, expected, _ = header
+    if magic != _HEADER_MAGIC:
+        return f"a message that is not a shardwise header ({header})"
+    name = KIND_CODES[kind] if 0 <= kind < len(KIND_CODES) else f"kind {kind}"
+    return (
+        f"{name} #{seq} between these processes, round {round_no}, sending {sent} bytes and "
+        f"expecting {expected}"
+    )
 
 
 # ----- collectives ---------------------------------------------------------------------------
@@ -342,6 +486,7 @@ def _reduce_to_owners(
     ``contribution(local index of j, k)``, unfinished (no avg division). The process owning
     the leading run of members sends their combined prefix; the others send each piece."""
     data = call.round()
+    prefix_dtype = accumulation_dtype(call.sample.dtype, op)
     plans = []  # per group, what the loop below needs to read the tensors back in order
     for members, indices in call.groups:
         n = len(members)
@@ -362,8 +507,8 @@ def _reduce_to_owners(
         for k, _ in _local_members((members, indices)):
             shape = contribution(first_local, k).shape
             for peer in call.peers(members):
-                if peer == lead:
-                    data.expect(call.ranks[members], peer, shape, call.sample.dtype)
+                if peer == lead:  # a combined prefix, in the accumulation dtype
+                    data.expect(call.ranks[members], peer, shape, prefix_dtype)
                 for j in range(run, n):
                     if owners[j] == peer:
                         data.expect(call.ranks[members], peer, shape, call.sample.dtype)
@@ -406,7 +551,7 @@ def reduce_scatter(
     out = {}
     for members, indices in groups:
         for k, i in _local_members((members, indices)):
-            result = finish(reduced[(members, k)], op, len(members))
+            result = finish(reduced[(members, k)], op, len(members), sample.dtype)
             out[i] = result.to(mesh.device_of(members[k]))
     return out, call.traffic
 
@@ -432,7 +577,7 @@ def all_reduce(
     n = mesh.shape[mesh_dim]
     flat = [c.reshape(-1) for c in components]
     reduced = _reduce_to_owners(call, lambda i, k: _chunk(flat[i], n, k), op)
-    reduced = {key: finish(acc, op, n) for key, acc in reduced.items()}
+    reduced = {key: finish(acc, op, n, sample.dtype) for key, acc in reduced.items()}
     data = call.round()
     for members, indices in groups:
         mine = _local_members((members, indices))
@@ -529,3 +674,60 @@ def exchange(
         for (_, _, n, i, _), t in zip(incoming, received, strict=True)
     }
     return out, call.traffic
+
+
+# ----- whole-mesh operations (distribute_tensor, random ops) ----------------------------------
+
+
+def _whole_mesh(mesh: DeviceMesh) -> tuple[list[Group], dict[tuple[int, ...], tuple[int, ...]]]:
+    """The whole mesh as one group over every process that owns a device of it."""
+    members = tuple(mesh.mesh.flatten().tolist())
+    local = {d: i for i, d in enumerate(mesh.local_device_ids)}
+    ranks = tuple(sorted({mesh.owner_of(d) for d in members}))
+    return [(members, tuple(local.get(d) for d in members))], {members: ranks}
+
+
+def spans_processes(mesh: DeviceMesh) -> bool:
+    """True if devices of ``mesh`` belong to other processes too."""
+    return len(mesh.local_device_ids) < mesh.size()
+
+
+def agree(mesh: DeviceMesh, what: str, fields: dict[str, object], sample: torch.Tensor) -> None:
+    """Every process of ``mesh`` compares ``fields`` (JSON values) with the others' and raises
+    ``CollectiveMismatchError`` on every rank, naming what differs per rank, if any does."""
+    groups, ranks = _whole_mesh(mesh)
+    call = _Call("agree", mesh, None, groups, sample, f" ({what})", ranks=ranks)
+    call.expect_same(lambda group: fields)
+    (members, _), = groups
+    empty = call.round(meta=True)  # nothing but the headers, which carry the fingerprint
+    for peer in call.peers(members):
+        empty.send(ranks[members], peer, torch.empty(0, dtype=torch.uint8))
+        empty.expect(ranks[members], peer, (0,), torch.uint8)
+    empty.run()
+
+
+def scatter(
+    mesh: DeviceMesh,
+    src: int,
+    pieces: Callable[[int], torch.Tensor] | None,
+    local_shapes: Sequence[Sequence[int]],
+    sample: torch.Tensor,
+) -> tuple[list[torch.Tensor], Traffic]:
+    """Process ``src`` sends every other process of ``mesh`` the pieces of its devices
+    (``pieces(device id)``, called on ``src`` only); the others receive theirs, shaped
+    ``local_shapes`` (one per local device, ascending id). Returns this process's pieces."""
+    groups, ranks = _whole_mesh(mesh)
+    call = _Call("scatter", mesh, None, groups, sample, f"(src={src})", ranks=ranks)
+    (members, _), = groups
+    key = ranks[members]
+    data = call.round()
+    if call.me == src:
+        for peer in call.peers(members):
+            for d in sorted(members):
+                if call.owner(d) == peer:
+                    data.send(key, peer, pieces(d))
+        data.run()
+        return [pieces(d) for d in mesh.local_device_ids], call.traffic
+    for shape in local_shapes:
+        data.expect(key, src, shape, sample.dtype)
+    return data.run(), call.traffic

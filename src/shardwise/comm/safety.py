@@ -8,71 +8,59 @@ before any data moves.
 
 from __future__ import annotations
 
-import os
-import threading
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from .. import settings
 from ..errors import InvalidArgumentError
-
-DEFAULT_TIMEOUT_S = 300.0
-
-_settings = {
-    "timeout": float(os.environ.get("SHARDWISE_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S)),
-    "debug": os.environ.get("SHARDWISE_DEBUG_CHECKS", "0").lower() not in ("", "0", "false"),
-}
-_context = threading.local()
 
 
 def set_collective_timeout(seconds: float) -> None:
     """Bound every cross-process collective to ``seconds`` (default 300, or the environment
     variable ``SHARDWISE_COLLECTIVE_TIMEOUT``); a collective past it raises
     ``CollectiveTimeoutError``. Call it with the same value in every process."""
-    if not seconds > 0:
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
         raise InvalidArgumentError(
-            f"the collective timeout must be a positive number of seconds, got {seconds!r}"
+            f"the collective timeout must be a finite positive number of seconds, got {seconds!r}"
         )
-    _settings["timeout"] = float(seconds)
+    settings.COLLECTIVE_TIMEOUT.set_default(float(seconds))
 
 
 def get_collective_timeout() -> float:
     """The collective timeout in seconds."""
-    return _settings["timeout"]
+    return settings.COLLECTIVE_TIMEOUT.get()
 
 
 def set_debug_checks(enabled: bool) -> None:
     """Before each cross-process collective, check that every process of its group agrees on
-    the collective, mesh dim, dtype, shapes and tensor being moved, and raise
-    ``CollectiveMismatchError`` naming what differs per rank (also ``SHARDWISE_DEBUG_CHECKS=1``).
-    It costs one extra small message exchange per collective."""
-    _settings["debug"] = bool(enabled)
+    the collective, its sequence number, the call site, mesh dim, dtype, shapes and tensor being
+    moved, and raise ``CollectiveMismatchError`` naming what differs per rank (also
+    ``SHARDWISE_DEBUG_CHECKS=1``). It costs one extra small message exchange per collective."""
+    settings.DEBUG_CHECKS.set_default(bool(enabled))
 
 
 def debug_checks_enabled() -> bool:
-    return _settings["debug"]
+    return settings.DEBUG_CHECKS.get()
 
 
 @contextmanager
 def moving(description: str | Callable[[], str]) -> Iterator[None]:
     """Name what the collectives inside are moving (a spec and its target), for the error
-    messages of timeouts and mismatches; a callable is only formatted when a message needs it."""
-    stack = _stack()
-    stack.append(description)
-    try:
+    messages of timeouts and mismatches; a callable is only formatted when a message needs it.
+    Per context: another thread does not see this thread's description."""
+    with settings.MOVING.override((*settings.MOVING.get(), description)):
         yield
-    finally:
-        stack.pop()
 
 
 def current_description() -> str:
     """What the innermost ``moving`` block said, or an empty string."""
-    stack = _stack()
+    stack = settings.MOVING.get()
     if not stack:
         return ""
     return stack[-1]() if callable(stack[-1]) else stack[-1]
-
-
-def _stack() -> list[str | Callable[[], str]]:
-    if not hasattr(_context, "stack"):
-        _context.stack = []
-    return _context.stack

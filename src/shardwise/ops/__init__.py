@@ -7,6 +7,7 @@ from . import (
     foreach,  # noqa: F401
     indexing,  # noqa: F401
     losses,  # noqa: F401
+    low_precision,  # noqa: F401
     matrix,  # noqa: F401
     norms,  # noqa: F401
     padding,  # noqa: F401

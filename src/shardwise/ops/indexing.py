@@ -299,7 +299,9 @@ def _mesh_of(args: Sequence[Any]) -> DeviceMesh | None:
 
 
 def _replicated(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    return t if isinstance(t, DTensor) else distribute_tensor(t, mesh, [R] * mesh.ndim)
+    if isinstance(t, DTensor):
+        return t
+    return distribute_tensor(t, mesh, [R] * mesh.ndim, src_data_rank=None)
 
 
 def _plain_to_replicate(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

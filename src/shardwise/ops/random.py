@@ -7,7 +7,9 @@ amount) and each device keeps its piece. Hence, after the same seeding, the glob
 the single-device ones whatever the mesh and placements, and dropout on a DTensor uses the
 single-device mask. The cost: the process materialises the global random tensor once per op
 (memory of the whole tensor, no communication). In multi-process runs every process draws the
-same tensor, so every process must seed alike (``manual_seed``) and run the same random ops.
+same tensor, so every process must seed alike (``manual_seed``) and run the same random ops:
+the first random op on each mesh compares the processes' generator states (every one does under
+debug checks) and raises ``CollectiveMismatchError`` if they differ.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from ..dtensor import DTensor, distribute_tensor
+from ..factories import check_generator
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
 from .common import input_strategies
@@ -66,13 +69,19 @@ def _global_args(op: Any, args: tuple, kwargs: dict, keep_self: bool) -> tuple[t
     return tuple(flat[k] for k in names[:n]), {k: flat[k] for k in names[n:] if k in flat}
 
 
+def _local_pieces(drawn: torch.Tensor, mesh: DeviceMesh, placements: Any) -> list[torch.Tensor]:
+    """This process's pieces of a tensor every process drew alike (no data moves)."""
+    return distribute_tensor(drawn, mesh, placements, src_data_rank=None)._components
+
+
 def _random_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``self.uniform_()`` and friends: draw the global tensor, write each device's piece
     (a Partial("sum") ``self`` keeps the value on its first device and zeros elsewhere)."""
     self: DTensor = args[0]
     g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=False)
+    check_generator(self.device_mesh, self.device)
     drawn = op(*g_args, **g_kwargs)
-    pieces = distribute_tensor(drawn, self.device_mesh, self.placements)._components
+    pieces = _local_pieces(drawn, self.device_mesh, self.placements)
     for component, piece in zip(self._components, pieces, strict=True):
         component.copy_(piece)
     return self
@@ -84,8 +93,10 @@ def _random_out(op: Any, args: tuple, kwargs: dict) -> DTensor:
     self: DTensor = args[0]
     keep_self = op in (aten.bernoulli.default,)
     g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=keep_self)
+    check_generator(self.device_mesh, self.device)
     drawn = op(*g_args, **g_kwargs)
-    return distribute_tensor(drawn, self.device_mesh, _no_partial(self.placements))
+    return distribute_tensor(drawn, self.device_mesh, _no_partial(self.placements),
+                             src_data_rank=None)
 
 
 INPLACE_RANDOM = [
@@ -127,7 +138,9 @@ def _native_dropout(op: Any, args: tuple, kwargs: dict) -> tuple[DTensor, DTenso
     mesh = x.device_mesh
     train = bound["train"] is None or bound["train"]
     zeros = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    mask = distribute_tensor(op(zeros, bound["p"], train)[1], mesh, _no_partial(x.placements))
+    check_generator(mesh, x.device)
+    drawn = op(zeros, bound["p"], train)[1]
+    mask = distribute_tensor(drawn, mesh, _no_partial(x.placements), src_data_rank=None)
     keep = 1.0 - bound["p"]
     scale = 0.0 if keep == 0 or not train else 1.0 / keep
     out = []

@@ -15,6 +15,7 @@ Partial("max")).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -23,12 +24,14 @@ from typing import Any
 
 import torch
 
+from ..comm.reduction import LOW_PRECISION, cast_keeps_partial
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..redistribute import execute_plan, plan_redistribute
 from ..spec import DTensorSpec
 from .common import spec_of
+from .low_precision import round_once
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -149,6 +152,19 @@ def _some_shard_empty(
     )
 
 
+def _keeps_for_dtype(kind: ReductionKind, source: OpStrategy, dtype: Any) -> ReductionKind:
+    """A sum of a pending sum is still pending only if summing does not change the dtype in a
+    way the pending sum does not survive (``cast_keeps_partial``: bool and int8 pieces sum to
+    int64, where bool "or" and int8 wrapping no longer hold)."""
+    if not kind.keeps:
+        return kind
+    src = source.output_spec.tensor_meta.dtype
+    out = dtype or (src if src.is_floating_point or src.is_complex else torch.int64)
+    keeps = tuple(op for op in kind.keeps if op not in ("sum", "avg")
+                  or cast_keeps_partial(op, src, out))
+    return kind if keeps == kind.keeps else dataclasses.replace(kind, keeps=keeps)
+
+
 def register_reduction(
     ops: Sequence[Any], kind: ReductionKind, *, dim_arg: str = "dim"
 ) -> None:
@@ -158,7 +174,8 @@ def register_reduction(
         args = bound_args(schema)
         source = schema.args_schema[0]
         dims = reduced_dims(args.get(dim_arg), source.ndim)
-        return reduction_strategy(mesh, source, dims, bool(args.get("keepdim", False)), kind)
+        kept = _keeps_for_dtype(kind, source, args.get("dtype"))
+        return reduction_strategy(mesh, source, dims, bool(args.get("keepdim", False)), kept)
 
     strategy_fn.__doc__ = f"Reduction sharding of {[str(op) for op in ops]}."
     register_op_strategy(list(ops), schema_info=REDUCTION_INFO)(strategy_fn)
@@ -188,7 +205,10 @@ def _scan_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     options += [p for p in current if isinstance(p, InterleavedShard) and p.dim != dim]
     linear = schema.op in (aten.cumsum.default, aten.cumsum_.default)
     if linear:
-        options += [Partial("sum"), Partial("avg")]
+        dtype = schema.kwargs_schema.get("dtype") or (
+            schema.args_schema[2] if len(schema.args_schema) > 2 else None)
+        kept = _keeps_for_dtype(ReductionKind(keeps=("sum", "avg")), source, dtype).keeps
+        options += [Partial(op) for op in kept]
     outputs = len(schema.op._schema.returns)
     candidates = []
     for combo in itertools.product(options, repeat=mesh.ndim):
@@ -209,6 +229,9 @@ def _mean(op: Any, args: tuple, kwargs: dict) -> DTensor:
     meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     rest = args[1:]
     op(meta, *rest, **kwargs)  # raises aten's own error for invalid dtypes or dims
+    # float16/bfloat16 sum in float32 and divide before rounding, as torch.mean does
+    low = kwargs.get("dtype") is None and x.dtype in LOW_PRECISION
+    kwargs = {**kwargs, "dtype": torch.float32} if low else kwargs
     if op is aten.mean.default:
         total = aten.sum.default(x, **kwargs)
         count = x.numel()
@@ -217,7 +240,8 @@ def _mean(op: Any, args: tuple, kwargs: dict) -> DTensor:
         keepdim = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
         total = aten.sum.dim_IntList(x, dims, keepdim, dtype=kwargs.get("dtype"))
         count = math.prod(x.shape[d] for d in dims)
-    return aten.div.Scalar(total, count)
+    mean = aten.div.Scalar(total, count)
+    return round_once(mean, x.dtype) if low else mean
 
 
 # ----- Python values ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..comm.reduction import cast_keeps_partial
 from ..factories import keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
@@ -163,18 +164,19 @@ def value_like_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
 
 @register_op_strategy(aten._to_copy.default, schema_info=META_KWARGS)
 def to_copy_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
-    """Casts and copies keep the layout. A cast to a floating or complex dtype is linear, so
-    Partial passes through; a cast to an integer or bool dtype is not (two partial halves of 1
-    each truncate to 0), so a Partial input is reduced (to Replicate or a Shard) first."""
+    """Casts and copies keep the layout. A Partial input passes only the casts that
+    ``comm.reduction.cast_keeps_partial`` allows (widening float casts for sums); any other
+    cast could overflow, round or wrap each piece, so the input is reduced first."""
     arg = input_strategies(schema)[0]
     bound = bind_schema(schema)
     source = arg.output_spec.tensor_meta
     dtype = bound.get("dtype") or source.dtype
-    linear = dtype.is_floating_point or dtype.is_complex
+
+    def allowed(p: Placement) -> bool:
+        return not isinstance(p, Partial) or cast_keeps_partial(p.reduce_op, source.dtype, dtype)
+
     found = flat_product_strategy(
-        mesh,
-        unary_options(arg.output_spec.placements, arg.ndim, lambda p: linear or not p.is_partial()),
-        1,
+        mesh, unary_options(arg.output_spec.placements, arg.ndim, allowed), 1
     )
     if bound.get("memory_format") in (None, torch.preserve_format):
         return with_output_meta(found, TensorMeta(source.shape, source.stride, dtype))
