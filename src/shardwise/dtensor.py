@@ -283,8 +283,10 @@ def distribute_tensor(
     normalized = validate_placements(tensor.shape, device_mesh, placements)
     spec = DTensorSpec(device_mesh, normalized, make_tensor_meta(tensor))
     data = tensor.detach()
-    components = [
-        _component_of(data, spec, device).to(device_mesh.device_of(device))
+    components = [  # a meta tensor keeps meta pieces (deferred init materializes them later)
+        _component_of(data, spec, device).to(
+            data.device if data.is_meta else device_mesh.device_of(device)
+        )
         for device in device_mesh.local_device_ids
     ]
     return DTensor(components, spec, requires_grad=tensor.requires_grad)

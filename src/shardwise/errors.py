@@ -54,3 +54,12 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 class CollectiveMismatchError(CollectiveError):
     """Processes entered different collectives, or the same one on different tensors
     (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""
+
+
+class DeferredInitError(ShardwiseError, RuntimeError):
+    """A module built on the meta device cannot be materialized (no ``reset_parameters``...)."""
+
+
+class DataParallelError(ShardwiseError, ValueError):
+    """``replicate``/``fully_shard`` got a mesh, module or parameter placements they cannot
+    combine (a data-parallel dim already sharded, tensors on another mesh...)."""

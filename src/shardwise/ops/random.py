@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from ..dtensor import DTensor, distribute_tensor
+from ..factories import keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
+from ..spec import extract_local
 from .common import input_strategies
 from .data_dependent import move_components
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, bypass_dispatch, register_op_strategy
@@ -72,9 +74,12 @@ def _random_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
     self: DTensor = args[0]
     g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=False)
     drawn = op(*g_args, **g_kwargs)
-    pieces = distribute_tensor(drawn, self.device_mesh, self.placements)._components
-    for component, piece in zip(self._components, pieces, strict=True):
-        component.copy_(piece)
+    spec = self._spec
+    for component, device in zip(self._components, spec.mesh.local_device_ids, strict=True):
+        if keeps_value(spec, device):  # copied from views: one global tensor at a time
+            component.copy_(extract_local(drawn, spec.local_segments(device)))
+        else:
+            component.zero_()
     return self
 
 
