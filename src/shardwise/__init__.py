@@ -27,6 +27,8 @@ from .errors import (
     LocalComponentsError,
     MeshError,
     PackError,
+    ParallelPlanError,
+    ParallelStyleError,
     ShardwiseError,
     ShardwiseTypeError,
     UnsupportedOpError,
@@ -50,6 +52,7 @@ from .ops.registry import (
     register_prop_rule,
     remove_hooks,
 )
+from .parallel import distribute_module
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import RedistributePlan, Step
 from .spec import DTensorSpec, TensorMeta
@@ -106,6 +109,8 @@ __all__ = [
     "MATCH",
     "MeshError",
     "PackError",
+    "ParallelPlanError",
+    "ParallelStyleError",
     "Partial",
     "Placement",
     "RedistributePlan",
@@ -122,6 +127,7 @@ __all__ = [
     "copy_to_mesh",
     "create_mesh",
     "default_mesh",
+    "distribute_module",
     "distribute_tensor",
     "empty",
     "explain_redistribute",

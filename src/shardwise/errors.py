@@ -56,6 +56,15 @@ class CollectiveMismatchError(CollectiveError):
     (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""
 
 
+class ParallelPlanError(ShardwiseError, ValueError):
+    """A parallelize plan entry matches no module or parameter, or its sizes do not divide
+    over the mesh dim it shards (attention heads, vocabulary)."""
+
+
+class ParallelStyleError(ParallelPlanError, TypeError):
+    """A parallel style applied to a module type it cannot shard."""
+
+
 class DeferredInitError(ShardwiseError, RuntimeError):
     """A module built on the meta device cannot be materialized (no ``reset_parameters``...)."""
 

@@ -1,6 +1,32 @@
-"""Module-level parallelism: tensor parallel plans and styles, data parallel (PyTorch's names)."""
+"""Module-level parallelism with PyTorch's names: ``parallelize_module`` with tensor and sequence
+parallel styles (plans by name, glob, regex, or veScale's dict format), ``distribute_module``
+and ``loss_parallel``."""
 
-from .fully_shard import fully_shard
-from .replicate import replicate
+from .api import distribute_module, parallelize_module
+from .style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
-__all__ = ["fully_shard", "replicate"]
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "distribute_module",
+    "parallelize_module",
+]
+
+# data parallel (composable with the styles above on a 2-D mesh)
+from .fully_shard import fully_shard  # noqa: E402
+from .replicate import replicate  # noqa: E402
+
+__all__ += ["fully_shard", "replicate"]

@@ -1,0 +1,112 @@
+"""``distribute_module`` and ``parallelize_module`` (PyTorch's signatures, on any mesh)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from ..errors import ParallelPlanError
+from ..mesh import DeviceMesh
+from .boundary import resolve_tp_dim
+from .params import replicate_rest
+from .plan import PlanKey, key_text, match_modules
+from .style import ParallelStyle
+from .vescale import apply_vescale_plan, is_vescale_plan
+
+PartitionFn = Callable[[str, nn.Module, DeviceMesh], None]
+InputFn = Callable[[nn.Module, Any, DeviceMesh], Any]
+OutputFn = Callable[[nn.Module, Any, DeviceMesh], Any]
+Plan = ParallelStyle | Mapping[PlanKey, ParallelStyle] | Mapping[str, Mapping]
+
+
+def distribute_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    partition_fn: PartitionFn | None = None,
+    input_fn: InputFn | None = None,
+    output_fn: OutputFn | None = None,
+) -> nn.Module:
+    """Make ``module``'s parameters DTensors on ``device_mesh``: ``partition_fn(name, submodule,
+    mesh)`` runs on every submodule and may distribute its parameters; every parameter and
+    buffer it leaves alone is replicated. ``input_fn(module, inputs, mesh)`` and
+    ``output_fn(module, outputs, mesh)`` run around each forward call."""
+    if partition_fn is not None:
+        for name, sub in list(module.named_modules()):
+            partition_fn(name, sub, device_mesh)
+    replicate_rest(module, device_mesh)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(
+            lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh)
+        )
+    return module
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    parallelize_plan: Plan,
+    *,
+    tp_mesh_dim: int | str | None = None,
+) -> nn.Module:
+    """Shard ``module`` by a plan: a style for the module itself; a dict from module names,
+    globs (``"layers.*.attn"``) or regexes (``re.compile`` or ``"re:..."``) to styles, applied
+    in order; or a veScale dict plan (``{"parameter": ..., "forward": ...}``).
+
+    Styles shard on one mesh dim (``tp_mesh_dim``; default the dim named ``"tp"``, else the
+    last), every other mesh dim is Replicate, so a 2-D (data x tensor) mesh works as is."""
+    tp_dim = resolve_tp_dim(device_mesh, tp_mesh_dim)
+    if isinstance(parallelize_plan, ParallelStyle):
+        return parallelize_plan.apply(module, device_mesh, tp_mesh_dim=tp_dim)
+    if not isinstance(parallelize_plan, Mapping):
+        raise ParallelPlanError(
+            f"parallelize_plan must be a ParallelStyle or a dict, got "
+            f"{type(parallelize_plan).__name__}"
+        )
+    if is_vescale_plan(parallelize_plan):
+        apply_vescale_plan(module, device_mesh, parallelize_plan, tp_dim)
+        return module
+    ties = _tied_parameters(module)
+    for key, style in parallelize_plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise ParallelPlanError(
+                f"plan entry {key_text(key)} maps to {style!r}, not a ParallelStyle"
+            )
+        for name, sub in match_modules(module, key):
+            label = key_text(key) if name == key else f"{key_text(key)} ({name})"
+            style.apply(sub, device_mesh, tp_mesh_dim=tp_dim, plan_entry=label)
+    _retie(module, ties)
+    return module
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that hold the same parameter object."""
+    by_id: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for attr, p in sub._parameters.items():
+            if p is not None:
+                by_id.setdefault(id(p), []).append((sub, attr))
+    return [group for group in by_id.values() if len(group) > 1]
+
+
+def _retie(module: nn.Module, ties: list[list[tuple[nn.Module, str]]]) -> None:
+    """After a plan, every holder of a tied parameter holds the one a style distributed."""
+    for group in ties:
+        held = {id(sub._parameters[attr]): sub._parameters[attr] for sub, attr in group}
+        if len(held) == 1:
+            continue
+        placed = [p for p in held.values() if hasattr(p, "placements")]
+        if len(placed) != 1:
+            names = [n for n, m in module.named_modules() if any(m is s for s, _ in group)]
+            raise ParallelPlanError(
+                f"a parameter tied between modules {names} was sharded by {len(placed)} plan "
+                f"entries; shard it once (or keep it plain in all of them)"
+            )
+        for sub, attr in group:
+            sub._parameters[attr] = placed[0]
+
+
+__all__ = ["distribute_module", "parallelize_module"]

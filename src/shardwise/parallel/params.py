@@ -1,0 +1,66 @@
+"""Module parameters as DTensors: placing them, and keeping their gradients in their placements.
+
+A parameter's gradient can arrive in other placements than the parameter's: a pending sum on
+the tensor-parallel dim (a replicated norm weight applied to a sequence-sharded input, a
+replicated bias after a reduce-scatter), or a shard a backward op chose. A gradient hook moves
+it to the parameter's placements, so optimizers update DTensors of matching placements; pending
+sums over the other mesh dims (data parallel) are left to data parallelism to reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..dtensor import DTensor, distribute_tensor
+from ..mesh import DeviceMesh
+from ..placements import Placement, Replicate
+
+
+def distribute_parameter(
+    module: nn.Module,
+    name: str,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    tp_dim: int | None = None,
+) -> None:
+    """Replace ``module.<name>`` (a parameter or buffer) by a DTensor with ``placements``;
+    with ``tp_dim``, the parameter's gradient is brought to its placements (see above)."""
+    value = getattr(module, name)
+    if value is None:
+        return
+    if isinstance(value, DTensor):
+        if value.device_mesh == mesh and value.placements == tuple(placements):
+            return
+        value = value.full_tensor().detach()
+    dvalue = distribute_tensor(value.detach(), mesh, placements)
+    if name in module._buffers:
+        module._buffers[name] = dvalue
+        return
+    param = nn.Parameter(dvalue, requires_grad=value.requires_grad)
+    if tp_dim is not None and param.requires_grad:
+        param.register_hook(_reduce_on(tp_dim, tuple(dvalue.placements)))
+    module.register_parameter(name, param)
+
+
+def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter and buffer of ``module`` not yet a DTensor becomes a replicated one."""
+    for sub in module.modules():
+        for name, value in list(sub._parameters.items()) + list(sub._buffers.items()):
+            if value is not None and not isinstance(value, DTensor):
+                distribute_parameter(sub, name, mesh, [Replicate()] * mesh.ndim)
+
+
+def _reduce_on(tp_dim: int, placements: tuple[Placement, ...]):  # noqa: ANN202
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not isinstance(grad, DTensor):
+            return grad
+        target = [
+            g if g.is_partial() and m != tp_dim else p
+            for m, (g, p) in enumerate(zip(grad.placements, placements, strict=True))
+        ]
+        return grad.redistribute(placements=target)
+
+    return hook
