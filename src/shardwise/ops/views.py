@@ -560,7 +560,48 @@ def split_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
             count = len(sizes)
         dim_map = {d: d for d in range(ndim) if d != dim}
     current = _input(schema).placements
-    return _unary(mesh, current, [_options(p, dim_map) for p in current], n_outputs=count)
+    per_dim = [_options(p, dim_map) for p in current]
+    for m, p in enumerate(current):
+        if schema.op != aten.unbind.int and _splits_blocks(p, dim, shape, current, schema, count):
+            per_dim[m].append((p, Shard(dim)))
+    return _unary(mesh, current, per_dim, n_outputs=count)
+
+
+def _splits_blocks(
+    p: Placement,
+    dim: int,
+    shape: Sequence[int],
+    placements: Sequence[Placement],
+    schema: OpSchema,
+    count: int,
+) -> bool:
+    """A split of an ``InterleavedShard(dim, k)`` dim into its k equal blocks (a merged QKV
+    output into q, k and v): every device holds its chunk of every block, so each block comes
+    out ``Shard(dim)`` without communication (when no other mesh dim splits ``dim``)."""
+    if not (isinstance(p, InterleavedShard) and p.dim == dim and count == p.interleaved_size):
+        return False
+    if sum(isinstance(q, Shard) and q.dim == dim for q in placements) != 1:
+        return False
+    block = shape[dim] // count
+    sizes = schema.args_schema[1]
+    return shape[dim] % count == 0 and (
+        sizes == block if isinstance(sizes, int) else all(s == block for s in sizes)
+    )
+
+
+def _split_local_args(args, kwargs, input_specs, _output_specs, device):  # noqa: ANN001, ANN202
+    """A split of interleaved blocks splits each device's component into its local blocks."""
+    spec = input_specs[0]
+    dim = _norm(args[2] if len(args) > 2 else kwargs.get("dim", 0), spec.ndim)
+    p = next((q for q in spec.placements if isinstance(q, Shard) and q.dim == dim), None)
+    if not isinstance(p, InterleavedShard):
+        return args, kwargs
+    local = spec.local_shape(device)[dim] // p.interleaved_size
+    sizes = local if isinstance(args[1], int) else [local] * p.interleaved_size
+    return (args[0], sizes, *args[2:]), kwargs
+
+
+register_local_args([aten.split.Tensor, aten.split_with_sizes.default], _split_local_args)
 
 
 # ----- cat / stack -------------------------------------------------------------------------
@@ -571,9 +612,12 @@ def _joined(
     specs: list[DTensorSpec],
     skipped: list[bool],
     dim_map: DimMap,
+    interleave: int | None = None,
 ) -> OpStrategy:
     """cat/stack: on each mesh dim all joined inputs are Replicate, share a shard of a mapped
-    dim, or share a Partial (both ops are linear). Skipped inputs keep their placements."""
+    dim, or share a Partial (both ops are linear). Skipped inputs keep their placements.
+    ``interleave``: the cat dim, when equal inputs sharded on it by one mesh dim may join into
+    ``InterleavedShard(dim, n_inputs)`` (the blocks' local chunks, concatenated locally)."""
     joined = [s for s, skip in zip(specs, skipped, strict=True) if not skip]
     per_dim: list[list[tuple[Placement, Placement]]] = []
     for m in range(mesh.ndim):
@@ -585,6 +629,8 @@ def _joined(
                 options.append((p, p))
             elif isinstance(p, InterleavedShard) and p.dim in dim_map:
                 options.append((p, same_kind(p, dim_map[p.dim])))
+        if interleave is not None and here == [Shard(interleave)] * len(here):
+            options.append((Shard(interleave), InterleavedShard(interleave, len(joined))))
         per_dim.append(options)
     candidates = []
     for combo in itertools.product(*per_dim):
@@ -604,7 +650,12 @@ def cat_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     ndim = max(ndims) if ndims else 1
     skipped = [ndim != 1 and s.ndim == 1 and s.shape[0] == 0 for s in specs]
     dim = _norm(_arg(schema, 1, "dim", 0), ndim)
-    return _joined(mesh, specs, skipped, {d: d for d in range(ndim) if d != dim})
+    joined = [s for s, skip in zip(specs, skipped, strict=True) if not skip]
+    blocks = len(joined) > 1 and len({s.shape[dim] for s in joined}) == 1 and all(
+        sum(isinstance(p, Shard) and p.dim == dim for p in s.placements) == 1 for s in joined
+    )
+    dim_map = {d: d for d in range(ndim) if d != dim}
+    return _joined(mesh, specs, skipped, dim_map, dim if blocks else None)
 
 
 @register_op_strategy(aten.stack.default, schema_info=RuntimeSchemaInfo(1))

@@ -3,6 +3,7 @@ parallel styles (plans by name, glob, regex, or veScale's dict format), ``distri
 and ``loss_parallel``."""
 
 from .api import distribute_module, parallelize_module
+from .loss import loss_parallel
 from .style import (
     ColwiseParallel,
     ParallelStyle,
@@ -22,6 +23,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "distribute_module",
+    "loss_parallel",
     "parallelize_module",
 ]
 

@@ -17,6 +17,7 @@ from ..dtensor import DTensor, distribute_tensor
 from ..errors import ParallelPlanError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
+from ..spec import validate_placements
 
 
 def resolve_tp_dim(mesh: DeviceMesh, tp_mesh_dim: int | str | None) -> int:
@@ -62,7 +63,7 @@ def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement
 
 def to_layout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
     """``x`` in ``placements``; its gradient comes back in ``x``'s own placements."""
-    return _ToLayout.apply(x, tuple(placements))
+    return _ToLayout.apply(x, validate_placements(x.shape, x.device_mesh, placements))
 
 
 def on_tp(x: DTensor, tp_dim: int, placement: Placement) -> DTensor:

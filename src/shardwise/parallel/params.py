@@ -45,12 +45,13 @@ def distribute_parameter(
     module.register_parameter(name, param)
 
 
-def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Every parameter and buffer of ``module`` not yet a DTensor becomes a replicated one."""
+def replicate_rest(module: nn.Module, mesh: DeviceMesh, tp_dim: int | None = None) -> None:
+    """Every parameter and buffer of ``module`` not yet a DTensor becomes a replicated one
+    (``tp_dim``: with the gradient hook of ``distribute_parameter``)."""
     for sub in module.modules():
         for name, value in list(sub._parameters.items()) + list(sub._buffers.items()):
             if value is not None and not isinstance(value, DTensor):
-                distribute_parameter(sub, name, mesh, [Replicate()] * mesh.ndim)
+                distribute_parameter(sub, name, mesh, [Replicate()] * mesh.ndim, tp_dim)
 
 
 def _reduce_on(tp_dim: int, placements: tuple[Placement, ...]):  # noqa: ANN202

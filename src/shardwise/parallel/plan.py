@@ -20,7 +20,7 @@ _GLOB_CHARS = frozenset("*?[")
 
 def key_text(key: PlanKey) -> str:
     """The plan key as written, for error messages."""
-    return f"re.compile({key.pattern!r})" if isinstance(key, re.Pattern) else key
+    return f"re.compile(r'{key.pattern}')" if isinstance(key, re.Pattern) else f"'{key}'"
 
 
 def name_matcher(key: PlanKey, *, regex: bool = False):  # noqa: ANN201

@@ -163,7 +163,7 @@ class ColwiseParallel(_LinearStyle):
             distribute_parameter(module, "weight", mesh, on_tp_dim(mesh, tp_dim, Shard(1)), tp_dim)
         else:
             _fail_module(self, module, entry, "nn.Linear (or nn.Embedding without interleave)")
-        replicate_rest(module, mesh)
+        replicate_rest(module, mesh, tp_dim)
         self._hooks(module, mesh, tp_dim, Replicate())
 
 
@@ -196,12 +196,7 @@ class RowwiseParallel(_LinearStyle):
             desired = Replicate()
         else:
             _fail_module(self, module, entry, "nn.Linear or nn.Embedding")
-        for name, value in list(module.named_parameters(recurse=False)):
-            if not isinstance(value, DTensor):
-                distribute_parameter(
-                    module, name, mesh, on_tp_dim(mesh, tp_dim, Replicate()), tp_dim
-                )
-        replicate_rest(module, mesh)
+        replicate_rest(module, mesh, tp_dim)
         self._hooks(module, mesh, tp_dim, desired)
 
 
@@ -216,10 +211,7 @@ class SequenceParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, entry: str) -> None:
         shard = Shard(self.sequence_dim)
-        for sub in module.modules():
-            for name, _ in list(sub.named_parameters(recurse=False)):
-                distribute_parameter(sub, name, mesh, on_tp_dim(mesh, tp_dim, Replicate()), tp_dim)
-        replicate_rest(module, mesh)
+        replicate_rest(module, mesh, tp_dim)
 
         def pre(_module: nn.Module, args: tuple) -> tuple:
             if not args:

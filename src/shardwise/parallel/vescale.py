@@ -40,7 +40,7 @@ def is_vescale_plan(plan: Mapping) -> bool:
 def apply_vescale_plan(module: nn.Module, mesh: DeviceMesh, plan: Mapping, tp_dim: int) -> None:
     """Distribute the parameters and install the forward layouts of a veScale plan."""
     _distribute_parameters(module, mesh, plan.get("parameter", {}), tp_dim)
-    replicate_rest(module, mesh)
+    replicate_rest(module, mesh, tp_dim)
     for key, layouts in plan.get("forward", {}).items():
         _install_forward(module, mesh, key, layouts, tp_dim)
 

@@ -1,0 +1,186 @@
+"""``loss_parallel``: cross entropy on logits sharded on the class (vocabulary) dim, without
+gathering them.
+
+Each device reduces its slice of every row: the row max and the sum of exponentials are
+all-reduced (max, then sum) over the mesh dims that split the classes, and so is the target's
+logit, which only the device holding the target class contributes. Only ``O(rows)`` values
+move; the backward, ``softmax - one_hot``, is local. Rows may also be sharded (data parallel).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .. import comm
+from ..dtensor import DTensor
+from ..errors import InvalidPlacementError, UnsupportedOpError
+from ..mesh import DeviceMesh
+from ..placements import InterleavedShard, Placement, Replicate, Shard
+from ..spec import DTensorSpec, contiguous_meta
+from .boundary import as_dtensor, to_layout
+
+_SIGNATURE = inspect.signature(F.cross_entropy)
+
+
+@contextmanager
+def loss_parallel() -> Iterator[None]:
+    """Within the block (this thread), ``F.cross_entropy`` on DTensor logits sharded on the
+    class dim runs on the shards (PyTorch's ``loss_parallel``); other calls are unchanged. The
+    result is a replicated DTensor (per-row for ``reduction="none"``); its backward may run
+    after the block."""
+    with _LossParallelMode():
+        yield
+
+
+class _LossParallelMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is F.cross_entropy:
+            bound = _SIGNATURE.bind(*args, **kwargs)
+            bound.apply_defaults()
+            logits = bound.arguments["input"]
+            if isinstance(logits, DTensor) and _class_mesh_dims(logits):
+                return _cross_entropy(**bound.arguments)
+        return func(*args, **kwargs)
+
+
+def _class_dim(logits: torch.Tensor) -> int:
+    return 0 if logits.ndim == 1 else 1
+
+
+def _class_mesh_dims(logits: DTensor) -> list[int]:
+    cd = _class_dim(logits)
+    return [m for m, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim == cd]
+
+
+def _cross_entropy(
+    input: DTensor,  # noqa: A002 - F.cross_entropy's name
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    size_average: Any,
+    ignore_index: int,
+    reduce: Any,
+    reduction: str,
+    label_smoothing: float,
+) -> DTensor:
+    if weight is not None or label_smoothing or size_average is not None or reduce is not None:
+        raise UnsupportedOpError(
+            "loss_parallel's cross entropy supports target class indices with reduction and "
+            "ignore_index; class weights, label smoothing and the legacy size_average/reduce "
+            f"arguments are not supported (logits {input})"
+        )
+    if target.dtype.is_floating_point:
+        raise UnsupportedOpError(
+            f"loss_parallel needs class indices as target, got {target.dtype} probabilities"
+        )
+    mesh = input.device_mesh
+    rows = _row_placements(input)
+    target = as_dtensor(target, mesh, rows)
+    target = to_layout(target, rows)
+    per_row = _VocabParallelCrossEntropy.apply(input, target, ignore_index)
+    if reduction == "none":
+        return per_row
+    replicated = [Replicate()] * mesh.ndim
+    total = per_row.sum().redistribute(placements=replicated)
+    if reduction == "sum":
+        return total
+    if reduction != "mean":
+        raise UnsupportedOpError(
+            f"cross entropy reduction must be mean, sum or none: {reduction!r}"
+        )
+    count = (target != ignore_index).sum().redistribute(placements=replicated)
+    return total / count
+
+
+def _row_placements(logits: DTensor) -> tuple[Placement, ...]:
+    """Placements of the per-row values: the logits' with the class dim removed."""
+    cd = _class_dim(logits)
+    out: list[Placement] = []
+    for p in logits.placements:
+        if isinstance(p, InterleavedShard) or p.is_partial():
+            raise InvalidPlacementError(
+                f"loss_parallel needs logits sharded on plain dims (Shard/Replicate), got "
+                f"{logits}; redistribute them first"
+            )
+        if isinstance(p, Shard) and p.dim != cd:
+            out.append(Shard(p.dim - (p.dim > cd)))
+        else:
+            out.append(Replicate())
+    return tuple(out)
+
+
+def _all_reduce(mesh: DeviceMesh, dims: list[int], parts: list[torch.Tensor], op: str):  # noqa: ANN202
+    for m in dims:
+        parts = comm.all_reduce(mesh, m, parts, op)
+    return parts
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row ``logsumexp(x) - x[target]`` (0 at ignored rows) from class-sharded logits."""
+
+    @staticmethod
+    def forward(ctx, logits: DTensor, target: DTensor, ignore_index: int) -> DTensor:  # noqa: ANN001
+        spec, mesh = logits._spec, logits.device_mesh
+        cd, dims = _class_dim(logits), _class_mesh_dims(logits)
+        parts = logits._components
+        with comm.moving(lambda: f"loss_parallel cross entropy of {spec}"):
+            maxes = _all_reduce(mesh, dims, [_row_max(x, cd) for x in parts], "max")
+            sums = [(x - m).exp().sum(cd, keepdim=True) for x, m in zip(parts, maxes, strict=True)]
+            sums = _all_reduce(mesh, dims, sums, "sum")
+            lse = [s.log() + m for s, m in zip(sums, maxes, strict=True)]
+            picks, locals_ = [], []
+            for x, t, d in zip(parts, target._components, mesh.local_device_ids, strict=True):
+                start = spec.local_segments(d)[cd][0][0]
+                local = _local_target(t, start, x.shape[cd], ignore_index)
+                locals_.append(local)
+                picked = x.gather(cd, local[0].unsqueeze(cd)).squeeze(cd) if x.shape[cd] else 0
+                picks.append(torch.where(local[1], picked, torch.zeros((), dtype=x.dtype)))
+            picks = _all_reduce(mesh, dims, picks, "sum")
+        losses = [
+            torch.where(t == ignore_index, 0.0, s.squeeze(cd) - p).to(x.dtype)
+            for s, p, t, x in zip(lse, picks, target._components, parts, strict=True)
+        ]
+        ctx.save_for_backward(*lse, *parts)
+        ctx.state = (spec, target._spec, target._components, locals_, ignore_index)
+        out_spec = DTensorSpec(mesh, target.placements, contiguous_meta(target.shape, logits.dtype))
+        return DTensor(losses, out_spec)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # noqa: ANN001
+        spec, target_spec, targets, locals_, ignore_index = ctx.state
+        grad = grad.redistribute(placements=target_spec.placements)
+        cd = 0 if spec.ndim == 1 else 1
+        n = len(targets)
+        lses, xs = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
+        out = []
+        parts = zip(xs, lses, grad._components, targets, locals_, strict=True)
+        for x, lse, g, t, (index, hit) in parts:
+            probs = (x - lse).exp()
+            if x.shape[cd]:
+                probs = probs.scatter_add(
+                    cd, index.unsqueeze(cd), -hit.to(probs.dtype).unsqueeze(cd)
+                )
+            scale = torch.where(t == ignore_index, 0.0, g).to(probs.dtype)
+            out.append(probs * scale.unsqueeze(cd))
+        return DTensor(out, spec), None, None
+
+
+def _row_max(x: torch.Tensor, cd: int) -> torch.Tensor:
+    if x.shape[cd] == 0:
+        shape = list(x.shape)
+        shape[cd] = 1
+        return torch.full(shape, float("-inf"), dtype=x.dtype, device=x.device)
+    return x.detach().amax(cd, keepdim=True)
+
+
+def _local_target(t: torch.Tensor, start: int, n: int, ignore_index: int):  # noqa: ANN202
+    """(index into this device's classes (clamped), whether the target class is here)."""
+    hit = (t >= start) & (t < start + n) & (t != ignore_index)
+    return (t - start).clamp(0, max(n - 1, 0)), hit
