@@ -36,6 +36,7 @@ from .parallel import (
     RowwiseParallel,
     SequenceParallel,
     fully_shard,
+    loss_parallel,
     parallelize_module,
     replicate,
 )
@@ -142,7 +143,7 @@ def tensor_parallel_plan(cfg: GPTConfig) -> dict[str, Any]:
     """Megatron-style tensor parallelism with sequence parallel norms: activations between
     blocks are sharded on the sequence dim over 'tp', attention heads and MLP hidden units are
     split over 'tp', the merged QKV weight by ``InterleavedShard`` so each device keeps whole
-    heads of q, k and v."""
+    heads of q, k and v, and the logits stay split by vocabulary."""
     seq = Shard(1)
     plan: dict[str, Any] = {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -155,9 +156,8 @@ def tensor_parallel_plan(cfg: GPTConfig) -> dict[str, Any]:
         "blocks.*.mlp.up": ColwiseParallel(input_layouts=seq, use_local_output=False),
         "blocks.*.mlp.down": RowwiseParallel(output_layouts=seq, use_local_output=False),
         "norm": SequenceParallel(),
-        "head": ColwiseParallel(
-            input_layouts=seq, output_layouts=Replicate(), use_local_output=False
-        ),
+        # vocabulary-sharded logits, never gathered: the loss runs under loss_parallel()
+        "head": ColwiseParallel(input_layouts=seq, use_local_output=False),
     }
     if cfg.tied:  # the head reuses the vocabulary-sharded embedding weight
         del plan["head"]
@@ -212,9 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", type=parse_mesh, default=(2, 2), metavar="DPxTP",
                         help="mesh shape: data-parallel x tensor-parallel size (default 2x2; "
                         "4x1, 1x4... work too)")
-    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument("--batch", type=int, default=16, help="global batch size (default 16)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--lr", type=float, default=1e-2,
+                        help="AdamW learning rate (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--tied", action="store_true",
@@ -279,7 +280,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
         loss.backward()
         opt_single.step()
         losses_single.append(loss.item())
-        with allow_implicit_redistribute(), CommCounter() as counter:
+        with allow_implicit_redistribute(), loss_parallel(), CommCounter() as counter:
             logits = model(ids)
             dtargets = distribute_tensor(targets, mesh, batch_placements)
             dloss = F.cross_entropy(logits.flatten(0, 1), dtargets.flatten())
