@@ -8,6 +8,7 @@ from .comm import (
     set_debug_checks,
 )
 from .debug import explain_redistribute
+from .deferred_init import deferred_init, materialize_module
 from .dispatch import (
     allow_implicit_redistribute,
     clear_sharding_cache,
@@ -20,6 +21,8 @@ from .errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    DataParallelError,
+    DeferredInitError,
     ImplicitRedistributeError,
     InvalidArgumentError,
     InvalidPlacementError,
@@ -95,6 +98,8 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommCounter",
+    "DataParallelError",
+    "DeferredInitError",
     "DTensor",
     "DTensorSpec",
     "DVariable",
@@ -127,6 +132,7 @@ __all__ = [
     "copy_to_mesh",
     "create_mesh",
     "default_mesh",
+    "deferred_init",
     "distribute_module",
     "distribute_tensor",
     "empty",
@@ -139,6 +145,7 @@ __all__ = [
     "init_device_mesh",
     "is_dtensor",
     "manual_seed",
+    "materialize_module",
     "ones",
     "pack",
     "rand",
