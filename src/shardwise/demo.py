@@ -146,7 +146,9 @@ def tensor_parallel_plan(cfg: GPTConfig) -> dict[str, Any]:
     heads of q, k and v, and the logits stay split by vocabulary."""
     seq = Shard(1)
     plan: dict[str, Any] = {
-        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "tok": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=False
+        ),
         "blocks.*.norm1": SequenceParallel(),
         "blocks.*.attn.qkv": ColwiseParallel(
             input_layouts=seq, interleave=3, num_heads=cfg.heads, use_local_output=False
@@ -275,7 +277,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     batch_placements = [Shard(0), Replicate()]
     for step in _progress(range(args.steps), talk and not args.no_progress):
         ids, targets = make_batch(step, args.batch, cfg, args.seed)
-        loss = F.cross_entropy(single(ids).flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(single(ids).transpose(1, 2), targets)  # classes on dim 1
         opt_single.zero_grad()
         loss.backward()
         opt_single.step()
@@ -283,7 +285,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
         with allow_implicit_redistribute(), loss_parallel(), CommCounter() as counter:
             logits = model(ids)
             dtargets = distribute_tensor(targets, mesh, batch_placements)
-            dloss = F.cross_entropy(logits.flatten(0, 1), dtargets.flatten())
+            dloss = F.cross_entropy(logits.transpose(1, 2), dtargets)
             opt.zero_grad()
             dloss.backward()
             opt.step()
