@@ -248,20 +248,21 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
         if talk:
             print(text, file=out, flush=True)
 
-    with track_allocations() as single_alloc:
-        manual_seed(args.seed)
-        single = GPT(cfg)
+    manual_seed(args.seed)
+    single = GPT(cfg)
     with track_allocations() as sharded_alloc:
         manual_seed(args.seed)
         model = deferred_init(GPT, cfg)
         parallelize_module(model, mesh, tensor_parallel_plan(cfg))  # materializes the shards
+    materialized = _local_bytes(model)
     if args.fsdp:
         for block in model.blocks:
             fully_shard(block, mesh["dp"])
         fully_shard(model, mesh["dp"])
     else:
         replicate(model, mesh["dp"])
-    memory = _memory(single, model, mesh, single_alloc.peak_bytes, sharded_alloc.peak_bytes)
+    memory = _memory(single, model, mesh)
+    memory.update(sharded_peak=sharded_alloc.peak_bytes, materialized=materialized)
 
     opt_single = torch.optim.AdamW(single.parameters(), lr=args.lr, weight_decay=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -362,36 +363,36 @@ def _comm_table(say: Any, comm: dict, bytes_per_step: Sequence[int]) -> None:
     say(f"  {'total':<15} {'':<8} {'':>6} {total:>10.0f}")
 
 
-def _memory(single: nn.Module, model: nn.Module, mesh: DeviceMesh, single_peak: int,
-            sharded_peak: int) -> dict[str, int]:
-    full = sum(p.numel() * p.element_size() for p in single.parameters())
+def _local_bytes(model: nn.Module) -> int:
+    """Bytes of the parameter pieces this process holds."""
+    return sum(
+        c.numel() * c.element_size()
+        for p in model.parameters()
+        for c in (p._components if isinstance(p, DTensor) else [p])
+    )
+
+
+def _memory(single: nn.Module, model: nn.Module, mesh: DeviceMesh) -> dict[str, int]:
     per_device: dict[int, int] = defaultdict(int)
     for p in model.parameters():
         if isinstance(p, DTensor):
             for d in mesh.mesh.flatten().tolist():
                 per_device[d] += math.prod(p._spec.local_shape(d)) * p.element_size()
-    largest = max(p.numel() * p.element_size() for p in single.parameters())
     return {
-        "single_model": full,
-        "single_peak": single_peak,
+        "single_model": sum(p.numel() * p.element_size() for p in single.parameters()),
         "sharded_per_device": max(per_device.values()),
-        "sharded_all_devices": sum(per_device.values()),
-        "sharded_peak": sharded_peak,
-        "largest_parameter": largest,
+        "largest_parameter": max(p.numel() * p.element_size() for p in single.parameters()),
     }
 
 
 def _memory_table(say: Any, memory: dict[str, int]) -> None:
-    kib = 1024
+    bound = memory["materialized"] + memory["largest_parameter"]
     say("\nparameter memory (bytes)")
-    say(f"  single-device model                     {memory['single_model']:>9}"
-        f"   peak while building {memory['single_peak']}")
-    say(f"  sharded model, largest device           {memory['sharded_per_device']:>9}")
-    say(f"  sharded model, all devices together     {memory['sharded_all_devices']:>9}"
-        f"   peak while materializing {memory['sharded_peak']} "
-        f"(<= all devices + one full parameter of {memory['largest_parameter']} bytes: "
-        f"{memory['sharded_peak'] <= memory['sharded_all_devices'] + memory['largest_parameter']})")
-    del kib
+    say(f"  single-device model                {memory['single_model']:>9}")
+    say(f"  sharded model, largest device      {memory['sharded_per_device']:>9}")
+    say(f"  materializing the meta-built model in this process: peak {memory['sharded_peak']}"
+        f" <= its shards {memory['materialized']} + one full parameter "
+        f"{memory['largest_parameter']}: {memory['sharded_peak'] <= bound}")
 
 
 def _shown_parameters(model: nn.Module) -> list[str]:

@@ -20,7 +20,6 @@ from ..dtensor import DTensor, distribute_tensor
 from ..factories import keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
-from ..spec import extract_local
 from .common import input_strategies
 from .data_dependent import move_components
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, bypass_dispatch, register_op_strategy
@@ -77,10 +76,23 @@ def _random_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
     spec = self._spec
     for component, device in zip(self._components, spec.mesh.local_device_ids, strict=True):
         if keeps_value(spec, device):  # copied from views: one global tensor at a time
-            component.copy_(extract_local(drawn, spec.local_segments(device)))
+            _copy_runs(component, drawn, spec.local_segments(device))
         else:
             component.zero_()
     return self
+
+
+def _copy_runs(dst: torch.Tensor, src: torch.Tensor, segments: tuple, dim: int = 0) -> None:
+    """``dst`` = the part of ``src`` at the per-dim index runs ``segments``, copied run by run
+    (an interleaved piece needs no temporary of its own size)."""
+    if dim == len(segments):
+        dst.copy_(src)
+        return
+    offset = 0
+    for start, stop in segments[dim]:
+        size = stop - start
+        _copy_runs(dst.narrow(dim, offset, size), src.narrow(dim, start, size), segments, dim + 1)
+        offset += size
 
 
 def _random_out(op: Any, args: tuple, kwargs: dict) -> DTensor:
