@@ -71,7 +71,7 @@ class _GradReducer:
         self.buckets: list[list[torch.Tensor]] = []
         size = cap
         for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
+            nbytes = p._components[0].numel() * p.element_size()  # one device's piece
             if size + nbytes > cap and (not self.buckets or self.buckets[-1]):
                 self.buckets.append([])
                 size = 0
