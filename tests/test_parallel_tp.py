@@ -93,6 +93,11 @@ def test_embedding_styles(mesh_shape) -> None:
         emb = nn.Embedding(13, 7)
         out, _ = _run(emb, style, tokens, mesh_shape)
         assert emb.weight.placements[-1] == placement
+    emb = nn.Embedding(13, 7)
+    parallelize_module(emb, sw.init_device_mesh("cpu", mesh_shape), RowwiseParallel())
+    with sw.CommCounter() as counter:
+        emb(tokens)  # tokens go in replicated: the only collective reduces the output
+    assert [r.kind for r in counter.records] == ["all_reduce"]
 
 
 class Norms(nn.Module):

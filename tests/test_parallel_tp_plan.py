@@ -329,3 +329,126 @@ def test_sequence_parallel_plain_input_is_the_global_value_with_several_local_de
     out = norm(x)
     assert out.placements == (Shard(1),)
     torch.testing.assert_close(out.full_tensor(), reference(x))
+
+
+def test_vescale_plan_keeps_ties_whichever_name_the_plan_uses() -> None:
+    torch.manual_seed(5)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    for params in ({r"lm_head.weight": [Shard(1)]}, {}):  # the second holder named; none named
+        model = NanoGPT()
+        parallelize_module(model, mesh, {"parameter": params})
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert model.lm_head.weight.placements == ((Shard(1),) if params else (Replicate(),))
+    with pytest.raises(sw.ParallelPlanError, match="tied parameter"):
+        parallelize_module(
+            NanoGPT(),
+            mesh,
+            {"parameter": {r"lm_head.weight": [Shard(1)], r"transformer.wte.weight": [Shard(0)]}},
+        )
+
+
+def test_distribute_module_keeps_ties() -> None:
+    model = NanoGPT()
+    sw.distribute_module(model, sw.init_device_mesh("cpu", (2,)))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert isinstance(model.lm_head.weight, sw.DTensor)
+
+
+class Decoder(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None):
+        self.mask_seen = attention_mask
+        return hidden_states + self.mlp(hidden_states) * attention_mask, None
+
+
+class Llamaish(nn.Module):
+    """Hugging Face conventions: keyword inputs, tuple layer outputs, a dict model output."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(Decoder(dim) for _ in range(2))
+        self.model.forward = self._run
+
+    def _run(self, x: torch.Tensor) -> dict:
+        mask = torch.ones(())
+        for layer in self.model.layers:
+            x, _ = layer(x, attention_mask=mask)
+        return {"last_hidden_state": x}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)["last_hidden_state"]
+
+
+def test_vescale_plan_with_named_inputs_tuple_and_dict_outputs() -> None:
+    """The structure of veScale's published Llama plan."""
+    torch.manual_seed(6)
+    model = Llamaish()
+    reference = copy.deepcopy(model)
+    decoder = {
+        "input": {"hidden_states": [Shard(1)], "attention_mask": [Replicate()]},
+        "mlp.input": [[Replicate()]],
+        "mlp.output": [[Shard(1)]],
+        "output": [[Shard(1)], None],
+    }
+    plan = {
+        "parameter": {
+            r"model.layers.\d+.mlp.0.(weight|bias)": [Shard(0)],
+            r"model.layers.\d+.mlp.2.weight": [Shard(1)],
+        },
+        "forward": {
+            "model.input": [[Replicate()]],
+            "model.output": {"last_hidden_state": [Replicate()]},
+            **{rf"model.layers.\d+.{k}": v for k, v in decoder.items()},
+        },
+    }
+    mesh = sw.init_device_mesh("cpu", (2, 3))
+    parallelize_module(model, mesh, plan)
+    x = torch.randn(2, 7, 6)
+    out = model(x)
+    assert out.placements == (Replicate(), Replicate())
+    assert model.model.layers[1].mask_seen.placements == (Replicate(), Replicate())
+    _same_as_reference(model, reference, x)
+
+
+def test_replicated_then_parallelized_parameters_are_replaced_and_train() -> None:
+    """distribute_module first (all replicated), then a plan re-places the parameters it names:
+    they keep requires_grad and frozen ones stay frozen."""
+    torch.manual_seed(7)
+    model = Layer(6)
+    model.down.bias.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    sw.distribute_module(model, mesh)
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    assert model.up.weight.placements == (Shard(0),) and model.up.weight.requires_grad
+    assert not model.down.bias.requires_grad
+    _same_as_reference(model, reference, torch.randn(3, 6), mesh)
+
+
+def test_prepare_styles_check_their_layouts() -> None:
+    from shardwise.parallel import PrepareModuleInput, PrepareModuleOutput
+
+    with pytest.raises(sw.ParallelPlanError, match="same length"):
+        PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(),))
+    with pytest.raises(sw.ParallelPlanError, match="has no desired layout"):
+        PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(None,))
+    with pytest.raises(sw.ParallelPlanError, match="same keyword arguments"):
+        PrepareModuleInput(input_kwarg_layouts={"mask": Shard(0)})
+    with pytest.raises(sw.ParallelPlanError, match="same length"):
+        PrepareModuleOutput(output_layouts=(Shard(0), Shard(1)), desired_output_layouts=Shard(0))
+    mesh = sw.init_device_mesh("cpu", (2,))
+    model = nn.Linear(4, 4)
+    sw.distribute_module(model, mesh)
+    parallelize_module(
+        model,
+        mesh,
+        PrepareModuleInput(
+            input_layouts=(Shard(0), Shard(0)), desired_input_layouts=(Replicate(),) * 2
+        ),
+    )
+    with pytest.raises(sw.ParallelPlanError, match="2 input layouts for Linear, but it got 1"):
+        model(torch.randn(2, 4))

@@ -125,7 +125,13 @@ def test_attention_block_forward_backward(mesh_shape) -> None:
     assert kinds == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"], kinds
     grad = torch.randn_like(ref)
     ref.backward(grad)
-    (out.full_tensor() * grad).sum().backward()
+    dgrad = sw.distribute_tensor(grad, mesh, out.placements)
+    with sw.CommCounter() as counter:
+        out.backward(dgrad)
+    # activation gradients: one reduce-scatter per all-gather and back; q, k and v gradients
+    # add up before theirs; the all-reduces are the sequence-parallel norm weights' and biases'
+    assert counter.counts["all_gather"] == 2 and counter.counts["reduce_scatter"] == 2
+    assert counter.counts["all_reduce"] == 4
     for (name, p), r in zip(block.named_parameters(), reference.parameters(), strict=True):
         assert p.grad.placements == p.placements, name
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, atol=1e-5, rtol=1e-4, msg=name)
@@ -173,3 +179,23 @@ def test_dp_x_tp_training_matches_single_device() -> None:
                 p.full_tensor(), r.detach(), atol=1e-5, rtol=1e-4, msg=f"{name} at step {step}"
             )
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,), (2, 2)])
+def test_interleaved_blocks_split_and_join_without_communication(mesh_shape) -> None:
+    """The ops behind a merged projection: split of InterleavedShard(d, 3) into its 3 blocks
+    gives Shard(d) pieces, and cat of 3 equal Shard(d) pieces gives InterleavedShard(d, 3)."""
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    lead = [Replicate()] * (len(mesh_shape) - 1)
+    x = torch.randn(2, 15)  # blocks of 5: uneven on every mesh
+    dx = sw.distribute_tensor(x, mesh, [*lead, InterleavedShard(1, 3)])
+    with sw.CommCounter() as counter:
+        pieces = dx.split(5, dim=1)
+        sized = torch.split(dx, [5, 5, 5], dim=1)
+        joined = torch.cat(pieces, dim=1)
+    assert counter.total_bytes == 0
+    for got, want in zip(pieces + sized, x.split(5, dim=1) * 2, strict=True):
+        assert got.placements[-1] == Shard(1)
+        torch.testing.assert_close(got.full_tensor(), want)
+    assert joined.placements[-1] == InterleavedShard(1, 3)
+    torch.testing.assert_close(joined.full_tensor(), x)

@@ -1,10 +1,9 @@
 """Module boundaries as layout contracts: how a style turns a module's inputs and outputs into
 DTensors with the placements it declares, on one tensor-parallel mesh dim of any mesh.
 
-A boundary fixes the layout in both directions: the forward redistributes to the declared
-placements, and the backward brings the gradient back to the placements the value arrived in
-(a pending sum reduced), so modules on either side see the layouts they were written for and no
-op ever needs an implicit redistribution.
+A boundary redistributes explicitly, so no op inside a module needs an implicit
+redistribution; in the backward, gradients that are pending sums stay pending until a
+redistribution needs them reduced (the all-gather before a block reduce-scatters them once).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from ..dtensor import DTensor, distribute_tensor
 from ..errors import ParallelPlanError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
-from ..spec import validate_placements
 
 
 def resolve_tp_dim(mesh: DeviceMesh, tp_mesh_dim: int | str | None) -> int:
@@ -62,8 +60,8 @@ def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement
 
 
 def to_layout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
-    """``x`` in ``placements``; its gradient comes back in ``x``'s own placements."""
-    return _ToLayout.apply(x, validate_placements(x.shape, x.device_mesh, placements))
+    """``x`` in ``placements`` (itself when it is already there)."""
+    return x.redistribute(placements=placements)
 
 
 def on_tp(x: DTensor, tp_dim: int, placement: Placement) -> DTensor:
@@ -77,17 +75,3 @@ def local_output(x: object, use_local_output: bool) -> object:
     if use_local_output and isinstance(x, DTensor) and x.device_mesh.num_local_devices() == 1:
         return x.to_local()
     return x
-
-
-class _ToLayout(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: DTensor, target: tuple[Placement, ...]) -> DTensor:  # noqa: ANN001
-        ctx.source = x.placements
-        if x.placements == target:
-            return DTensor(list(x._components), x._spec)
-        return x.redistribute(placements=target)
-
-    @staticmethod
-    def backward(ctx, grad: DTensor):  # noqa: ANN001
-        target = [Replicate() if p.is_partial() else p for p in ctx.source]
-        return grad.redistribute(placements=target), None

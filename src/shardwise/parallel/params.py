@@ -31,15 +31,16 @@ def distribute_parameter(
     value = getattr(module, name)
     if value is None:
         return
+    requires_grad = value.requires_grad
     if isinstance(value, DTensor):
         if value.device_mesh == mesh and value.placements == tuple(placements):
             return
-        value = value.full_tensor().detach()
+        value = value.full_tensor()
     dvalue = distribute_tensor(value.detach(), mesh, placements)
     if name in module._buffers:
         module._buffers[name] = dvalue
         return
-    param = nn.Parameter(dvalue, requires_grad=value.requires_grad)
+    param = nn.Parameter(dvalue, requires_grad=requires_grad)
     if tp_dim is not None and param.requires_grad:
         param.register_hook(_reduce_on(tp_dim, tuple(dvalue.placements)))
     module.register_parameter(name, param)
@@ -47,11 +48,19 @@ def distribute_parameter(
 
 def replicate_rest(module: nn.Module, mesh: DeviceMesh, tp_dim: int | None = None) -> None:
     """Every parameter and buffer of ``module`` not yet a DTensor becomes a replicated one
-    (``tp_dim``: with the gradient hook of ``distribute_parameter``)."""
+    (``tp_dim``: with the gradient hook of ``distribute_parameter``); a tensor held by several
+    modules (tied weights) becomes one DTensor held by all of them."""
+    placed: dict[int, torch.Tensor] = {}
     for sub in module.modules():
-        for name, value in list(sub._parameters.items()) + list(sub._buffers.items()):
-            if value is not None and not isinstance(value, DTensor):
+        for slots in (sub._parameters, sub._buffers):
+            for name, value in list(slots.items()):
+                if value is None or isinstance(value, DTensor):
+                    continue
+                if id(value) in placed:
+                    slots[name] = placed[id(value)]
+                    continue
                 distribute_parameter(sub, name, mesh, [Replicate()] * mesh.ndim, tp_dim)
+                placed[id(value)] = slots[name]
 
 
 def _reduce_on(tp_dim: int, placements: tuple[Placement, ...]):  # noqa: ANN202

@@ -38,10 +38,12 @@ def name_matcher(key: PlanKey, *, regex: bool = False):  # noqa: ANN201
     if _GLOB_CHARS & set(key):
         parts = key.split(".")
 
-        def glob(name: str) -> bool:
+        def glob(name: str) -> bool:  # never the root module (name "")
             atoms = name.split(".")
-            return len(atoms) == len(parts) and all(
-                fnmatch.fnmatchcase(a, p) for a, p in zip(atoms, parts, strict=True)
+            return (
+                bool(name)
+                and len(atoms) == len(parts)
+                and all(fnmatch.fnmatchcase(a, p) for a, p in zip(atoms, parts, strict=True))
             )
 
         return glob

@@ -40,7 +40,7 @@ class ParallelStyle:
     ) -> nn.Module:
         """Shard ``module`` in place on the tp mesh dim and install its layout hooks."""
         tp_dim = resolve_tp_dim(device_mesh, tp_mesh_dim)
-        self._apply(module, device_mesh, tp_dim, plan_entry or type(module).__name__)
+        self._apply(module, device_mesh, tp_dim, plan_entry or f"<{type(module).__name__}>")
         return module
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, entry: str) -> None:
@@ -61,17 +61,20 @@ def _prepare(x: Any, mesh: DeviceMesh, tp_dim: int, given: Placement, desired: P
 
 def _fail_module(style: ParallelStyle, module: nn.Module, entry: str, fits: str) -> None:
     raise ParallelStyleError(
-        f"plan entry {entry!r}: {type(style).__name__} shards {fits}, but the module is "
+        f"plan entry {entry}: {type(style).__name__} shards {fits}, but the module is "
         f"{type(module).__name__} ({module})"
     )
 
 
-def _check_divides(entry: str, what: str, size: int, mesh: DeviceMesh, tp_dim: int) -> None:
+def _check_divides(
+    entry: str, what: str, size: int, module: nn.Module, mesh: DeviceMesh, tp_dim: int
+) -> None:
     n = mesh.shape[tp_dim]
     if size % n:
+        shapes = {k: list(v.shape) for k, v in module.named_parameters(recurse=False)}
         raise ParallelPlanError(
-            f"plan entry {entry!r}: {what} = {size} is not divisible by the tensor-parallel "
-            f"mesh dim {tp_dim} of size {n} of {mesh}"
+            f"plan entry {entry}: {what} = {size} of {module} (parameter shapes {shapes}) is "
+            f"not divisible by the tensor-parallel mesh dim {tp_dim} of size {n} of {mesh}"
         )
 
 
@@ -84,21 +87,22 @@ class _LinearStyle(ParallelStyle):
         input_layouts: Placement | None,
         output_layouts: Placement | None,
         use_local_output: bool,
-        default_input: Placement,
         default_output: Placement,
     ) -> None:
-        self.input_layouts = input_layouts or default_input
+        self.input_layouts = input_layouts
         self.output_layouts = output_layouts or default_output
         self.use_local_output = use_local_output
 
     def _hooks(
         self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, desired_input: Placement
     ) -> None:
+        """Inputs arrive as ``input_layouts`` (default: already as the module wants them)."""
+        given = self.input_layouts or desired_input
+
         def pre(_module: nn.Module, args: tuple) -> tuple:
             if not args:
                 return args
-            first = _prepare(args[0], mesh, tp_dim, self.input_layouts, desired_input)
-            return (first, *args[1:])
+            return (_prepare(args[0], mesh, tp_dim, given, desired_input), *args[1:])
 
         def post(_module: nn.Module, _args: tuple, out: Any) -> Any:
             if isinstance(out, DTensor):
@@ -133,7 +137,6 @@ class ColwiseParallel(_LinearStyle):
             input_layouts=input_layouts,
             output_layouts=output_layouts,
             use_local_output=use_local_output,
-            default_input=Replicate(),
             default_output=natural,
         )
         self.interleave = interleave
@@ -145,14 +148,14 @@ class ColwiseParallel(_LinearStyle):
             out = module.out_features
             if out % k:
                 raise ParallelPlanError(
-                    f"plan entry {entry!r}: interleave={k} does not divide the {out} output "
+                    f"plan entry {entry}: interleave={k} does not divide the {out} output "
                     f"features of {module} (weight shape {list(module.weight.shape)})"
                 )
             if self.num_heads is not None:
-                _check_divides(entry, "num_heads", self.num_heads, mesh, tp_dim)
+                _check_divides(entry, "num_heads", self.num_heads, module, mesh, tp_dim)
                 if (out // k) % self.num_heads:
                     raise ParallelPlanError(
-                        f"plan entry {entry!r}: {out // k} features per block of {module} "
+                        f"plan entry {entry}: {out // k} features per block of {module} "
                         f"(weight shape {list(module.weight.shape)}) do not split into "
                         f"num_heads={self.num_heads} heads"
                     )
@@ -183,7 +186,6 @@ class RowwiseParallel(_LinearStyle):
             input_layouts=input_layouts,
             output_layouts=output_layouts,
             use_local_output=use_local_output,
-            default_input=Shard(-1),
             default_output=Replicate(),
         )
 
@@ -261,6 +263,12 @@ class _Inputs:
             )
         self.pairs = list(zip(given or (), desired or (), strict=True))
         self.kw = {k: (kw[k], kw_desired[k]) for k in kw}
+        for pair in self.pairs + list(self.kw.values()):
+            if pair[0] is not None and pair[1] is None:
+                raise ParallelPlanError(
+                    f"input layout {pair[0]} has no desired layout (input_layouts {given}, "
+                    f"desired_input_layouts {desired}, keyword layouts {self.kw})"
+                )
         self.use_local = use_local_input
 
     def install(self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, entry: str) -> None:
@@ -268,16 +276,12 @@ class _Inputs:
             given, desired = pair
             if given is None or not isinstance(x, torch.Tensor):
                 return x
-            if desired is None:
-                raise ParallelPlanError(
-                    f"plan entry {entry!r}: input layout {given} has no desired layout"
-                )
             return local_output(_prepare(x, mesh, tp_dim, given, desired), self.use_local)
 
         def pre(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
             if len(args) < len(self.pairs):
                 raise ParallelPlanError(
-                    f"plan entry {entry!r}: {len(self.pairs)} input layouts for "
+                    f"plan entry {entry}: {len(self.pairs)} input layouts for "
                     f"{type(_module).__name__}, but it got {len(args)} positional inputs"
                 )
             args = tuple(
@@ -306,7 +310,7 @@ class _Outputs:
             outs = (out,) if single else tuple(out)
             if len(outs) != len(self.pairs):
                 raise ParallelPlanError(
-                    f"plan entry {entry!r}: {len(self.pairs)} output layouts for "
+                    f"plan entry {entry}: {len(self.pairs)} output layouts for "
                     f"{type(_module).__name__}, but it returned {len(outs)} outputs"
                 )
             done = []

@@ -23,7 +23,7 @@ from ..placements import Placement
 from ..spec import validate_placements
 from .boundary import as_dtensor, on_tp_dim, to_layout
 from .params import distribute_parameter, replicate_rest
-from .plan import match_modules, name_matcher, unmatched
+from .plan import key_text, match_modules, name_matcher, unmatched
 
 PLAN_PARTS = frozenset({"parameter", "forward"})
 
@@ -46,28 +46,37 @@ def apply_vescale_plan(module: nn.Module, mesh: DeviceMesh, plan: Mapping, tp_di
 
 
 def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, plan: Mapping, tp_dim: int) -> None:
+    """Place every parameter a key names (the first key that names it); a tied parameter
+    becomes one DTensor held by every module that holds it."""
     named = list(module.named_parameters(remove_duplicate=False))
-    chosen: dict[str, Any] = {}
+    chosen: dict[int, tuple[str, str, Any]] = {}  # id(param) -> (name, key, placements)
     for key, placements in plan.items():
         matches = name_matcher(key, regex=True)
-        names = [n for n, _ in named if matches(n)]
-        if not names:
+        hits = [(n, p) for n, p in named if matches(n)]
+        if not hits:
             raise unmatched("parameter", key, module, (n for n, _ in named))
-        for n in names:
-            chosen.setdefault(n, (key, placements))
+        for n, p in hits:
+            first = chosen.setdefault(id(p), (n, key, placements))
+            if list(first[2]) != list(placements):
+                raise ParallelPlanError(
+                    f"plan entries {key_text(first[1])} and {key_text(key)} place the tied "
+                    f"parameter {first[0]!r} / {n!r} of shape {list(p.shape)} differently: "
+                    f"{list(first[2])} and {list(placements)}"
+                )
     done: dict[int, nn.Parameter] = {}
     for name, param in named:
-        owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        if id(param) in done:  # a tied parameter: one DTensor for every module that holds it
-            owner.register_parameter(attr, done[id(param)])
-            continue
-        if name in chosen:
-            key, placements = chosen[name]
+        if id(param) in chosen and id(param) not in done:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            _, key, placements = chosen[id(param)]
             full = on_tp_dim(mesh, tp_dim, placements)
             _check_fits(key, name, param, mesh, full)
             distribute_parameter(owner, attr, mesh, full, tp_dim)
             done[id(param)] = getattr(owner, attr)
+    for name, param in named:  # every holder of a placed parameter holds the one DTensor
+        if id(param) in done:
+            owner_name, _, attr = name.rpartition(".")
+            module.get_submodule(owner_name).register_parameter(attr, done[id(param)])
 
 
 def _check_fits(key: str, name: str, param: torch.Tensor, mesh: DeviceMesh, placements) -> None:
@@ -75,8 +84,8 @@ def _check_fits(key: str, name: str, param: torch.Tensor, mesh: DeviceMesh, plac
         validate_placements(param.shape, mesh, placements)
     except InvalidPlacementError as err:
         raise ParallelPlanError(
-            f"plan entry {key!r} places parameter {name!r} of shape {list(param.shape)} as "
-            f"{list(placements)} on {mesh}: {err}"
+            f"plan entry {key_text(key)} places parameter {name!r} of shape "
+            f"{list(param.shape)} as {list(placements)} on {mesh}: {err}"
         ) from err
 
 
