@@ -127,3 +127,45 @@ def test_plain_meta_parameters_materialize_on_the_host() -> None:
     assert torch.equal(model.weight, reference.weight)
     assert model.weight.device.type == "cpu" and math.isclose(model.weight.std().item(),
                                                               reference.weight.std().item())
+
+
+def test_tensor_parallel_children_then_fully_shard_root_materialize_into_2d_shards() -> None:
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    sw.manual_seed(2)
+    reference = build()
+    sw.manual_seed(2)
+    model = deferred_init(build)
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model[0], mesh, ColwiseParallel())  # inner modules: still meta
+    parallelize_module(model[2], mesh, RowwiseParallel())
+    assert is_deferred(model)
+    with track_allocations() as stats:
+        fully_shard(model, mesh["dp"])  # the root: materializes the final 2-D shards
+    assert model[0].weight.placements == (Shard(0), Shard(0))
+    assert model[2].weight.placements == (Shard(0), Shard(1))
+    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), ref.detach())
+    shards = sum(c.numel() * 4 for p in model.parameters() for c in sw.unpack(p))
+    assert stats.peak_bytes <= shards + max(p.numel() * 4 for p in reference.parameters())
+
+
+def test_inner_replicate_units_keep_their_gradient_reduction_after_materializing() -> None:
+    sw.manual_seed(4)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = deferred_init(lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)))
+    mesh = sw.init_device_mesh("cpu", (2,))
+    replicate(model[0], mesh)  # inner: stays meta, its reducer waits for the real parameters
+    sw.manual_seed(4)
+    replicate(model, mesh)
+    x = torch.randn(4, 6)
+    reference(x).square().sum().backward()
+    with sw.CommCounter() as counter:
+        model(x).square().sum().backward()
+    assert counter.counts["all_reduce"] == 2  # one bucket per replicate() unit
+    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad.placements == (sw.Replicate(),)
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad)

@@ -12,7 +12,7 @@ seed, and the transient peak is one full parameter on top of the sharded model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 
 from .dtensor import DTensor
 from .errors import DeferredInitError
+from .placements import Placement
 from .spec import DTensorSpec
 
 M = TypeVar("M", bound=nn.Module)
@@ -59,6 +60,17 @@ def is_deferred(module: nn.Module) -> bool:
 def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.parameters()
     yield from module.buffers()
+
+
+def placed_meta(tensor: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """A meta DTensor re-placed: only its metadata changes, no data moves."""
+    spec = tensor._spec.with_placements(tuple(placements))
+    mesh = spec.mesh
+    components = [
+        torch.empty(spec.local_shape(d), dtype=tensor.dtype, device="meta")
+        for d in mesh.local_device_ids
+    ]
+    return DTensor(components, spec, requires_grad=tensor.requires_grad)
 
 
 def materialize_if_root(module: nn.Module) -> None:
@@ -142,8 +154,22 @@ def _allocate(module: nn.Module, device: torch.device, allocated: dict[int, torc
         for name, tensor in list(table.items()):
             if tensor is not None and is_meta(tensor):
                 if id(tensor) not in allocated:
-                    allocated[id(tensor)] = make(tensor)
+                    allocated[id(tensor)] = _carry_over(tensor, make(tensor))
                 table[name] = allocated[id(tensor)]
+
+
+def _carry_over(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """What sharding attached to a meta tensor stays with its real replacement: gradient
+    hooks (a style's gradient placement) and shardwise's bookkeeping attributes."""
+    if old._backward_hooks:
+        new._backward_hooks = old._backward_hooks
+    post = getattr(old, "_post_accumulate_grad_hooks", None)
+    if post:
+        new._post_accumulate_grad_hooks = post
+    for key, value in vars(old).items():
+        if key.startswith("_shardwise"):
+            setattr(new, key, value)
+    return new
 
 
 def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -166,6 +166,18 @@ def tensor_parallel_plan(cfg: GPTConfig) -> dict[str, Any]:
     return plan
 
 
+def _child_plan(plan: dict[str, Any], child: str) -> list[tuple[str | None, Any]]:
+    """The entries of ``plan`` under module ``child``, keys relative to it (None: the child
+    itself)."""
+    entries: list[tuple[str | None, Any]] = []
+    for key, style in plan.items():
+        if key == child:
+            entries.append((None, style))
+        elif key.startswith(child + "."):
+            entries.append((key[len(child) + 1 :], style))
+    return entries
+
+
 # ----- the synthetic task ------------------------------------------------------------------
 
 
@@ -252,15 +264,23 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     single = GPT(cfg)
     with track_allocations() as sharded_alloc:
         manual_seed(args.seed)
-        model = deferred_init(GPT, cfg)
-        parallelize_module(model, mesh, tensor_parallel_plan(cfg))  # materializes the shards
+        model = deferred_init(GPT, cfg)  # meta: no memory until its shards are known
+        plan = tensor_parallel_plan(cfg)
+        if args.fsdp and not cfg.tied:
+            # the plan applied child by child keeps the model meta; the root's fully_shard
+            # then materializes it straight into its 2-D (dp x tp) shards
+            for name, child in model.named_children():
+                for key, style in _child_plan(plan, name):
+                    parallelize_module(child, mesh, style if key is None else {key: style})
+        else:
+            parallelize_module(model, mesh, plan)  # the root: materializes the tp shards
+        if args.fsdp:
+            for block in model.blocks:
+                fully_shard(block, mesh["dp"])
+            fully_shard(model, mesh["dp"])
+        else:
+            replicate(model, mesh["dp"])
     materialized = _local_bytes(model)
-    if args.fsdp:
-        for block in model.blocks:
-            fully_shard(block, mesh["dp"])
-        fully_shard(model, mesh["dp"])
-    else:
-        replicate(model, mesh["dp"])
     memory = _memory(single, model, mesh)
     memory.update(sharded_peak=sharded_alloc.peak_bytes, materialized=materialized)
 
@@ -390,7 +410,7 @@ def _memory_table(say: Any, memory: dict[str, int]) -> None:
     say("\nparameter memory (bytes)")
     say(f"  single-device model                {memory['single_model']:>9}")
     say(f"  sharded model, largest device      {memory['sharded_per_device']:>9}")
-    say(f"  materializing the meta-built model in this process: peak {memory['sharded_peak']}"
+    say(f"  building the sharded model from meta in this process: peak {memory['sharded_peak']}"
         f" <= its shards {memory['materialized']} + one full parameter "
         f"{memory['largest_parameter']}: {memory['sharded_peak'] <= bound}")
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..deferred_init import materialize_if_root
+from ..deferred_init import is_meta, materialize_if_root, placed_meta
 from ..dtensor import DTensor, distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Shard
@@ -54,39 +54,42 @@ def fully_shard(
         storage = list(compute)
         if param.ndim > 0:
             storage[dp] = Shard(0)
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and is_meta(param):
+            value = placed_meta(param, storage)  # deferred: materialized in its final shards
+        elif isinstance(param, DTensor):
             value = param.detach().redistribute(placements=storage)
         else:
             value = distribute_tensor(param.detach(), mesh, storage)
         place_parameter(module, param, value)
         slots.append((owner, name, tuple(compute)))
     shard_inputs(module, mesh, dp)
+    for owner, name, _compute in slots:
+        setattr(owner._parameters[name], _MANAGED, True)
     materialize_if_root(module)  # after sharding: each device allocates only its shard
-    unit = _Unit(mesh, [(o, n, o._parameters[n], c) for o, n, c in slots], reshard_after_forward)
-    for _owner, _name, param, _compute in unit.slots:
-        setattr(param, _MANAGED, True)
+    unit = _Unit(slots, reshard_after_forward)
     module.register_forward_pre_hook(unit.before_forward)
     module.register_forward_hook(unit.after_forward)
     return module
 
 
 class _Unit:
-    """The parameters one ``fully_shard`` call manages, and its forward hooks."""
+    """The parameters one ``fully_shard`` call manages (looked up at each forward: a deferred
+    module's are replaced when its root materializes), and its forward hooks."""
 
-    def __init__(self, mesh: DeviceMesh, slots: list, reshard_after_forward: bool) -> None:
-        self.mesh = mesh
-        self.slots: list[tuple[nn.Module, str, DTensor, tuple[Placement, ...]]] = slots
+    def __init__(self, slots: list, reshard_after_forward: bool) -> None:
+        self.slots: list[tuple[nn.Module, str, tuple[Placement, ...]]] = slots
         self.reshard = reshard_after_forward
+        self.sharded: list[DTensor] = []  # the stored parameters during a forward
         self.saving: Any = None
         self.storages: dict[int, int] = {}  # storage of a gathered piece -> slot index
 
     def gather(self, k: int) -> DTensor:
-        _owner, _name, param, compute = self.slots[k]
-        return param.redistribute(placements=compute)
+        return self.sharded[k].redistribute(placements=self.slots[k][2])
 
     def before_forward(self, _module: nn.Module, _args: tuple) -> None:
         self.storages.clear()
-        for k, (owner, name, _param, _compute) in enumerate(self.slots):
+        self.sharded = [owner._parameters[name] for owner, name, _ in self.slots]
+        for k, (owner, name, _compute) in enumerate(self.slots):
             gathered = self.gather(k)
             owner._parameters[name] = gathered  # the forward computes with the full value
             for c in gathered._components:
@@ -99,7 +102,7 @@ class _Unit:
         if self.saving is not None:
             self.saving.__exit__(None, None, None)
             self.saving = None
-        for owner, name, param, _compute in self.slots:
+        for (owner, name, _compute), param in zip(self.slots, self.sharded, strict=True):
             owner._parameters[name] = param
         self.storages.clear()
 

@@ -12,6 +12,8 @@ without a gradient in this step) are reduced then.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -46,7 +48,7 @@ def replicate(
     ``module``, whose parameters are now DTensors (build the optimizer afterwards).
     """
     mesh, dp = dp_mesh_dim(module, device_mesh, mesh_dim, "replicate")
-    slots = []
+    slots: list[tuple[nn.Module, str]] = []
     for owner, name, param in list(owned_parameters(module)):
         if getattr(param, _MANAGED, False):
             continue  # an inner replicate() reduces it already
@@ -55,11 +57,11 @@ def replicate(
             place_parameter(module, param, distribute_tensor(param.detach(), mesh, placements))
         slots.append((owner, name))
     shard_inputs(module, mesh, dp)
-    materialize_if_root(module)  # after sharding: each device allocates only its piece
     params = [owner._parameters[name] for owner, name in slots]
     for p in params:
         setattr(p, _MANAGED, True)
     _GradReducer(mesh, dp, [p for p in params if p.requires_grad], int(bucket_cap_mb * 2**20))
+    materialize_if_root(module)  # after sharding: each device allocates only its piece
     return module
 
 
@@ -77,17 +79,16 @@ class _GradReducer:
                 size = 0
             self.buckets[-1].append(p)
             size += nbytes
-        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.ready: list[list[torch.Tensor]] = [[] for _ in self.buckets]
         self.pending = False
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        for b, bucket in enumerate(self.buckets):
+            for p in bucket:  # (a deferred module's real parameter inherits the hook)
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b))
 
-    def _on_grad(self, param: torch.Tensor) -> None:
+    def _on_grad(self, b: int, param: torch.Tensor) -> None:
         if not self.pending:
             self.pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        b = self.bucket_of[id(param)]
         self.ready[b].append(param)
         if len(self.ready[b]) == len(self.buckets[b]):
             self._flush(b)
