@@ -351,7 +351,7 @@ def _tolerance(losses: Sequence[float]) -> float:
     """A few float32 ulps of the loss per step: reductions summed in another order (per
     device, then across devices) round differently, and the differences compound slowly."""
     scale = max((abs(v) for v in losses), default=1.0)
-    return 64 * torch.finfo(torch.float32).eps * scale * max(1.0, math.sqrt(len(losses)))
+    return 16 * torch.finfo(torch.float32).eps * scale * max(1.0, math.sqrt(len(losses)))
 
 
 def _progress(steps: range, show: bool) -> Any:
