@@ -19,6 +19,7 @@ from .comm import (
 )
 from .custom_sharding import register_sharding
 from .debug import explain_redistribute
+from .deferred_init import deferred_init, materialize_module
 from .dispatch import (
     allow_implicit_redistribute,
     clear_sharding_cache,
@@ -32,6 +33,8 @@ from .errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    DataParallelError,
+    DeferredInitError,
     ImplicitRedistributeError,
     InvalidArgumentError,
     InvalidPlacementError,
@@ -116,6 +119,8 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommCounter",
+    "DataParallelError",
+    "DeferredInitError",
     "DTensor",
     "DTensorSpec",
     "DVariable",
@@ -148,6 +153,7 @@ __all__ = [
     "copy_to_mesh",
     "create_mesh",
     "default_mesh",
+    "deferred_init",
     "distribute_module",
     "distribute_tensor",
     "empty",
@@ -160,6 +166,7 @@ __all__ = [
     "init_device_mesh",
     "is_dtensor",
     "manual_seed",
+    "materialize_module",
     "ones",
     "pack",
     "rand",

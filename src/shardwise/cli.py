@@ -1,4 +1,6 @@
-"""Command line: ``python -m shardwise demo`` shows the data model on a 2x3 mesh."""
+"""Command line: ``python -m shardwise demo`` trains a sharded GPT beside a single-device one
+(``shardwise.demo``); ``tour`` shows the data model on a 2x3 mesh; ``ops-table`` prints the
+supported ops."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from .mesh import init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard
 
 
-def demo(out=sys.stdout) -> None:
+def tour(out=sys.stdout) -> None:
     """Distribute a 7x10 tensor on a 2x3 mesh several ways, redistribute, check round trips."""
 
     def say(text: str = "") -> None:
@@ -58,70 +60,24 @@ def demo(out=sys.stdout) -> None:
         raise SystemExit(1)
 
 
-def training_demo(out=sys.stdout, steps: int = 3) -> None:
-    """Train a 2-layer MLP on a 2x2 mesh (data x tensor parallel) beside single-device
-    training, printing both losses and the bytes each step moved."""
-    import copy
-
-    from torch import nn
-
-    from .dispatch import allow_implicit_redistribute
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-    sharded = copy.deepcopy(model)
-    plans = {  # column-parallel up projection, row-parallel down projection
-        "0.weight": [Replicate(), Shard(0)],
-        "0.bias": [Replicate(), Shard(0)],
-        "2.weight": [Replicate(), Shard(1)],
-        "2.bias": [Replicate(), Replicate()],
-    }
-    for name, placements in plans.items():
-        layer, pname = name.split(".")
-        module = sharded[int(layer)]
-        dparam = distribute_tensor(getattr(module, pname).detach(), mesh, placements)
-        setattr(module, pname, nn.Parameter(dparam))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    dopt = torch.optim.Adam(sharded.parameters(), lr=0.01)
-    print(f"\ntraining on {mesh}: batch sharded over 'data', weights over 'tensor'", file=out)
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        batch = [Shard(0), Replicate()]
-        with allow_implicit_redistribute(), CommCounter() as counter:
-            dx, dy = distribute_tensor(x, mesh, batch), distribute_tensor(y, mesh, batch)
-            dloss = nn.functional.mse_loss(sharded(dx), dy)
-            dopt.zero_grad()
-            dloss.backward()
-            dopt.step()
-        print(
-            f"  step {step}: loss {loss.item():.6f} single-device, {dloss.item():.6f} sharded; "
-            f"moved {counter.total_bytes} bytes in {dict(counter.counts)}",
-            file=out,
-        )
-    worst = max(
-        (p.full_tensor() - q).abs().max().item()
-        for p, q in zip(sharded.parameters(), model.parameters(), strict=True)
-    )
-    print(f"largest parameter difference after {steps} steps: {worst:.2e}", file=out)
-    if worst > 1e-4:
-        raise SystemExit("sharded training diverged from single-device training")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # its own options: shardwise demo --help
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="show the data model on a 2x3 mesh of simulated devices")
+    sub.add_parser(
+        "demo",
+        help="train a small GPT with data x tensor parallelism next to single-device training "
+        "(see shardwise demo --help)",
+    )
+    sub.add_parser("tour", help="show the data model on a 2x3 mesh of simulated devices")
     sub.add_parser("ops-table", help="print docs/ops.md: the supported ops, from the registry")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        demo()
-        training_demo()
+    if args.command == "tour":
+        tour()
     elif args.command == "ops-table":
         print(op_table_markdown(), end="")
     return 0

@@ -456,7 +456,7 @@ def distribute_tensor(
     check_partials(spec)
     data = tensor.detach()
     local = device_mesh.local_device_ids
-    owners = sorted({device_mesh.owner_of(d) for d in device_mesh.mesh.flatten().tolist()})
+    owners = sorted({device_mesh.owner_of(d) for d in device_mesh.device_ids})
     if src_data_rank is not None and (
         isinstance(src_data_rank, bool)
         or not isinstance(src_data_rank, int)
@@ -466,6 +466,10 @@ def distribute_tensor(
             f"distribute_tensor: src_data_rank={src_data_rank!r} must be None or the rank of a "
             f"process that owns devices of {device_mesh} (ranks {owners}); tensor shape "
             f"{list(tensor.shape)}, placements {list(normalized)}"
+        )
+    if data.is_meta:  # deferred init: meta pieces, materialized later without communication
+        return DTensor(
+            [_component_of(data, spec, d) for d in local], spec, requires_grad=tensor.requires_grad
         )
     if len(owners) > 1 and (src_data_rank is not None or comm.debug_checks_enabled()):
         fields = {"shape": list(tensor.shape), "dtype": str(tensor.dtype),

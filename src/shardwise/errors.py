@@ -93,3 +93,12 @@ class ParallelStyleError(ParallelPlanError, TypeError):
 class CheckpointMismatchError(ShardwiseError, ValueError):
     """A checkpoint does not fit the state it is loaded into: missing or unexpected keys,
     different shapes or dtypes (nothing is loaded)."""
+
+
+class DeferredInitError(ShardwiseError, RuntimeError):
+    """A module built on the meta device cannot be materialized (no ``reset_parameters``...)."""
+
+
+class DataParallelError(ShardwiseError, ValueError):
+    """``replicate``/``fully_shard`` got a mesh, module or parameter placements they cannot
+    combine (a data-parallel dim already sharded, tensors on another mesh...)."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..dtensor import DTensor, distribute_tensor
-from ..factories import check_generator
+from ..factories import check_generator, keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
 from .common import input_strategies
@@ -69,11 +69,6 @@ def _global_args(op: Any, args: tuple, kwargs: dict, keep_self: bool) -> tuple[t
     return tuple(flat[k] for k in names[:n]), {k: flat[k] for k in names[n:] if k in flat}
 
 
-def _local_pieces(drawn: torch.Tensor, mesh: DeviceMesh, placements: Any) -> list[torch.Tensor]:
-    """This process's pieces of a tensor every process drew alike (no data moves)."""
-    return distribute_tensor(drawn, mesh, placements, src_data_rank=None)._components
-
-
 def _random_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``self.uniform_()`` and friends: draw the global tensor, write each device's piece
     (a Partial("sum") ``self`` keeps the value on its first device and zeros elsewhere)."""
@@ -81,10 +76,26 @@ def _random_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
     g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=False)
     check_generator(self.device_mesh, self.device)
     drawn = op(*g_args, **g_kwargs)
-    pieces = _local_pieces(drawn, self.device_mesh, self.placements)
-    for component, piece in zip(self._components, pieces, strict=True):
-        component.copy_(piece)
+    spec = self._spec
+    for component, device in zip(self._components, spec.mesh.local_device_ids, strict=True):
+        if keeps_value(spec, device):  # copied from views: one global tensor at a time
+            _copy_runs(component, drawn, spec.local_segments(device))
+        else:
+            component.zero_()
     return self
+
+
+def _copy_runs(dst: torch.Tensor, src: torch.Tensor, segments: tuple, dim: int = 0) -> None:
+    """``dst`` = the part of ``src`` at the per-dim index runs ``segments``, copied run by run
+    (an interleaved piece needs no temporary of its own size)."""
+    if dim == len(segments):
+        dst.copy_(src)
+        return
+    offset = 0
+    for start, stop in segments[dim]:
+        size = stop - start
+        _copy_runs(dst.narrow(dim, offset, size), src.narrow(dim, start, size), segments, dim + 1)
+        offset += size
 
 
 def _random_out(op: Any, args: tuple, kwargs: dict) -> DTensor:

@@ -26,3 +26,9 @@ __all__ = [
     "loss_parallel",
     "parallelize_module",
 ]
+
+# data parallel (composable with the styles above on a 2-D mesh)
+from .fully_shard import fully_shard  # noqa: E402
+from .replicate import replicate  # noqa: E402
+
+__all__ += ["fully_shard", "replicate"]

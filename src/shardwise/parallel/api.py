@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from ..deferred_init import materialize_if_root
 from ..errors import ParallelPlanError
 from ..mesh import DeviceMesh
 from .boundary import resolve_tp_dim
@@ -58,6 +59,14 @@ def parallelize_module(
 
     Styles shard on one mesh dim (``tp_mesh_dim``; default the dim named ``"tp"``, else the
     last), every other mesh dim is Replicate, so a 2-D (data x tensor) mesh works as is."""
+    _apply_plan(module, device_mesh, parallelize_plan, tp_mesh_dim)
+    materialize_if_root(module)  # a meta-built module: each device allocates only its shards
+    return module
+
+
+def _apply_plan(
+    module: nn.Module, device_mesh: DeviceMesh, parallelize_plan: Plan, tp_mesh_dim: Any
+) -> nn.Module:
     tp_dim = resolve_tp_dim(device_mesh, tp_mesh_dim)
     if isinstance(parallelize_plan, ParallelStyle):
         return parallelize_plan.apply(module, device_mesh, tp_mesh_dim=tp_dim)

@@ -1,0 +1,505 @@
+"""The demo: a small GPT trained with data x tensor (+ sequence) parallelism on a mesh of
+simulated devices, beside the same model trained on one device from the same seed.
+
+The sharded model is built on the meta device and materialized straight into its shards by
+``parallelize_module``; data parallelism is ``replicate`` (or ``fully_shard`` with ``--fsdp``).
+The task is synthetic: every sequence is an arithmetic progression modulo the vocabulary with a
+random start and step, so predicting the next token needs the context (attention) and the loss
+falls visibly within a few dozen steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import CommCounter
+from .deferred_init import deferred_init
+from .dispatch import allow_implicit_redistribute
+from .dtensor import DTensor, distribute_tensor
+from .memory import track_allocations
+from .mesh import DeviceMesh, init_device_mesh
+from .ops.random import manual_seed
+from .parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    fully_shard,
+    loss_parallel,
+    parallelize_module,
+    replicate,
+)
+from .placements import Replicate, Shard
+
+# ----- the model ---------------------------------------------------------------------------
+
+
+@dataclass
+class GPTConfig:
+    vocab: int = 32
+    seq: int = 16
+    dim: int = 32
+    heads: int = 4
+    layers: int = 2
+    tied: bool = False
+
+
+class Attention(nn.Module):
+    """Causal self-attention with one merged QKV projection."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+
+        def split_heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        att = F.scaled_dot_product_attention(
+            split_heads(q), split_heads(k), split_heads(v), is_causal=True
+        )
+        return self.proj(att.transpose(1, 2).reshape(b, s, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.down = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Positions(nn.Module):
+    """Learned position embeddings, added to the token embeddings."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.seq, cfg.dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weight[: x.shape[1]]
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, ``layers`` blocks, a final norm, an output head (tied to
+    the token embedding or not)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.dim)
+        self.pos = Positions(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        if cfg.tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.pos(self.tok(ids))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tensor_parallel_plan(cfg: GPTConfig) -> dict[str, Any]:
+    """Megatron-style tensor parallelism with sequence parallel norms: activations between
+    blocks are sharded on the sequence dim over 'tp', attention heads and MLP hidden units are
+    split over 'tp', the merged QKV weight by ``InterleavedShard`` so each device keeps whole
+    heads of q, k and v, and the logits stay split by vocabulary."""
+    seq = Shard(1)
+    plan: dict[str, Any] = {
+        "tok": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=False
+        ),
+        "blocks.*.norm1": SequenceParallel(),
+        "blocks.*.attn.qkv": ColwiseParallel(
+            input_layouts=seq, interleave=3, num_heads=cfg.heads, use_local_output=False
+        ),
+        "blocks.*.attn.proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+        "blocks.*.norm2": SequenceParallel(),
+        "blocks.*.mlp.up": ColwiseParallel(input_layouts=seq, use_local_output=False),
+        "blocks.*.mlp.down": RowwiseParallel(output_layouts=seq, use_local_output=False),
+        "norm": SequenceParallel(),
+        # vocabulary-sharded logits, never gathered: the loss runs under loss_parallel()
+        "head": ColwiseParallel(input_layouts=seq, use_local_output=False),
+    }
+    if cfg.tied:  # the head reuses the vocabulary-sharded embedding weight
+        del plan["head"]
+    return plan
+
+
+def _child_plan(plan: dict[str, Any], child: str) -> list[tuple[str | None, Any]]:
+    """The entries of ``plan`` under module ``child``, keys relative to it (None: the child
+    itself)."""
+    entries: list[tuple[str | None, Any]] = []
+    for key, style in plan.items():
+        if key == child:
+            entries.append((None, style))
+        elif key.startswith(child + "."):
+            entries.append((key[len(child) + 1 :], style))
+    return entries
+
+
+# ----- the synthetic task ------------------------------------------------------------------
+
+
+def make_batch(step: int, batch: int, cfg: GPTConfig, seed: int) -> tuple[torch.Tensor, ...]:
+    """Arithmetic progressions modulo ``vocab``: (inputs, next-token targets)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    start = torch.randint(0, cfg.vocab, (batch, 1), generator=g)
+    stride = torch.randint(1, 6, (batch, 1), generator=g)
+    tokens = (start + stride * torch.arange(cfg.seq + 1)) % cfg.vocab
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# ----- the run -----------------------------------------------------------------------------
+
+
+@dataclass
+class DemoResult:
+    losses_sharded: list[float]
+    losses_single: list[float]
+    comm_per_step: dict[tuple[str, str], tuple[float, float]]  # (kind, dim) -> (count, bytes)
+    bytes_per_step: list[int]
+    memory: dict[str, int]
+    wall_s: float
+    max_difference: float
+    tolerance: float
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``"2x2"`` -> (2, 2): data-parallel size x tensor-parallel size."""
+    try:
+        dp, tp = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh wants DPxTP such as 2x2, got {text!r}") from None
+    if dp < 1 or tp < 1:
+        raise argparse.ArgumentTypeError(f"--mesh sizes must be positive, got {text!r}")
+    return dp, tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardwise demo",
+        description="Train a small GPT with data x tensor (+ sequence) parallelism on a mesh of "
+        "simulated devices, next to the same model on one device from the same seed; compare "
+        "the losses step by step and show the communication and the parameter placements.",
+    )
+    parser.add_argument("--mesh", type=parse_mesh, default=(2, 2), metavar="DPxTP",
+                        help="mesh shape: data-parallel x tensor-parallel size (default 2x2; "
+                        "4x1, 1x4... work too)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    parser.add_argument("--batch", type=int, default=16, help="global batch size (default 16)")
+    parser.add_argument("--lr", type=float, default=1e-2,
+                        help="AdamW learning rate (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--tied", action="store_true",
+                        help="tie the output head to the token embedding")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="data parallel by fully_shard (parameters and optimizer state "
+                        "Shard(0) on the data dim) instead of replicate")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="run over this many gloo processes on this host (the mesh size "
+                        "must be a multiple of it); prints the same losses")
+    parser.add_argument("--plot", metavar="FILE",
+                        help="write the loss curves and bytes per step as a PNG (matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
+    """Train both models, print the tables (to ``out``, default stdout); the result says how
+    close they came."""
+    out = out if out is not None else sys.stdout
+    started = time.perf_counter()
+    dp_size, tp_size = args.mesh
+    cfg = GPTConfig(layers=args.layers, tied=args.tied)
+    mesh = init_device_mesh("cpu", (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    talk = mesh.owner_of(0) == _rank()
+
+    def say(text: str = "") -> None:
+        if talk:
+            print(text, file=out, flush=True)
+
+    manual_seed(args.seed)
+    single = GPT(cfg)
+    with track_allocations() as sharded_alloc:
+        manual_seed(args.seed)
+        model = deferred_init(GPT, cfg)  # meta: no memory until its shards are known
+        plan = tensor_parallel_plan(cfg)
+        if args.fsdp and not cfg.tied:
+            # the plan applied child by child keeps the model meta; the root's fully_shard
+            # then materializes it straight into its 2-D (dp x tp) shards
+            for name, child in model.named_children():
+                for key, style in _child_plan(plan, name):
+                    parallelize_module(child, mesh, style if key is None else {key: style})
+        else:
+            parallelize_module(model, mesh, plan)  # the root: materializes the tp shards
+        if args.fsdp:
+            for block in model.blocks:
+                fully_shard(block, mesh["dp"])
+            fully_shard(model, mesh["dp"])
+        else:
+            replicate(model, mesh["dp"])
+    materialized = _local_bytes(model)
+    memory = _memory(single, model, mesh)
+    memory.update(sharded_peak=sharded_alloc.peak_bytes, materialized=materialized)
+
+    opt_single = torch.optim.AdamW(single.parameters(), lr=args.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    dp_name = "fully_shard" if args.fsdp else "replicate"
+    say(f"GPT ({sum(p.numel() for p in single.parameters())} parameters: {cfg.layers} blocks, "
+        f"dim {cfg.dim}, {cfg.heads} heads, vocabulary {cfg.vocab}, sequence {cfg.seq}) on mesh "
+        f"dp={dp_size} x tp={tp_size}: {dp_name} on 'dp', tensor + sequence parallel on 'tp'"
+        + (f", {_world_size()} processes (gloo)" if _world_size() > 1
+           else ", simulated devices in one process"))
+    losses_sharded, losses_single, bytes_per_step = [], [], []
+    comm: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    names = mesh.mesh_dim_names or ()
+    batch_placements = [Shard(0), Replicate()]
+    for step in _progress(range(args.steps), talk and not args.no_progress):
+        ids, targets = make_batch(step, args.batch, cfg, args.seed)
+        loss = F.cross_entropy(single(ids).transpose(1, 2), targets)  # classes on dim 1
+        opt_single.zero_grad()
+        loss.backward()
+        opt_single.step()
+        losses_single.append(loss.item())
+        with allow_implicit_redistribute(), loss_parallel(), CommCounter() as counter:
+            logits = model(ids)
+            dtargets = distribute_tensor(targets, mesh, batch_placements)
+            dloss = F.cross_entropy(logits.transpose(1, 2), dtargets)
+            opt.zero_grad()
+            dloss.backward()
+            opt.step()
+        losses_sharded.append(dloss.full_tensor().item())
+        bytes_per_step.append(counter.total_bytes)
+        for record in counter.records:
+            entry = comm[(record.kind, names[record.mesh_dim])]
+            entry[0] += 1 / args.steps
+            entry[1] += record.bytes / args.steps
+    wall = time.perf_counter() - started
+    diffs = [abs(a - b) for a, b in zip(losses_sharded, losses_single, strict=True)]
+    worst = max(diffs, default=0.0)
+    tolerance = _tolerance(losses_single)
+    _loss_table(say, losses_sharded, losses_single)
+    say(f"largest difference {worst:.2e} (float32 rounding tolerance {tolerance:.1e}): "
+        + ("sharded training matches single-device training" if worst <= tolerance
+           else "MISMATCH"))
+    _comm_table(say, comm, bytes_per_step)
+    _memory_table(say, memory)
+    for name in _shown_parameters(model):
+        say()
+        say(placement_grid(name, model.get_parameter(name)))
+    say(f"\nwall time {wall:.1f} s ({args.steps} steps of both models)")
+    result = DemoResult(losses_sharded, losses_single,
+                        {k: (v[0], v[1]) for k, v in comm.items()}, bytes_per_step, memory,
+                        wall, worst, tolerance)
+    if args.plot and talk:
+        plot(result, args.plot)
+        say(f"plot written to {args.plot}")
+    return result
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _tolerance(losses: Sequence[float]) -> float:
+    """A few float32 ulps of the loss per step: reductions summed in another order (per
+    device, then across devices) round differently, and the differences compound slowly."""
+    scale = max((abs(v) for v in losses), default=1.0)
+    return 16 * torch.finfo(torch.float32).eps * scale * max(1.0, math.sqrt(len(losses)))
+
+
+def _progress(steps: range, show: bool) -> Any:
+    if not show:
+        return steps
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is optional (pip install shardwise[demo])
+        return steps
+    return tqdm(steps, desc="training", unit="step", file=sys.stderr)
+
+
+def _loss_table(say: Any, sharded: Sequence[float], single: Sequence[float]) -> None:
+    say(f"\n{'step':>5}  {'loss sharded':>13}  {'loss single':>12}  {'difference':>10}")
+    n = len(sharded)
+    shown = sorted({*range(min(n, 5)), *range(max(n - 3, 0), n), *range(0, n, 10)})
+    for i in shown:
+        diff = abs(sharded[i] - single[i])
+        say(f"{i:>5}  {sharded[i]:>13.6f}  {single[i]:>12.6f}  {diff:>10.2e}")
+
+
+def _comm_table(say: Any, comm: dict, bytes_per_step: Sequence[int]) -> None:
+    say(f"\ncommunication per step (ring-model bytes received, summed over this process's "
+        f"devices; mean of {len(bytes_per_step)} steps)")
+    say(f"  {'collective':<15} {'mesh dim':<8} {'count':>6} {'bytes':>10}")
+    for (kind, dim), (count, nbytes) in sorted(comm.items()):
+        say(f"  {kind:<15} {dim:<8} {count:>6.1f} {nbytes:>10.0f}")
+    total = sum(bytes_per_step) / max(len(bytes_per_step), 1)
+    say(f"  {'total':<15} {'':<8} {'':>6} {total:>10.0f}")
+
+
+def _local_bytes(model: nn.Module) -> int:
+    """Bytes of the parameter pieces this process holds."""
+    return sum(
+        c.numel() * c.element_size()
+        for p in model.parameters()
+        for c in (p._components if isinstance(p, DTensor) else [p])
+    )
+
+
+def _memory(single: nn.Module, model: nn.Module, mesh: DeviceMesh) -> dict[str, int]:
+    per_device: dict[int, int] = defaultdict(int)
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            for d in mesh.mesh.flatten().tolist():
+                per_device[d] += math.prod(p._spec.local_shape(d)) * p.element_size()
+    return {
+        "single_model": sum(p.numel() * p.element_size() for p in single.parameters()),
+        "sharded_per_device": max(per_device.values()),
+        "largest_parameter": max(p.numel() * p.element_size() for p in single.parameters()),
+    }
+
+
+def _memory_table(say: Any, memory: dict[str, int]) -> None:
+    bound = memory["materialized"] + memory["largest_parameter"]
+    say("\nparameter memory (bytes)")
+    say(f"  single-device model                {memory['single_model']:>9}")
+    say(f"  sharded model, largest device      {memory['sharded_per_device']:>9}")
+    say(f"  building the sharded model from meta in this process: peak {memory['sharded_peak']}"
+        f" <= its shards {memory['materialized']} + one full parameter "
+        f"{memory['largest_parameter']}: {memory['sharded_peak'] <= bound}")
+
+
+def _shown_parameters(model: nn.Module) -> list[str]:
+    wanted = ["blocks.0.attn.qkv.weight", "blocks.0.mlp.down.weight", "tok.weight",
+              "blocks.0.norm1.weight"]
+    names = dict(model.named_parameters())
+    return [n for n in wanted if n in names]
+
+
+def placement_grid(name: str, param: torch.Tensor) -> str:
+    """Which slice of ``param`` each device of a 2-D mesh holds, drawn as the mesh grid
+    (rows: the first mesh dim, columns: the second)."""
+    if not isinstance(param, DTensor):
+        return f"{name} {list(param.shape)}: a plain tensor"
+    spec = param._spec
+    mesh = spec.mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    grid = mesh.mesh if mesh.ndim == 2 else mesh.mesh.reshape(1, -1)
+    cells = [[_slice_text(spec, d) for d in row.tolist()] for row in grid]
+    width = max(len(c) for row in cells for c in row) + 2
+    lines = [f"{name} {list(param.shape)} placements {list(param.placements)}"]
+    col_dim = names[-1]
+    row_dim = names[0] if mesh.ndim == 2 else ""
+    lines.append(" " * 10 + "".join(f"{f'{col_dim}={j}':^{width}}" for j in range(grid.shape[1])))
+    for i, row in enumerate(cells):
+        label = f"{row_dim}={i}" if row_dim else ""
+        lines.append(f"{label:>8}  " + "".join(f"[{c:^{width - 2}}]" for c in row))
+    return "\n".join(lines)
+
+
+def _slice_text(spec: Any, device: int) -> str:
+    dims = []
+    for runs, size in zip(spec.local_segments(device), spec.shape, strict=True):
+        if len(runs) == 1 and runs[0] == (0, size):
+            dims.append(":")
+        else:
+            dims.append("+".join(f"{a}:{b}" for a, b in runs))
+    return f"d{device} " + ",".join(dims)
+
+
+def plot(result: DemoResult, path: str) -> None:
+    """Loss curves of both models and bytes per step, as a PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'shardwise[demo]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = range(len(result.losses_single))
+    ax_loss.plot(steps, result.losses_single, label="single device", linewidth=3, alpha=0.5)
+    ax_loss.plot(steps, result.losses_sharded, label="sharded", linestyle="--")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross entropy")
+    ax_loss.set_title("training loss")
+    ax_loss.legend()
+    labels = [f"{kind}\n{dim}" for kind, dim in result.comm_per_step]
+    ax_bytes.bar(labels, [b for _, b in result.comm_per_step.values()])
+    ax_bytes.set_ylabel("bytes per step")
+    ax_bytes.set_title("communication per step")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``shardwise demo``: run (or launch over ``--nproc`` processes) and check the result."""
+    args = build_parser().parse_args(argv)
+    if args.nproc > 1:
+        from .launch import launch
+
+        forwarded = _without_nproc(list(sys.argv[1:] if argv is None else argv))
+        return launch("shardwise", ["demo", *forwarded], nproc=args.nproc, module=True)
+    result = run(args)
+    return 0 if result.max_difference <= result.tolerance else 1
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    if "demo" in argv[:1]:
+        argv = argv[1:]
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            kept.append(a)
+    return kept

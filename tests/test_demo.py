@@ -1,0 +1,76 @@
+"""The demo end to end, with few steps: sharded training equals single-device training in one
+process (replicate and fully_shard) and over two gloo processes, and its exit code says so."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise import demo
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _args(*extra: str):  # noqa: ANN202
+    return demo.build_parser().parse_args(["--steps", "2", "--no-progress", *extra])
+
+
+def _losses(text: str) -> list[tuple[float, float]]:
+    rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+$", text, flags=re.M)
+    return [(float(a), float(b)) for _, a, b in rows]
+
+
+def test_demo_in_one_process_matches_single_device(tmp_path: Path) -> None:
+    out = io.StringIO()
+    plot = tmp_path / "curves.png"
+    replicated = demo.run(_args("--plot", str(plot)), out)
+    text = out.getvalue()
+    assert replicated.max_difference <= replicated.tolerance < 1e-3
+    assert len(replicated.losses_sharded) == 2
+    assert _losses(text) == [(round(a, 6), round(b, 6)) for a, b in
+                             zip(replicated.losses_sharded, replicated.losses_single, strict=True)]
+    kinds = set(replicated.comm_per_step)
+    assert ("all_reduce", "dp") in kinds  # replicate's bucketed gradient reduction
+    assert ("reduce_scatter", "tp") in kinds  # sequence parallel after row-parallel layers
+    assert "InterleavedShard(dim=0, interleaved_size=3)" in text and "dp=1" in text
+    memory = replicated.memory
+    assert memory["sharded_per_device"] < memory["single_model"]
+    assert memory["sharded_peak"] <= memory["materialized"] + memory["largest_parameter"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    fsdp = demo.run(_args("--fsdp"), io.StringIO())
+    assert fsdp.max_difference <= fsdp.tolerance
+    assert fsdp.losses_single == replicated.losses_single
+    assert {("all_gather", "dp"), ("reduce_scatter", "dp")} <= set(fsdp.comm_per_step)
+    # the loss's reductions over 'dp' are common to both; replicate adds one gradient bucket
+    count, _ = fsdp.comm_per_step[("all_reduce", "dp")]
+    assert replicated.comm_per_step[("all_reduce", "dp")][0] == count + 1
+    assert fsdp.memory["sharded_per_device"] < memory["sharded_per_device"]
+
+
+def test_demo_exits_non_zero_when_losses_differ(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(demo, "_tolerance", lambda losses: -1.0)
+    assert demo.main(["--steps", "1", "--mesh", "1x2", "--no-progress"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_demo_over_two_processes_prints_the_same_losses() -> None:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise", "demo", "--nproc", "2", "--steps", "2",
+         "--no-progress"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 processes" in proc.stdout
+    losses = _losses(proc.stdout)  # rank 0's table: sharded over both processes vs one device
+    assert len(losses) == 2
+    for sharded, single in losses:
+        assert abs(sharded - single) <= 2e-6
