@@ -396,7 +396,7 @@ def _memory(single: nn.Module, model: nn.Module, mesh: DeviceMesh) -> dict[str, 
     per_device: dict[int, int] = defaultdict(int)
     for p in model.parameters():
         if isinstance(p, DTensor):
-            for d in mesh.mesh.flatten().tolist():
+            for d in mesh.device_ids:
                 per_device[d] += math.prod(p._spec.local_shape(d)) * p.element_size()
     return {
         "single_model": sum(p.numel() * p.element_size() for p in single.parameters()),

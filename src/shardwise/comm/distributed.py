@@ -681,7 +681,7 @@ def exchange(
 
 def _whole_mesh(mesh: DeviceMesh) -> tuple[list[Group], dict[tuple[int, ...], tuple[int, ...]]]:
     """The whole mesh as one group over every process that owns a device of it."""
-    members = tuple(mesh.mesh.flatten().tolist())
+    members = mesh.device_ids
     local = {d: i for i, d in enumerate(mesh.local_device_ids)}
     ranks = tuple(sorted({mesh.owner_of(d) for d in members}))
     return [(members, tuple(local.get(d) for d in members))], {members: ranks}
