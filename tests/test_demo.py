@@ -22,7 +22,10 @@ def _args(*extra: str):  # noqa: ANN202
 
 
 def _losses(text: str) -> list[tuple[float, float]]:
-    rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+$", text, flags=re.M)
+    # across processes the launcher prefixes each line with its rank: "[0] "
+    rows = re.findall(
+        r"^(?:\[\d+\] )?\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+$", text, flags=re.M
+    )
     return [(float(a), float(b)) for _, a, b in rows]
 
 

@@ -313,7 +313,8 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
         losses_sharded.append(dloss.full_tensor().item())
         bytes_per_step.append(counter.total_bytes)
         for record in counter.records:
-            entry = comm[(record.kind, names[record.mesh_dim])]
+            dims = record.mesh_dim if isinstance(record.mesh_dim, tuple) else (record.mesh_dim,)
+            entry = comm[(record.kind, "+".join(names[d] for d in dims))]
             entry[0] += 1 / args.steps
             entry[1] += record.bytes / args.steps
     wall = time.perf_counter() - started

@@ -175,6 +175,8 @@ def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
     the first random op of each mesh, and on every one under debug checks; a difference raises
     ``CollectiveMismatchError`` on every process."""
     key = (mesh, device)
+    if len(mesh.local_device_ids) == mesh.size():
+        return  # one process holds the whole mesh: there is no other generator to compare
     if key in _checked_generators and not comm.debug_checks_enabled():
         return
     state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()

@@ -47,7 +47,7 @@ class CommRecord:
     """One collective over one mesh dim, with the bytes this process's devices received."""
 
     kind: str
-    mesh_dim: int
+    mesh_dim: int | tuple[int, ...]  # an exchange spans several mesh dims
     bytes: int
     label: str = ""
     cross_process_bytes: int = 0
@@ -107,7 +107,7 @@ class CommCounter:
 
 def record(
     kind: str,
-    mesh_dim: int,
+    mesh_dim: int | tuple[int, ...],
     nbytes: int,
     label: str = "",
     *,
