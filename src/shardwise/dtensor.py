@@ -230,6 +230,12 @@ class DTensor(torch.Tensor):
         """This DTensor once its background collectives finished (at once when none run)."""
         return self
 
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        # torch.save recognises wrapper subclasses by data_ptr() == 0, which a DTensor with one
+        # local device does not return (third-party kernels need its pointer): pickle the
+        # instance state (components, spec) and rebuild from it
+        return _rebuild_dtensor, (type(self), dict(self.__dict__), self.requires_grad)
+
     def data_ptr(self) -> int:
         """The local component's data pointer (for third-party kernels); with several local
         devices there is no single pointer: use ``unpack`` or ``local_map``."""
@@ -628,8 +634,15 @@ class _FirstComponent(torch.autograd.Function):
         return DTensor(components, spec), None
 
 
+def _rebuild_dtensor(cls: type, state: dict, requires_grad: bool) -> DTensor:
+    """Inverse of ``DTensor.__reduce_ex__``."""
+    out = DTensor.__new__(cls, state["_components"], state["_spec"], requires_grad=requires_grad)
+    out.__dict__.update(state)
+    return out
+
+
 # torch.load(weights_only=True), torch's default, accepts saved DTensors and meshes
 torch.serialization.add_safe_globals(
     [DTensor, DTensorSpec, TensorMeta, DeviceMesh, IdTuple, Shard, InterleavedShard, Replicate,
-     Partial]
+     Partial, _rebuild_dtensor]
 )

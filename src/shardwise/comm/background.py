@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from ..errors import CollectiveError, ShardwiseError
-from . import accounting
 from .safety import moving
 
 T = TypeVar("T")
@@ -49,17 +48,18 @@ class Work(Generic[T]):
             ) from err
         return self._result
 
-    def _run(self, fn: Callable[[], T], context: contextvars.Context, counters: list) -> None:
-        active = accounting._active()
-        active.extend(counters)  # the submitter's CommCounters count the job's collectives
+    def _run(self, fn: Callable[[], T], context: contextvars.Context) -> None:
+        """Run ``fn`` in the submitter's context (its settings and ``CommCounter``s)."""
         try:
-            with moving(self.description):
-                self._result = context.run(fn)
+            self._result = context.run(self._described, fn)
         except BaseException as err:  # noqa: BLE001 - kept and raised at wait()
             self._error = err
         finally:
-            del active[len(active) - len(counters) :]
             self._done.set()
+
+    def _described(self, fn: Callable[[], T]) -> T:
+        with moving(self.description):
+            return fn()
 
 
 _jobs: queue.Queue = queue.Queue()
@@ -73,8 +73,8 @@ def _worker_thread() -> threading.Thread | None:
 
 def _loop() -> None:
     while True:
-        work, fn, context, counters = _jobs.get()
-        work._run(fn, context, counters)
+        work, fn, context = _jobs.get()
+        work._run(fn, context)
         with _lock:
             _state["pending"] -= 1
             _lock.notify_all()
@@ -89,7 +89,7 @@ def submit(fn: Callable[[], T], description: str) -> Work[T]:
             _state["thread"] = thread
             thread.start()
         _state["pending"] += 1
-    _jobs.put((work, fn, contextvars.copy_context(), list(accounting._active())))
+    _jobs.put((work, fn, contextvars.copy_context()))
     return work
 
 
