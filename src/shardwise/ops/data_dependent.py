@@ -47,6 +47,7 @@ from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, contiguous_meta, extract_local, make_tensor_meta
 from .common import (
     DimOption,
+    as_dtensors,
     dtensor_args,
     input_strategies,
     move_components,
@@ -137,8 +138,10 @@ register_pre_patch(
 def _masked_scatter(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``self`` keeps its Shard placements: with the gathered mask, every device knows which
     source element lands on each of its positions."""
-    self, mask, source = args
+    self, mask, source = as_dtensors(op, args)
     mesh, _ = dtensor_args(op, [self, mask, source])
+    if torch.broadcast_shapes(self.shape, mask.shape) != self.shape:
+        return run_replicated(op, args, kwargs)  # the output takes the larger, broadcast shape
     target = _no_partial(self.placements)
     rep = replicate(mesh)
     selfc, maskc, sourcec = move_components(op, [self, mask, source], [target, rep, rep])

@@ -254,6 +254,13 @@ def register_local_args(ops: OpOverload | Iterable[OpOverload], hook: LocalArgsH
     _changed()
 
 
+def unregister(ops: OpOverload | Iterable[OpOverload]) -> None:
+    """Forget the rule or strategy registered for ``ops``."""
+    for op in _overloads(ops):
+        _REGISTRY.pop(op, None)
+    _changed()
+
+
 def remove_hooks(ops: OpOverload | Iterable[OpOverload]) -> None:
     """Undo ``bypass_dispatch``, patches and propagation bypass for ``ops``."""
     for op in _overloads(ops):
