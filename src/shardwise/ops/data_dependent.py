@@ -12,6 +12,8 @@ Op table notes (one line per op):
 - ``aten.masked_scatter``: mask and source gathered; ``self`` keeps its Shard placements.
 - ``aten.masked_scatter_backward``: gathers; Replicate result.
 - ``aten.repeat_interleave.Tensor``: gathers the repeats; Replicate result.
+- ``aten._histogramdd_*`` (``torch.histogramdd``), ``aten.hash_tensor``: gather; Replicate
+  result.
 - ``aten.scatter_reduce.two``: shards on dims other than ``dim`` stay; index/src sharded on
   ``dim`` give Partial (sum with include_self, amax/amin) from a replicated ``self``.
 - ``aten.put``/``aten.put_``: ``self`` keeps its Shard placements (each device writes the
@@ -89,6 +91,10 @@ REPLICATED_OPS = [
     aten.masked_select.default,
     aten.masked_scatter_backward.default,
     aten.repeat_interleave.Tensor,
+    aten._histogramdd_bin_edges.default,
+    aten._histogramdd_from_bin_cts.default,
+    aten._histogramdd_from_bin_tensors.default,
+    aten.hash_tensor.default,
 ]
 bypass_dispatch(REPLICATED_OPS, run_replicated)
 
