@@ -39,7 +39,6 @@ class RuntimeSchemaInfo:
 
     static_argnum: int = 100
     static_kwargkey: tuple[str, ...] | None = None
-    needs_pytree: bool = False
 
 
 @dataclass
@@ -77,7 +76,6 @@ class OutputSharding:
 
     output_spec: OutputSpecs
     redistribute_schema: OpSchema | None = None
-    needs_redistribute: bool = False
 
 
 class PlacementStrategy:
@@ -90,13 +88,11 @@ class PlacementStrategy:
         self,
         output_specs: OutputSpecs = None,
         input_specs: Sequence[DTensorSpec] | None = None,
-        redistribute_cost: list[list[float]] | None = None,
         *,
         output_spec: OutputSpecs = None,
     ) -> None:
         self.output_specs = output_specs if output_spec is None else output_spec
         self.input_specs = input_specs
-        self.redistribute_cost = redistribute_cost
 
     @property
     def output_spec(self) -> DTensorSpec:
