@@ -18,10 +18,26 @@ XFAIL: dict[str, str] = {
     'alias_copy': 'no rule: aten.alias_copy.default',
     'allclose': 'no rule: aten.allclose.default',
     'angle': 'no rule: aten.angle.default',
-    'as_strided': 'no rule: aten.as_strided.default',
-    'as_strided.partial_views': 'no rule: aten.as_strided.default',
-    'as_strided_copy': 'no rule: aten.as_strided_copy.default',
-    'as_strided_scatter': 'no rule: aten.as_strided_scatter.default',
+    'as_strided': (
+        'as_strided: its strides and offset address the storage of the whole tensor, '
+        'which no device holds; no sharding (and no replica with its own layout) keeps '
+        'them'
+    ),
+    'as_strided.partial_views': (
+        'as_strided: its strides and offset address the storage of the whole tensor, '
+        'which no device holds; no sharding (and no replica with its own layout) keeps '
+        'them'
+    ),
+    'as_strided_copy': (
+        'as_strided: its strides and offset address the storage of the whole tensor, '
+        'which no device holds; no sharding (and no replica with its own layout) keeps '
+        'them'
+    ),
+    'as_strided_scatter': (
+        'as_strided: its strides and offset address the storage of the whole tensor, '
+        'which no device holds; no sharding (and no replica with its own layout) keeps '
+        'them (its backward)'
+    ),
     'block_diag': 'no rule: aten.block_diag.default',
     'bucketize': 'no rule: aten.bucketize.Tensor',
     'cholesky': 'no rule: aten.cholesky.default',
@@ -184,7 +200,6 @@ XFAIL: dict[str, str] = {
     'nn.functional.pixel_shuffle': 'no rule: aten.pixel_shuffle.default',
     'nn.functional.pixel_unshuffle': 'no rule: aten.pixel_unshuffle.default',
     'nn.functional.prelu': 'no rule: aten._prelu_kernel.default',
-    'nn.functional.rrelu': 'no rule: aten.rrelu_with_noise.default',
     'nn.functional.soft_margin_loss': 'no rule: aten.soft_margin_loss.default',
     'nn.functional.softshrink': 'no rule: aten.softshrink.default',
     'nn.functional.triplet_margin_loss': 'no rule: aten.norm.ScalarOpt_dim',
@@ -200,8 +215,14 @@ XFAIL: dict[str, str] = {
     'polar': 'no rule: aten.polar.default',
     'qr': 'no rule: aten.linalg_qr.default',
     'renorm': 'no rule: aten.renorm.default',
-    'resize_': 'no rule: aten.resize_.default',
-    'resize_as_': 'no rule: aten.resize_as_.default',
+    'resize_': (
+        "resize_ changes the storage of each component; a DTensor's global shape cannot "
+        'be resized in place (make a new DTensor)'
+    ),
+    'resize_as_': (
+        "resize_as_ changes the storage of each component; a DTensor's global shape "
+        'cannot be resized in place (make a new DTensor)'
+    ),
     'rot90': 'no rule: aten.rot90.default',
     'select_scatter': 'no rule: aten.select_scatter.default',
     'slice_scatter': 'no rule: aten.slice_scatter.default',
@@ -241,7 +262,11 @@ XFAIL: dict[str, str] = {
     'special.zeta': 'no rule: aten.special_zeta.default',
     'split_with_sizes_copy': 'no rule: aten.split_with_sizes_copy.default',
     'squeeze_copy': 'no rule: aten.squeeze_copy.default',
-    'stft': 'no rule: aten.as_strided.default',
+    'stft': (
+        'stft frames its input with as_strided: its strides and offset address the '
+        'storage of the whole tensor, which no device holds; no sharding (and no replica '
+        'with its own layout) keeps them'
+    ),
     'svd': 'no rule: aten._linalg_svd.default',
     'svd_lowrank': 'no rule: aten.linalg_qr.default',
     't_copy': 'no rule: aten.t_copy.default',
@@ -249,7 +274,7 @@ XFAIL: dict[str, str] = {
         'tensor_split reads its tensor of indices in C++ before dispatch; a DTensor holds'
         ' no data there (pass the indices as a list of ints)'
     ),
-    'to_sparse': 'no rule: aten._to_sparse.default',
+    'to_sparse': 'sparse DTensors are not supported (distribute_tensor refuses sparse inputs)',
     'trace': 'no rule: aten.trace.default',
     'transpose_copy': 'no rule: aten.transpose_copy.int',
     'triangular_solve': 'no rule: aten.triangular_solve.default',
