@@ -412,6 +412,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     decision = _cache.get(key)
     if decision is None:
         decision = _decide(func, args, kwargs, specs)
+    moved_self = bool(dtensors) and decision.input_placements[0] != specs[0].placements
+    if _is_inplace(func):
+        _check_write_reaches_base(func, dtensors[0], moved_self, decision.input_placements[0])
     components = redistribute_inputs(func, dtensors, decision.input_placements)
 
     local_args = registry.LOCAL_ARGS.get(func)
@@ -437,7 +440,31 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         # the op needed self elsewhere: self now lives there (same global value, updated)
         dtensors[0]._components = components[0]
         dtensors[0]._spec = DTensorSpec(mesh, decision.input_placements[0], specs[0].tensor_meta)
-    return _wrap(func, decision, local_results, dtensors)
+    result = _wrap(func, decision, local_results, dtensors)
+    if _is_view(func):
+        # a view of a moved input aliases a temporary copy, not the input: writes would be lost
+        orphan = moved_self or getattr(dtensors[0], "_orphan_view", False)
+        for out in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(out, DTensor):
+                out._is_view_of_dtensor = True
+                out._orphan_view = orphan
+    return result
+
+
+def _check_write_reaches_base(
+    func: Any, target: DTensor, moved: bool, placements: tuple[Placement, ...]
+) -> None:
+    """An in-place write into a view must reach the viewed DTensor: refuse it when the view
+    aliases a moved copy, or when the view itself would have to move first."""
+    if getattr(target, "_orphan_view", False) or (
+        moved and getattr(target, "_is_view_of_dtensor", False)
+    ):
+        raise UnsupportedOpError(
+            f"in-place {func} writes into a view (shape {list(target.shape)}, placements "
+            f"{list(target.placements)}) of a DTensor that had to be redistributed for the view "
+            f"or the write (to {list(placements)}), so the viewed DTensor would not see the write"
+            f"; redistribute the viewed DTensor first or write out of place"
+        )
 
 
 def _complete(func, flat, tree, dtensors_at, specs, decision: Decision, first: Any) -> Decision:
@@ -489,6 +516,16 @@ def _wrap_one(spec: DTensorSpec | None, components: list) -> Any:
     if spec is None or not isinstance(components[0], torch.Tensor):
         return components[0]
     return DTensor(components, spec)
+
+
+@functools.cache
+def _is_view(func: Any) -> bool:
+    """An op whose output aliases its input (``view``, ``select``, ``transpose``...)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
 
 
 @functools.cache
