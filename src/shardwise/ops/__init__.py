@@ -2,6 +2,8 @@
 
 from . import (
     attention,  # noqa: F401
+    batch_norm,  # noqa: F401
+    conv,  # noqa: F401
     data_dependent,  # noqa: F401
     embedding,  # noqa: F401
     foreach,  # noqa: F401
@@ -11,6 +13,7 @@ from . import (
     norms,  # noqa: F401
     padding,  # noqa: F401
     pointwise,  # noqa: F401
+    pooling,  # noqa: F401
     random,  # noqa: F401
     recurrent,  # noqa: F401
     reductions,  # noqa: F401

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, chunk_bounds
 from .registry import OpSchema, OpStrategy, PlacementStrategy
 
 
@@ -95,3 +95,58 @@ def product_strategy(
         else:
             found.append(strategy(mesh, ins, outs[0]))
     return OpStrategy(found)
+
+
+def axis_options(
+    in_dims: Sequence[Sequence[int | None]], out_dims: Sequence[Sequence[int | None]]
+) -> list[DimOption]:
+    """Options of an op that is independent along some axes (batch, channels, untransformed
+    dims): all Replicate, plus one option per axis ``k`` in which input ``i`` is sharded on its
+    dim ``in_dims[i][k]`` and output ``j`` on ``out_dims[j][k]`` (``None``: that tensor does not
+    have the axis and stays Replicate). An axis no input is sharded on is left out."""
+    n_axes = len(in_dims[0]) if in_dims else 0
+    rep: DimOption = ((Replicate(),) * len(in_dims), (Replicate(),) * len(out_dims))
+    options = [rep]
+    for k in range(n_axes):
+        if all(dims[k] is None for dims in in_dims):
+            continue
+        ins = tuple(Replicate() if d[k] is None else Shard(d[k]) for d in in_dims)
+        outs = tuple(Replicate() if d[k] is None else Shard(d[k]) for d in out_dims)
+        options.append((ins, outs))
+    return options
+
+
+def linear_option(n_in: int, n_out: int, linear_in: Sequence[int]) -> DimOption:
+    """Partial("sum") through an op linear in the inputs at ``linear_in`` jointly (the others
+    Replicate): every output is Partial("sum")."""
+    ins = tuple(Partial("sum") if i in linear_in else Replicate() for i in range(n_in))
+    return ins, (Partial("sum"),) * n_out
+
+
+def _smallest_piece(size: int, splits: Sequence[int]) -> int:
+    """The smallest piece of a dim of ``size`` split (``torch.chunk`` style) by each of
+    ``splits`` in turn."""
+    pieces = [size]
+    for n in splits:
+        pieces = [hi - lo for p in pieces for lo, hi in (chunk_bounds(p, n, i) for i in range(n))]
+    return min(pieces)
+
+
+def nonempty_shards(
+    mesh: DeviceMesh, shapes: Sequence[Sequence[int]]
+) -> Callable[[tuple[DimOption, ...]], bool]:
+    """A ``product_strategy`` filter: no input (of ``shapes``) gets an empty shard, for ops
+    whose kernels refuse empty channel or spatial dims."""
+
+    def valid(combo: tuple[DimOption, ...]) -> bool:
+        for i, shape in enumerate(shapes):
+            for d, size in enumerate(shape):
+                splits = [
+                    mesh.size(m) for m, option in enumerate(combo)
+                    if isinstance(option[0][i], Shard) and option[0][i].dim == d
+                ]
+                if splits and _smallest_piece(size, splits) == 0:
+                    return False
+        return True
+
+    return valid
