@@ -3,11 +3,14 @@
 from . import (
     attention,  # noqa: F401
     batch_norm,  # noqa: F401
+    complex,  # noqa: F401
     conv,  # noqa: F401
     data_dependent,  # noqa: F401
     embedding,  # noqa: F401
+    fft,  # noqa: F401
     foreach,  # noqa: F401
     indexing,  # noqa: F401
+    linalg,  # noqa: F401
     losses,  # noqa: F401
     matrix,  # noqa: F401
     norms,  # noqa: F401

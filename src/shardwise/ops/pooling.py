@@ -24,6 +24,7 @@ from .common import (
     DimOption,
     axis_options,
     input_strategies,
+    leading_axes,
     linear_option,
     nonempty_shards,
     product_strategy,
@@ -39,27 +40,6 @@ from .registry import (
 aten = torch.ops.aten
 R = Replicate()
 P = Partial("sum")
-
-
-def leading_axes(
-    shapes: Sequence[Sequence[int]], core: Sequence[int]
-) -> list[list[int | None]] | None:
-    """Per tensor, the dim of each shared leading axis: tensor i's leading dims (all but its
-    last ``core[i]``) aligned from the right with the longest such prefix (``None``: the
-    tensor lacks the axis). An axis where a tensor broadcasts (size 1 against more) is left
-    out by returning ``None`` for it in every tensor."""
-    leads = [list(s[: len(s) - c]) for s, c in zip(shapes, core, strict=True)]
-    ref = max(leads, key=len)
-    dims: list[list[int | None]] = [[] for _ in leads]
-    for k in range(len(ref)):
-        column: list[int | None] = []
-        for lead in leads:
-            d = k - (len(ref) - len(lead))
-            column.append(d if d >= 0 else None)
-        broadcast = any(d is not None and leads[i][d] != ref[k] for i, d in enumerate(column))
-        for i, d in enumerate(column):
-            dims[i].append(None if broadcast else d)
-    return dims
 
 
 def spatial_strategy(
