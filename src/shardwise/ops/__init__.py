@@ -5,6 +5,7 @@ from . import (
     batch_norm,  # noqa: F401
     complex,  # noqa: F401
     conv,  # noqa: F401
+    copies,  # noqa: F401
     data_dependent,  # noqa: F401
     embedding,  # noqa: F401
     fft,  # noqa: F401
@@ -20,6 +21,8 @@ from . import (
     random,  # noqa: F401
     recurrent,  # noqa: F401
     reductions,  # noqa: F401
+    scatter,  # noqa: F401
+    selection,  # noqa: F401
     sorting,  # noqa: F401
     structural,  # noqa: F401
     tensor_ops,  # noqa: F401
