@@ -1,6 +1,7 @@
 """Sharding rules and strategies, one module per op family; importing registers them."""
 
 from . import (
+    along_dim,  # noqa: F401
     attention,  # noqa: F401
     batch_norm,  # noqa: F401
     complex,  # noqa: F401
@@ -27,4 +28,5 @@ from . import (
     structural,  # noqa: F401
     tensor_ops,  # noqa: F401
     views,  # noqa: F401
+    whole,  # noqa: F401
 )

@@ -1,5 +1,6 @@
 """The ``*_copy`` variants of view ops (``view_copy``, ``permute_copy``, ``transpose_copy``,
-``unbind_copy``...: what functionalisation emits) and ``unfold``.
+``unbind_copy``...: what functionalisation emits), the other non-aliasing variants
+(``unsafe_split``, the functional ``fill``) and ``unfold``.
 
 A ``*_copy`` op has the value of its view op without aliasing, so on DTensors it runs as the
 view op (sharded by the views family's strategies, with their local-size rewriting) followed by
@@ -66,8 +67,22 @@ def _narrow_copy(op: Any, args: tuple, kwargs: dict) -> Any:
     return aten.clone.default(aten.slice.Tensor(x, dim, start, start + length))
 
 
+def _unsafe_split(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``unsafe_split``/``unsafe_split_with_sizes``: ``split`` without the aliasing checks."""
+    safe = aten.split.Tensor if op is aten.unsafe_split.Tensor else aten.split_with_sizes.default
+    return [aten.clone.default(t) for t in safe(*args, **kwargs)]
+
+
+def _fill(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``fill(self, value)``: a filled copy (``fill_`` on a clone)."""
+    inplace = aten.fill_.Scalar if op is aten.fill.Scalar else aten.fill_.Tensor
+    return inplace(aten.clone.default(args[0]), *args[1:], **kwargs)
+
+
 bypass_dispatch(list(COPY_OF), _as_view_then_clone)
 bypass_dispatch(aten.narrow_copy.default, _narrow_copy)
+bypass_dispatch([aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default], _unsafe_split)
+bypass_dispatch([aten.fill.Scalar, aten.fill.Tensor], _fill)
 
 
 @register_op_strategy(aten.unfold.default, schema_info=RuntimeSchemaInfo(1))

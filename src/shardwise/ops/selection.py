@@ -1,5 +1,6 @@
-"""Sharding strategies of order statistics along a dim: ``median``/``nanmedian`` with a dim,
-``kthvalue`` and ``mode`` (values and indices), and the whole-tensor ``median``/``nanmedian``.
+"""Sharding strategies of order statistics along a dim (``median``/``nanmedian`` with a dim,
+``kthvalue`` and ``mode``: values and indices; the whole-tensor ``median``/``nanmedian``) and of
+searches in sorted or given values (``bucketize``, ``searchsorted``, ``isin``).
 
 Each runs per slice along ``dim``: ``dim`` stays whole, every other dim may be sharded alike on
 the input and both outputs (shifted down past ``dim`` unless ``keepdim``). The indices are
@@ -42,3 +43,39 @@ def order_statistic_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
 def whole_median_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """The median of every element: the input is gathered."""
     return OpStrategy([replicate_strategy(mesh, 1)])
+
+
+# ----- searches --------------------------------------------------------------------------------
+
+
+@register_op_strategy(
+    [aten.bucketize.Tensor, aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar],
+    schema_info=RuntimeSchemaInfo(1),
+)
+def search_elements_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``bucketize(self, boundaries)``, ``isin(elements, test_elements)``: each element is
+    looked up on its own, so ``self`` may be sharded on any dim (the output alike) while the
+    boundaries or test elements stay replicated."""
+    inputs = input_strategies(schema)
+    dims = list(range(inputs[0].ndim))
+    in_dims: list[list[int | None]] = [dims] + [[None] * len(dims)] * (len(inputs) - 1)
+    return product_strategy(mesh, axis_options(in_dims, [dims]))
+
+
+@register_op_strategy(aten.searchsorted.Tensor, schema_info=RuntimeSchemaInfo(2))
+def searchsorted_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``searchsorted(sorted_sequence, self, ...)``: the values' last dim may be sharded with
+    the sequence replicated; with a batched sequence, the batch dims alike on both (the
+    sequence's last dim stays whole)."""
+    inputs = input_strategies(schema)
+    seq, values = inputs[0], inputs[1]
+    if seq.ndim == 1:
+        dims = list(range(values.ndim))
+        in_dims: list[list[int | None]] = [[None] * len(dims), dims]
+        out = dims
+    else:
+        batch = list(range(seq.ndim - 1))
+        in_dims = [batch + [None], batch + [values.ndim - 1]]
+        out = batch + [values.ndim - 1]
+    in_dims += [[None] * len(out)] * (len(inputs) - 2)  # a sorter is replicated
+    return product_strategy(mesh, axis_options(in_dims, [out]))
