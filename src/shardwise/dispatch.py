@@ -163,10 +163,10 @@ def _choose(func: Any, strategy: OpStrategy, specs: list[DTensorSpec]) -> Placem
         inputs = candidate.input_specs if candidate.input_specs is not None else specs
         if len(inputs) != len(specs):
             continue
-        cost = (0, 0, 0)  # bytes, collectives, inputs moved (ties keep inputs in place)
+        cost = (0, 0, 0)  # bytes, collectives, placements changed (ties keep inputs in place)
         for spec, want in zip(specs, inputs, strict=True):
             moved = _move_cost(spec, want.placements)
-            changed = tuple(want.placements) != spec.placements
+            changed = sum(a != b for a, b in zip(want.placements, spec.placements, strict=True))
             cost = (cost[0] + moved[0], cost[1] + moved[1], cost[2] + changed)
         if best_cost is None or cost < best_cost:
             best, best_cost = candidate, cost
@@ -220,9 +220,15 @@ def _call_site() -> str:
     return "<unknown>"
 
 
-def _redistribute_inputs(
-    func: Any, dtensors: list[DTensor], targets: tuple[tuple[Placement, ...], ...]
+def redistribute_inputs(
+    func: Any, dtensors: Sequence[DTensor], targets: Sequence[Sequence[Placement]]
 ) -> list[list[torch.Tensor]]:
+    """The components of ``dtensors`` moved to ``targets`` (one placement tuple each), as an op
+    ``func`` moves its inputs: a move that needs communication raises
+    ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on or autograd's
+    backward runs. For handlers registered with ``bypass_dispatch``."""
+    dtensors = list(dtensors)
+    targets = tuple(tuple(t) for t in targets)
     if all(dt._spec.placements == t for dt, t in zip(dtensors, targets, strict=True)):
         return [dt._components for dt in dtensors]
     plans: list[RedistributePlan | None] = []
@@ -353,7 +359,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     decision = _cache.get(key)
     if decision is None:
         decision = _decide(func, args, kwargs, specs)
-    components = _redistribute_inputs(func, dtensors, decision.input_placements)
+    components = redistribute_inputs(func, dtensors, decision.input_placements)
 
     local_args = registry.LOCAL_ARGS.get(func)
     if local_args is not None:
@@ -448,6 +454,7 @@ __all__ = [
     "allow_implicit_redistribute",
     "clear_sharding_cache",
     "dispatch",
+    "redistribute_inputs",
     "set_implicit_redistribute",
     "set_redistribute_logging",
 ]

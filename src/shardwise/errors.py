@@ -54,3 +54,8 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 class CollectiveMismatchError(CollectiveError):
     """Processes entered different collectives, or the same one on different tensors
     (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""
+
+
+class StrategyValidationError(ShardwiseError, AssertionError):
+    """A sharding strategy, forced on sample inputs, gave a value or placements that differ
+    from single-device PyTorch (``shardwise.validate_strategy``)."""

@@ -27,7 +27,7 @@ from .common import (
     leading_axes,
     nonempty_shards,
     product_strategy,
-    replicate_strategy,
+    replicated_strategy,
 )
 from .registry import (
     OpSchema,
@@ -79,7 +79,7 @@ def batched_strategy(
     try:
         outs = _meta_outputs(schema)
     except NotImplementedError:  # no meta kernel (geqrf): run replicated
-        return OpStrategy([replicate_strategy(mesh, len(inputs), n_out)])
+        return replicated_strategy(mesh, len(inputs), n_out)
     core = list(core)[: len(inputs)] + [core[-1]] * (len(inputs) - len(core))
     in_dims = leading_axes([s.shape for s in inputs], core)
     n_axes = len(in_dims[0]) if in_dims else 0
@@ -95,7 +95,7 @@ def batched_strategy(
         elif o is None or o.numel() == 0:
             out_dims.append([None] * n_axes)  # nothing to shard: the same (empty) everywhere
         else:
-            return OpStrategy([replicate_strategy(mesh, len(inputs), n_out)])
+            return replicated_strategy(mesh, len(inputs), n_out)
     options: list[DimOption] = axis_options(in_dims, out_dims) if in_dims else []
     if not options:
         options = [((R,) * len(inputs), (R,) * n_out)]
@@ -158,7 +158,7 @@ _register([aten.ormqr.default], [2, 1, 2], linear_in=[2])
 def lstsq_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """``linalg_lstsq``: everything replicated (its residuals, rank and singular values are
     empty or not depending on the driver and the shapes)."""
-    return OpStrategy([replicate_strategy(mesh, len(input_strategies(schema)), 4)])
+    return replicated_strategy(mesh, len(input_strategies(schema)), 4)
 
 
 @register_op_strategy(aten._linalg_check_errors.default, schema_info=RuntimeSchemaInfo(1))

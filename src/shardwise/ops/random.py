@@ -19,10 +19,16 @@ import torch
 from ..dtensor import DTensor, distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
-from .common import input_strategies
-from .data_dependent import move_components
+from .common import (
+    DimOption,
+    R,
+    bind,
+    input_strategies,
+    move_components,
+    partial_ops,
+    product_strategy,
+)
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, bypass_dispatch, register_op_strategy
-from .tensor_ops import bind, flat_product_strategy, partial_ops
 
 aten = torch.ops.aten
 
@@ -144,7 +150,7 @@ def native_dropout_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpSt
     """``grad * mask * scale``: grad and mask sharded alike, or a Partial grad (linear) with a
     replicated mask, or both replicated."""
     grad, _mask = input_strategies(schema)
-    option: list[tuple[Placement, ...]] = [(Replicate(),) * 3]
-    option += [(Shard(d), Shard(d), Shard(d)) for d in range(grad.ndim)]
-    option += [(p, Replicate(), p) for p in partial_ops(grad.output_spec.placements)]
-    return flat_product_strategy(mesh, [option] * mesh.ndim, 2)
+    options: list[DimOption] = [((R, R), (R,))]
+    options += [((Shard(d), Shard(d)), (Shard(d),)) for d in range(grad.ndim)]
+    options += [((p, R), (p,)) for p in partial_ops(grad.output_spec.placements)]
+    return product_strategy(mesh, options)

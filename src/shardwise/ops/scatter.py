@@ -25,8 +25,8 @@ from .common import (
     linear_option,
     nonempty_shards,
     product_strategy,
+    run_replicated,
 )
-from .data_dependent import run_replicated
 from .registry import (
     OpSchema,
     OpStrategy,

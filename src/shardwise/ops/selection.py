@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import DeviceMesh
-from .common import axis_options, input_strategies, product_strategy, replicate_strategy
+from .common import axis_options, input_strategies, product_strategy, replicated_strategy
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, register_op_strategy
 
 aten = torch.ops.aten
@@ -42,7 +42,7 @@ def order_statistic_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
 @register_op_strategy([aten.median.default, aten.nanmedian.default])
 def whole_median_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """The median of every element: the input is gathered."""
-    return OpStrategy([replicate_strategy(mesh, 1)])
+    return replicated_strategy(mesh, 1, 1)
 
 
 # ----- searches --------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ among equally cheap ones dispatch keeps the inputs as they are.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from math import prod
 
@@ -20,11 +19,17 @@ from ..errors import InvalidArgumentError, InvalidPlacementError
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, Segments, shard_segments
-from .common import input_strategies, strategy
+from .common import (
+    DimOption,
+    input_strategies,
+    mesh_coords,
+    per_tensor,
+    product_strategy,
+    same_kind,
+)
 from .registry import (
     OpSchema,
     OpStrategy,
-    PlacementStrategy,
     RuntimeSchemaInfo,
     bypass_dispatch,
     register_local_args,
@@ -33,100 +38,30 @@ from .registry import (
 
 aten = torch.ops.aten
 
-# (input placement, output placement) on one mesh dim
-Option = tuple[Placement, Placement]
 DimMap = dict[int, int]
-
-# ----- helpers shared with the matrix family ------------------------------------------------------
-
-
-def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, ...]]:
-    """Every coordinate of the mesh (all processes' devices: SPMD decisions must agree)."""
-    return list(itertools.product(*(range(s) for s in mesh.shape)))
-
-
-def fits(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> bool:
-    """True when ``placements`` can place a tensor of ``shape`` (interleaves divide sizes)."""
-    if not any(isinstance(p, InterleavedShard) for p in placements):
-        return True
-    try:
-        for coord in mesh_coords(mesh):
-            shard_segments(tuple(shape), mesh.shape, tuple(placements), coord)
-    except InvalidPlacementError:
-        return False
-    return True
-
-
-def same_kind(p: Shard, dim: int) -> Shard:
-    """A shard of the same kind as ``p`` (plain or interleaved) on tensor dim ``dim``."""
-    if isinstance(p, InterleavedShard):
-        return InterleavedShard(dim, p.interleaved_size)
-    return Shard(dim)
-
-
-def ranked(
-    current: Sequence[Sequence[Placement]], candidates: Sequence[PlacementStrategy]
-) -> OpStrategy:
-    """Deduplicate ``candidates`` and order them by how many input placements they change, so
-    that free moves (Replicate -> Shard/Partial cost nothing) never beat keeping the input."""
-
-    def changes(c: PlacementStrategy) -> int:
-        return sum(
-            a != b
-            for spec, cur in zip(c.input_specs, current, strict=True)
-            for a, b in zip(spec.placements, cur, strict=True)
-        )
-
-    seen, unique = set(), []
-    for c in candidates:
-        key = repr(c)
-        if key not in seen:
-            seen.add(key)
-            unique.append(c)
-    return OpStrategy(sorted(unique, key=changes))
 
 
 def _norm(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-def _options(current: Placement, dim_map: DimMap) -> list[Option]:
+def _options(current: Placement, dim_map: DimMap, n_outputs: int = 1) -> list[DimOption]:
     """Per-mesh-dim choices of a unary data-movement op: Partial passes through; otherwise
-    Replicate, or a shard of any mapped dim (interleaved kept when the input has one)."""
+    Replicate, or a shard of any mapped dim (interleaved kept when the input has one).
+    ``n_outputs``: a list-returning op whose outputs all take the same placement."""
     if isinstance(current, Partial):
-        return [(current, current)]
-    options: list[Option] = [(Replicate(), Replicate())]
-    options += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
-    if isinstance(current, InterleavedShard) and current.dim in dim_map:
-        options.append((current, same_kind(current, dim_map[current.dim])))
-    return options
-
-
-def _unary(
-    mesh: DeviceMesh,
-    current: tuple[Placement, ...],
-    per_dim: Sequence[list[Option]],
-    n_outputs: int | None = None,
-    valid: Callable[[tuple[Placement, ...], tuple[Placement, ...]], bool] | None = None,
-) -> OpStrategy:
-    """The strategies from per-mesh-dim options (``n_outputs``: a list-returning op whose
-    outputs all take the same placements)."""
-    candidates = []
-    for combo in itertools.product(*per_dim):
-        ins = tuple(c[0] for c in combo)
-        outs = tuple(c[1] for c in combo)
-        if valid is not None and not valid(ins, outs):
-            continue
-        if n_outputs is None:
-            candidates.append(strategy(mesh, [ins], outs))
-        else:
-            candidates.append(strategy(mesh, [ins], [outs] * n_outputs, multi=True))
-    return ranked([current], candidates)
+        pairs: list[tuple[Placement, Placement]] = [(current, current)]
+    else:
+        pairs = [(Replicate(), Replicate())]
+        pairs += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
+        if isinstance(current, InterleavedShard) and current.dim in dim_map:
+            pairs.append((current, same_kind(current, dim_map[current.dim])))
+    return [((p,), (q,) * n_outputs) for p, q in pairs]
 
 
 def _mapped(mesh: DeviceMesh, schema: OpSchema, dim_map: DimMap) -> OpStrategy:
     current = input_strategies(schema)[0].output_spec.placements
-    return _unary(mesh, current, [_options(p, dim_map) for p in current])
+    return product_strategy(mesh, lambda m: _options(current[m], dim_map))
 
 
 def _arg(schema: OpSchema, pos: int, name: str, default: object) -> object:
@@ -251,13 +186,13 @@ def view_is_local(
 
 def _view_options(
     current: Placement, in_shape: Sequence[int], out_shape: Sequence[int]
-) -> list[Option]:
+) -> list[DimOption]:
     """Candidate choices for one mesh dim of a view (checked by ``view_is_local`` later): a
     shard of any input dim onto any output dim of its group, an interleaved input onto the
     inner dim of a [k, n] split, and a shard of an inner dim onto an interleaved merge."""
     if isinstance(current, Partial):
-        return [(current, current)]
-    options: list[Option] = [(Replicate(), Replicate())]
+        return [((current,), (current,))]
+    options: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
     for gi, go in view_groups(in_shape, out_shape):
         options += [(Shard(d), Shard(e)) for d in gi for e in go]
         if gi and go and len(gi) > 1:
@@ -270,7 +205,7 @@ def _view_options(
             options += [(current, InterleavedShard(e, k)) for e in go]
             options += [(current, Shard(go[pos])) for pos in range(1, len(go))
                         if prod(out_shape[e] for e in go[:pos]) == k]
-    return options
+    return [((p,), (q,)) for p, q in options]
 
 
 @register_op_strategy(
@@ -286,15 +221,14 @@ def view_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     )
     current = spec.placements
     if prod(in_shape) == 0:
-        per_dim = [[(p, p)] if isinstance(p, Partial) else [(Replicate(), Replicate())]
-                   for p in current]
-        return _unary(mesh, current, per_dim)
-    per_dim = [_view_options(p, in_shape, out_shape) for p in current]
-    return _unary(
-        mesh,
-        current,
-        per_dim,
-        valid=lambda ins, outs: view_is_local(mesh, in_shape, out_shape, ins, outs),
+        return product_strategy(mesh, lambda m: _options(current[m], {}))
+
+    def valid(combo: Sequence[DimOption]) -> bool:
+        ins, outs = per_tensor(combo)
+        return view_is_local(mesh, in_shape, out_shape, ins, outs)
+
+    return product_strategy(
+        mesh, lambda m: _view_options(current[m], in_shape, out_shape), valid=valid
     )
 
 
@@ -311,7 +245,7 @@ def _expand_global(args: tuple, spec: DTensorSpec) -> list[int]:
     return [spec.shape[i - offset] if s == -1 else s for i, s in enumerate(size)]
 
 
-def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:  # noqa: ARG001
+def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:
     return [int(s) for s in args[1]]
 
 
@@ -560,7 +494,7 @@ def split_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
             count = len(sizes)
         dim_map = {d: d for d in range(ndim) if d != dim}
     current = _input(schema).placements
-    return _unary(mesh, current, [_options(p, dim_map) for p in current], n_outputs=count)
+    return product_strategy(mesh, lambda m: _options(current[m], dim_map, count), multi=True)
 
 
 # ----- cat / stack -------------------------------------------------------------------------
@@ -575,24 +509,23 @@ def _joined(
     """cat/stack: on each mesh dim all joined inputs are Replicate, share a shard of a mapped
     dim, or share a Partial (both ops are linear). Skipped inputs keep their placements."""
     joined = [s for s, skip in zip(specs, skipped, strict=True) if not skip]
-    per_dim: list[list[tuple[Placement, Placement]]] = []
-    for m in range(mesh.ndim):
+
+    def options(m: int) -> list[DimOption]:
         here = [s.placements[m] for s in joined]
-        options: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
-        options += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
+        pairs: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
+        pairs += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
         for p in dict.fromkeys(here):
             if isinstance(p, Partial):
-                options.append((p, p))
+                pairs.append((p, p))
             elif isinstance(p, InterleavedShard) and p.dim in dim_map:
-                options.append((p, same_kind(p, dim_map[p.dim])))
-        per_dim.append(options)
-    candidates = []
-    for combo in itertools.product(*per_dim):
-        want = tuple(c[0] for c in combo)
-        outs = tuple(c[1] for c in combo)
-        ins = [s.placements if skip else want for s, skip in zip(specs, skipped, strict=True)]
-        candidates.append(strategy(mesh, ins, outs))
-    return ranked([s.placements for s in specs], candidates)
+                pairs.append((p, same_kind(p, dim_map[p.dim])))
+        return [
+            (tuple(s.placements[m] if skip else want
+                   for s, skip in zip(specs, skipped, strict=True)), (out,))
+            for want, out in pairs
+        ]
+
+    return product_strategy(mesh, options)
 
 
 @register_op_strategy(aten.cat.default, schema_info=RuntimeSchemaInfo(1))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import DeviceMesh
-from .common import input_strategies, replicate_strategy
+from .common import input_strategies, replicated_strategy
 from .registry import OpSchema, OpStrategy, register_op_strategy
 
 aten = torch.ops.aten
@@ -45,4 +45,4 @@ WHOLE_OPS = [
 def whole_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """Everything replicated."""
     n_out = max(len(schema.op._schema.returns), 1)
-    return OpStrategy([replicate_strategy(mesh, len(input_strategies(schema)), n_out)])
+    return replicated_strategy(mesh, len(input_strategies(schema)), n_out)
