@@ -150,6 +150,8 @@ def batch_norm_backward(
 
 
 def _native_batch_norm(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Global batch statistics: per-channel sums all-reduced where the batch or spatial dims
+    are sharded; the running statistics updated with them."""
     return batch_norm_forward(*args, **kwargs)
 
 
@@ -162,6 +164,7 @@ def _legit(op: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _legit_no_training(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Eval mode: normalised with the running statistics, elementwise."""
     x, w, b, rm, rv, momentum, eps = args
     return batch_norm_forward(x, w, b, rm, rv, False, momentum, eps)
 
@@ -176,6 +179,8 @@ def _with_update(op: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _native_backward(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Global per-channel gradient sums (all-reduced where the batch or spatial dims are
+    sharded), the rest elementwise."""
     return batch_norm_backward(*args, **kwargs)
 
 

@@ -52,5 +52,15 @@ def two_output_elementwise_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStr
     return product_strategy(mesh, axis_options(dims, [dims[0], dims[0]]), multi=True)
 
 
-bypass_dispatch(aten._conj.default, lambda op, args, kwargs: aten.conj_physical.default(*args))
-bypass_dispatch(aten._neg_view.default, lambda op, args, kwargs: aten.neg.default(*args))
+def _conj(op: object, args: tuple, kwargs: dict) -> object:
+    """Conjugated physically (``conj_physical``): the same values, no lazy bit."""
+    return aten.conj_physical.default(*args)
+
+
+def _neg_view(op: object, args: tuple, kwargs: dict) -> object:
+    """Negated physically (``neg``): the same values, no lazy bit."""
+    return aten.neg.default(*args)
+
+
+bypass_dispatch(aten._conj.default, _conj)
+bypass_dispatch(aten._neg_view.default, _neg_view)

@@ -57,6 +57,7 @@ COPY_OF = {
 
 
 def _as_view_then_clone(op: Any, args: tuple, kwargs: dict) -> Any:
+    """The view op, sharded as views are, then a clone (no aliasing)."""
     out = COPY_OF[op](*args, **kwargs)
     return pytree.tree_map_only(DTensor, aten.clone.default, out)
 

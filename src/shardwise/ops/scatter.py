@@ -150,6 +150,7 @@ def _diag_dims_full(
 
 
 def _trace(op: object, args: tuple, kwargs: dict) -> object:
+    """The sum of the diagonal (a Partial sum where the diagonal is sharded)."""
     return aten.sum.default(aten.diagonal.default(args[0]))
 
 
