@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
@@ -28,6 +29,7 @@ from .common import (
     linear_option,
     nonempty_shards,
     product_strategy,
+    replicate_plain,
 )
 from .registry import (
     OpSchema,
@@ -35,6 +37,7 @@ from .registry import (
     RuntimeSchemaInfo,
     register_local_args,
     register_op_strategy,
+    register_pre_patch,
 )
 
 aten = torch.ops.aten
@@ -189,6 +192,17 @@ def grid_sampler_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStra
 # ----- shuffles ----------------------------------------------------------------------------------
 
 _register(_ops("pixel_shuffle", "pixel_unshuffle"), [3], 1, linear_in=[0])
+
+
+def _replicate_samples(op: object, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``F.fractional_max_pool*d`` draws its ``random_samples`` itself (a plain tensor the
+    user never sees): taken as replicated, like every device drawing the same ones."""
+    if isinstance(args[0], DTensor) and not isinstance(args[3], DTensor):
+        args = (*args[:3], replicate_plain(args[0].device_mesh, args[3]), *args[4:])
+    return args, kwargs
+
+
+register_pre_patch(_ops("fractional_max_pool2d", "fractional_max_pool3d"), _replicate_samples)
 
 
 @register_op_strategy(_ops("channel_shuffle", "native_channel_shuffle"), RuntimeSchemaInfo(1))
