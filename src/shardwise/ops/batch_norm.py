@@ -50,6 +50,14 @@ def _settled(t: torch.Tensor) -> torch.Tensor:
     return t.redistribute(t.device_mesh, placements)
 
 
+def _placed_like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` laid out like the running statistic ``ref`` it updates in place (a channel-sharded
+    batch gives channel-sharded statistics; replicated running statistics gather them)."""
+    if isinstance(t, DTensor) and isinstance(ref, DTensor) and t.placements != ref.placements:
+        return t.redistribute(ref.device_mesh, ref.placements)
+    return t
+
+
 def _reduce_dims(x: torch.Tensor) -> list[int]:
     return [0] + list(range(2, x.ndim))
 
@@ -97,10 +105,11 @@ def batch_norm_forward(
         var = _channel_sum(centered * centered, x) / n
         invstd = aten.rsqrt.default(var + eps)
         if running_mean is not None:
-            running_mean.mul_(1 - momentum).add_(aten.view.default(mean, [-1]) * momentum)
+            update = _placed_like(aten.view.default(mean, [-1]) * momentum, running_mean)
+            running_mean.mul_(1 - momentum).add_(update)
         if running_var is not None:
             unbiased = aten.view.default(var, [-1]) * (n / max(n - 1, 1))
-            running_var.mul_(1 - momentum).add_(unbiased * momentum)
+            running_var.mul_(1 - momentum).add_(_placed_like(unbiased * momentum, running_var))
         save_mean, save_invstd = aten.view.default(mean, [-1]), aten.view.default(invstd, [-1])
     else:
         centered = x - _per_channel(running_mean, x)
