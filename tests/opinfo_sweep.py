@@ -18,19 +18,24 @@ import collections
 import contextlib
 import os
 import random
+import re
 import sys
+import textwrap
 import time
 import types
 import unittest
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise as sw
 from shardwise import DTensor, Partial, Replicate, Shard
+from shardwise.ops import registry
 from shardwise.spec import validate_placements
 
 MESH_SHAPES: tuple[tuple[int, ...], ...] = ((2,), (3,), (2, 2))
@@ -197,9 +202,10 @@ def _grad_pairs(got: Any, expected: Any) -> list[tuple[Any, torch.Tensor]]:
 
 def run_case(
     opinfo: Any, sample: Any, mesh_shape: tuple[int, ...], variant: int, n_random: int,
-    backward: bool,
+    backward: bool, calls: dict | None = None,
 ) -> tuple[str, str]:
-    """Run one sample on one mesh in every placement variant: (status, message)."""
+    """Run one sample on one mesh in every placement variant: (status, message). ``calls``
+    records the first call of each aten op the reference run (forward, backward) makes."""
     dtype_tol = {torch.float64: (1e-7, 1e-6), torch.float32: (1e-4, 1e-3)}
     tree_in = (sample.input, sample.args, sample.kwargs)
     leaves, tree = pytree.tree_flatten(tree_in)
@@ -219,12 +225,14 @@ def run_case(
         return out
 
     ref_leaves = plain_leaves(backward)
+    recording = _Recorder(calls) if calls is not None else contextlib.nullcontext()
     try:
-        expected = _call(opinfo, sample, tree, ref_leaves)
+        with recording:
+            expected = _call(opinfo, sample, tree, ref_leaves)
     except Exception as err:  # the sample is invalid for torch itself
         return SKIP, f"reference raised {type(err).__name__}"
     try:
-        random_op = _is_random(opinfo, tree, leaves)
+        random_op = "empty" in opinfo.name or _is_random(opinfo, tree, leaves)
     except Exception as err:
         return SKIP, f"reference raised {type(err).__name__} on a second run"
     pairs_e = _grad_pairs(expected, expected) if backward and not random_op else []
@@ -234,7 +242,8 @@ def run_case(
         weights = [torch.rand(e.shape, generator=gen, dtype=e.dtype) for _, e in pairs_e]
         loss = sum((e * w).sum() for (_, e), w in zip(pairs_e, weights, strict=True))
         inputs = [ref_leaves[i] for i in tensor_at if ref_leaves[i].requires_grad]
-        ref_grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        with recording:
+            ref_grads = torch.autograd.grad(loss, inputs, allow_unused=True)
 
     mesh = sw.init_device_mesh("cpu", mesh_shape)
     variants = placement_variants(tensors, mesh, n_random, seed=variant)
@@ -277,8 +286,9 @@ def run_case(
     return PASS, ""
 
 
-def run_opinfo(opinfo: Any, *, full: bool = FULL) -> Outcome:
-    """Every case of one OpInfo (sampled unless ``full``)."""
+def run_opinfo(opinfo: Any, *, full: bool = FULL, calls: dict | None = None) -> Outcome:
+    """Every case of one OpInfo (sampled unless ``full``); ``calls`` records the aten calls
+    of the first sample's reference run (see ``run_case``)."""
     outcome = Outcome(op_id(opinfo))
     start = time.perf_counter()
     dtype = pick_dtype(opinfo)
@@ -297,8 +307,9 @@ def run_opinfo(opinfo: Any, *, full: bool = FULL) -> Outcome:
         for m, mesh_shape in enumerate(MESH_SHAPES):
             # sampled runs check gradients on one mesh only
             grad = backward and (full or m == s % len(MESH_SHAPES))
+            record = calls if s == 0 and m == 0 else None
             with torch.random.fork_rng():
-                status, message = run_case(opinfo, sample, mesh_shape, s, n_random, grad)
+                status, message = run_case(opinfo, sample, mesh_shape, s, n_random, grad, record)
             outcome.add(status, message)
             if status in (WRONG, ERROR, UNSUPPORTED) and not full:
                 outcome.seconds = time.perf_counter() - start
@@ -314,36 +325,145 @@ def _first(it: Iterator, n: int) -> Iterator:
         yield x
 
 
+class _Recorder(TorchDispatchMode):
+    """Records the first call of every aten op (arguments cloned before the op runs)."""
+
+    def __init__(self, calls: dict) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.calls:
+            self.calls[func] = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.detach().clone(), (args, kwargs)
+            )
+        return func(*args, **kwargs)
+
+
+# Why an OpInfo fails, where the error message alone does not say it.
+REASONS = {
+    "tensor_split": "tensor_split reads its tensor of indices in C++ before dispatch; a DTensor "
+    "holds no data there (pass the indices as a list of ints)",
+}
+XFAIL_FILE = Path(__file__).with_name("opinfo_xfail.py")
+
+
+def xfail_reason(outcome: Outcome) -> str:
+    """One line: the missing rule (``no rule: aten.x``) or why the OpInfo cannot pass."""
+    if outcome.name in REASONS:
+        return REASONS[outcome.name]
+    found = re.search(r"(\S+) has no sharding rule", outcome.message)
+    if outcome.status == UNSUPPORTED and found:
+        return f"no rule: {found.group(1)}"
+    return outcome.message
+
+
+def write_xfail(failing: Sequence[Outcome]) -> None:
+    """Rewrite tests/opinfo_xfail.py: the OpInfos that fail now, with their reasons."""
+    lines = [
+        '"""OpInfos expected to fail in tests/test_opinfo.py, with the reason (generated by',
+        "`python tests/opinfo_sweep.py --write-xfail`; an entry that passes fails the test, so",
+        'the list only shrinks). ``no rule: aten.x`` means an op family not written yet."""',
+        "",
+        "XFAIL: dict[str, str] = {",
+    ]
+    for o in sorted(failing, key=lambda o: o.name):
+        entry = f"    {o.name!r}: {xfail_reason(o)!r},"
+        if len(entry) <= 100:
+            lines.append(entry)
+            continue
+        pieces = textwrap.wrap(xfail_reason(o), 80, drop_whitespace=False)
+        lines += [f"    {o.name!r}: ("] + [f"        {p!r}" for p in pieces] + ["    ),"]
+    lines.append("}")
+    XFAIL_FILE.write_text("\n".join(lines) + "\n")
+
+
+COUNTS_FILE = Path(__file__).parents[1] / "src" / "shardwise" / "ops" / "opinfo_counts.py"
+
+
+def write_counts(counts: collections.Counter, mode: str) -> None:
+    """Rewrite the OpInfo counts module that ``python -m shardwise ops-table`` reports."""
+    tested = sum(counts[s] for s in (WRONG, ERROR, UNSUPPORTED, PASS))
+    COUNTS_FILE.write_text(
+        '"""OpInfo counts for docs/ops.md, written by `python tests/opinfo_sweep.py '
+        '--write-counts`."""\n\n'
+        f"TORCH_VERSION = {torch.__version__.split('+')[0]!r}\n"
+        f"MODE = {mode!r}  # sampled: the CI run; full: SHARDWISE_OPINFO_FULL=1\n"
+        f"OPINFOS = {sum(counts.values())}\n"
+        f"TESTABLE = {tested}  # with float32 or float64 samples on CPU\n"
+        f"PASSED = {counts[PASS]}  # forward in every variant, backward if differentiable\n"
+        f"UNSUPPORTED = {counts[UNSUPPORTED]}  # an aten op without a sharding rule\n"
+        f"ERRORS = {counts[ERROR]}\n"
+        f"WRONG = {counts[WRONG]}\n"
+    )
+
+
+def validate_new(calls: dict, done: set, *, max_per_mesh: int = 2) -> list[str]:
+    """Validate the strategies of the ops in ``calls`` not in ``done`` (then added to it) on
+    their recorded sample; the failures (sampled, or exhaustive with SHARDWISE_VALIDATE_ALL)."""
+    failures = []
+    for op, (args, kwargs) in calls.items():
+        if op in done:
+            continue
+        done.add(op)
+        reg = registry.registration(op)
+        if reg is None or reg.strategy is None:
+            continue
+        try:
+            report = sw.validate_strategy(
+                op, args, kwargs, max_per_mesh=max_per_mesh, raise_on_failure=False
+            )
+        except sw.InvalidArgumentError:  # the recorded call does not run alone (views of views)
+            continue
+        failures += [f"{op}: {f}" for f in report.failures]
+    return failures
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="every sample, more placements")
     parser.add_argument("--op", action="append", help="only OpInfos with this name (repeat)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every failure")
-    parser.add_argument("--xfail", action="store_true", help="print failures as a dict")
+    parser.add_argument(
+        "--write-counts", action="store_true",
+        help="rewrite src/shardwise/ops/opinfo_counts.py (the counts docs/ops.md reports)",
+    )
+    parser.add_argument(
+        "--write-xfail", action="store_true",
+        help="rewrite tests/opinfo_xfail.py from this run's failures (sampled run only)",
+    )
+    parser.add_argument(
+        "--validate", action="store_true",
+        help="also force every strategy of the ops the samples reach (shardwise.validate_strategy)",
+    )
     args = parser.parse_args(argv)
-    outcomes = []
+    outcomes, done, wrong_strategies = [], set(), []
     for opinfo in op_db():
         if args.op and opinfo.name not in args.op and op_id(opinfo) not in args.op:
             continue
+        calls: dict | None = {} if args.validate else None
         with contextlib.redirect_stderr(open(os.devnull, "w")):
-            outcomes.append(run_opinfo(opinfo, full=args.full or FULL))
+            outcomes.append(run_opinfo(opinfo, full=args.full or FULL, calls=calls))
+            if calls:
+                wrong_strategies += validate_new(calls, done, max_per_mesh=6)
+    for line in wrong_strategies:
+        print(f"wrong strategy {line}")
     counts = collections.Counter(o.status for o in outcomes)
     for o in outcomes:
         if o.status in (WRONG, ERROR, UNSUPPORTED) and (args.verbose or o.status != UNSUPPORTED):
             print(f"{o.status:12} {o.name}: {o.message}")
-    if args.verbose:
-        for o in outcomes:
-            if o.status == UNSUPPORTED:
-                continue
-    if args.xfail:
-        for o in outcomes:
-            if o.status in (WRONG, ERROR, UNSUPPORTED):
-                print(f"    {o.name!r}: {o.message[:70]!r},")
+    if args.write_xfail:
+        write_xfail([o for o in outcomes if o.status in (ERROR, UNSUPPORTED)])
+    if args.write_counts:
+        write_counts(counts, "full" if args.full or FULL else "sampled")
     slow = sorted(outcomes, key=lambda o: -o.seconds)[:5]
     print("slowest: " + ", ".join(f"{o.name} {o.seconds:.1f}s" for o in slow))
     tested = len(outcomes) - counts[SKIP]
     print(f"{len(outcomes)} OpInfos, {tested} testable: " + ", ".join(
         f"{counts[s]} {s}" for s in ORDER))
+    if args.validate:
+        print(f"strategies of {len(done)} ops validated: {len(wrong_strategies)} wrong")
     return 0
 
 

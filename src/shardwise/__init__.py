@@ -29,11 +29,13 @@ from .errors import (
     PackError,
     ShardwiseError,
     ShardwiseTypeError,
+    StrategyValidationError,
     UnsupportedOpError,
 )
 from .factories import empty, full, ones, rand, randn, zeros
 from .layout import MATCH, UNSHARDED, Layout
 from .mesh import DeviceMesh, create_mesh, init_device_mesh
+from .ops.common import DimOption, product_strategy
 from .ops.random import manual_seed
 from .ops.registry import (
     OpSchema,
@@ -50,6 +52,7 @@ from .ops.registry import (
     register_prop_rule,
     remove_hooks,
 )
+from .ops.validate import ValidationReport, validate_strategy
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import RedistributePlan, Step
 from .spec import DTensorSpec, TensorMeta
@@ -141,4 +144,11 @@ __all__ = [
     "relayout_like",
     "unpack",
     "zeros",
+]
+__all__ += [
+    "DimOption",
+    "StrategyValidationError",
+    "ValidationReport",
+    "product_strategy",
+    "validate_strategy",
 ]

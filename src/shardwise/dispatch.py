@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
+import os
+import sys
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -315,14 +318,57 @@ def implicit_replication(enabled: bool = True) -> Iterator[None]:
         yield
 
 
-def _implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(__file__) + os.sep
+
+
+def _holds(values: Any, tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is one of ``values`` or inside one of their lists, tuples, dicts."""
+    for v in values:
+        if v is tensor:
+            return True
+        if isinstance(v, (list, tuple)) and any(x is tensor for x in v):
+            return True
+        if isinstance(v, dict) and any(x is tensor for x in v.values()):
+            return True
+    return False
+
+
+def made_by_torch(tensor: torch.Tensor) -> bool:
+    """True if a plain tensor reaching dispatch was made by torch's own decomposition of the
+    op the user called (SDPA's causal mask, ``masked.var``'s count, fractional max pooling's
+    samples), not passed by the user: it is neither a variable of the user's calling frame
+    nor an argument the user gave the torch function running the decomposition."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
+        frame = frame.f_back
+    entry = None  # the outermost torch frame: the torch function the user called
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        entry, frame = frame, frame.f_back
+    if entry is not None:
+        code = entry.f_code
+        n_args = code.co_argcount + code.co_kwonlyargcount
+        n_args += bool(code.co_flags & inspect.CO_VARARGS) + bool(
+            code.co_flags & inspect.CO_VARKEYWORDS
+        )
+        names = code.co_varnames[:n_args]
+        return not _holds([entry.f_locals.get(n) for n in names], tensor)
+    # the user's code called an op (or a C++ composite) directly: its variables are its own
+    return frame is not None and not (
+        _holds(frame.f_locals.values(), tensor) or _holds(frame.f_globals.values(), tensor)
+    )
+
+
+def implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """A plain tensor among DTensor arguments is taken as replicated when it is a small
-    constant (TF DTensor's rule), when autograd's backward made it, or inside
-    ``implicit_replication()``; otherwise it is refused."""
+    constant (TF DTensor's rule), when autograd's backward or one of torch's decompositions
+    made it (``made_by_torch``), or inside ``implicit_replication()``; otherwise (the user's
+    own tensor) it is refused."""
     if (
         tensor.numel() > SMALL_CONSTANT_NUMEL
         and torch._C._current_graph_task_id() == -1
         and not settings.IMPLICIT_REPLICATION.get()
+        and not made_by_torch(tensor)
     ):
         raise MeshError(
             f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)}; "
@@ -343,7 +389,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     mesh = flat[dtensors_at[0]].device_mesh
     if plain:
         for i in plain:
-            flat[i] = _implicitly_replicated(func, flat[i], mesh)
+            flat[i] = implicitly_replicated(func, flat[i], mesh)
         args, kwargs = _unflatten(flat, tree)
         dtensors_at = sorted(dtensors_at + plain)
     dtensors: list[DTensor] = [flat[i] for i in dtensors_at]
@@ -454,6 +500,7 @@ __all__ = [
     "allow_implicit_redistribute",
     "clear_sharding_cache",
     "dispatch",
+    "implicitly_replicated",
     "redistribute_inputs",
     "set_implicit_redistribute",
     "set_redistribute_logging",

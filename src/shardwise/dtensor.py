@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from . import comm
-from .errors import InvalidPlacementError, LocalComponentsError, PackError
+from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
 from .mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import execute_plan, plan_redistribute
@@ -280,6 +280,12 @@ def distribute_tensor(
             f"distribute_tensor got a DTensor {tensor}; use its redistribute() instead"
         )
     placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
+    if tensor.layout != torch.strided:
+        raise InvalidArgumentError(
+            f"distribute_tensor got a {tensor.layout} tensor of shape {list(tensor.shape)}; "
+            f"only dense (strided) tensors can be placed on {device_mesh} with {list(placements)}"
+            f": call .to_dense() first"
+        )
     normalized = validate_placements(tensor.shape, device_mesh, placements)
     spec = DTensorSpec(device_mesh, normalized, make_tensor_meta(tensor))
     data = tensor.detach()

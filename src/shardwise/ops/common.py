@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..dispatch import redistribute_inputs
+from ..dispatch import implicitly_replicated, redistribute_inputs
 from ..dtensor import DTensor
 from ..errors import InvalidPlacementError, MeshError
 from ..mesh import DeviceMesh
@@ -315,10 +315,23 @@ def wrap_replicated(mesh: DeviceMesh, results: list[Any]) -> Any:
     return DTensor(results, spec)
 
 
+def as_dtensors(op: Any, values: Sequence[Any]) -> list[Any]:
+    """``values`` with their plain tensors (0-d ones aside) replicated on the DTensors' mesh
+    by dispatch's rule (small constants and tensors torch's decompositions made; others are
+    refused with a ``MeshError``)."""
+    mesh = next(a for a in values if isinstance(a, DTensor)).device_mesh
+    return [
+        implicitly_replicated(op, a, mesh)
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim else a
+        for a in values
+    ]
+
+
 def run_replicated(op: Any, args: tuple, kwargs: dict) -> Any:
     """Gather every DTensor argument, run ``op`` on each device, return Replicate DTensors:
     the rule for ops whose output shape depends on the values."""
     flat, tree = pytree.tree_flatten((args, kwargs))
+    flat = as_dtensors(op, flat)
     mesh, at = dtensor_args(op, flat)
     comps = move_components(op, [flat[i] for i in at], [replicate(mesh)] * len(at))
     results = []

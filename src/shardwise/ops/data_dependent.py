@@ -12,6 +12,8 @@ Op table notes (one line per op):
 - ``aten.masked_scatter``: mask and source gathered; ``self`` keeps its Shard placements.
 - ``aten.masked_scatter_backward``: gathers; Replicate result.
 - ``aten.repeat_interleave.Tensor``: gathers the repeats; Replicate result.
+- ``aten._histogramdd_*`` (``torch.histogramdd``), ``aten.hash_tensor``: gather; Replicate
+  result.
 - ``aten.scatter_reduce.two``: shards on dims other than ``dim`` stay; index/src sharded on
   ``dim`` give Partial (sum with include_self, amax/amin) from a replicated ``self``.
 - ``aten.put``/``aten.put_``: ``self`` keeps its Shard placements (each device writes the
@@ -47,6 +49,7 @@ from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, contiguous_meta, extract_local, make_tensor_meta
 from .common import (
     DimOption,
+    as_dtensors,
     dtensor_args,
     input_strategies,
     move_components,
@@ -88,6 +91,10 @@ REPLICATED_OPS = [
     aten.masked_select.default,
     aten.masked_scatter_backward.default,
     aten.repeat_interleave.Tensor,
+    aten._histogramdd_bin_edges.default,
+    aten._histogramdd_from_bin_cts.default,
+    aten._histogramdd_from_bin_tensors.default,
+    aten.hash_tensor.default,
 ]
 bypass_dispatch(REPLICATED_OPS, run_replicated)
 
@@ -137,8 +144,10 @@ register_pre_patch(
 def _masked_scatter(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``self`` keeps its Shard placements: with the gathered mask, every device knows which
     source element lands on each of its positions."""
-    self, mask, source = args
+    self, mask, source = as_dtensors(op, args)
     mesh, _ = dtensor_args(op, [self, mask, source])
+    if torch.broadcast_shapes(self.shape, mask.shape) != self.shape:
+        return run_replicated(op, args, kwargs)  # the output takes the larger, broadcast shape
     target = _no_partial(self.placements)
     rep = replicate(mesh)
     selfc, maskc, sourcec = move_components(op, [self, mask, source], [target, rep, rep])

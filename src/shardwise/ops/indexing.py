@@ -1,5 +1,5 @@
 """Indexing ops: ``index_select``, ``gather``, ``scatter``/``scatter_add``, ``index_add``,
-advanced indexing (``index.Tensor``, ``index_put``) and ``one_hot``'s comparison.
+advanced indexing (``index.Tensor``, ``index_put``).
 
 Index tensors hold *global* positions along the indexed dim, so that dim of the indexed tensor
 must be whole on every device (Replicate or Partial there), while the index tensor itself may
@@ -66,7 +66,9 @@ def index_select_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     (output sharded on ``dim``), ``self`` Partial (selection is linear), or all replicated."""
     src, index = input_strategies(schema)
     dim = _dim(schema, src.ndim)
-    options: list[DimOption] = [((R, R), (R,)), ((R, Shard(0)), (Shard(dim),))]
+    options: list[DimOption] = [((R, R), (R,))]
+    if src.ndim and index.ndim:  # a 0-d self takes exactly one index: never split it
+        options.append(((R, Shard(0)), (Shard(dim),)))
     options += [((Shard(d), R), (Shard(d),)) for d in range(src.ndim) if d != dim]
     options += [((p, R), (p,)) for p in _linear_partials(src.output_spec.placements, False)]
     return product_strategy(mesh, options)
@@ -97,7 +99,9 @@ def gather_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     the rows must match); ``self`` Partial with the index replicated; or all replicated."""
     src, index = input_strategies(schema)
     dim = _dim(schema, src.ndim)
-    options: list[DimOption] = [((R, R), (R,)), ((R, Shard(dim)), (Shard(dim),))]
+    options: list[DimOption] = [((R, R), (R,))]
+    if index.ndim:
+        options.append(((R, Shard(dim)), (Shard(dim),)))
     together = _same_size_dims([src.shape, index.shape], dim)
     options += [((Shard(d), Shard(d)), (Shard(d),)) for d in together]
     options += [((p, R), (p,)) for p in _linear_partials(src.output_spec.placements, False)]
@@ -124,7 +128,7 @@ def scatter_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     same = _same_size_dims([dst.shape, index.shape, src.shape], dim)
     options += [((Shard(d), Shard(d), Shard(d)), (Shard(d),)) for d in same]
     options += [((p, R, p), (p,)) for p in partials]
-    if additive and index.shape[dim] == src.shape[dim]:
+    if additive and index.ndim and index.shape[dim] == src.shape[dim]:
         options.append(((SUM, Shard(dim), Shard(dim)), (SUM,)))
 
     def valid(combo: Sequence[DimOption]) -> bool:
@@ -177,7 +181,8 @@ def index_add_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     options: list[DimOption] = [((R, R, R), (R,))]
     options += [((Shard(d), R, Shard(d)), (Shard(d),)) for d in range(dst.ndim) if d != dim]
     options += [((p, R, p), (p,)) for p in partials]
-    options.append(((SUM, Shard(0), Shard(dim)), (SUM,)))
+    if index.ndim and src.ndim:  # a 0-d index or source cannot be split
+        options.append(((SUM, Shard(0), Shard(dim)), (SUM,)))
     return keep_self_inplace(schema, product_strategy(mesh, options))
 
 
@@ -332,17 +337,3 @@ def _chain_pre_patch(ops: Sequence[Any], patch: Any) -> None:
 
 _chain_pre_patch([aten.index.Tensor, *INDEX_PUT], _plain_to_replicate)
 
-
-# ----- one_hot ----------------------------------------------------------------------------------
-
-
-def _eq_pre_patch(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``F.one_hot`` decomposes (above dispatch) into ``index.unsqueeze(-1) == arange(n)``
-    with a plain ``arange``: replicate plain operands on the DTensor's mesh so it runs."""
-    mesh = _mesh_of(args)
-    return tuple(
-        _replicated(a, mesh) if isinstance(a, torch.Tensor) and a.ndim else a for a in args
-    ), kwargs
-
-
-_chain_pre_patch([aten.eq.Tensor], _eq_pre_patch)

@@ -124,6 +124,27 @@ bypass_dispatch(INPLACE_RANDOM, _random_inplace)
 bypass_dispatch(OUT_RANDOM, _random_out)
 
 
+def _random_from_values(op: Any, args: tuple, kwargs: dict) -> DTensor:
+    """``normal(mean, std)``, ``multinomial(probs, n)``: the global draw from the gathered
+    arguments, sharded like the first input when it has the output's shape, else Replicate."""
+    self: DTensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, DTensor))
+    g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=True)
+    drawn = op(*g_args, **g_kwargs)
+    same = isinstance(args[0], DTensor) and drawn.shape == args[0].shape
+    placements = _no_partial(self.placements) if same else [Replicate()] * self.device_mesh.ndim
+    return distribute_tensor(drawn, self.device_mesh, placements)
+
+
+bypass_dispatch(
+    [
+        aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor,
+        aten.multinomial.default, aten.poisson.default, aten._standard_gamma.default,
+        aten.binomial.default,
+    ],
+    _random_from_values,
+)
+
+
 def _native_dropout(op: Any, args: tuple, kwargs: dict) -> tuple[DTensor, DTensor]:
     """The single-device mask (drawn by ``native_dropout`` on a zero tensor of the global
     shape, so the generator advances as it would), sharded like the input; each device scales

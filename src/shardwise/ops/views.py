@@ -310,7 +310,7 @@ def squeeze_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """Removed size-1 dims must be Replicate (a shard of one element sits on one device)."""
     shape = _input(schema).shape
     ndim = len(shape)
-    dims = {_norm(d, ndim) for d in schema.args_schema[1] if shape[_norm(d, ndim)] == 1}
+    dims = {_norm(d, ndim) for d in schema.args_schema[1] if ndim and shape[_norm(d, ndim)] == 1}
     kept = [d for d in range(ndim) if d not in dims]
     return _mapped(mesh, schema, {d: i for i, d in enumerate(kept)})
 

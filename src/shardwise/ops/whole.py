@@ -5,10 +5,9 @@ or are rare enough that moving their inputs is the honest price: pairwise distan
 (``_pdist_forward``), CTC loss, segment reductions, ``as_strided_scatter`` (strides refer to
 the whole tensor's storage), ``block_diag``, ``_chunk_cat``, whole-tensor comparisons
 (``equal``, ``allclose``), ``linspace``/``logspace`` with tensor endpoints,
-``nonzero_static``, ``hash_tensor`` and a few losses with data-dependent reductions (binary
+``nonzero_static`` and a few losses with data-dependent reductions (binary
 cross entropy, margin losses), forward and backward. Sharded inputs are gathered first (a
-collective: explicit mode refuses it unless allowed, as for any op). ``histogramdd``'s
-helpers, whose outputs are lists, run through ``run_replicated``.
+collective: explicit mode refuses it unless allowed, as for any op).
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..mesh import DeviceMesh
-from .common import input_strategies, replicated_strategy, run_replicated
-from .registry import OpSchema, OpStrategy, bypass_dispatch, register_op_strategy
+from .common import input_strategies, replicated_strategy
+from .registry import OpSchema, OpStrategy, register_op_strategy
 
 aten = torch.ops.aten
 
@@ -39,7 +38,6 @@ WHOLE_OPS = [
     aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor,
     aten.nonzero_static.default,
     aten._prelu_kernel_backward.default, aten._trilinear.default, aten.dist.default,
-    aten.hash_tensor.default,
 ]
 
 
@@ -49,9 +47,3 @@ def whole_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     n_out = max(len(schema.op._schema.returns), 1)
     return replicated_strategy(mesh, len(input_strategies(schema)), n_out)
 
-
-bypass_dispatch(
-    [aten._histogramdd_bin_edges.default, aten._histogramdd_from_bin_cts.default,
-     aten._histogramdd_from_bin_tensors.default],
-    run_replicated,
-)
