@@ -45,3 +45,32 @@ def test_copy_does_not_alias_and_keeps_shards() -> None:
     assert out.placements == (Shard(1),)
     out.mul_(0)
     torch.testing.assert_close(dx.full_tensor(), x)
+
+
+def test_inplace_through_a_view_that_moved_its_input_raises() -> None:
+    """A view whose input had to be redistributed is a copy: writing through it would not
+    reach the viewed tensor, so it is refused instead of silently lost."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    dx = sw.distribute_tensor(randn(4, 6), mesh, [Shard(1)])
+    with sw.allow_implicit_redistribute():
+        moved = dx[:, 1:4]  # slicing the sharded dim gathers it first
+        local = dx[1:3]  # slicing another dim is a local view
+    local.mul_(0)
+    assert torch.count_nonzero(dx.full_tensor()[1:3]) == 0
+    with pytest.raises(sw.UnsupportedOpError, match="redistribute"):
+        moved.mul_(0)
+
+
+def test_diagonal_of_row_sharded_matrix_is_a_local_view() -> None:
+    mesh = sw.init_device_mesh("cpu", (3,))
+    x = randn(5, 7)
+    dx = sw.distribute_tensor(x, mesh, [Shard(0)])
+    diag = dx.diagonal()
+    assert diag.placements == (Shard(0),)
+    torch.testing.assert_close(diag.full_tensor(), x.diagonal())
+    diag.fill_(1.0)
+    expected = x.clone()
+    expected.diagonal().fill_(1.0)
+    torch.testing.assert_close(dx.full_tensor(), expected)
+    run_oracle(lambda t: t.diagonal(dim1=1, dim2=0) * 2, [randn(4, 6)], mesh_shapes=[(2,), (3,)],
+               max_cases=4)

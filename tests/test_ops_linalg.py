@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import shardwise as sw
-from op_oracle import run_oracle
-from shardwise import CommCounter, Shard
+from op_oracle import check_op, run_oracle
+from shardwise import CommCounter, Replicate, Shard
 
 MESHES = [(2,), (3,), (2, 2)]
 
@@ -60,6 +60,13 @@ def test_solves_broadcast_and_partial_right_hand_side() -> None:
     tri = torch.linalg.cholesky(spd(well_conditioned(4, seed=3)))
     run_oracle(lambda t, b: torch.linalg.solve_triangular(t, b, upper=False),
                [tri, randn(4, 3, 2, seed=4)], mesh_shapes=[(2,), (3,)], max_cases=4, atol=1e-8)
+
+
+def test_householder_product_backward_on_row_sharded_input() -> None:
+    """Its backward fills the diagonal of a row-sharded matrix in place: a local view."""
+    a, tau = randn(5, 5), randn(4, seed=1)
+    check_op(torch.linalg.householder_product, [a, tau], (2,), [(Shard(0),), (Replicate(),)],
+             atol=1e-8)
 
 
 def test_lstsq_runs_replicated() -> None:

@@ -401,6 +401,14 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 f"(shapes {[list(x.shape) for x in dtensors]})"
             )
 
+    if _is_inplace(func) and getattr(dtensors[0], "_moved_view_of", None) is not None:
+        view, base = dtensors[0]._moved_view_of
+        raise UnsupportedOpError(
+            f"in-place {func} on a DTensor of shape {list(dtensors[0].shape)} made by {view} "
+            f"from placements {list(base)}, which had to be redistributed first: the result "
+            f"is a copy, so the write would not reach the tensor it views; redistribute that "
+            f"tensor before taking the view"
+        )
     key = _cache_key(func, args, kwargs, specs)
     decision = _cache.get(key)
     if decision is None:
@@ -430,7 +438,12 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         # the op needed self elsewhere: self now lives there (same global value, updated)
         dtensors[0]._components = components[0]
         dtensors[0]._spec = DTensorSpec(mesh, decision.input_placements[0], specs[0].tensor_meta)
-    return _wrap(func, decision, local_results, dtensors)
+    result = _wrap(func, decision, local_results, dtensors)
+    if _is_view(func) and decision.input_placements[0] != specs[0].placements:
+        for out in result if isinstance(result, (tuple, list)) else [result]:
+            if isinstance(out, DTensor):
+                out._moved_view_of = (func, specs[0].placements)
+    return result
 
 
 def _complete(func, flat, tree, dtensors_at, specs, decision: Decision, first: Any) -> Decision:
@@ -491,6 +504,14 @@ def _is_inplace(func: Any) -> bool:
         return False
     name = schema.name.split("::")[-1]
     return name.endswith("_") and schema.arguments and schema.arguments[0].alias_info is not None
+
+
+@functools.cache
+def _is_view(func: Any) -> bool:
+    """An op whose output aliases its first input (``slice``, ``diagonal``, ``view``...)."""
+    schema = getattr(func, "_schema", None)
+    returns = getattr(schema, "returns", None)
+    return bool(returns) and returns[0].alias_info is not None and not _is_inplace(func)
 
 
 set_dispatch_handler(dispatch)

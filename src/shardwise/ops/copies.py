@@ -47,7 +47,6 @@ COPY_OF = {
     aten.split_copy.Tensor: aten.split.Tensor,
     aten.split_with_sizes_copy.default: aten.split_with_sizes.default,
     aten.unfold_copy.default: aten.unfold.default,
-    aten.diagonal_copy.default: aten.diagonal.default,
     aten.select_copy.int: aten.select.int,
     aten.slice_copy.Tensor: aten.slice.Tensor,
     aten.detach_copy.default: aten.detach.default,
