@@ -157,3 +157,19 @@ def test_random_ops_of_values_equal_single_device(name: str, fn) -> None:
     assert torch.equal(got.full_tensor(), expected), name
     if got.shape == mean.shape:
         assert got.placements == (Shard(0),)  # drawn whole, kept sharded like the input
+
+
+def test_rrelu_in_training_draws_the_single_device_noise() -> None:
+    x = torch.randn(6, 4, requires_grad=True)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    dx = sw.distribute_tensor(x.detach(), mesh, [Shard(0)]).requires_grad_(True)
+    with sw.allow_implicit_redistribute():
+        sw.manual_seed(3)
+        got = F.rrelu(dx, training=True)
+        got.full_tensor().sum().backward()
+    torch.manual_seed(3)
+    expected = F.rrelu(x, training=True)
+    expected.sum().backward()
+    assert got.placements == (Shard(0),)
+    assert torch.equal(got.full_tensor(), expected)
+    torch.testing.assert_close(dx.grad.full_tensor(), x.grad)

@@ -117,6 +117,17 @@ def test_tensors_made_by_decompositions_are_replicated_but_the_users_are_refused
     with sw.implicit_replication():
         torch.testing.assert_close((dx + big).full_tensor(), x + big)
 
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mask", torch.ones(6, 7))
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return t * self.mask
+
+    with pytest.raises(sw.MeshError, match="implicit_replication"):
+        Masked()(dx)  # a module's own buffer is the user's too
+
 
 # ----- edge cases found by the OpInfo sweep ---------------------------------------------------
 

@@ -331,6 +331,10 @@ def _holds(values: Any, tensor: torch.Tensor) -> bool:
             return True
         if isinstance(v, dict) and any(x is tensor for x in v.values()):
             return True
+        if isinstance(v, torch.nn.Module) and any(
+            x is tensor for x in (*v._parameters.values(), *v._buffers.values())
+        ):
+            return True
     return False
 
 
@@ -338,7 +342,10 @@ def made_by_torch(tensor: torch.Tensor) -> bool:
     """True if a plain tensor reaching dispatch was made by torch's own decomposition of the
     op the user called (SDPA's causal mask, ``masked.var``'s count, fractional max pooling's
     samples), not passed by the user: it is neither a variable of the user's calling frame
-    nor an argument the user gave the torch function running the decomposition."""
+    nor an argument the user gave the torch function running the decomposition, nor a
+    parameter or buffer of a module in reach, nor a tensor that requires grad."""
+    if tensor.requires_grad or isinstance(tensor, torch.nn.Parameter):
+        return False
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
         frame = frame.f_back

@@ -18,7 +18,7 @@ import torch
 
 from ..dtensor import DTensor, distribute_tensor
 from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard
 from .common import (
     DimOption,
     R,
@@ -133,6 +133,36 @@ def _random_from_values(op: Any, args: tuple, kwargs: dict) -> DTensor:
     same = isinstance(args[0], DTensor) and drawn.shape == args[0].shape
     placements = _no_partial(self.placements) if same else [Replicate()] * self.device_mesh.ndim
     return distribute_tensor(drawn, self.device_mesh, placements)
+
+
+def _rrelu_with_noise(op: Any, args: tuple, kwargs: dict) -> DTensor:
+    """``rrelu``: the global call on the gathered input draws the noise as on one device; the
+    noise buffer gets each device's piece back (in place) and the output keeps the input's
+    shards (Partial dims replicated: rrelu is not linear)."""
+    bound = bind(op, args, kwargs)
+    x, noise = bound["self"], bound["noise"]
+    mesh = x.device_mesh
+    rep = [Replicate()] * mesh.ndim
+    xs, noises = move_components(op, [x, noise], [rep, rep])
+    drawn = noises[0].clone()
+    out = op(xs[0], drawn, bound["lower"], bound["upper"], bound["training"], bound["generator"])
+    pieces = distribute_tensor(drawn, mesh, noise.placements)._components
+    for component, piece in zip(noise._components, pieces, strict=True):
+        component.copy_(piece)
+    return distribute_tensor(out, mesh, _no_partial(x.placements))
+
+
+bypass_dispatch(aten.rrelu_with_noise.default, _rrelu_with_noise)
+
+
+@register_op_strategy(aten.rrelu_with_noise_backward.default, schema_info=RuntimeSchemaInfo(3))
+def rrelu_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Elementwise in (grad, self, noise), all of one shape, and linear in grad."""
+    ndim = input_strategies(schema)[0].ndim
+    options: list[DimOption] = [((R, R, R), (R,))]
+    options += [((Shard(d),) * 3, (Shard(d),)) for d in range(ndim)]
+    options += [((Partial(op), R, R), (Partial(op),)) for op in ("sum", "avg")]
+    return product_strategy(mesh, options)
 
 
 bypass_dispatch(
