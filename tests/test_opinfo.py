@@ -11,9 +11,9 @@ every strategy. ``python tests/opinfo_sweep.py`` prints the counts.
 from __future__ import annotations
 
 import pytest
-from opinfo_xfail import XFAIL
 
 from opinfo_sweep import PASS, SKIP, WRONG, op_db, op_id, run_opinfo, validate_new
+from opinfo_xfail import XFAIL
 
 OPINFOS = op_db()
 _VALIDATED: set = set()  # ops whose strategies an earlier OpInfo already forced

@@ -23,7 +23,13 @@ from ..dtensor import DTensor
 from ..errors import InvalidPlacementError, MeshError
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec, TensorMeta, contiguous_meta, make_tensor_meta, shard_segments
+from ..spec import (
+    DTensorSpec,
+    TensorMeta,
+    contiguous_meta,
+    make_tensor_meta,
+    shard_segments,
+)
 from .registry import OpSchema, OpStrategy, PlacementStrategy
 
 R = Replicate()
@@ -336,3 +342,74 @@ def run_replicated(op: Any, args: tuple, kwargs: dict) -> Any:
         a, kw = pytree.tree_unflatten(local, tree)
         results.append(op(*a, **kw))
     return wrap_replicated(mesh, results)
+
+
+# ----- independent axes (families whose ops are independent along some dims) ----------------
+
+
+def axis_options(
+    in_dims: Sequence[Sequence[int | None]], out_dims: Sequence[Sequence[int | None]]
+) -> list[DimOption]:
+    """Options of an op that is independent along some axes (batch, channels, untransformed
+    dims): all Replicate, plus one option per axis ``k`` in which input ``i`` is sharded on its
+    dim ``in_dims[i][k]`` and output ``j`` on ``out_dims[j][k]`` (``None``: that tensor does not
+    have the axis and stays Replicate). An axis no input is sharded on is left out."""
+    n_axes = len(in_dims[0]) if in_dims else 0
+    rep: DimOption = ((Replicate(),) * len(in_dims), (Replicate(),) * len(out_dims))
+    options = [rep]
+    for k in range(n_axes):
+        if all(dims[k] is None for dims in in_dims):
+            continue
+        ins = tuple(Replicate() if d[k] is None else Shard(d[k]) for d in in_dims)
+        outs = tuple(Replicate() if d[k] is None else Shard(d[k]) for d in out_dims)
+        options.append((ins, outs))
+    return options
+
+
+def linear_option(n_in: int, n_out: int, linear_in: Sequence[int]) -> DimOption:
+    """Partial("sum") through an op linear in the inputs at ``linear_in`` jointly (the others
+    Replicate): every output is Partial("sum")."""
+    ins = tuple(Partial("sum") if i in linear_in else Replicate() for i in range(n_in))
+    return ins, (Partial("sum"),) * n_out
+
+
+def nonempty_shards(
+    mesh: DeviceMesh, shapes: Sequence[Sequence[int]]
+) -> Callable[[tuple[DimOption, ...]], bool]:
+    """A ``product_strategy`` filter: no input (of ``shapes``) gets an empty shard, for ops
+    whose kernels refuse empty channel or spatial dims."""
+
+    def valid(combo: tuple[DimOption, ...]) -> bool:
+        return all(
+            no_empty_shard(mesh, shape, tuple(c[0][i] for c in combo), range(len(shape)))
+            for i, shape in enumerate(shapes)
+        )
+
+    return valid
+
+
+def leading_axes(
+    shapes: Sequence[Sequence[int]], core: Sequence[int]
+) -> list[list[int | None]]:
+    """Per tensor, the dim of each shared leading axis: tensor i's leading dims (all but its
+    last ``core[i]``) aligned from the right with the longest such prefix (``None``: the
+    tensor lacks the axis). An axis where a tensor broadcasts (size 1 against more) is left
+    out by returning ``None`` for it in every tensor."""
+    leads = [list(s[: max(len(s) - c, 0)]) for s, c in zip(shapes, core, strict=True)]
+    ref = max(leads, key=len)
+    dims: list[list[int | None]] = [[] for _ in leads]
+    for k in range(len(ref)):
+        column: list[int | None] = []
+        for lead in leads:
+            d = k - (len(ref) - len(lead))
+            column.append(d if d >= 0 else None)
+        broadcast = any(d is not None and leads[i][d] != ref[k] for i, d in enumerate(column))
+        for i, d in enumerate(column):
+            dims[i].append(None if broadcast else d)
+    return dims
+
+
+def replicated_strategy(mesh: DeviceMesh, n_in: int, n_out: int) -> OpStrategy:
+    """Every input and output replicated (``n_out`` > 1: one spec per output)."""
+    rep = (Replicate(),)
+    return product_strategy(mesh, [(rep * n_in, rep * n_out)], multi=n_out > 1)

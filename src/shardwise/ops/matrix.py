@@ -124,3 +124,16 @@ def biased_product_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     if len(specs) == len(labels):  # the bias is a plain scalar tensor, the same on every device
         return contraction_strategies(mesh, labels, out, specs, partial_sum=False)
     return contraction_strategies(mesh, labels, out, specs[1:], specs[0])
+
+
+# vdot (conjugate-linear in its first operand: a pending sum still sums), addr (the outer
+# product plus a bias) and addbmm (the batch contracted too: "bmk,bkn->mn") reuse the above.
+EQUATIONS[aten.vdot.default] = EQUATIONS[aten.dot.default]
+EQUATIONS["outer"] = (("m", "n"), "mn")
+EQUATIONS["batch_contracted"] = (("bmk", "bkn"), "mn")
+BIASED[aten.addr.default] = "outer"
+BIASED[aten.addbmm.default] = "batch_contracted"
+register_op_strategy([aten.vdot.default], schema_info=RuntimeSchemaInfo())(mm_strategy)
+register_op_strategy([aten.addr.default, aten.addbmm.default], schema_info=RuntimeSchemaInfo())(
+    biased_product_strategy
+)

@@ -313,3 +313,26 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+# Special functions (``torch.special``), complex helpers and shrinkage: elementwise as well.
+SPECIAL_OPS = [
+    "special_airy_ai", "special_bessel_j0", "special_bessel_j1", "special_bessel_y0",
+    "special_bessel_y1", "special_chebyshev_polynomial_t", "special_chebyshev_polynomial_u",
+    "special_chebyshev_polynomial_v", "special_chebyshev_polynomial_w", "special_entr",
+    "special_hermite_polynomial_h", "special_hermite_polynomial_he",
+    "special_laguerre_polynomial_l", "special_legendre_polynomial_p",
+    "special_modified_bessel_i0", "special_modified_bessel_i1", "special_modified_bessel_k0",
+    "special_modified_bessel_k1", "special_scaled_modified_bessel_k0",
+    "special_scaled_modified_bessel_k1", "special_shifted_chebyshev_polynomial_t",
+    "special_shifted_chebyshev_polynomial_u", "special_shifted_chebyshev_polynomial_v",
+    "special_shifted_chebyshev_polynomial_w", "special_spherical_bessel_j0", "special_zeta",
+    "mvlgamma", "angle", "polar", "ldexp", "softshrink", "hardshrink", "softshrink_backward",
+    "hardshrink_backward",
+]
+register_pointwise(SPECIAL_OPS)
+# conjugation and negation are linear over the reals; complex(real, imag) jointly
+register_pointwise(
+    ["_conj_physical", "conj_physical", "resolve_conj", "resolve_neg"], Linearity(groups=((0,),))
+)
+register_pointwise(["complex"], Linearity(groups=((0, 1),)))

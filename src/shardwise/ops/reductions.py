@@ -268,3 +268,21 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+def _norm_as_vector_norm(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.norm``'s ``aten.norm`` overloads are vector norms: ``linalg_vector_norm``."""
+    names = [a.name for a in op._schema.arguments]
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    p = bound.get("p")
+    return aten.linalg_vector_norm.default(
+        bound["self"], 2 if p is None else p, bound.get("dim"), bound.get("keepdim", False),
+        dtype=bound.get("dtype"),
+    )
+
+
+bypass_dispatch(
+    [aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype,
+     aten.norm.ScalarOpt_dtype],
+    _norm_as_vector_norm,
+)

@@ -248,3 +248,7 @@ def _tril_local(
 
 
 register_local_args([aten.tril.default, aten.triu.default], _tril_local)
+
+# in place: the strategy keeps the input's placements among its options
+register_op_strategy([aten.tril_.default, aten.triu_.default], RuntimeSchemaInfo(1))(tril_strategy)
+register_local_args([aten.tril_.default, aten.triu_.default], _tril_local)

@@ -21,6 +21,7 @@ from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, Segments, shard_segments
 from .common import (
     DimOption,
+    bind,
     input_strategies,
     mesh_coords,
     per_tensor,
@@ -455,11 +456,40 @@ def _diag_dims(ndim: int, schema: OpSchema, first: int) -> tuple[int, int]:
     [aten.diagonal.default, aten.diagonal_copy.default], schema_info=RuntimeSchemaInfo(1)
 )
 def diagonal_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
-    """The two diagonal dims are Replicate; the other dims keep their shards."""
-    ndim = _input(schema).ndim
+    """The other dims keep their shards. The two diagonal dims are Replicate, except that
+    with offset 0 the shorter one may be sharded (plain Shard) while the other stays whole:
+    each device takes the diagonal of its rows (``_diagonal_local`` shifts the offset by the
+    shard's start), a shard of the diagonal alike, and a local view (in-place writes through
+    it reach the input, as autograd's formulas expect)."""
+    spec = _input(schema)
+    ndim = spec.ndim
     d1, d2 = _diag_dims(ndim, schema, 2)
     rest = [d for d in range(ndim) if d not in (d1, d2)]
-    return _mapped(mesh, schema, {d: i for i, d in enumerate(rest)})
+    dim_map = {d: i for i, d in enumerate(rest)}
+    current = spec.placements
+    extra: list[DimOption] = []
+    if _arg(schema, 1, "offset", 0) == 0:
+        shorter = d1 if spec.shape[d1] <= spec.shape[d2] else d2
+        extra.append(((Shard(shorter),), (Shard(len(rest)),)))
+    return product_strategy(mesh, lambda m: _options(current[m], dim_map) + extra)
+
+
+def _diagonal_local(
+    args: tuple, kwargs: dict, in_specs: list[DTensorSpec], _output: object, device: int
+) -> tuple[tuple, dict]:
+    """Local element (i, j) is global (i + r0, j + c0): the local diagonal is offset by
+    r0 - c0 (both 0 unless a diagonal dim is sharded)."""
+    spec = in_specs[0]
+    bound = bind(aten.diagonal.default, args, kwargs)
+    d1, d2 = _norm(bound["dim1"], spec.ndim), _norm(bound["dim2"], spec.ndim)
+    segments = spec.local_segments(device)
+    starts = [segments[d][0][0] if segments[d] else 0 for d in (d1, d2)]
+    if starts[0] == starts[1]:
+        return args, kwargs
+    return (args[0], bound["offset"] + starts[0] - starts[1], bound["dim1"], bound["dim2"]), {}
+
+
+register_local_args([aten.diagonal.default, aten.diagonal_copy.default], _diagonal_local)
 
 
 @register_op_strategy(aten.diagonal_backward.default, schema_info=RuntimeSchemaInfo(1))
