@@ -131,3 +131,45 @@ def test_dropout_forward_backward_oracle() -> None:
         return F.dropout(a, 0.5, training=True) + torch.native_dropout(a, 0.3, True)[0]
 
     run_oracle(fn, [torch.randn(5, 3)], max_cases=8)
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("normal", lambda m, s: torch.normal(m, s)),
+        ("normal_float_std", lambda m, s: torch.normal(m, 0.5)),
+        ("poisson", lambda m, s: torch.poisson(s)),
+        ("standard_gamma", lambda m, s: torch._standard_gamma(s)),
+        ("binomial", lambda m, s: torch.binomial(torch.full_like(s, 5.0), s / (1 + s))),
+        ("multinomial", lambda m, s: torch.multinomial(s, 3)),
+    ],
+)
+def test_random_ops_of_values_equal_single_device(name: str, fn) -> None:
+    mesh = sw.init_device_mesh("cpu", (3,))
+    mean, std = torch.randn(4, 5), torch.rand(4, 5) + 0.1
+    dmean = sw.distribute_tensor(mean, mesh, [Shard(0)])
+    dstd = sw.distribute_tensor(std, mesh, [Shard(0)])
+    with sw.allow_implicit_redistribute():
+        sw.manual_seed(7)
+        got = fn(dmean, dstd)
+    torch.manual_seed(7)
+    expected = fn(mean, std)
+    assert torch.equal(got.full_tensor(), expected), name
+    if got.shape == mean.shape:
+        assert got.placements == (Shard(0),)  # drawn whole, kept sharded like the input
+
+
+def test_rrelu_in_training_draws_the_single_device_noise() -> None:
+    x = torch.randn(6, 4, requires_grad=True)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    dx = sw.distribute_tensor(x.detach(), mesh, [Shard(0)]).requires_grad_(True)
+    with sw.allow_implicit_redistribute():
+        sw.manual_seed(3)
+        got = F.rrelu(dx, training=True)
+        got.full_tensor().sum().backward()
+    torch.manual_seed(3)
+    expected = F.rrelu(x, training=True)
+    expected.sum().backward()
+    assert got.placements == (Shard(0),)
+    assert torch.equal(got.full_tensor(), expected)
+    torch.testing.assert_close(dx.grad.full_tensor(), x.grad)

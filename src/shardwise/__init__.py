@@ -47,12 +47,14 @@ from .errors import (
     ParallelStyleError,
     ShardwiseError,
     ShardwiseTypeError,
+    StrategyValidationError,
     UnsupportedOpError,
 )
 from .factories import empty, full, ones, rand, randn, zeros
 from .layout import MATCH, UNSHARDED, Layout
 from .local_map import local_map
 from .mesh import DeviceMesh, Mesh, create_mesh, init_device_mesh
+from .ops.common import DimOption, product_strategy
 from .ops.random import manual_seed
 from .ops.registry import (
     OpSchema,
@@ -69,6 +71,7 @@ from .ops.registry import (
     register_prop_rule,
     remove_hooks,
 )
+from .ops.validate import ValidationReport, validate_strategy
 from .parallel import distribute_module
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import RedistributePlan, Step
@@ -190,4 +193,11 @@ __all__ = [
     "local_map",
     "register_sharding",
     "CheckpointMismatchError",
+]
+__all__ += [
+    "DimOption",
+    "StrategyValidationError",
+    "ValidationReport",
+    "product_strategy",
+    "validate_strategy",
 ]

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
+import os
+import sys
 import threading
 import traceback
 from collections.abc import Iterator, Sequence
@@ -173,10 +176,10 @@ def _choose(func: Any, strategy: OpStrategy, specs: list[DTensorSpec]) -> Placem
         inputs = candidate.input_specs if candidate.input_specs is not None else specs
         if len(inputs) != len(specs):
             continue
-        cost = (0, 0, 0)  # bytes, collectives, inputs moved (ties keep inputs in place)
+        cost = (0, 0, 0)  # bytes, collectives, placements changed (ties keep inputs in place)
         for spec, want in zip(specs, inputs, strict=True):
             moved = _move_cost(spec, want.placements)
-            changed = tuple(want.placements) != spec.placements
+            changed = sum(a != b for a, b in zip(want.placements, spec.placements, strict=True))
             cost = (cost[0] + moved[0], cost[1] + moved[1], cost[2] + changed)
         if best_cost is None or cost < best_cost:
             best, best_cost = candidate, cost
@@ -230,9 +233,15 @@ def _call_site() -> str:
     return "<unknown>"
 
 
-def _redistribute_inputs(
-    func: Any, dtensors: list[DTensor], targets: tuple[tuple[Placement, ...], ...]
+def redistribute_inputs(
+    func: Any, dtensors: Sequence[DTensor], targets: Sequence[Sequence[Placement]]
 ) -> list[list[torch.Tensor]]:
+    """The components of ``dtensors`` moved to ``targets`` (one placement tuple each), as an op
+    ``func`` moves its inputs: a move that needs communication raises
+    ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on or autograd's
+    backward runs. For handlers registered with ``bypass_dispatch``."""
+    dtensors = list(dtensors)
+    targets = tuple(tuple(t) for t in targets)
     if all(dt._spec.placements == t for dt, t in zip(dtensors, targets, strict=True)):
         return [dt._components for dt in dtensors]
     plans: list[RedistributePlan | None] = []
@@ -319,14 +328,64 @@ def implicit_replication(enabled: bool = True) -> Iterator[None]:
         yield
 
 
-def _implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(__file__) + os.sep
+
+
+def _holds(values: Any, tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is one of ``values`` or inside one of their lists, tuples, dicts."""
+    for v in values:
+        if v is tensor:
+            return True
+        if isinstance(v, (list, tuple)) and any(x is tensor for x in v):
+            return True
+        if isinstance(v, dict) and any(x is tensor for x in v.values()):
+            return True
+        if isinstance(v, torch.nn.Module) and any(
+            x is tensor for x in (*v._parameters.values(), *v._buffers.values())
+        ):
+            return True
+    return False
+
+
+def made_by_torch(tensor: torch.Tensor) -> bool:
+    """True if a plain tensor reaching dispatch was made by torch's own decomposition of the
+    op the user called (SDPA's causal mask, ``masked.var``'s count, fractional max pooling's
+    samples), not passed by the user: it is neither a variable of the user's calling frame
+    nor an argument the user gave the torch function running the decomposition, nor a
+    parameter or buffer of a module in reach, nor a tensor that requires grad."""
+    if tensor.requires_grad or isinstance(tensor, torch.nn.Parameter):
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
+        frame = frame.f_back
+    entry = None  # the outermost torch frame: the torch function the user called
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        entry, frame = frame, frame.f_back
+    if entry is not None:
+        code = entry.f_code
+        n_args = code.co_argcount + code.co_kwonlyargcount
+        n_args += bool(code.co_flags & inspect.CO_VARARGS) + bool(
+            code.co_flags & inspect.CO_VARKEYWORDS
+        )
+        names = code.co_varnames[:n_args]
+        return not _holds([entry.f_locals.get(n) for n in names], tensor)
+    # the user's code called an op (or a C++ composite) directly: its variables are its own
+    return frame is not None and not (
+        _holds(frame.f_locals.values(), tensor) or _holds(frame.f_globals.values(), tensor)
+    )
+
+
+def implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """A plain tensor among DTensor arguments is taken as replicated when it is a small
-    constant (TF DTensor's rule), when autograd's backward made it, or inside
-    ``implicit_replication()``; otherwise it is refused."""
+    constant (TF DTensor's rule), when autograd's backward or one of torch's decompositions
+    made it (``made_by_torch``), or inside ``implicit_replication()``; otherwise (the user's
+    own tensor) it is refused."""
     if (
         tensor.numel() > SMALL_CONSTANT_NUMEL
         and torch._C._current_graph_task_id() == -1
         and not settings.IMPLICIT_REPLICATION.get()
+        and not made_by_torch(tensor)
     ):
         raise MeshError(
             f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)}; "
@@ -347,7 +406,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     mesh = flat[dtensors_at[0]].device_mesh
     if plain:
         for i in plain:
-            flat[i] = _implicitly_replicated(func, flat[i], mesh)
+            flat[i] = implicitly_replicated(func, flat[i], mesh)
         args, kwargs = _unflatten(flat, tree)
         dtensors_at = sorted(dtensors_at + plain)
     dtensors: list[DTensor] = [flat[i] for i in dtensors_at]
@@ -365,7 +424,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if fresh:
         generation = _generation[0]
         decision = _decide(func, args, kwargs, specs)
-    components = _redistribute_inputs(func, dtensors, decision.input_placements)
+    moved_self = bool(dtensors) and decision.input_placements[0] != specs[0].placements
+    if _is_inplace(func):
+        _check_write_reaches_base(func, dtensors[0], moved_self, decision.input_placements[0])
+    components = redistribute_inputs(func, dtensors, decision.input_placements)
 
     local_args = registry.LOCAL_ARGS.get(func)
     if local_args is not None:
@@ -392,7 +454,31 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         # the op needed self elsewhere: self now lives there (same global value, updated)
         dtensors[0]._components = components[0]
         dtensors[0]._spec = DTensorSpec(mesh, decision.input_placements[0], specs[0].tensor_meta)
-    return _wrap(func, decision, local_results, dtensors)
+    result = _wrap(func, decision, local_results, dtensors)
+    if _is_view(func):
+        # a view of a moved input aliases a temporary copy, not the input: writes would be lost
+        orphan = moved_self or getattr(dtensors[0], "_orphan_view", False)
+        for out in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(out, DTensor):
+                out._is_view_of_dtensor = True
+                out._orphan_view = orphan
+    return result
+
+
+def _check_write_reaches_base(
+    func: Any, target: DTensor, moved: bool, placements: tuple[Placement, ...]
+) -> None:
+    """An in-place write into a view must reach the viewed DTensor: refuse it when the view
+    aliases a moved copy, or when the view itself would have to move first."""
+    if getattr(target, "_orphan_view", False) or (
+        moved and getattr(target, "_is_view_of_dtensor", False)
+    ):
+        raise UnsupportedOpError(
+            f"in-place {func} writes into a view (shape {list(target.shape)}, placements "
+            f"{list(target.placements)}) of a DTensor that had to be redistributed for the view "
+            f"or the write (to {list(placements)}), so the viewed DTensor would not see the write"
+            f"; redistribute the viewed DTensor first or write out of place"
+        )
 
 
 def _complete(func, flat, tree, dtensors_at, specs, decision: Decision, first: Any) -> Decision:
@@ -447,6 +533,16 @@ def _wrap_one(spec: DTensorSpec | None, components: list) -> Any:
 
 
 @functools.cache
+def _is_view(func: Any) -> bool:
+    """An op whose output aliases its input (``view``, ``select``, ``transpose``...)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+@functools.cache
 def _is_inplace(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:
@@ -462,6 +558,8 @@ __all__ = [
     "allow_implicit_redistribute",
     "clear_sharding_cache",
     "dispatch",
+    "implicitly_replicated",
+    "redistribute_inputs",
     "set_implicit_redistribute",
     "set_redistribute_logging",
 ]

@@ -457,6 +457,12 @@ def distribute_tensor(
             f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}"
         )
     placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
+    if tensor.layout != torch.strided:
+        raise InvalidArgumentError(
+            f"distribute_tensor got a {tensor.layout} tensor of shape {list(tensor.shape)}; "
+            f"only dense (strided) tensors can be placed on {device_mesh} with {list(placements)}"
+            f": call .to_dense() first"
+        )
     normalized = validate_placements(tensor.shape, device_mesh, placements)
     spec = DTensorSpec(device_mesh, normalized, make_tensor_meta(tensor))
     check_partials(spec)

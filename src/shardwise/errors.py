@@ -102,3 +102,8 @@ class DeferredInitError(ShardwiseError, RuntimeError):
 class DataParallelError(ShardwiseError, ValueError):
     """``replicate``/``fully_shard`` got a mesh, module or parameter placements they cannot
     combine (a data-parallel dim already sharded, tensors on another mesh...)."""
+
+
+class StrategyValidationError(ShardwiseError, AssertionError):
+    """A sharding strategy, forced on sample inputs, gave a value or placements that differ
+    from single-device PyTorch (``shardwise.validate_strategy``)."""

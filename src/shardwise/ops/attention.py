@@ -26,8 +26,7 @@ from ..errors import UnsupportedOpError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Shard
 from ..spec import DTensorSpec
-from .common import input_strategies, product_strategy
-from .norms import Option, P, R
+from .common import DimOption, P, R, input_strategies, product_strategy
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -80,7 +79,7 @@ def flash_attention_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     dropout_p = schema.args_schema[3] if len(schema.args_schema) > 3 else 0.0
     is_causal = schema.args_schema[4] if len(schema.args_schema) > 4 else False
     _check(schema.op, q, dropout_p)
-    options: list[Option] = [((R, R, R) + _mask_placement(mask, None), (R, R))]
+    options: list[DimOption] = [((R, R, R) + _mask_placement(mask, None), (R, R))]
     for d in _shared_dims(q, k, v):
         options.append(((Shard(d),) * 3 + _mask_placement(mask, d), (Shard(d), Shard(d))))
     if not is_causal:
@@ -99,7 +98,7 @@ def flash_attention_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpS
     mask = rest[0] if rest else None
     dropout_p, is_causal = schema.args_schema[6:8]
     _check(schema.op, q, dropout_p)
-    options: list[Option] = [((R,) * 6 + _mask_placement(mask, None), (R, R, R))]
+    options: list[DimOption] = [((R,) * 6 + _mask_placement(mask, None), (R, R, R))]
     for d in _shared_dims(q, k, v):
         options.append(((Shard(d),) * 6 + _mask_placement(mask, d), (Shard(d),) * 3))
     if not is_causal:

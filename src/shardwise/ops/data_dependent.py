@@ -12,6 +12,8 @@ Op table notes (one line per op):
 - ``aten.masked_scatter``: mask and source gathered; ``self`` keeps its Shard placements.
 - ``aten.masked_scatter_backward``: gathers; Replicate result.
 - ``aten.repeat_interleave.Tensor``: gathers the repeats; Replicate result.
+- ``aten._histogramdd_*`` (``torch.histogramdd``), ``aten.hash_tensor``: gather; Replicate
+  result.
 - ``aten.scatter_reduce.two``: shards on dims other than ``dim`` stay; index/src sharded on
   ``dim`` give Partial (sum with include_self, amax/amin) from a replicated ``self``.
 - ``aten.put``/``aten.put_``: ``self`` keeps its Shard placements (each device writes the
@@ -38,15 +40,26 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from .. import comm
 from ..dtensor import DTensor
-from ..errors import ImplicitRedistributeError, InvalidArgumentError, MeshError
+from ..errors import ImplicitRedistributeError, InvalidArgumentError
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, contiguous_meta, extract_local, make_tensor_meta
-from .common import DimOption, input_strategies, product_strategy, replicate
+from .common import (
+    DimOption,
+    as_dtensors,
+    dtensor_args,
+    input_strategies,
+    move_components,
+    no_empty_shard,
+    product_strategy,
+    replicate,
+    replicate_plain,
+    run_replicated,
+    shard_like,
+)
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -57,96 +70,6 @@ from .registry import (
 )
 
 aten = torch.ops.aten
-
-
-
-# ----- helpers shared with the padding and recurrent families ----------------------------------
-
-
-def no_empty_shard(
-    mesh: DeviceMesh, shape: Sequence[int], placements: Sequence[Placement], dims: Sequence[int]
-) -> bool:
-    """True if no device gets an empty piece of a non-empty dim among ``dims`` (kernels such as
-    reflection padding or embedding_bag reject zero-size dims)."""
-    spec = DTensorSpec(mesh, tuple(placements), contiguous_meta(shape, torch.float32))
-    for device in mesh.device_ids:
-        local = spec.local_shape(device)
-        if any(local[d] == 0 < shape[d] for d in dims):
-            return False
-    return True
-
-
-def shard_like(current: Sequence[Placement], dim: int) -> Shard:
-    """``Shard(dim)``, or the input's own (interleaved) shard of ``dim`` so it needs no move."""
-    for p in current:
-        if isinstance(p, Shard) and p.dim == dim:
-            return p
-    return Shard(dim)
-
-
-def move_components(
-    op: Any, dts: Sequence[DTensor], targets: Sequence[Sequence[Placement]]
-) -> list[list[torch.Tensor]]:
-    """Components of ``dts`` redistributed to ``targets``, under dispatch's explicit-mode rules
-    (a move that needs communication raises ``ImplicitRedistributeError`` unless allowed)."""
-    from ..dispatch import _redistribute_inputs  # dispatch imports the ops: resolve at call time
-
-    return _redistribute_inputs(op, list(dts), tuple(tuple(t) for t in targets))
-
-
-def dtensor_args(op: Any, flat: Sequence[Any]) -> tuple[DeviceMesh, list[int]]:
-    """The mesh and positions of the DTensors among ``flat`` arguments; plain tensors (other
-    than scalars) and mixed meshes are refused as in dispatch."""
-    at = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
-    mesh = flat[at[0]].device_mesh
-    for a in flat:
-        if isinstance(a, DTensor):
-            if a.device_mesh != mesh:
-                raise MeshError(f"{op} got DTensors on different meshes: {mesh}, {a.device_mesh}")
-        elif isinstance(a, torch.Tensor) and a.ndim > 0:
-            raise MeshError(
-                f"{op} mixes DTensors with a plain torch.Tensor of shape {list(a.shape)}; "
-                f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements))"
-            )
-    return mesh, at
-
-
-def replicate_plain(mesh: DeviceMesh, value: Any) -> Any:
-    """A plain tensor that needs no gradient as a Replicate DTensor (it is the same on every
-    device), e.g. the zeros autograd's formulas create with ``torch.zeros``; others unchanged."""
-    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-        if not value.requires_grad:
-            comps = [value.to(mesh.device_of(d)) for d in mesh.local_device_ids]
-            return DTensor(comps, DTensorSpec(mesh, replicate(mesh), make_tensor_meta(value)))
-    return value
-
-
-def _wrap_replicated(mesh: DeviceMesh, results: list[Any]) -> Any:
-    first = results[0]
-    if isinstance(first, (tuple, list)):
-        return type(first)(
-            _wrap_replicated(mesh, [r[i] for r in results]) for i in range(len(first))
-        )
-    if not isinstance(first, torch.Tensor):
-        return first
-    spec = DTensorSpec(mesh, replicate(mesh), make_tensor_meta(first))
-    return DTensor(results, spec)
-
-
-def run_replicated(op: Any, args: tuple, kwargs: dict) -> Any:
-    """Gather every DTensor argument, run ``op`` on each device, return Replicate DTensors:
-    the rule for ops whose output shape depends on the values."""
-    flat, tree = pytree.tree_flatten((args, kwargs))
-    mesh, at = dtensor_args(op, flat)
-    comps = move_components(op, [flat[i] for i in at], [replicate(mesh)] * len(at))
-    results = []
-    for k in range(len(mesh.local_device_ids)):
-        local = list(flat)
-        for pos, c in zip(at, comps, strict=True):
-            local[pos] = c[k]
-        a, kw = pytree.tree_unflatten(local, tree)
-        results.append(op(*a, **kw))
-    return _wrap_replicated(mesh, results)
 
 
 def _global_reduce(mesh: DeviceMesh, values: list[torch.Tensor], op: str) -> torch.Tensor:
@@ -168,6 +91,10 @@ REPLICATED_OPS = [
     aten.masked_select.default,
     aten.masked_scatter_backward.default,
     aten.repeat_interleave.Tensor,
+    aten._histogramdd_bin_edges.default,
+    aten._histogramdd_from_bin_cts.default,
+    aten._histogramdd_from_bin_tensors.default,
+    aten.hash_tensor.default,
 ]
 bypass_dispatch(REPLICATED_OPS, run_replicated)
 
@@ -217,8 +144,10 @@ register_pre_patch(
 def _masked_scatter(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``self`` keeps its Shard placements: with the gathered mask, every device knows which
     source element lands on each of its positions."""
-    self, mask, source = args
+    self, mask, source = as_dtensors(op, args)
     mesh, _ = dtensor_args(op, [self, mask, source])
+    if torch.broadcast_shapes(self.shape, mask.shape) != self.shape:
+        return run_replicated(op, args, kwargs)  # the output takes the larger, broadcast shape
     target = _no_partial(self.placements)
     rep = replicate(mesh)
     selfc, maskc, sourcec = move_components(op, [self, mask, source], [target, rep, rep])

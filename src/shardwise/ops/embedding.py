@@ -26,8 +26,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Shard
 from ..spec import DTensorSpec, shard_segments
-from .common import input_strategies, product_strategy
-from .norms import Option, P, R
+from .common import DimOption, P, R, input_strategies, product_strategy
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -75,7 +74,7 @@ def _local_indices(
 def embedding_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """``embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)``."""
     _, indices = input_strategies(schema)
-    options: list[Option] = [((R, R), (R,))]
+    options: list[DimOption] = [((R, R), (R,))]
     options += [((R, Shard(d)), (Shard(d),)) for d in range(indices.ndim)]
     options.append(((Shard(1), R), (Shard(indices.ndim),)))
     options.append(((Shard(0), R), (P,)))
@@ -126,7 +125,7 @@ def embedding_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrateg
     """
     grad, indices = input_strategies(schema)
     scale_grad_by_freq = schema.args_schema[4]
-    options: list[Option] = []
+    options: list[DimOption] = []
     if not scale_grad_by_freq:
         options.append(((R, R), (Shard(0),)))
     options.append(((R, R), (R,)))

@@ -30,7 +30,7 @@ FOREACH_OPS = [
 _LINEAR_SCALAR = ("_foreach_mul", "_foreach_div", "_foreach_neg", "_foreach_zero")
 
 
-def _is_linear(op) -> bool:  # noqa: ANN001
+def _is_linear(op) -> bool:
     name = op._schema.name.split("::")[-1].rstrip("_")
     overload = op._overloadname
     return name in _LINEAR_SCALAR and overload in ("Scalar", "ScalarList", "default", "")
@@ -61,7 +61,7 @@ def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     return OpStrategy([PlacementStrategy(outputs, input_specs)])
 
 
-def foreach_norm(op, args: tuple, kwargs: dict) -> list:  # noqa: ANN001
+def foreach_norm(op, args: tuple, kwargs: dict) -> list:
     """``_foreach_norm`` (what ``clip_grad_norm_`` runs): the global norm of each tensor, by the
     reductions family's ``linalg_vector_norm`` on every DTensor."""
     tensors = args[0]

@@ -1,5 +1,5 @@
 """Indexing ops: ``index_select``, ``gather``, ``scatter``/``scatter_add``, ``index_add``,
-advanced indexing (``index.Tensor``, ``index_put``) and ``one_hot``'s comparison.
+advanced indexing (``index.Tensor``, ``index_put``).
 
 Index tensors hold *global* positions along the indexed dim, so that dim of the indexed tensor
 must be whole on every device (Replicate or Partial there), while the index tensor itself may
@@ -18,10 +18,21 @@ import torch
 from ..dtensor import DTensor, distribute_tensor
 from ..factories import keeps_value
 from ..mesh import DeviceMesh
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Shard
 from ..spec import DTensorSpec
 from . import registry
-from .common import input_strategies
+from .common import (
+    DimOption,
+    R,
+    aligned,
+    bind,
+    bind_schema,
+    input_strategies,
+    keep_self_inplace,
+    partial_ops,
+    per_tensor,
+    product_strategy,
+)
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -30,18 +41,8 @@ from .registry import (
     register_op_strategy,
     register_pre_patch,
 )
-from .tensor_ops import (
-    Option,
-    aligned,
-    bind,
-    bind_schema,
-    flat_product_strategy,
-    keep_self_inplace,
-    partial_ops,
-)
 
 aten = torch.ops.aten
-R = Replicate()
 SUM = Partial("sum")
 
 
@@ -65,10 +66,12 @@ def index_select_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     (output sharded on ``dim``), ``self`` Partial (selection is linear), or all replicated."""
     src, index = input_strategies(schema)
     dim = _dim(schema, src.ndim)
-    option: list[Option] = [(R, R, R), (R, Shard(0), Shard(dim))]
-    option += [(Shard(d), R, Shard(d)) for d in range(src.ndim) if d != dim]
-    option += [(p, R, p) for p in _linear_partials(src.output_spec.placements, False)]
-    return flat_product_strategy(mesh, [option] * mesh.ndim, 2)
+    options: list[DimOption] = [((R, R), (R,))]
+    if src.ndim and index.ndim:  # a 0-d self takes exactly one index: never split it
+        options.append(((R, Shard(0)), (Shard(dim),)))
+    options += [((Shard(d), R), (Shard(d),)) for d in range(src.ndim) if d != dim]
+    options += [((p, R), (p,)) for p in _linear_partials(src.output_spec.placements, False)]
+    return product_strategy(mesh, options)
 
 
 # ----- gather / scatter -----------------------------------------------------------------------
@@ -81,10 +84,11 @@ def _same_size_dims(shapes: Sequence[Sequence[int]], skip: int) -> list[int]:
     return [d for d in range(ndim) if d != skip and len({tuple(s)[d] for s in shapes}) == 1]
 
 
-def _self_aligned(per_tensor: list[tuple[Placement, ...]], others: Sequence[int]) -> bool:
-    """Dims sharded on ``self`` (tensor 0) are sharded over the same mesh dims on the others."""
-    dims = {p.dim for p in per_tensor[0] if isinstance(p, Shard)}
-    return all(aligned(per_tensor[0], per_tensor[i], sorted(dims)) for i in others)
+def _self_aligned(combo: Sequence[DimOption], others: Sequence[int]) -> bool:
+    """Dims sharded on ``self`` (input 0) are sharded over the same mesh dims on the others."""
+    tensors = per_tensor(combo)
+    dims = {p.dim for p in tensors[0] if isinstance(p, Shard)}
+    return all(aligned(tensors[0], tensors[i], sorted(dims)) for i in others)
 
 
 @register_op_strategy(aten.gather.default, schema_info=RuntimeSchemaInfo(1))
@@ -95,13 +99,13 @@ def gather_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     the rows must match); ``self`` Partial with the index replicated; or all replicated."""
     src, index = input_strategies(schema)
     dim = _dim(schema, src.ndim)
-    option: list[Option] = [(R, R, R), (R, Shard(dim), Shard(dim))]
+    options: list[DimOption] = [((R, R), (R,))]
+    if index.ndim:
+        options.append(((R, Shard(dim)), (Shard(dim),)))
     together = _same_size_dims([src.shape, index.shape], dim)
-    option += [(Shard(d), Shard(d), Shard(d)) for d in together]
-    option += [(p, R, p) for p in _linear_partials(src.output_spec.placements, False)]
-    return flat_product_strategy(
-        mesh, [option] * mesh.ndim, 2, valid=lambda t: _self_aligned(t, [1])
-    )
+    options += [((Shard(d), Shard(d)), (Shard(d),)) for d in together]
+    options += [((p, R), (p,)) for p in _linear_partials(src.output_spec.placements, False)]
+    return product_strategy(mesh, options, valid=lambda c: _self_aligned(c, [1]))
 
 
 SCATTER_SRC = [aten.scatter.src, aten.scatter_.src]
@@ -120,22 +124,19 @@ def scatter_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     dim = _dim(schema, dst.ndim)
     additive = schema.op in SCATTER_ADD
     partials = _linear_partials(dst.output_spec.placements + src.output_spec.placements, additive)
-    option: list[Option] = [(R, R, R, R)]
+    options: list[DimOption] = [((R, R, R), (R,))]
     same = _same_size_dims([dst.shape, index.shape, src.shape], dim)
-    option += [(Shard(d), Shard(d), Shard(d), Shard(d)) for d in same]
-    option += [(p, R, p, p) for p in partials]
-    if additive and index.shape[dim] == src.shape[dim]:
-        option.append((SUM, Shard(dim), Shard(dim), SUM))
+    options += [((Shard(d), Shard(d), Shard(d)), (Shard(d),)) for d in same]
+    options += [((p, R, p), (p,)) for p in partials]
+    if additive and index.ndim and index.shape[dim] == src.shape[dim]:
+        options.append(((SUM, Shard(dim), Shard(dim)), (SUM,)))
 
-    def valid(per_tensor: list[tuple[Placement, ...]]) -> bool:
-        index_dims = {p.dim for p in per_tensor[1] if isinstance(p, Shard)}
-        return _self_aligned(per_tensor, [1, 2]) and aligned(
-            per_tensor[1], per_tensor[2], sorted(index_dims)
-        )
+    def valid(combo: Sequence[DimOption]) -> bool:
+        tensors = per_tensor(combo)
+        index_dims = {p.dim for p in tensors[1] if isinstance(p, Shard)}
+        return _self_aligned(combo, [1, 2]) and aligned(tensors[1], tensors[2], sorted(index_dims))
 
-    return keep_self_inplace(
-        schema, flat_product_strategy(mesh, [option] * mesh.ndim, 3, valid=valid)
-    )
+    return keep_self_inplace(schema, product_strategy(mesh, options, valid=valid))
 
 
 @register_op_strategy(SCATTER_VALUE, schema_info=RuntimeSchemaInfo(1))
@@ -144,13 +145,11 @@ def scatter_value_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     Partial("sum") write 0 instead of the value (``_scatter_value_local``)."""
     dst, index = input_strategies(schema)
     dim = _dim(schema, dst.ndim)
-    option: list[Option] = [(R, R, R)]
+    options: list[DimOption] = [((R, R), (R,))]
     together = _same_size_dims([dst.shape, index.shape], dim)
-    option += [(Shard(d), Shard(d), Shard(d)) for d in together]
-    option += [(p, R, p) for p in _linear_partials(dst.output_spec.placements, False)]
-    found = flat_product_strategy(
-        mesh, [option] * mesh.ndim, 2, valid=lambda t: _self_aligned(t, [1])
-    )
+    options += [((Shard(d), Shard(d)), (Shard(d),)) for d in together]
+    options += [((p, R), (p,)) for p in _linear_partials(dst.output_spec.placements, False)]
+    found = product_strategy(mesh, options, valid=lambda c: _self_aligned(c, [1]))
     return keep_self_inplace(schema, found)
 
 
@@ -179,11 +178,12 @@ def index_add_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     dst, index, src = input_strategies(schema)
     dim = _dim(schema, dst.ndim)
     partials = _linear_partials(dst.output_spec.placements + src.output_spec.placements, True)
-    option: list[Option] = [(R, R, R, R)]
-    option += [(Shard(d), R, Shard(d), Shard(d)) for d in range(dst.ndim) if d != dim]
-    option += [(p, R, p, p) for p in partials]
-    option.append((SUM, Shard(0), Shard(dim), SUM))
-    return keep_self_inplace(schema, flat_product_strategy(mesh, [option] * mesh.ndim, 3))
+    options: list[DimOption] = [((R, R, R), (R,))]
+    options += [((Shard(d), R, Shard(d)), (Shard(d),)) for d in range(dst.ndim) if d != dim]
+    options += [((p, R, p), (p,)) for p in partials]
+    if index.ndim and src.ndim:  # a 0-d index or source cannot be split
+        options.append(((SUM, Shard(0), Shard(dim)), (SUM,)))
+    return keep_self_inplace(schema, product_strategy(mesh, options))
 
 
 # ----- advanced indexing ----------------------------------------------------------------------
@@ -245,15 +245,17 @@ def index_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     indices = list(bind_schema(schema)["indices"])
     present = [t for t in indices if t is not None]
     n = 1 + len(present)
-    option: list[Option] = [(R,) * (n + 1)]
+    options: list[DimOption] = [((R,) * n, (R,))]
     if present and _plain_ints(indices):
         layout = _IndexLayout(src.ndim, indices)
         for d, o in layout.self_to_out.items():
-            option.append((Shard(d), *[R] * len(present), Shard(o)))
+            options.append(((Shard(d), *[R] * len(present)), (Shard(o),)))
         for j in range(len(layout.broadcast)):
-            option.append((R, *layout.index_option(j), Shard(layout.offset + j)))
-        option += [(p, *[R] * len(present), p) for p in partial_ops(src.output_spec.placements)]
-    return flat_product_strategy(mesh, [option] * mesh.ndim, n)
+            options.append(((R, *layout.index_option(j)), (Shard(layout.offset + j),)))
+        options += [
+            ((p, *[R] * len(present)), (p,)) for p in partial_ops(src.output_spec.placements)
+        ]
+    return product_strategy(mesh, options)
 
 
 INDEX_PUT = [aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default]
@@ -271,20 +273,20 @@ def index_put_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     bound = bind_schema(schema)
     indices, accumulate = list(bound["indices"]), bool(bound["accumulate"])
     k = len([t for t in indices if t is not None])
-    option: list[Option] = [(R,) * (k + 3)]
+    options: list[DimOption] = [((R,) * (k + 2), (R,))]
     if k and _plain_ints(indices):
         layout = _IndexLayout(src.ndim, indices)
         vshape = values.shape
         for d, o in layout.self_to_out.items():
             v = _values_placement(o, layout.out_ndim, vshape)
-            option.append((Shard(d), *[R] * k, v, Shard(d)))
+            options.append(((Shard(d), *[R] * k, v), (Shard(d),)))
         if accumulate:
             for j in range(len(layout.broadcast)):
                 v = _values_placement(layout.offset + j, layout.out_ndim, vshape)
-                option.append((SUM, *layout.index_option(j), v, SUM))
+                options.append(((SUM, *layout.index_option(j), v), (SUM,)))
     placements = src.output_spec.placements + values.output_spec.placements
-    option += [(p, *[R] * k, p, p) for p in _linear_partials(placements, accumulate)]
-    return keep_self_inplace(schema, flat_product_strategy(mesh, [option] * mesh.ndim, k + 2))
+    options += [((p, *[R] * k, p), (p,)) for p in _linear_partials(placements, accumulate)]
+    return keep_self_inplace(schema, product_strategy(mesh, options))
 
 
 def _mesh_of(args: Sequence[Any]) -> DeviceMesh | None:
@@ -337,17 +339,3 @@ def _chain_pre_patch(ops: Sequence[Any], patch: Any) -> None:
 
 _chain_pre_patch([aten.index.Tensor, *INDEX_PUT], _plain_to_replicate)
 
-
-# ----- one_hot ----------------------------------------------------------------------------------
-
-
-def _eq_pre_patch(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``F.one_hot`` decomposes (above dispatch) into ``index.unsqueeze(-1) == arange(n)``
-    with a plain ``arange``: replicate plain operands on the DTensor's mesh so it runs."""
-    mesh = _mesh_of(args)
-    return tuple(
-        _replicated(a, mesh) if isinstance(a, torch.Tensor) and a.ndim else a for a in args
-    ), kwargs
-
-
-_chain_pre_patch([aten.eq.Tensor], _eq_pre_patch)

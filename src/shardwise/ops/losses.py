@@ -30,8 +30,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .common import input_strategies, product_strategy
-from .norms import Option, P, R
+from .common import DimOption, P, R, input_strategies, product_strategy
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -65,7 +64,7 @@ def nll_loss_forward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     inputs = input_strategies(schema)
     reduction = schema.args_schema[REDUCTION_ARG]
     extra = (R,) * (len(inputs) - 2)  # the class weight, if any, is replicated
-    options: list[Option] = [((R, R) + extra, (R, R))]
+    options: list[DimOption] = [((R, R) + extra, (R, R))]
     for d, t in _batch_dims(inputs[0].ndim):
         loss = Shard(t) if reduction not in (MEAN, SUM) else P
         total = P if reduction in (MEAN, SUM) else R
@@ -113,9 +112,9 @@ def nll_loss_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy
     total_now = inputs[-1].output_spec.placements
     extra = (R,) * (len(inputs) - 4)  # the class weight, if any
 
-    def options(mesh_dim: int) -> list[Option]:
+    def options(mesh_dim: int) -> list[DimOption]:
         total = R if reduction == MEAN else total_now[mesh_dim]
-        opts: list[Option] = [((R, R, R) + extra + (total,), (R,))]
+        opts: list[DimOption] = [((R, R, R) + extra + (total,), (R,))]
         for d, t in _batch_dims(inputs[1].ndim):
             grad = Shard(t) if reduction not in (MEAN, SUM) else R
             opts.append(((grad, Shard(d), Shard(t)) + extra + (total,), (Shard(d),)))
@@ -149,7 +148,7 @@ def elementwise_loss_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     the global element count, so uneven shards need no communication)."""
     inputs, target = input_strategies(schema)
     reduction = _reduction(schema.args_schema, schema.kwargs_schema, 2)
-    options: list[Option] = [((R, R), (R,))]
+    options: list[DimOption] = [((R, R), (R,))]
     if inputs.shape == target.shape:
         for d in range(inputs.ndim):
             loss = Shard(d) if reduction not in (MEAN, SUM) else P
@@ -189,7 +188,7 @@ def elementwise_loss_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> Op
     grad with the rest replicated gives a Partial gradient."""
     _, inputs, target = input_strategies(schema)
     reduction = schema.args_schema[3]
-    options: list[Option] = [((R, R, R), (R,)), ((P, R, R), (P,))]
+    options: list[DimOption] = [((R, R, R), (R,)), ((P, R, R), (P,))]
     if inputs.shape == target.shape:
         for d in range(inputs.ndim):
             grad = Shard(d) if reduction not in (MEAN, SUM) else R

@@ -12,7 +12,6 @@ once.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -20,9 +19,8 @@ import torch
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .common import input_strategies, strategy
+from .common import DimOption, input_strategies, product_strategy, same_kind
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, register_op_strategy
-from .views import fits, ranked, same_kind
 
 aten = torch.ops.aten
 
@@ -40,10 +38,6 @@ BIASED = {
 }
 LINEAR_PARTIALS = ("sum", "avg")
 
-# one mesh dim's choice: a placement per operand, and the output's placement
-Choice = tuple[tuple[Placement, ...], Placement]
-
-
 def _shard_kinds(current: Sequence[Placement]) -> list[int]:
     """Interleave sizes to try on a mesh dim: 1 (plain Shard) and any the operands carry."""
     sizes = {p.interleaved_size for p in current if isinstance(p, InterleavedShard)}
@@ -54,10 +48,12 @@ def _make(dim: int, k: int) -> Shard:
     return Shard(dim) if k == 1 else InterleavedShard(dim, k)
 
 
-def mesh_dim_choices(labels: Sequence[str], out: str, current: Sequence[Placement]) -> list[Choice]:
+def mesh_dim_choices(
+    labels: Sequence[str], out: str, current: Sequence[Placement]
+) -> list[tuple[tuple[Placement, ...], Placement]]:
     """Every valid placement of the operands and output of a product on one mesh dim."""
     rep = Replicate()
-    choices: list[Choice] = [((rep,) * len(labels), rep)]
+    choices = [((rep,) * len(labels), rep)]
     for letter in dict.fromkeys("".join(labels)):
         for k in _shard_kinds(current):
             ins = tuple(_make(lbl.index(letter), k) if letter in lbl else rep for lbl in labels)
@@ -81,7 +77,7 @@ def _bias_placement(p: Placement, bias_shape: Sequence[int], out_shape: Sequence
     return same_kind(p, dim)
 
 
-def product_strategies(
+def contraction_strategies(
     mesh: DeviceMesh,
     labels: Sequence[str],
     out: str,
@@ -94,32 +90,30 @@ def product_strategies(
     sizes = {c: n for lbl, spec in zip(labels, operands, strict=True)
              for c, n in zip(lbl, spec.shape, strict=True)}
     out_shape = [sizes[c] for c in out]
-    per_dim = [
-        mesh_dim_choices(labels, out, [s.placements[m] for s in operands]
-                         + ([bias.placements[m]] if bias is not None else []))
-        for m in range(mesh.ndim)
-    ]
-    candidates = []
-    for combo in itertools.product(*per_dim):
-        ins = [tuple(c[0][i] for c in combo) for i in range(len(operands))]
-        result = tuple(c[1] for c in combo)
-        if not partial_sum and Partial("sum") in result:
-            continue
-        if not all(fits(s.shape, mesh, p) for s, p in zip(operands, ins, strict=True)):
-            continue
+
+    def options(m: int) -> list[DimOption]:
+        current = [s.placements[m] for s in operands]
         if bias is not None:
-            ins.insert(0, tuple(_bias_placement(p, bias.shape, out_shape) for p in result))
-        candidates.append(strategy(mesh, ins, result))
-    current = ([bias.placements] if bias is not None else []) + [s.placements for s in operands]
-    return ranked(current, candidates)
+            current.append(bias.placements[m])
+        found: list[DimOption] = []
+        for ins, result in mesh_dim_choices(labels, out, current):
+            if not partial_sum and result == Partial("sum"):
+                continue
+            if bias is not None:
+                ins = (_bias_placement(result, bias.shape, out_shape), *ins)
+            found.append((ins, (result,)))
+        return found
+
+    shapes = ([bias.shape] if bias is not None else []) + [s.shape for s in operands]
+    return product_strategy(mesh, options, shapes=shapes)
 
 
 @register_op_strategy(list(EQUATIONS), schema_info=RuntimeSchemaInfo())
-def product_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+def mm_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """mm, bmm, mv, dot: shard kept labels, contract sharded labels to Partial("sum")."""
     labels, out = EQUATIONS[schema.op]
     operands = [s.output_spec for s in input_strategies(schema)]
-    return product_strategies(mesh, labels, out, operands)
+    return contraction_strategies(mesh, labels, out, operands)
 
 
 @register_op_strategy(list(BIASED), schema_info=RuntimeSchemaInfo())
@@ -128,5 +122,18 @@ def biased_product_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     labels, out = EQUATIONS[BIASED[schema.op]]
     specs = [s.output_spec for s in input_strategies(schema)]
     if len(specs) == len(labels):  # the bias is a plain scalar tensor, the same on every device
-        return product_strategies(mesh, labels, out, specs, partial_sum=False)
-    return product_strategies(mesh, labels, out, specs[1:], specs[0])
+        return contraction_strategies(mesh, labels, out, specs, partial_sum=False)
+    return contraction_strategies(mesh, labels, out, specs[1:], specs[0])
+
+
+# vdot (conjugate-linear in its first operand: a pending sum still sums), addr (the outer
+# product plus a bias) and addbmm (the batch contracted too: "bmk,bkn->mn") reuse the above.
+EQUATIONS[aten.vdot.default] = EQUATIONS[aten.dot.default]
+EQUATIONS["outer"] = (("m", "n"), "mn")
+EQUATIONS["batch_contracted"] = (("bmk", "bkn"), "mn")
+BIASED[aten.addr.default] = "outer"
+BIASED[aten.addbmm.default] = "batch_contracted"
+register_op_strategy([aten.vdot.default], schema_info=RuntimeSchemaInfo())(mm_strategy)
+register_op_strategy([aten.addr.default, aten.addbmm.default], schema_info=RuntimeSchemaInfo())(
+    biased_product_strategy
+)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..mesh import DeviceMesh
-from ..placements import Partial, Replicate, Shard
-from .common import DimOption, input_strategies, product_strategy
+from ..placements import Shard
+from .common import DimOption, P, R, input_strategies, product_strategy
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -27,11 +27,6 @@ from .registry import (
 )
 
 aten = torch.ops.aten
-
-Option = DimOption
-
-R = Replicate()
-P = Partial("sum")
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -50,7 +45,7 @@ def layer_norm_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     ndim = inputs[0].ndim
     axis = ndim - len(schema.args_schema[1])
     n_params = len(inputs) - 1
-    options: list[Option] = [((R,) * len(inputs), (R, R, R))]
+    options: list[DimOption] = [((R,) * len(inputs), (R, R, R))]
     for d in range(axis):
         options.append(((Shard(d),) + (R,) * n_params, (Shard(d),) * 3))
     return product_strategy(mesh, options, multi=True)
@@ -66,7 +61,7 @@ def layer_norm_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrate
     ndim = inputs[1].ndim
     axis = ndim - len(schema.args_schema[2])
     n_params = len(inputs) - 4
-    options: list[Option] = [((R,) * len(inputs), (R, R, R))]
+    options: list[DimOption] = [((R,) * len(inputs), (R, R, R))]
     for d in range(axis):
         options.append(((Shard(d),) * 4 + (R,) * n_params, (Shard(d), P, P)))
     options.append(((P,) + (R,) * (len(inputs) - 1), (P, P, P)))
@@ -87,7 +82,7 @@ def softmax_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """``_softmax(x, dim, half_to_float)`` and friends: any dim but ``dim`` may be sharded."""
     (x,) = input_strategies(schema)
     dim = _norm_dim(schema.args_schema[1], x.ndim)
-    options: list[Option] = [((R,), (R,))]
+    options: list[DimOption] = [((R,), (R,))]
     options += [((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d != dim]
     return product_strategy(mesh, options)
 
@@ -99,6 +94,6 @@ def softmax_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     Partial result."""
     grad, _ = input_strategies(schema)
     dim = _norm_dim(schema.args_schema[2], grad.ndim)
-    options: list[Option] = [((R, R), (R,)), ((P, R), (P,))]
+    options: list[DimOption] = [((R, R), (R,)), ((P, R), (P,))]
     options += [((Shard(d), Shard(d)), (Shard(d),)) for d in range(grad.ndim) if d != dim]
     return product_strategy(mesh, options)

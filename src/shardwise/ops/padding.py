@@ -21,8 +21,7 @@ import torch
 
 from ..mesh import DeviceMesh
 from ..placements import Partial, Replicate, Shard
-from .common import DimOption, input_strategies, product_strategy
-from .data_dependent import no_empty_shard, shard_like
+from .common import DimOption, input_strategies, no_empty_shard, product_strategy, shard_like
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, register_op_strategy
 
 aten = torch.ops.aten

@@ -14,7 +14,6 @@ the candidate cheapest to reach, so a nonlinear op reduces its Partial inputs fi
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +22,10 @@ import torch
 
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from .common import spec_of
+from .common import DimOption, is_inplace, keep_self_inplace, product_strategy
 from .registry import (
     OpSchema,
     OpStrategy,
-    PlacementStrategy,
     RuntimeSchemaInfo,
     register_op_strategy,
 )
@@ -104,17 +102,13 @@ def _partial_options(
     schema: OpSchema,
     positions: list[int | str],
     linear: Linearity,
-) -> list[tuple[tuple[Placement, ...], Placement]]:
-    """Per-mesh-dim options with a Partial output: (input placements, output placement)."""
-    options: list[tuple[tuple[Placement, ...], Placement]] = []
-    seen: set[tuple[tuple[Placement, ...], Placement]] = set()
+) -> list[DimOption]:
+    """Per-mesh-dim options with a Partial output."""
+    options: list[DimOption] = []
 
     def add(partial_at: set[int | str], inp: str, out: str) -> None:
         ins = tuple(Partial(inp) if p in partial_at else Replicate() for p in positions)
-        option = (ins, Partial(out))
-        if option not in seen:
-            seen.add(option)
-            options.append(option)
+        options.append((ins, (Partial(out),)))
 
     n_args = len(schema.args_schema)
     for group in linear.groups:
@@ -142,13 +136,13 @@ def _shard_options(
     out_shape: Sequence[int],
     shapes: list[torch.Size],
     interleaved: Iterable[InterleavedShard],
-) -> list[tuple[tuple[Placement, ...], Placement]]:
+) -> list[DimOption]:
     """Per-mesh-dim options sharding one output dim: inputs with that dim at full size are
     sharded alike, broadcast ones replicated; at least one input must be sharded."""
     rank = len(out_shape)
     kinds: list[Shard] = [Shard(d) for d in range(rank)]
     kinds += [p for p in interleaved if p not in kinds]
-    options: list[tuple[tuple[Placement, ...], Placement]] = []
+    options: list[DimOption] = []
     for kind in kinds:
         d = kind.dim
         ins: list[Placement] = []
@@ -163,7 +157,7 @@ def _shard_options(
             else:
                 ins.append(Replicate())
         if any(isinstance(p, Shard) for p in ins):
-            options.append((tuple(ins), kind))
+            options.append((tuple(ins), (kind,)))
     return options
 
 
@@ -192,38 +186,15 @@ def pointwise_strategy(
     positions = [p for p, _ in args]
     shapes = [s.shape for _, s in args]
     current = [s.output_spec.placements for _, s in args]
-    inplace = _is_inplace(schema.op)
+    inplace = is_inplace(schema.op)
     out_shape = list(shapes[0] if inplace else torch.broadcast_shapes(
         *shapes, *_plain_shapes(schema)
     ))
     rank = len(out_shape)
-    per_dim: list[tuple[tuple[Placement, ...], Placement]] = [
-        (tuple(Replicate() for _ in args), Replicate())
-    ]
-    per_dim += _shard_options(out_shape, shapes, _interleaved_in_output(shapes, current, rank))
-    per_dim += _partial_options(schema, positions, linear)
-    candidates = []
-    for combo in itertools.product(per_dim, repeat=mesh.ndim):
-        ins = [tuple(c[0][i] for c in combo) for i in range(len(args))]
-        out = tuple(c[1] for c in combo)
-        candidates.append(
-            PlacementStrategy(spec_of(mesh, out), [spec_of(mesh, p) for p in ins])
-        )
-    if inplace:
-        keep = [
-            c for c in candidates
-            if c.input_specs[0].placements == current[0] and c.output_spec.placements == current[0]
-        ]
-        candidates = keep or candidates
-    return OpStrategy(candidates)
-
-
-def _is_inplace(op: Any) -> bool:
-    schema = getattr(op, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return schema.name.endswith("_") and alias is not None and alias.is_write
+    options: list[DimOption] = [(tuple(Replicate() for _ in args), (Replicate(),))]
+    options += _shard_options(out_shape, shapes, _interleaved_in_output(shapes, current, rank))
+    options += _partial_options(schema, positions, linear)
+    return keep_self_inplace(schema, product_strategy(mesh, options))
 
 
 # ----- registration ----------------------------------------------------------------------------
@@ -342,3 +313,26 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+# Special functions (``torch.special``), complex helpers and shrinkage: elementwise as well.
+SPECIAL_OPS = [
+    "special_airy_ai", "special_bessel_j0", "special_bessel_j1", "special_bessel_y0",
+    "special_bessel_y1", "special_chebyshev_polynomial_t", "special_chebyshev_polynomial_u",
+    "special_chebyshev_polynomial_v", "special_chebyshev_polynomial_w", "special_entr",
+    "special_hermite_polynomial_h", "special_hermite_polynomial_he",
+    "special_laguerre_polynomial_l", "special_legendre_polynomial_p",
+    "special_modified_bessel_i0", "special_modified_bessel_i1", "special_modified_bessel_k0",
+    "special_modified_bessel_k1", "special_scaled_modified_bessel_k0",
+    "special_scaled_modified_bessel_k1", "special_shifted_chebyshev_polynomial_t",
+    "special_shifted_chebyshev_polynomial_u", "special_shifted_chebyshev_polynomial_v",
+    "special_shifted_chebyshev_polynomial_w", "special_spherical_bessel_j0", "special_zeta",
+    "mvlgamma", "angle", "polar", "ldexp", "softshrink", "hardshrink", "softshrink_backward",
+    "hardshrink_backward",
+]
+register_pointwise(SPECIAL_OPS)
+# conjugation and negation are linear over the reals; complex(real, imag) jointly
+register_pointwise(
+    ["_conj_physical", "conj_physical", "resolve_conj", "resolve_neg"], Linearity(groups=((0,),))
+)
+register_pointwise(["complex"], Linearity(groups=((0, 1),)))

@@ -21,11 +21,17 @@ import torch
 from ..dtensor import DTensor, distribute_tensor
 from ..factories import check_generator, keeps_value
 from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate, Shard
-from .common import input_strategies
-from .data_dependent import move_components
+from ..placements import Partial, Placement, Replicate, Shard
+from .common import (
+    DimOption,
+    R,
+    bind,
+    input_strategies,
+    move_components,
+    partial_ops,
+    product_strategy,
+)
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, bypass_dispatch, register_op_strategy
-from .tensor_ops import bind, flat_product_strategy, partial_ops
 
 aten = torch.ops.aten
 
@@ -140,6 +146,57 @@ bypass_dispatch(INPLACE_RANDOM, _random_inplace)
 bypass_dispatch(OUT_RANDOM, _random_out)
 
 
+def _random_from_values(op: Any, args: tuple, kwargs: dict) -> DTensor:
+    """``normal(mean, std)``, ``multinomial(probs, n)``: the global draw from the gathered
+    arguments, sharded like the first input when it has the output's shape, else Replicate."""
+    self: DTensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, DTensor))
+    g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=True)
+    drawn = op(*g_args, **g_kwargs)
+    same = isinstance(args[0], DTensor) and drawn.shape == args[0].shape
+    placements = _no_partial(self.placements) if same else [Replicate()] * self.device_mesh.ndim
+    return distribute_tensor(drawn, self.device_mesh, placements)
+
+
+def _rrelu_with_noise(op: Any, args: tuple, kwargs: dict) -> DTensor:
+    """``rrelu``: the global call on the gathered input draws the noise as on one device; the
+    noise buffer gets each device's piece back (in place) and the output keeps the input's
+    shards (Partial dims replicated: rrelu is not linear)."""
+    bound = bind(op, args, kwargs)
+    x, noise = bound["self"], bound["noise"]
+    mesh = x.device_mesh
+    rep = [Replicate()] * mesh.ndim
+    xs, noises = move_components(op, [x, noise], [rep, rep])
+    drawn = noises[0].clone()
+    out = op(xs[0], drawn, bound["lower"], bound["upper"], bound["training"], bound["generator"])
+    pieces = distribute_tensor(drawn, mesh, noise.placements)._components
+    for component, piece in zip(noise._components, pieces, strict=True):
+        component.copy_(piece)
+    return distribute_tensor(out, mesh, _no_partial(x.placements))
+
+
+bypass_dispatch(aten.rrelu_with_noise.default, _rrelu_with_noise)
+
+
+@register_op_strategy(aten.rrelu_with_noise_backward.default, schema_info=RuntimeSchemaInfo(3))
+def rrelu_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Elementwise in (grad, self, noise), all of one shape, and linear in grad."""
+    ndim = input_strategies(schema)[0].ndim
+    options: list[DimOption] = [((R, R, R), (R,))]
+    options += [((Shard(d),) * 3, (Shard(d),)) for d in range(ndim)]
+    options += [((Partial(op), R, R), (Partial(op),)) for op in ("sum", "avg")]
+    return product_strategy(mesh, options)
+
+
+bypass_dispatch(
+    [
+        aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor,
+        aten.multinomial.default, aten.poisson.default, aten._standard_gamma.default,
+        aten.binomial.default,
+    ],
+    _random_from_values,
+)
+
+
 def _native_dropout(op: Any, args: tuple, kwargs: dict) -> tuple[DTensor, DTensor]:
     """The single-device mask (drawn by ``native_dropout`` on a zero tensor of the global
     shape, so the generator advances as it would), sharded like the input; each device scales
@@ -168,7 +225,7 @@ def native_dropout_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpSt
     """``grad * mask * scale``: grad and mask sharded alike, or a Partial grad (linear) with a
     replicated mask, or both replicated."""
     grad, _mask = input_strategies(schema)
-    option: list[tuple[Placement, ...]] = [(Replicate(),) * 3]
-    option += [(Shard(d), Shard(d), Shard(d)) for d in range(grad.ndim)]
-    option += [(p, Replicate(), p) for p in partial_ops(grad.output_spec.placements)]
-    return flat_product_strategy(mesh, [option] * mesh.ndim, 2)
+    options: list[DimOption] = [((R, R), (R,))]
+    options += [((Shard(d), Shard(d)), (Shard(d),)) for d in range(grad.ndim)]
+    options += [((p, R), (p,)) for p in partial_ops(grad.output_spec.placements)]
+    return product_strategy(mesh, options)

@@ -22,8 +22,7 @@ import torch
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
-from .common import DimOption, product_strategy
-from .data_dependent import no_empty_shard, replicate_plain
+from .common import DimOption, no_empty_shard, product_strategy, replicate_plain
 from .registry import (
     OpSchema,
     OpStrategy,

@@ -16,7 +16,6 @@ Partial("max")).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,12 +29,11 @@ from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..redistribute import execute_plan, plan_redistribute
 from ..spec import DTensorSpec
-from .common import spec_of
+from .common import DimOption, bind_schema, product_strategy
 from .low_precision import round_once
 from .registry import (
     OpSchema,
     OpStrategy,
-    PlacementStrategy,
     RuntimeSchemaInfo,
     bypass_dispatch,
     register_op_strategy,
@@ -65,19 +63,6 @@ class ReductionKind:
 
 
 WHOLE = ReductionKind()
-
-
-def bound_args(schema: OpSchema) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in."""
-    out: dict[str, Any] = {}
-    for i, arg in enumerate(schema.op._schema.arguments):
-        if i < len(schema.args_schema) and not arg.kwarg_only:
-            out[arg.name] = schema.args_schema[i]
-        elif arg.name in schema.kwargs_schema:
-            out[arg.name] = schema.kwargs_schema[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
 
 
 def reduced_dims(dim: Any, ndim: int) -> list[int]:
@@ -111,30 +96,27 @@ def reduction_strategy(
     current = input_strategy.output_spec.placements
     kept = [d for d in range(ndim) if d not in dims]
     dim_map = {d: d if keepdim else kept.index(d) for d in kept}
-    options: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
+    pairs: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
     shards: list[Shard] = [Shard(d) for d in range(ndim)]
     shards += [p for p in current if isinstance(p, InterleavedShard) and p not in shards]
     for p in shards:
         if p.dim in dim_map:
-            options.append((p, _moved(p, dim_map)))
+            pairs.append((p, _moved(p, dim_map)))
         elif kind.over_shard is not None:
-            options.append((p, Partial(kind.over_shard)))
-    options += [(Partial(op), Partial(op)) for op in kind.keeps]
+            pairs.append((p, Partial(kind.over_shard)))
+    pairs += [(Partial(op), Partial(op)) for op in kind.keeps]
+    if kind.outputs > 1:  # values and indices: an index is not a partial value
+        pairs = [(p, q) for p, q in pairs if not isinstance(q, Partial)]
+    options: list[DimOption] = [((p,), (q,) * kind.outputs) for p, q in pairs]
+
+    def valid(combo: Sequence[DimOption]) -> bool:
+        ins = tuple(c[0][0] for c in combo)
+        return not _some_shard_empty(input_strategy.output_spec, ins, dims)
+
     needs_rows = kind.over_shard in ("max", "min")
-    candidates = []
-    for combo in itertools.product(options, repeat=mesh.ndim):
-        ins = tuple(c[0] for c in combo)
-        out = tuple(c[1] for c in combo)
-        if needs_rows and _some_shard_empty(input_strategy.output_spec, ins, dims):
-            continue
-        if kind.outputs == 1:
-            outs: Any = spec_of(mesh, out)
-        else:
-            if any(isinstance(p, Partial) for p in out):
-                continue
-            outs = tuple(spec_of(mesh, out) for _ in range(kind.outputs))
-        candidates.append(PlacementStrategy(outs, [spec_of(mesh, ins)]))
-    return OpStrategy(candidates)
+    return product_strategy(
+        mesh, options, multi=kind.outputs > 1, valid=valid if needs_rows else None
+    )
 
 
 def _some_shard_empty(
@@ -171,7 +153,7 @@ def register_reduction(
     """Register ``reduction_strategy`` for ``ops`` (reduced dims read from ``dim_arg``)."""
 
     def strategy_fn(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
-        args = bound_args(schema)
+        args = bind_schema(schema)
         source = schema.args_schema[0]
         dims = reduced_dims(args.get(dim_arg), source.ndim)
         kept = _keeps_for_dtype(kind, source, args.get("dtype"))
@@ -184,7 +166,7 @@ def register_reduction(
 def _norm_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """``linalg_vector_norm``: local 1-norms and 0-"norms" (counts) add up, inf-norms take the
     max, -inf-norms the min; other orders need the reduced dims whole."""
-    args = bound_args(schema)
+    args = bind_schema(schema)
     source = schema.args_schema[0]
     order = float(args.get("ord", 2))
     over_shard = {1.0: "sum", 0.0: "sum", math.inf: "max", -math.inf: "min"}.get(order)
@@ -200,22 +182,18 @@ def _scan_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     ndim = source.ndim
     dim = schema.args_schema[1] % ndim if ndim else 0
     current = source.output_spec.placements
-    options: list[Placement] = [Replicate()]
-    options += [Shard(d) for d in range(ndim) if d != dim]
-    options += [p for p in current if isinstance(p, InterleavedShard) and p.dim != dim]
+    kept: list[Placement] = [Replicate()]
+    kept += [Shard(d) for d in range(ndim) if d != dim]
+    kept += [p for p in current if isinstance(p, InterleavedShard) and p.dim != dim]
     linear = schema.op in (aten.cumsum.default, aten.cumsum_.default)
     if linear:
         dtype = schema.kwargs_schema.get("dtype") or (
             schema.args_schema[2] if len(schema.args_schema) > 2 else None)
-        kept = _keeps_for_dtype(ReductionKind(keeps=("sum", "avg")), source, dtype).keeps
-        options += [Partial(op) for op in kept]
+        keeps = _keeps_for_dtype(ReductionKind(keeps=("sum", "avg")), source, dtype).keeps
+        kept += [Partial(op) for op in keeps]
     outputs = len(schema.op._schema.returns)
-    candidates = []
-    for combo in itertools.product(options, repeat=mesh.ndim):
-        spec = spec_of(mesh, combo)
-        outs: Any = spec if outputs == 1 else (spec,) * outputs
-        candidates.append(PlacementStrategy(outs, [spec]))
-    return OpStrategy(candidates)
+    options: list[DimOption] = [((p,), (p,) * outputs) for p in kept]
+    return product_strategy(mesh, options, multi=outputs > 1)
 
 
 # ----- mean: a sum divided by the global count -------------------------------------------------
@@ -314,3 +292,21 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+def _norm_as_vector_norm(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.norm``'s ``aten.norm`` overloads are vector norms: ``linalg_vector_norm``."""
+    names = [a.name for a in op._schema.arguments]
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    p = bound.get("p")
+    return aten.linalg_vector_norm.default(
+        bound["self"], 2 if p is None else p, bound.get("dim"), bound.get("keepdim", False),
+        dtype=bound.get("dtype"),
+    )
+
+
+bypass_dispatch(
+    [aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype,
+     aten.norm.ScalarOpt_dtype],
+    _norm_as_vector_norm,
+)

@@ -39,7 +39,6 @@ class RuntimeSchemaInfo:
 
     static_argnum: int = 100
     static_kwargkey: tuple[str, ...] | None = None
-    needs_pytree: bool = False
 
 
 @dataclass
@@ -77,7 +76,6 @@ class OutputSharding:
 
     output_spec: OutputSpecs
     redistribute_schema: OpSchema | None = None
-    needs_redistribute: bool = False
 
 
 class PlacementStrategy:
@@ -90,13 +88,11 @@ class PlacementStrategy:
         self,
         output_specs: OutputSpecs = None,
         input_specs: Sequence[DTensorSpec] | None = None,
-        redistribute_cost: list[list[float]] | None = None,
         *,
         output_spec: OutputSpecs = None,
     ) -> None:
         self.output_specs = output_specs if output_spec is None else output_spec
         self.input_specs = input_specs
-        self.redistribute_cost = redistribute_cost
 
     @property
     def output_spec(self) -> DTensorSpec:
@@ -251,6 +247,13 @@ def register_local_args(ops: OpOverload | Iterable[OpOverload], hook: LocalArgsH
     moved to (e.g. a view's global size becomes the local one)."""
     for op in _overloads(ops):
         LOCAL_ARGS[op] = hook
+    _changed()
+
+
+def unregister(ops: OpOverload | Iterable[OpOverload]) -> None:
+    """Forget the rule or strategy registered for ``ops``."""
+    for op in _overloads(ops):
+        _REGISTRY.pop(op, None)
     _changed()
 
 

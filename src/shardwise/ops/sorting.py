@@ -11,10 +11,8 @@ import torch
 
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
-from .common import input_strategies
-from .data_dependent import run_replicated
+from .common import DimOption, bind_schema, input_strategies, product_strategy, run_replicated
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, bypass_dispatch, register_op_strategy
-from .tensor_ops import bind_schema, flat_product_strategy
 
 aten = torch.ops.aten
 
@@ -29,14 +27,17 @@ def sort_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     arg = input_strategies(schema)[0]
     ndim = arg.ndim
     dim = bind_schema(schema)["dim"] % max(ndim, 1)
-    options = []
-    for current in arg.output_spec.placements:
+    current = arg.output_spec.placements
+
+    def options(m: int) -> list[DimOption]:
         candidates: list[Placement] = [Replicate()]
         candidates += [Shard(d) for d in range(ndim) if d != dim]
-        if isinstance(current, Shard) and current.dim != dim and current not in candidates:
-            candidates.append(current)
-        options.append([(p, p, p) for p in candidates])
-    return flat_product_strategy(mesh, options, 1, multi=True)
+        here = current[m]
+        if isinstance(here, Shard) and here.dim != dim and here not in candidates:
+            candidates.append(here)
+        return [((p,), (p, p)) for p in candidates]
+
+    return product_strategy(mesh, options, multi=True)
 
 
 # ``torch.unique``'s ``_unique2``: the output size depends on the data, so the input is

@@ -1,13 +1,9 @@
 """Tensor ops: casts and copies, the ``*_like`` and ``new_*`` factories, ``fill_``/``zero_``
-and ``tril``/``triu``.
-
-Also the helpers the indexing, sorting and random families share: binding an op's arguments by
-name, and building an ``OpStrategy`` as the product of per-mesh-dim options.
-"""
+and ``tril``/``triu``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,7 +13,15 @@ from ..factories import keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta, contiguous_meta
-from .common import input_strategies, product_strategy, strategy
+from .common import (
+    bind,
+    bind_schema,
+    input_strategies,
+    product_strategy,
+    strategy,
+    unary_options,
+    with_output_meta,
+)
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -30,112 +34,6 @@ aten = torch.ops.aten
 
 # Keyword arguments that change the output's metadata, so they key the sharding cache.
 META_KWARGS = RuntimeSchemaInfo(1, ("dtype", "layout", "device", "memory_format"))
-
-# One mesh dim's choice: a placement per DTensor input, then the output placement(s).
-Option = tuple[Placement, ...]
-
-
-# ----- shared helpers --------------------------------------------------------------------------
-
-
-def bind(op: Any, args: Sequence, kwargs: dict) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in (positional or keyword alike)."""
-    bound: dict[str, Any] = {}
-    for i, arg in enumerate(op._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-    return bound
-
-
-def bind_schema(schema: OpSchema) -> dict[str, Any]:
-    return bind(schema.op, schema.args_schema, schema.kwargs_schema)
-
-
-def flat_product_strategy(
-    mesh: DeviceMesh,
-    options: Sequence[Sequence[Option]],
-    n_inputs: int,
-    *,
-    multi: bool = False,
-    valid: Callable[[list[tuple[Placement, ...]]], bool] | None = None,
-) -> OpStrategy:
-    """``common.product_strategy`` for options written flat: ``options[m]`` holds, per option,
-    the placements of the ``n_inputs`` DTensor inputs then of the output(s) on mesh dim m.
-    ``valid`` sees one placement tuple per tensor (inputs then outputs)."""
-    split = [[(o[:n_inputs], o[n_inputs:]) for o in per_dim] for per_dim in options]
-
-    def per_tensor(combo: tuple) -> list[tuple[Placement, ...]]:
-        width = len(combo[0][0]) + len(combo[0][1])
-        return [tuple((c[0] + c[1])[i] for c in combo) for i in range(width)]
-
-    check = None if valid is None else (lambda combo: valid(per_tensor(combo)))
-    return product_strategy(mesh, lambda m: split[m], multi=multi, valid=check)
-
-
-def is_inplace(op: Any) -> bool:
-    """An op that writes its first argument (``scatter_``, ``index_put_``...)."""
-    first = op._schema.arguments[0] if op._schema.arguments else None
-    return first is not None and first.alias_info is not None and first.alias_info.is_write
-
-
-def keep_self_inplace(schema: OpSchema, found: OpStrategy) -> OpStrategy:
-    """For an in-place op, only the candidates that leave ``self`` where it is (moving the
-    tensor being written costs a collective and changes its placements); when there is none,
-    all of them: dispatch then moves ``self`` (implicit mode) or names the move (explicit)."""
-    if not is_inplace(schema.op):
-        return found
-    current = input_strategies(schema)[0].output_spec.placements
-    kept = [s for s in found.strategies if tuple(s.input_specs[0].placements) == current]
-    return OpStrategy(kept) if kept else found
-
-
-def with_output_meta(found: OpStrategy, meta: TensorMeta) -> OpStrategy:
-    """Give every candidate's single output known metadata: it spares dispatch a meta-tensor
-    run of the op (slow for ops decomposed in Python, and unable to honour ``device=``)."""
-    for candidate in found.strategies:
-        candidate.output_specs = DTensorSpec(
-            candidate.output_spec.mesh, candidate.output_spec.placements, meta
-        )
-    return found
-
-
-def sharding_mesh_dims(placements: Sequence[Placement], dim: int) -> tuple[int, ...]:
-    """The mesh dims that shard tensor dim ``dim``, in order."""
-    return tuple(m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim)
-
-
-def aligned(a: Sequence[Placement], b: Sequence[Placement], dims: Sequence[int]) -> bool:
-    """True if ``a`` and ``b`` shard each of ``dims`` over the same mesh dims (so their pieces
-    cover the same global indices of those dims, for tensors of equal size there)."""
-    return all(sharding_mesh_dims(a, d) == sharding_mesh_dims(b, d) for d in dims)
-
-
-def partial_ops(placements: Sequence[Placement]) -> list[Partial]:
-    """The distinct Partial placements among ``placements`` (the ones worth offering)."""
-    seen: list[Partial] = []
-    for p in placements:
-        if isinstance(p, Partial) and p not in seen:
-            seen.append(p)
-    return seen
-
-
-def unary_options(
-    placements: Sequence[Placement], ndim: int, allowed: Callable[[Placement], bool]
-) -> list[list[Option]]:
-    """Per mesh dim, (input, output) options of an op whose output is laid out like its input:
-    the current placement when ``allowed``, plus Replicate and every allowed plain Shard."""
-    options = []
-    for p in placements:
-        candidates: list[Placement] = [Replicate()] + [Shard(d) for d in range(ndim)]
-        if allowed(p) and p not in candidates:
-            candidates.append(p)
-        options.append([(c, c) for c in candidates if allowed(c)])
-    return options
-
 
 # ----- *_like, zero_, casts ------------------------------------------------------------------
 
@@ -175,9 +73,7 @@ def to_copy_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     def allowed(p: Placement) -> bool:
         return not isinstance(p, Partial) or cast_keeps_partial(p.reduce_op, source.dtype, dtype)
 
-    found = flat_product_strategy(
-        mesh, unary_options(arg.output_spec.placements, arg.ndim, allowed), 1
-    )
+    found = product_strategy(mesh, unary_options(arg.output_spec.placements, arg.ndim, allowed))
     if bound.get("memory_format") in (None, torch.preserve_format):
         return with_output_meta(found, TensorMeta(source.shape, source.stride, dtype))
     return with_output_meta(found, contiguous_meta(source.shape, dtype))
@@ -329,7 +225,7 @@ def tril_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     def allowed(p: Placement) -> bool:
         return not (isinstance(p, Shard) and type(p) is not Shard and p.dim >= ndim - 2)
 
-    found = flat_product_strategy(mesh, unary_options(arg.output_spec.placements, ndim, allowed), 1)
+    found = product_strategy(mesh, unary_options(arg.output_spec.placements, ndim, allowed))
     meta = arg.output_spec.tensor_meta
     return with_output_meta(found, contiguous_meta(meta.shape, meta.dtype))  # always contiguous
 
@@ -353,3 +249,7 @@ def _tril_local(
 
 
 register_local_args([aten.tril.default, aten.triu.default], _tril_local)
+
+# in place: the strategy keeps the input's placements among its options
+register_op_strategy([aten.tril_.default, aten.triu_.default], RuntimeSchemaInfo(1))(tril_strategy)
+register_local_args([aten.tril_.default, aten.triu_.default], _tril_local)

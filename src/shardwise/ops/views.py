@@ -10,7 +10,6 @@ among equally cheap ones dispatch keeps the inputs as they are.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from math import prod
 
@@ -20,11 +19,18 @@ from ..errors import InvalidArgumentError, InvalidPlacementError
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, Segments, shard_segments
-from .common import input_strategies, strategy
+from .common import (
+    DimOption,
+    bind,
+    input_strategies,
+    mesh_coords,
+    per_tensor,
+    product_strategy,
+    same_kind,
+)
 from .registry import (
     OpSchema,
     OpStrategy,
-    PlacementStrategy,
     RuntimeSchemaInfo,
     bypass_dispatch,
     register_local_args,
@@ -33,100 +39,30 @@ from .registry import (
 
 aten = torch.ops.aten
 
-# (input placement, output placement) on one mesh dim
-Option = tuple[Placement, Placement]
 DimMap = dict[int, int]
-
-# ----- helpers shared with the matrix family ------------------------------------------------------
-
-
-def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, ...]]:
-    """Every coordinate of the mesh (all processes' devices: SPMD decisions must agree)."""
-    return list(itertools.product(*(range(s) for s in mesh.shape)))
-
-
-def fits(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> bool:
-    """True when ``placements`` can place a tensor of ``shape`` (interleaves divide sizes)."""
-    if not any(isinstance(p, InterleavedShard) for p in placements):
-        return True
-    try:
-        for coord in mesh_coords(mesh):
-            shard_segments(tuple(shape), mesh.shape, tuple(placements), coord)
-    except InvalidPlacementError:
-        return False
-    return True
-
-
-def same_kind(p: Shard, dim: int) -> Shard:
-    """A shard of the same kind as ``p`` (plain or interleaved) on tensor dim ``dim``."""
-    if isinstance(p, InterleavedShard):
-        return InterleavedShard(dim, p.interleaved_size)
-    return Shard(dim)
-
-
-def ranked(
-    current: Sequence[Sequence[Placement]], candidates: Sequence[PlacementStrategy]
-) -> OpStrategy:
-    """Deduplicate ``candidates`` and order them by how many input placements they change, so
-    that free moves (Replicate -> Shard/Partial cost nothing) never beat keeping the input."""
-
-    def changes(c: PlacementStrategy) -> int:
-        return sum(
-            a != b
-            for spec, cur in zip(c.input_specs, current, strict=True)
-            for a, b in zip(spec.placements, cur, strict=True)
-        )
-
-    seen, unique = set(), []
-    for c in candidates:
-        key = repr(c)
-        if key not in seen:
-            seen.add(key)
-            unique.append(c)
-    return OpStrategy(sorted(unique, key=changes))
 
 
 def _norm(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-def _options(current: Placement, dim_map: DimMap) -> list[Option]:
+def _options(current: Placement, dim_map: DimMap, n_outputs: int = 1) -> list[DimOption]:
     """Per-mesh-dim choices of a unary data-movement op: Partial passes through; otherwise
-    Replicate, or a shard of any mapped dim (interleaved kept when the input has one)."""
+    Replicate, or a shard of any mapped dim (interleaved kept when the input has one).
+    ``n_outputs``: a list-returning op whose outputs all take the same placement."""
     if isinstance(current, Partial):
-        return [(current, current)]
-    options: list[Option] = [(Replicate(), Replicate())]
-    options += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
-    if isinstance(current, InterleavedShard) and current.dim in dim_map:
-        options.append((current, same_kind(current, dim_map[current.dim])))
-    return options
-
-
-def _unary(
-    mesh: DeviceMesh,
-    current: tuple[Placement, ...],
-    per_dim: Sequence[list[Option]],
-    n_outputs: int | None = None,
-    valid: Callable[[tuple[Placement, ...], tuple[Placement, ...]], bool] | None = None,
-) -> OpStrategy:
-    """The strategies from per-mesh-dim options (``n_outputs``: a list-returning op whose
-    outputs all take the same placements)."""
-    candidates = []
-    for combo in itertools.product(*per_dim):
-        ins = tuple(c[0] for c in combo)
-        outs = tuple(c[1] for c in combo)
-        if valid is not None and not valid(ins, outs):
-            continue
-        if n_outputs is None:
-            candidates.append(strategy(mesh, [ins], outs))
-        else:
-            candidates.append(strategy(mesh, [ins], [outs] * n_outputs, multi=True))
-    return ranked([current], candidates)
+        pairs: list[tuple[Placement, Placement]] = [(current, current)]
+    else:
+        pairs = [(Replicate(), Replicate())]
+        pairs += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
+        if isinstance(current, InterleavedShard) and current.dim in dim_map:
+            pairs.append((current, same_kind(current, dim_map[current.dim])))
+    return [((p,), (q,) * n_outputs) for p, q in pairs]
 
 
 def _mapped(mesh: DeviceMesh, schema: OpSchema, dim_map: DimMap) -> OpStrategy:
     current = input_strategies(schema)[0].output_spec.placements
-    return _unary(mesh, current, [_options(p, dim_map) for p in current])
+    return product_strategy(mesh, lambda m: _options(current[m], dim_map))
 
 
 def _arg(schema: OpSchema, pos: int, name: str, default: object) -> object:
@@ -251,13 +187,13 @@ def view_is_local(
 
 def _view_options(
     current: Placement, in_shape: Sequence[int], out_shape: Sequence[int]
-) -> list[Option]:
+) -> list[DimOption]:
     """Candidate choices for one mesh dim of a view (checked by ``view_is_local`` later): a
     shard of any input dim onto any output dim of its group, an interleaved input onto the
     inner dim of a [k, n] split, and a shard of an inner dim onto an interleaved merge."""
     if isinstance(current, Partial):
-        return [(current, current)]
-    options: list[Option] = [(Replicate(), Replicate())]
+        return [((current,), (current,))]
+    options: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
     for gi, go in view_groups(in_shape, out_shape):
         options += [(Shard(d), Shard(e)) for d in gi for e in go]
         if gi and go and len(gi) > 1:
@@ -270,7 +206,7 @@ def _view_options(
             options += [(current, InterleavedShard(e, k)) for e in go]
             options += [(current, Shard(go[pos])) for pos in range(1, len(go))
                         if prod(out_shape[e] for e in go[:pos]) == k]
-    return options
+    return [((p,), (q,)) for p, q in options]
 
 
 @register_op_strategy(
@@ -286,15 +222,14 @@ def view_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     )
     current = spec.placements
     if prod(in_shape) == 0:
-        per_dim = [[(p, p)] if isinstance(p, Partial) else [(Replicate(), Replicate())]
-                   for p in current]
-        return _unary(mesh, current, per_dim)
-    per_dim = [_view_options(p, in_shape, out_shape) for p in current]
-    return _unary(
-        mesh,
-        current,
-        per_dim,
-        valid=lambda ins, outs: view_is_local(mesh, in_shape, out_shape, ins, outs),
+        return product_strategy(mesh, lambda m: _options(current[m], {}))
+
+    def valid(combo: Sequence[DimOption]) -> bool:
+        ins, outs = per_tensor(combo)
+        return view_is_local(mesh, in_shape, out_shape, ins, outs)
+
+    return product_strategy(
+        mesh, lambda m: _view_options(current[m], in_shape, out_shape), valid=valid
     )
 
 
@@ -311,7 +246,7 @@ def _expand_global(args: tuple, spec: DTensorSpec) -> list[int]:
     return [spec.shape[i - offset] if s == -1 else s for i, s in enumerate(size)]
 
 
-def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:  # noqa: ARG001
+def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:
     return [int(s) for s in args[1]]
 
 
@@ -376,7 +311,7 @@ def squeeze_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """Removed size-1 dims must be Replicate (a shard of one element sits on one device)."""
     shape = _input(schema).shape
     ndim = len(shape)
-    dims = {_norm(d, ndim) for d in schema.args_schema[1] if shape[_norm(d, ndim)] == 1}
+    dims = {_norm(d, ndim) for d in schema.args_schema[1] if ndim and shape[_norm(d, ndim)] == 1}
     kept = [d for d in range(ndim) if d not in dims]
     return _mapped(mesh, schema, {d: i for i, d in enumerate(kept)})
 
@@ -521,11 +456,40 @@ def _diag_dims(ndim: int, schema: OpSchema, first: int) -> tuple[int, int]:
     [aten.diagonal.default, aten.diagonal_copy.default], schema_info=RuntimeSchemaInfo(1)
 )
 def diagonal_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
-    """The two diagonal dims are Replicate; the other dims keep their shards."""
-    ndim = _input(schema).ndim
+    """The other dims keep their shards. The two diagonal dims are Replicate, except that
+    with offset 0 the shorter one may be sharded (plain Shard) while the other stays whole:
+    each device takes the diagonal of its rows (``_diagonal_local`` shifts the offset by the
+    shard's start), a shard of the diagonal alike, and a local view (in-place writes through
+    it reach the input, as autograd's formulas expect)."""
+    spec = _input(schema)
+    ndim = spec.ndim
     d1, d2 = _diag_dims(ndim, schema, 2)
     rest = [d for d in range(ndim) if d not in (d1, d2)]
-    return _mapped(mesh, schema, {d: i for i, d in enumerate(rest)})
+    dim_map = {d: i for i, d in enumerate(rest)}
+    current = spec.placements
+    extra: list[DimOption] = []
+    if _arg(schema, 1, "offset", 0) == 0:
+        shorter = d1 if spec.shape[d1] <= spec.shape[d2] else d2
+        extra.append(((Shard(shorter),), (Shard(len(rest)),)))
+    return product_strategy(mesh, lambda m: _options(current[m], dim_map) + extra)
+
+
+def _diagonal_local(
+    args: tuple, kwargs: dict, in_specs: list[DTensorSpec], _output: object, device: int
+) -> tuple[tuple, dict]:
+    """Local element (i, j) is global (i + r0, j + c0): the local diagonal is offset by
+    r0 - c0 (both 0 unless a diagonal dim is sharded)."""
+    spec = in_specs[0]
+    bound = bind(aten.diagonal.default, args, kwargs)
+    d1, d2 = _norm(bound["dim1"], spec.ndim), _norm(bound["dim2"], spec.ndim)
+    segments = spec.local_segments(device)
+    starts = [segments[d][0][0] if segments[d] else 0 for d in (d1, d2)]
+    if starts[0] == starts[1]:
+        return args, kwargs
+    return (args[0], bound["offset"] + starts[0] - starts[1], bound["dim1"], bound["dim2"]), {}
+
+
+register_local_args([aten.diagonal.default, aten.diagonal_copy.default], _diagonal_local)
 
 
 @register_op_strategy(aten.diagonal_backward.default, schema_info=RuntimeSchemaInfo(1))
@@ -560,11 +524,15 @@ def split_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
             count = len(sizes)
         dim_map = {d: d for d in range(ndim) if d != dim}
     current = _input(schema).placements
-    per_dim = [_options(p, dim_map) for p in current]
-    for m, p in enumerate(current):
+
+    def options(m: int) -> list[DimOption]:
+        found = _options(current[m], dim_map, count)
+        p = current[m]
         if schema.op != aten.unbind.int and _splits_blocks(p, dim, shape, current, schema, count):
-            per_dim[m].append((p, Shard(dim)))
-    return _unary(mesh, current, per_dim, n_outputs=count)
+            found.append(((p,), (Shard(dim),) * count))
+        return found
+
+    return product_strategy(mesh, options, multi=True)
 
 
 def _splits_blocks(
@@ -619,26 +587,25 @@ def _joined(
     ``interleave``: the cat dim, when equal inputs sharded on it by one mesh dim may join into
     ``InterleavedShard(dim, n_inputs)`` (the blocks' local chunks, concatenated locally)."""
     joined = [s for s, skip in zip(specs, skipped, strict=True) if not skip]
-    per_dim: list[list[tuple[Placement, Placement]]] = []
-    for m in range(mesh.ndim):
+
+    def options(m: int) -> list[DimOption]:
         here = [s.placements[m] for s in joined]
-        options: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
-        options += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
+        pairs: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
+        pairs += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
         for p in dict.fromkeys(here):
             if isinstance(p, Partial):
-                options.append((p, p))
+                pairs.append((p, p))
             elif isinstance(p, InterleavedShard) and p.dim in dim_map:
-                options.append((p, same_kind(p, dim_map[p.dim])))
+                pairs.append((p, same_kind(p, dim_map[p.dim])))
         if interleave is not None and here == [Shard(interleave)] * len(here):
-            options.append((Shard(interleave), InterleavedShard(interleave, len(joined))))
-        per_dim.append(options)
-    candidates = []
-    for combo in itertools.product(*per_dim):
-        want = tuple(c[0] for c in combo)
-        outs = tuple(c[1] for c in combo)
-        ins = [s.placements if skip else want for s, skip in zip(specs, skipped, strict=True)]
-        candidates.append(strategy(mesh, ins, outs))
-    return ranked([s.placements for s in specs], candidates)
+            pairs.append((Shard(interleave), InterleavedShard(interleave, len(joined))))
+        return [
+            (tuple(s.placements[m] if skip else want
+                   for s, skip in zip(specs, skipped, strict=True)), (out,))
+            for want, out in pairs
+        ]
+
+    return product_strategy(mesh, options)
 
 
 @register_op_strategy(aten.cat.default, schema_info=RuntimeSchemaInfo(1))
