@@ -2,13 +2,15 @@
 2x2 mesh, loaded back resharded onto 3 devices) beside ``torch.save``/``torch.load`` of the
 same tensors as plain tensors.
 
-Run: python bench/bench_checkpoint.py [MB]   (default 200 MB of float32 in 50 tensors)
+Run: python bench/bench_checkpoint.py [MB] [--json FILE]   (default 200 MB of float32 in 50
+tensors)
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,8 +31,12 @@ def _module(tensors: dict[str, torch.Tensor]) -> nn.Module:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("megabytes", nargs="?", type=float, default=200.0)
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args()
     torch.set_num_threads(1)  # steadier on a shared machine; the same for both sides
-    megabytes = float(sys.argv[1]) if len(sys.argv) > 1 else 200.0
+    megabytes = args.megabytes
     count = 50
     numel = int(megabytes * 1e6 / 4 / count)
     cols = 1000
@@ -68,6 +74,10 @@ def main() -> None:
     print(f"state: {count} float32 tensors, {nbytes / 1e6:.0f} MB")
     for label, seconds in rows_out:
         print(f"{label:45s} {seconds:7.2f} s  {nbytes / 1e6 / seconds:8.0f} MB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"megabytes": nbytes / 1e6,
+                       "rows": [{"label": k, "seconds": v} for k, v in rows_out]}, f, indent=1)
 
 
 if __name__ == "__main__":

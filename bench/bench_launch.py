@@ -1,12 +1,13 @@
 """Launcher overhead: ``python -m shardwise.launch --nproc N`` of an empty program beside
 ``torchrun --nproc_per_node N`` in the same run, alternating, wall-clock seconds.
 
-Run: python bench/bench_launch.py [--nproc 2] [--repeat 3]
+Run: python bench/bench_launch.py [--nproc 2] [--repeat 3] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", help="write the results to this file")
     ns = parser.parse_args()
     torchrun = shutil.which("torchrun")
     with tempfile.TemporaryDirectory() as tmp:
@@ -42,6 +44,11 @@ def main() -> None:
             f"{name:>16}: median {statistics.median(values):.2f} s "
             f"(runs {', '.join(f'{v:.2f}' for v in values)})"
         )
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"nproc": ns.nproc, "runs_s": times,
+                       "median_s": {k: statistics.median(v) for k, v in times.items()}}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """Communication/computation overlap with ``async_op=True``: a matmul and an independent
 all_gather (``Shard(0) -> Replicate``) of about the same duration, in sequence and overlapped.
 
-Run: python -m shardwise.launch --nproc 2 bench/bench_overlap.py [MiB per process]
+Run: python -m shardwise.launch --nproc 2 bench/bench_overlap.py [MiB per process] [--json FILE]
 Prints the time of each alone, in sequence, overlapped, and the ratio overlapped / sequential
 (1.0: no overlap, 0.5: perfect overlap of two equal parts).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
 import time
 from collections.abc import Callable
 
@@ -32,10 +33,14 @@ def _best(fn: Callable[[], object], repeat: int = 7, sync: bool = True) -> float
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mib", nargs="?", type=float, default=16.0, help="MiB per process")
+    parser.add_argument("--json", help="write the results to this file (rank 0)")
+    args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mib = float(sys.argv[1]) if len(sys.argv) > 1 else 16.0
+    mib = args.mib
     mesh = sw.init_device_mesh("cpu", (world,))
     rows = int(mib * 2**20 / 4 / 256)
     x = sw.distribute_tensor(torch.randn(rows * world, 256), mesh, [Shard(0)])
@@ -76,6 +81,11 @@ def main() -> None:
               f"{t_comm * 1e3:.1f} ms; matmul {n}x{n}: {t_mm * 1e3:.1f} ms")
         print(f"sequential {t_seq * 1e3:.1f} ms, overlapped (async_op=True) {t_ovl * 1e3:.1f} ms,"
               f" ratio {t_ovl / t_seq:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"mib": mib, "all_gather_ms": t_comm * 1e3, "matmul_ms": t_mm * 1e3,
+                           "sequential_ms": t_seq * 1e3, "overlapped_ms": t_ovl * 1e3,
+                           "ratio": t_ovl / t_seq}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

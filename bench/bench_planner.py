@@ -7,7 +7,8 @@ Bytes are those all devices receive under the ring model of DESIGN.md; DTensor's
 priced by the same model (its flattened steps move what the per-dim steps they merge move, so
 they are priced unflattened). The bound is ``shardwise.redistribute.lower_bound_bytes``.
 
-Run: python bench/bench_planner.py [--json FILE]
+Run: python bench/bench_planner.py [--json FILE] [--quick]   (--quick: meshes (4,) and (2, 2)
+only for the all-pairs sweep; the named 2x2x2 transitions always run)
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ def _time_ms(fn, repeat: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
-def run() -> dict:
+def run(meshes: list[tuple[int, ...]] = MESHES) -> dict:
     results: dict = {"meshes": {}, "named": []}
-    for mesh_shape in MESHES:
+    for mesh_shape in meshes:
         ids = torch.arange(int(torch.tensor(mesh_shape).prod())).reshape(mesh_shape)
         ours_mesh = sw.DeviceMesh("meta", ids)
         their_mesh = torch_dt.DeviceMesh("cpu", ids)
@@ -180,10 +181,11 @@ def _summary(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--quick", action="store_true", help="skip the 3-D all-pairs sweep")
     args = parser.parse_args()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
-        results = run()
+        results = run(MESHES[:2] if args.quick else MESHES)
     finally:
         dist.destroy_process_group()
     print(f"Planner, tensor {list(SHAPE)} float32: bytes over all devices / lower bound")

@@ -1,13 +1,19 @@
 """Redistribution time across processes: shardwise vs torch.distributed.tensor in the
-same run (gloo on CPU, one device per process, same mesh, same tensor, same transitions).
+same run (gloo on CPU, one device per process, same mesh, same tensor, same transitions),
+beside the raw gloo collective moving the same bytes on plain tensors: all_gather for
+Shard -> Replicate, all_to_all for Shard -> Shard, all_reduce for Partial -> Replicate,
+reduce_scatter for Partial -> Shard, and a local slice (no communication) for Replicate -> Shard.
 
-Run: python -m shardwise.launch --nproc 4 bench/bench_redistribute.py [size]
+Run: python -m shardwise.launch --nproc 4 bench/bench_redistribute.py [SIZE ...] [--json FILE]
+     [--quick]   (default sizes 1024 and 4096; times are medians of repeats, max over ranks)
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-import sys
+import statistics
 import time
 
 import torch
@@ -34,38 +40,90 @@ def _placements(module, code: str) -> list:
     }[code]
 
 
-def _time(fn, repeat: int = 5) -> float:
+def _time(fn, repeat: int) -> float:
+    """Median ms over ``repeat`` runs, each started together on all ranks, slowest rank."""
     fn()
-    dist.barrier()
-    best = float("inf")
+    samples = []
     for _ in range(repeat):
         dist.barrier()
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+        samples.append(time.perf_counter() - start)
+    median = torch.tensor([statistics.median(samples) * 1e3])
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
 
 
-def main() -> None:
-    size = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _raw(code_src: str, code_dst: str, full: torch.Tensor):  # noqa: ANN202
+    """The plain-tensor collective moving what the transition moves, and its name."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shard = full.chunk(world, 0)[rank].contiguous()
+    if (code_src, code_dst) == ("S0", "R"):
+        out = torch.empty_like(full)
+        return "all_gather", lambda: _ALL_GATHER(out, shard)
+    if (code_src, code_dst) == ("S0", "S1"):
+        out = torch.empty_like(shard)
+        return "all_to_all", lambda: dist.all_to_all_single(out, shard)
+    if (code_src, code_dst) == ("P", "R"):
+        buf = full.clone()
+        return "all_reduce", lambda: dist.all_reduce(buf)
+    if (code_src, code_dst) == ("P", "S0"):
+        out = torch.empty_like(shard)
+        return "reduce_scatter", lambda: _REDUCE_SCATTER(out, full)
+    return "local slice", lambda: full.chunk(world, 0)[rank].clone()
+
+
+def run(sizes: list[int], repeat: int) -> dict:
     smesh = sw.init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))  # starts gloo
     world = dist.get_world_size()
     tmesh = torch_dt.init_device_mesh("cpu", (world,))
-    full = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
     rows = []
-    for name, src, dst in TRANSITIONS:
-        ours_src = sw.distribute_tensor(full, smesh, _placements(sw, src))
-        theirs_src = torch_dt.distribute_tensor(full, tmesh, _placements(torch_dt, src))
-        ours = _time(lambda s=ours_src, d=dst: s.redistribute(placements=_placements(sw, d)))
-        theirs = _time(
-            lambda s=theirs_src, d=dst: s.redistribute(tmesh, _placements(torch_dt, d))
-        )
-        rows.append((name, ours, theirs))
+    for size in sizes:
+        full = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+        for name, src, dst in TRANSITIONS:
+            ours_src = sw.distribute_tensor(full, smesh, _placements(sw, src))
+            theirs_src = torch_dt.distribute_tensor(full, tmesh, _placements(torch_dt, src))
+            raw_name, raw = _raw(src, dst, full)
+            row = {"transition": name, "size": size, "raw_collective": raw_name}
+            # interleaved: the three are timed one after the other at each size
+            row["shardwise_ms"] = _time(
+                lambda s=ours_src, d=dst: s.redistribute(placements=_placements(sw, d)), repeat
+            )
+            row["torch_dt_ms"] = _time(
+                lambda s=theirs_src, d=dst: s.redistribute(tmesh, _placements(torch_dt, d)),
+                repeat,
+            )
+            row["raw_ms"] = _time(raw, repeat)
+            row["ratio_vs_torch_dt"] = row["shardwise_ms"] / row["torch_dt_ms"]
+            row["ratio_vs_raw"] = row["shardwise_ms"] / row["raw_ms"]
+            rows.append(row)
+    return {"world_size": world, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sizes", nargs="*", type=int, help="square tensor sizes")
+    parser.add_argument("--json", help="write the results to this file (rank 0)")
+    parser.add_argument("--quick", action="store_true", help="size 1024 only, fewer repeats")
+    args = parser.parse_args()
+    sizes = args.sizes or ([1024] if args.quick else [1024, 4096])
+    results = run(sizes, 3 if args.quick else 7)
     if dist.get_rank() == 0:
-        print(f"{world} processes (gloo), {size}x{size} float32; best of 5, ms")
-        print(f"{'transition':<24}{'shardwise':>11}{'torch DT':>11}{'ratio':>8}")
-        for name, ours, theirs in rows:
-            print(f"{name:<24}{ours:>11.2f}{theirs:>11.2f}{ours / theirs:>8.2f}")
+        print(f"{results['world_size']} processes (gloo), float32; median ms (slowest rank)")
+        print(f"{'transition':<24}{'size':>6}{'shardwise':>11}{'torch DT':>10}{'raw':>9}"
+              f"{'vs DT':>7}{'vs raw':>8}  raw collective")
+        for r in results["rows"]:
+            print(f"{r['transition']:<24}{r['size']:>6}{r['shardwise_ms']:>11.2f}"
+                  f"{r['torch_dt_ms']:>10.2f}{r['raw_ms']:>9.2f}{r['ratio_vs_torch_dt']:>7.2f}"
+                  f"{r['ratio_vs_raw']:>8.2f}  {r['raw_collective']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

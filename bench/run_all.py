@@ -1,0 +1,425 @@
+"""Run every benchmark in ``bench/`` and collect the results: ``bench/results/results.json``, the
+plot ``bench/results/summary.png`` (ratios against torch.distributed.tensor) and the tables of
+``docs/performance.md`` with the targets of issue 13, met or the remaining gap.
+
+Each benchmark runs in its own subprocess (the multi-process ones through
+``python -m shardwise.launch --nproc N``) with ``--json FILE``; its own output is kept in
+``bench/results/<name>.txt``.
+
+Run: python bench/run_all.py [--quick] [--no-docs] [--only NAME,NAME] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+# name -> (nproc or None, script, full args, quick args, timeout s)
+BENCHMARKS: dict[str, tuple[int | None, str, list[str], list[str], int]] = {
+    "dispatch": (None, "bench_dispatch.py", [], ["--quick"], 300),
+    "planner": (None, "bench_planner.py", [], ["--quick"], 600),
+    "redistribute_2": (2, "bench_redistribute.py", [], ["--quick"], 300),
+    "redistribute_4": (4, "bench_redistribute.py", [], ["--quick"], 500),
+    "training_2": (2, "bench_training.py", [], ["--quick"], 300),
+    "training_4": (4, "bench_training.py", [], ["--quick"], 300),
+    "overlap_2": (2, "bench_overlap.py", [], ["4"], 200),
+    "checkpoint": (None, "bench_checkpoint.py", [], ["20"], 200),
+    "launch": (None, "bench_launch.py", [], ["--repeat", "1"], 200),
+}
+
+
+def _command(name: str, quick: bool, json_file: Path) -> list[str]:
+    nproc, script, full, fast, _ = BENCHMARKS[name]
+    args = [str(BENCH / script), *(fast if quick else full), "--json", str(json_file)]
+    if nproc is None:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "shardwise.launch", "--nproc", str(nproc), *args]
+
+
+def run_one(name: str, quick: bool, out: Path) -> dict:
+    """Run one benchmark in a subprocess; its JSON, wall time and exit status."""
+    json_file = out / f"{name}.json"
+    json_file.unlink(missing_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", KINETO_LOG_LEVEL="5")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
+    )
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            _command(name, quick, json_file), capture_output=True, text=True, env=env,
+            timeout=BENCHMARKS[name][4], cwd=ROOT,
+        )
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+        text = text.decode() if isinstance(text, bytes) else text
+    seconds = time.perf_counter() - start
+    (out / f"{name}.txt").write_text(text)
+    entry: dict = {"seconds": seconds, "returncode": rc}
+    if rc == 0 and json_file.exists():
+        entry["results"] = json.loads(json_file.read_text())
+    else:
+        entry["error"] = text[-2000:]
+    return entry
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_average": load,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transport": "gloo on 127.0.0.1 (CPU)",
+    }
+
+
+# ----------------------------------------------------------------------------- ratios and plot
+
+
+def ratios(results: dict) -> dict[str, list[tuple[str, float]]]:
+    """Per benchmark, (label, shardwise / torch DTensor) pairs."""
+    out: dict[str, list[tuple[str, float]]] = {}
+    bench = {k: v.get("results") for k, v in results["benchmarks"].items() if v.get("results")}
+    if "dispatch" in bench:
+        out["dispatch (warm, 1 device)"] = [
+            (f"{r['op']}{' +grad' if r['autograd'] else ''}", r["shardwise"] / r["torch_dt"])
+            for r in bench["dispatch"]["rows"]
+        ]
+    if "planner" in bench:
+        out["planner bytes (2x2x2)"] = [
+            (r["transition"], r["shardwise"] / r["dtensor_graph"] if r["dtensor_graph"] else 1.0)
+            for r in bench["planner"]["named"]
+        ]
+    for n in (2, 4):
+        if f"redistribute_{n}" in bench:
+            out[f"redistribute, {n} procs"] = [
+                (f"{r['transition']} {r['size']}", r["ratio_vs_torch_dt"])
+                for r in bench[f"redistribute_{n}"]["rows"]
+            ]
+    for n in (2, 4):
+        if f"training_{n}" in bench:
+            rows = []
+            for model, r in bench[f"training_{n}"]["models"].items():
+                rows.append((f"{model} time", r["ratio_time_vs_torch_dt"]))
+                rows.append((f"{model} memory", r["ratio_mem_vs_torch_dt"]))
+            out[f"TP training, {n} procs"] = rows
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    """Horizontal bars of shardwise / torch DTensor per benchmark (log scale, 1.0 marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = ratios(results)
+    if not groups:
+        return
+    heights = [max(len(v), 1) * 0.28 + 0.8 for v in groups.values()]
+    fig, axes = plt.subplots(len(groups), 1, figsize=(8, sum(heights)),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, (title, pairs) in zip(axes[:, 0], groups.items(), strict=True):
+        labels = [p[0] for p in pairs]
+        values = [max(p[1], 1e-3) for p in pairs]
+        colors = ["tab:green" if v <= 1.0 else "tab:red" for v in values]
+        ax.barh(range(len(values)), values, color=colors)
+        ax.set_yticks(range(len(values)), labels, fontsize=7)
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"{title}: shardwise / torch DTensor", fontsize=9)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- docs
+
+# Known causes of the remaining gaps (from the profiles in issue 13), quoted beside a target
+# the run does not meet; update them when the cause changes.
+REASONS = {
+    "dispatch": "shardwise's own Python work per op (issue 13 counted about 89 Python calls "
+                "per add against DTensor's 32)",
+    "planner": "the planner finds no bound-reaching step sequence for these transitions yet "
+               "(issue 13 lists the missing steps: mesh dims flattened into one group, "
+               "reduce-scatter before all-gather, point-to-point permutation)",
+    "cold_planning": "the planner searches step sequences in Python on every cache miss",
+    "redistribute": "time outside the collective itself (point-to-point rounds, a clone and a "
+                    "cat for Partial -> Replicate in issue 13's profile)",
+    "training": "a step is many small ops, each paying the dispatch gap above, plus the "
+                "redistribution gap",
+}
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.2f}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [_fmt(c) if isinstance(c, float) else str(c) for c in row]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _section_tables(bench: dict) -> list[str]:
+    md: list[str] = []
+    if "dispatch" in bench:
+        md += ["## Per-op dispatch (1-device mesh, 64x64 float32, us, median)", ""]
+        md += _table(
+            ["op", "autograd", "local", "shardwise", "torch DT", "ratio", "sw cold",
+             "DT cold", "us / extra device"],
+            [[r["op"], "yes" if r["autograd"] else "no", r["local"], r["shardwise"],
+              r["torch_dt"], r["shardwise"] / r["torch_dt"], r.get("shardwise_cold", "-"),
+              r.get("torch_dt_cold", "-"),
+              (r["shardwise_4dev"] - r["shardwise"] - 3 * r["local"]) / 3]
+             for r in bench["dispatch"]["rows"]],
+        )
+    if "planner" in bench:
+        p = bench["planner"]
+        md += ["## Planner (bytes received by all devices / lower bound)", ""]
+        md += _table(
+            ["mesh", "pairs", "sw at bound", "sw worst", "DT greedy at bound", "DT worst",
+             "sw plan ms (median)", "sw plan ms (max)", "DT greedy ms"],
+            [[m, s["transitions"], s["shardwise"]["at_bound"], s["shardwise"]["worst_ratio"],
+              s["dtensor_greedy"]["at_bound"], s["dtensor_greedy"]["worst_ratio"],
+              s["shardwise_plan_ms_median"], s["shardwise_plan_ms_max"],
+              s["dtensor_greedy_ms_median"]] for m, s in p["meshes"].items()],
+        )
+        md += _table(
+            ["2x2x2 transition", "sw / bound", "DT greedy / bound", "DT graph / bound",
+             "sw ms", "DT graph ms"],
+            [[r["transition"], _over(r["shardwise"], r["bound"]),
+              _over(r["dtensor_greedy"], r["bound"]), _over(r["dtensor_graph"], r["bound"]),
+              r["shardwise_ms"], r["dtensor_graph_ms"]] for r in p["named"]],
+        )
+        md += [f"Cached plan lookup: {p['cached_lookup_us']:.2f} us.", ""]
+    for n in (2, 4):
+        if f"redistribute_{n}" in bench:
+            md += [f"## Redistribution, {n} gloo processes (float32, ms, median, slowest rank)",
+                   ""]
+            md += _table(
+                ["transition", "size", "shardwise", "torch DT", "raw", "vs DT", "vs raw",
+                 "raw collective"],
+                [[r["transition"], f"{r['size']}x{r['size']}", r["shardwise_ms"],
+                  r["torch_dt_ms"], r["raw_ms"], r["ratio_vs_torch_dt"], r["ratio_vs_raw"],
+                  r["raw_collective"]] for r in bench[f"redistribute_{n}"]["rows"]],
+            )
+    for n in (2, 4):
+        if f"training_{n}" in bench:
+            t = bench[f"training_{n}"]
+            md += [f"## Tensor-parallel training step, {n} gloo processes (dim {t['dim']}, "
+                   f"batch {t['batch']}x{t['seq']}, AdamW)", "",
+                   "Step time: median ms (slowest rank). Peak: MiB per rank, from the profiler's "
+                   "CPU allocator events during one step plus the parameters, gradients and "
+                   "optimizer state alive before it. Loss diff: largest |loss - hand-written "
+                   "loss| over the steps.", ""]
+            md += _table(
+                ["model", "sw ms", "DT ms", "hand ms", "vs DT", "vs hand", "sw MiB", "DT MiB",
+                 "hand MiB", "mem vs DT", "mem vs hand", "loss diff sw", "loss diff DT"],
+                [[m, r["shardwise"]["step_ms"], r["torch_dt"]["step_ms"], r["hand"]["step_ms"],
+                  r["ratio_time_vs_torch_dt"], r["ratio_time_vs_hand"],
+                  r["shardwise"]["peak_mb"], r["torch_dt"]["peak_mb"], r["hand"]["peak_mb"],
+                  r["ratio_mem_vs_torch_dt"], r["ratio_mem_vs_hand"],
+                  f"{r['shardwise']['max_loss_diff_vs_hand']:.1e}",
+                  f"{r['torch_dt']['max_loss_diff_vs_hand']:.1e}"] for m, r in t["models"].items()],
+            )
+    if "overlap_2" in bench:
+        o = bench["overlap_2"]
+        md += ["## Overlap (async_op=True), 2 processes", ""]
+        md += _table(["all_gather ms", "matmul ms", "sequential ms", "overlapped ms", "ratio"],
+                     [[o["all_gather_ms"], o["matmul_ms"], o["sequential_ms"],
+                       o["overlapped_ms"], o["ratio"]]])
+    if "checkpoint" in bench:
+        c = bench["checkpoint"]
+        md += [f"## Checkpoint ({c['megabytes']:.0f} MB of float32)", ""]
+        md += _table(["operation", "s", "MB/s"],
+                     [[r["label"], r["seconds"], c["megabytes"] / r["seconds"]]
+                      for r in c["rows"]])
+    if "launch" in bench:
+        md += ["## Launcher (empty program, wall s, median)", ""]
+        md += _table(["launcher", "median s"],
+                     [[k, v] for k, v in bench["launch"]["median_s"].items()])
+    return md
+
+
+def _over(value: float, bound: float) -> float:
+    return 1.0 if value == bound else (value / bound if bound else float("inf"))
+
+
+def targets(bench: dict) -> list[tuple[str, str, str]]:
+    """(target, status, detail) per target of issue 13 that the run can judge."""
+    out = []
+    if "dispatch" in bench:
+        rows = bench["dispatch"]["rows"]
+        worst = max(rows, key=lambda r: r["shardwise"] / r["torch_dt"])
+        per_dev = max((r["shardwise_4dev"] - r["shardwise"] - 3 * r["local"]) / 3
+                      for r in rows if not r["autograd"])
+        ok = worst["shardwise"] / worst["torch_dt"] <= 1.0 and per_dev <= 2.0
+        out.append(("Warm dispatch <= DTensor on every op, <= 2 us per extra device",
+                    "met" if ok else "gap",
+                    f"worst {worst['op']} {worst['shardwise'] / worst['torch_dt']:.2f}x, "
+                    f"extra device up to {per_dev:.1f} us"
+                    + ("" if ok else f"; reason: {REASONS['dispatch']}")))
+    if "planner" in bench:
+        p = bench["planner"]
+        named = [_over(r["shardwise"], r["bound"]) for r in p["named"]]
+        meshes_ok = all(s["shardwise"]["at_bound"] == s["transitions"]
+                        for s in p["meshes"].values())
+        ok = max(named) == 1.0 and meshes_ok
+        out.append(("Plans at the lower bound (named transitions and all 1-D/2-D/3-D pairs)",
+                    "met" if ok else "gap",
+                    f"named worst {max(named):.2f}x; "
+                    + ", ".join(f"{m}: {s['shardwise']['at_bound']}/{s['transitions']} at bound"
+                                for m, s in p["meshes"].items())
+                    + ("" if ok else f"; reason: {REASONS['planner']}")))
+        cold = max([r["shardwise_ms"] for r in p["named"]]  # the named ones are 3-D
+                   + [s["shardwise_plan_ms_max"] for m, s in p["meshes"].items()
+                      if m.count(",") == 2])
+        cube = p["meshes"].get("(2, 2, 2)")
+        median = (cube["shardwise_plan_ms_median"] if cube
+                  else statistics.median(r["shardwise_ms"] for r in p["named"]))
+        ok = cold < 1.0 and p["cached_lookup_us"] < 1.0
+        out.append(("Cold planning < 1 ms on 3-D meshes, cached lookup < 1 us",
+                    "met" if ok else "gap",
+                    f"3-D cold median {median:.2f} ms, max {cold:.2f} ms; cached "
+                    f"{p['cached_lookup_us']:.2f} us"
+                    + ("" if ok else f"; reason: {REASONS['cold_planning']}")))
+    rows = [r for n in (2, 4) for r in bench.get(f"redistribute_{n}", {}).get("rows", [])]
+    if rows:
+        moving = [r for r in rows if r["raw_collective"] != "local slice"]
+        worst_dt = max(rows, key=lambda r: r["ratio_vs_torch_dt"])
+        worst_raw = max(moving, key=lambda r: r["ratio_vs_raw"])
+        ok = worst_dt["ratio_vs_torch_dt"] <= 1.0 and worst_raw["ratio_vs_raw"] <= 1.2
+        out.append(("Redistribution <= DTensor and within 1.2x of the raw collective",
+                    "met" if ok else "gap",
+                    f"worst vs DT {worst_dt['transition']} {worst_dt['size']}: "
+                    f"{worst_dt['ratio_vs_torch_dt']:.2f}x; worst vs raw "
+                    f"{worst_raw['transition']} {worst_raw['size']}: "
+                    f"{worst_raw['ratio_vs_raw']:.2f}x"
+                    + ("" if ok else f"; reason: {REASONS['redistribute']}")))
+    models = [(n, m, r) for n in (2, 4)
+              for m, r in bench.get(f"training_{n}", {}).get("models", {}).items()]
+    if models:
+        t = max(r["ratio_time_vs_torch_dt"] for _, _, r in models)
+        mem = max(r["ratio_mem_vs_torch_dt"] for _, _, r in models)
+        ok = t <= 1.0 and mem <= 1.0
+        out.append(("TP MLP and transformer step <= DTensor in time and peak memory",
+                    "met" if ok else "gap",
+                    f"worst time {t:.2f}x, worst memory {mem:.2f}x"
+                    + ("" if ok else f"; reason: {REASONS['training']}")))
+    out.append(("Compiled TP step within 1.1x of hand-written", "not measured",
+                "torch.compile correctness is tested (tests/test_compile.py); no benchmark of "
+                "the compiled step yet"))
+    return out
+
+
+def write_docs(results: dict, path: Path) -> None:
+    bench = {k: v["results"] for k, v in results["benchmarks"].items() if v.get("results")}
+    m = results["machine"]
+    load = ", ".join(f"{x:.1f}" for x in m["load_average"]) if m["load_average"] else "n/a"
+    md = [
+        "# Performance",
+        "",
+        "Generated by `python bench/run_all.py` (do not edit by hand): every benchmark runs the "
+        "same work through shardwise and `torch.distributed.tensor` in the same run, "
+        "interleaved; ratios are shardwise / other (below 1.0: shardwise is faster or smaller).",
+        "",
+        f"- Date: {results['date']}{' (quick mode)' if results['quick'] else ''}",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; load average at the "
+        f"end {load}",
+        f"- Python {m['python']}, torch {m['torch']}, {m['transport']}, OMP_NUM_THREADS=1",
+        f"- Suite wall time: {results['seconds']:.0f} s",
+        "",
+    ]
+    if m["load_average"] and m["load_average"][0] > m["cores"]:
+        md += ["The machine was loaded by other work during this run (load average above the "
+               "core count): the times are noisy, regenerate on a quiet machine.", ""]
+    md += [
+        "![ratios against torch DTensor](../bench/results/summary.png)",
+        "",
+        "## Targets of issue 13",
+        "",
+    ]
+    md += _table(["target", "status", "measured"], [list(t) for t in targets(bench)])
+    failed = [k for k, v in results["benchmarks"].items() if not v.get("results")]
+    if failed:
+        md += [f"Benchmarks that did not finish: {', '.join(failed)} "
+               "(see bench/results/<name>.txt).", ""]
+    md += _section_tables(bench)
+    path.write_text("\n".join(md).rstrip() + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="each benchmark's quick mode")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/performance.md")
+    parser.add_argument("--only", help="comma-separated benchmark names: " + ", ".join(BENCHMARKS))
+    parser.add_argument("--out", help="results folder (default bench/results)")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmarks {unknown}; known: {', '.join(BENCHMARKS)}")
+    out = Path(args.out) if args.out else BENCH / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    results: dict = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "quick": args.quick,
+        "benchmarks": {},
+    }
+    for name in names:
+        entry = run_one(name, args.quick, out)
+        results["benchmarks"][name] = entry
+        print(f"{name:<16} {entry['seconds']:7.1f} s  "
+              f"{'ok' if 'results' in entry else 'FAILED (' + str(entry['returncode']) + ')'}",
+              flush=True)
+    results["seconds"] = time.perf_counter() - start
+    results["machine"] = machine()
+    with tempfile.NamedTemporaryFile("w", dir=out, delete=False, suffix=".json") as f:
+        json.dump(results, f, indent=1)
+    os.chmod(f.name, 0o644)
+    os.replace(f.name, out / "results.json")
+    plot(results, out / "summary.png")
+    if not args.no_docs:
+        write_docs(results, ROOT / "docs" / "performance.md")
+    for target, status, detail in targets(
+        {k: v["results"] for k, v in results["benchmarks"].items() if v.get("results")}
+    ):
+        print(f"[{status}] {target}: {detail}")
+    print(f"total {results['seconds']:.0f} s; results in {out}")
+    sys.exit(0 if all("results" in v for v in results["benchmarks"].values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Smoke test of the benchmark suite: ``bench/run_all.py --quick`` on the fastest single-process
+benchmarks writes results with the expected keys and sane values, and the report generator
+turns a full results file into the tables of docs/performance.md and the plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_ALL = ROOT / "bench" / "run_all.py"
+
+
+def _run_all_module():  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location("bench_run_all", RUN_ALL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(150)
+def test_quick_suite_writes_results(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, str(RUN_ALL), "--quick", "--no-docs", "--only", "launch,checkpoint",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=140, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["quick"] is True
+    assert {"cpu", "cores", "torch", "python"} <= set(results["machine"])
+    bench = results["benchmarks"]
+    assert set(bench) == {"launch", "checkpoint"}
+    launch = bench["launch"]["results"]
+    assert set(launch["median_s"]) == {"shardwise.launch", "torchrun"}
+    assert all(0 < s < 60 for s in launch["median_s"].values())
+    ckpt = bench["checkpoint"]["results"]
+    assert 15 < ckpt["megabytes"] < 25
+    labels = [r["label"] for r in ckpt["rows"]]
+    assert any("shardwise.checkpoint.save" in x for x in labels)
+    assert any("torch.load" in x for x in labels)
+    assert all(0 < r["seconds"] < 60 for r in ckpt["rows"])
+    # each benchmark's own printed output is kept beside the JSON
+    assert "MB/s" in (tmp_path / "checkpoint.txt").read_text()
+
+
+def _fake_results() -> dict:
+    """A results file with every benchmark, shaped as the benchmarks write them."""
+    dispatch = {"rows": [
+        {"op": "add", "autograd": False, "local": 2.0, "shardwise": 30.0, "torch_dt": 40.0,
+         "shardwise_4dev": 45.0, "local_4x": 8.0, "shardwise_cold": 100.0,
+         "torch_dt_cold": 300.0},
+        {"op": "add", "autograd": True, "local": 3.0, "shardwise": 60.0, "torch_dt": 50.0,
+         "shardwise_4dev": 80.0, "local_4x": 12.0},
+    ]}
+    summary = {"transitions": 20, "shardwise": {"at_bound": 20, "worst_ratio": 1.0,
+                                                "mean_ratio": 1.0},
+               "dtensor_greedy": {"at_bound": 15, "worst_ratio": 2.0, "mean_ratio": 1.2},
+               "shardwise_plan_ms_median": 0.3, "shardwise_plan_ms_max": 0.8,
+               "dtensor_greedy_ms_median": 0.1}
+    planner = {"meshes": {"(4,)": summary, "(2, 2, 2)": summary}, "cached_lookup_us": 0.5,
+               "named": [{"transition": "(P,P,P)->(R,R,R)", "bound": 100, "shardwise": 100,
+                          "shardwise_ms": 0.5, "dtensor_greedy": 171, "dtensor_greedy_ms": 0.1,
+                          "dtensor_graph": 100, "dtensor_graph_ms": 20.0}]}
+    redistribute = {"world_size": 2, "rows": [
+        {"transition": "Partial -> Replicate", "size": 1024, "raw_collective": "all_reduce",
+         "shardwise_ms": 6.0, "torch_dt_ms": 8.0, "raw_ms": 5.0, "ratio_vs_torch_dt": 0.75,
+         "ratio_vs_raw": 1.2}]}
+    side = {"step_ms": 10.0, "peak_mb": 2.0}
+    training = {"world_size": 2, "dim": 128, "batch": 4, "seq": 32, "heads": 4, "models": {
+        "mlp": {"shardwise": {**side, "max_loss_diff_vs_hand": 1e-7},
+                "torch_dt": {**side, "step_ms": 12.0, "max_loss_diff_vs_hand": 0.0},
+                "hand": {**side, "step_ms": 8.0}, "ratio_time_vs_torch_dt": 10 / 12,
+                "ratio_time_vs_hand": 1.25, "ratio_mem_vs_torch_dt": 1.0,
+                "ratio_mem_vs_hand": 1.0}}}
+    ok = {"seconds": 1.0, "returncode": 0}
+    return {
+        "date": "2026-01-01 00:00 UTC", "quick": False, "seconds": 100.0,
+        "machine": {"cpu": "test cpu", "cores": 2, "load_average": [1.0, 1.0, 1.0],
+                    "platform": "linux", "python": "3.11", "torch": "2.x",
+                    "transport": "gloo"},
+        "benchmarks": {
+            "dispatch": {**ok, "results": dispatch},
+            "planner": {**ok, "results": planner},
+            "redistribute_2": {**ok, "results": redistribute},
+            "training_2": {**ok, "results": training},
+            "overlap_2": {**ok, "results": {"mib": 4, "all_gather_ms": 5.0, "matmul_ms": 5.0,
+                                            "sequential_ms": 10.0, "overlapped_ms": 6.0,
+                                            "ratio": 0.6}},
+            "checkpoint": {**ok, "results": {"megabytes": 20.0, "rows": [
+                {"label": "torch.save (plain tensors)", "seconds": 0.5}]}},
+            "launch": {**ok, "results": {"nproc": 2, "runs_s": {},
+                                         "median_s": {"shardwise.launch": 1.0,
+                                                      "torchrun": 3.0}}},
+            "redistribute_4": {"seconds": 300.0, "returncode": "timeout", "error": "..."},
+        },
+    }
+
+
+def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
+    run_all = _run_all_module()
+    results = _fake_results()
+    doc = tmp_path / "performance.md"
+    run_all.write_docs(results, doc)
+    text = doc.read_text()
+    for heading in ("## Targets of issue 13", "## Per-op dispatch", "## Planner",
+                    "## Redistribution, 2 gloo processes", "## Tensor-parallel training step",
+                    "## Overlap", "## Checkpoint", "## Launcher"):
+        assert heading in text, heading
+    assert "test cpu" in text and "2026-01-01" in text
+    assert "redistribute_4" in text  # the benchmark that did not finish is named
+    status = {t: s for t, s, _ in run_all.targets(
+        {k: v["results"] for k, v in results["benchmarks"].items() if "results" in v})}
+    # add with autograd is 60 / 50 = 1.2x DTensor: a gap; (45 - 30 - 3 * 2) / 3 = 3 us per device
+    assert status["Warm dispatch <= DTensor on every op, <= 2 us per extra device"] == "gap"
+    assert "1.20x" in text and "3.0 us" in text
+    assert status["Plans at the lower bound (named transitions and all 1-D/2-D/3-D pairs)"] == \
+        "met"
+    assert status["Redistribution <= DTensor and within 1.2x of the raw collective"] == "met"
+    assert status["TP MLP and transformer step <= DTensor in time and peak memory"] == "met"
+    groups = run_all.ratios(results)
+    assert math.isclose(dict(groups["dispatch (warm, 1 device)"])["add"], 0.75)
+    assert dict(groups["TP training, 2 procs"])["mlp time"] == pytest.approx(10 / 12)
+    run_all.plot(results, tmp_path / "summary.png")
+    assert (tmp_path / "summary.png").read_bytes()[:4] == b"\x89PNG"
