@@ -55,7 +55,7 @@ def _schema_info(op: Any) -> RuntimeSchemaInfo:
             first = min(first, i)
             if arg.kwarg_only:
                 kwonly.append(arg.name)
-    return RuntimeSchemaInfo(first, tuple(kwonly) or None, needs_pytree=True)
+    return RuntimeSchemaInfo(first, tuple(kwonly) or None)
 
 
 def _strategy_from(fn: ShardingFn, op: Any) -> Callable[[DeviceMesh, OpSchema], OpStrategy]:
