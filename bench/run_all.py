@@ -168,10 +168,12 @@ def plot(results: dict, path: Path) -> None:
 REASONS = {
     "dispatch": "shardwise's own Python work per op (issue 13 counted about 89 Python calls "
                 "per add against DTensor's 32)",
-    "planner": "the planner finds no bound-reaching step sequence for these transitions yet "
-               "(issue 13 lists the missing steps: mesh dims flattened into one group, "
-               "reduce-scatter before all-gather, point-to-point permutation)",
-    "cold_planning": "the planner searches step sequences in Python on every cache miss",
+    "planner": "the misses all start from a Partial that a whole-mesh exchange cannot reach "
+               "the bound from directly: they need a reduce-exchange into an intermediate "
+               "sharded state, then an exchange, an edge the planner does not offer yet (the "
+               "per-element bound may also be unreachable for some of them)",
+    "cold_planning": "Dijkstra over placement states in Python, each step priced exactly on "
+                     "every device's uneven shard; mixed Partial sources explore many states",
     "redistribute": "time outside the collective itself (point-to-point rounds, a clone and a "
                     "cat for Partial -> Replicate in issue 13's profile)",
     "training": "a step is many small ops, each paying the dispatch gap above, plus the "
