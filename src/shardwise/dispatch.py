@@ -424,8 +424,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if fresh:
         generation = _generation[0]
         decision = _decide(func, args, kwargs, specs)
-    moved_self = bool(dtensors) and decision.input_placements[0] != specs[0].placements
-    if _is_inplace(func):
+    moved_self = decision.input_placements[0] != specs[0].placements
+    inplace = _is_inplace(func)
+    if inplace:
         _check_write_reaches_base(func, dtensors[0], moved_self, decision.input_placements[0])
     components = redistribute_inputs(func, dtensors, decision.input_placements)
 
@@ -450,11 +451,11 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         with _publish:
             if _generation[0] == generation:
                 _cache[key] = decision
-    if _is_inplace(func) and decision.input_placements[0] != specs[0].placements:
+    if inplace and moved_self:
         # the op needed self elsewhere: self now lives there (same global value, updated)
         dtensors[0]._components = components[0]
         dtensors[0]._spec = DTensorSpec(mesh, decision.input_placements[0], specs[0].tensor_meta)
-    result = _wrap(func, decision, local_results, dtensors)
+    result = _wrap(func, decision, local_results, dtensors, inplace)
     if _is_view(func):
         # a view of a moved input aliases a temporary copy, not the input: writes would be lost
         orphan = moved_self or getattr(dtensors[0], "_orphan_view", False)
@@ -507,9 +508,11 @@ def _complete(func, flat, tree, dtensors_at, specs, decision: Decision, first: A
     return Decision(decision.input_placements, filled if multi else filled[0], multi)
 
 
-def _wrap(func: Any, decision: Decision, local_results: list, inputs: list[DTensor]) -> Any:
+def _wrap(
+    func: Any, decision: Decision, local_results: list, inputs: list[DTensor], inplace: bool
+) -> Any:
     first = local_results[0]
-    if isinstance(first, torch.Tensor) and _is_inplace(func) and inputs:
+    if isinstance(first, torch.Tensor) and inplace:
         target = inputs[0]
         spec = decision.output_specs
         if spec is not None and spec.placements != target.placements:
