@@ -410,12 +410,7 @@ def _routes(
     term = {d: tuple(coords[d][m] for m in partial) for d in devices}
     old = {d: shard_segments(shape, mesh.shape, before, coords[d]) for d in devices}
     new = {d: shard_segments(shape, mesh.shape, after, coords[d]) for d in devices}
-    cuts = [{0, size} for size in shape]
-    for segments in (*old.values(), *new.values()):
-        for dim, runs in enumerate(segments):
-            for a, b in runs:
-                cuts[dim].update((a, b))
-    blocks = _blocks([sorted(c) for c in cuts])
+    blocks = _blocks(shape, [*old.values(), *new.values()])
     routes: dict[int, Route] = {}
     for d in devices:
         route = []
@@ -517,14 +512,8 @@ def lower_bound_bytes(
     ]
     src = [shard_segments(shape, mesh.shape, source, c) for c in coords]
     dst = [shard_segments(shape, mesh.shape, target, c) for c in coords]
-    cuts = [{0, size} for size in shape]
-    for segments in src + dst:
-        for d, runs in enumerate(segments):
-            for a, b in runs:
-                cuts[d].update((a, b))
-    edges = [sorted(c) for c in cuts]
     total = 0
-    for block in _blocks(edges):
+    for block in _blocks(shape, src + dst):
         size = prod(b - a for a, b in block)
         if size == 0:
             continue
@@ -544,7 +533,15 @@ def lower_bound_bytes(
     return total
 
 
-def _blocks(edges: list[list[int]]) -> list[tuple[tuple[int, int], ...]]:
+def _blocks(shape: tuple[int, ...], pieces: list[tuple]) -> list[tuple[tuple[int, int], ...]]:
+    """The boxes of global indices cut on every run boundary of ``pieces`` (segments per
+    tensor dim): each piece is a union of whole boxes."""
+    cuts = [{0, size} for size in shape]
+    for segments in pieces:
+        for dim, runs in enumerate(segments):
+            for a, b in runs:
+                cuts[dim].update((a, b))
+    edges = [sorted(c) for c in cuts]
     spans = [list(zip(e[:-1], e[1:], strict=False)) or [(0, 0)] for e in edges]
     out: list[tuple[tuple[int, int], ...]] = [()]
     for dim_spans in spans:
