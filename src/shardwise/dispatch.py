@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import os
 import sys
@@ -26,13 +27,13 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import settings
-from .dtensor import DTensor, distribute_tensor, set_dispatch_handler
+from .dtensor import DTensor, check_partials, distribute_tensor, set_dispatch_handler
 from .errors import ImplicitRedistributeError, MeshError, UnsupportedOpError
 from .mesh import DeviceMesh
 from .ops import registry
 from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
 from .placements import Placement, Replicate
-from .redistribute import RedistributePlan, execute_plan, plan_redistribute
+from .redistribute import execute_plan, plan_redistribute
 from .spec import DTensorSpec, make_tensor_meta
 
 aten = torch.ops.aten
@@ -72,10 +73,82 @@ class Decision:
     multi_output: bool
 
 
-# Read without a lock (a dict lookup is atomic); a new entry is built completely by the thread
-# that missed and published with one assignment under ``_publish``, unless the registry or a
-# ``clear_sharding_cache`` changed the generation meanwhile (the entry could be stale).
-_cache: dict[Any, Decision] = {}
+class _Op:
+    """Everything dispatch needs to know about one op, found with one dictionary lookup: its
+    hooks, which arguments key the cache, whether it writes in place or returns a view, and
+    its cached decisions (``_Entry`` per input specs and static arguments)."""
+
+    __slots__ = ("bypass", "pre", "post", "local_args", "static_argnum", "inplace", "view",
+                 "call", "decisions")
+
+    def __init__(self, func: Any) -> None:
+        self.bypass = registry.BYPASS_DISPATCH.get(func)
+        self.pre = registry.PRE_PATCH.get(func)
+        self.post = registry.POST_PATCH.get(func)
+        self.local_args = registry.LOCAL_ARGS.get(func)
+        reg = registry.registration(func)
+        info = reg.schema_info if reg is not None else None
+        self.static_argnum = info.static_argnum if info is not None else 100
+        self.inplace = _is_inplace(func)
+        self.view = _is_view(func)
+        # the kernel without OpOverload.__call__'s Python frame
+        self.call = func._op if type(func) is torch._ops.OpOverload else func
+        self.decisions: dict[tuple, _Entry] = {}
+
+
+class _Entry:
+    """A cached decision ready to run: where the DTensor arguments sit, the plans of the
+    inputs that move (and whether any needs communication), the specs the inputs move to,
+    and the complete output spec(s)."""
+
+    __slots__ = ("decision", "where", "top", "moves", "communicates", "moved_self", "moved_specs",
+                 "devices", "direct", "single")
+
+    def __init__(
+        self, op: _Op, decision: Decision, specs: list[DTensorSpec], where: tuple
+    ) -> None:
+        self.decision = decision
+        self.where = where
+        # positions of the DTensors when all are positional arguments (the common case)
+        self.top = tuple(i for i, _ in where) if all(
+            isinstance(i, int) and j < 0 for i, j in where
+        ) else None
+        targets = decision.input_placements
+        self.moves = tuple(
+            (n, plan)
+            for n, (s, t) in enumerate(zip(specs, targets, strict=True))
+            if s.placements != t and not _no_op(plan := plan_redistribute(s, t), s.mesh)
+        )
+        self.communicates = _communicating(self.moves)
+        self.moved_self = targets[0] != specs[0].placements
+        self.moved_specs = [
+            DTensorSpec(s.mesh, p, s.tensor_meta) for s, p in zip(specs, targets, strict=True)
+        ]
+        self.devices = specs[0].mesh.local_device_ids
+        # one kernel call on the components as they are: no per-device loop, no moves, no hook
+        self.direct = (
+            self.top is not None and len(self.devices) == 1 and not self.moves
+            and op.local_args is None and not (op.inplace and self.moved_self)
+        )
+        self.single: DTensorSpec | None = None  # set by ``complete``
+
+    def complete(self, op: _Op, decision: Decision) -> None:
+        """Take the decision with its output metadata filled in; note when its output is one
+        DTensor that needs no more than wrapping (and marking, for a view): not in place."""
+        self.decision = decision
+        out = decision.output_specs
+        for spec in out if isinstance(out, (tuple, list)) else (out,):
+            if spec is not None:
+                check_partials(spec)
+        if isinstance(out, DTensorSpec) and not (decision.multi_output or op.inplace):
+            self.single = out
+
+
+# Read without a lock (a dict lookup is atomic); a new entry (op or decision) is built
+# completely by the thread that missed and published with one assignment under ``_publish``,
+# unless the registry or a ``clear_sharding_cache`` changed the generation meanwhile (the entry
+# could be stale).
+_OPS: dict[Any, _Op] = {}
 _publish = threading.Lock()
 _generation = [0]
 
@@ -84,41 +157,153 @@ def clear_sharding_cache() -> None:
     """Forget every cached sharding decision."""
     with _publish:
         _generation[0] += 1
-        _cache.clear()
+        _OPS.clear()
 
 
 registry.on_registry_change(clear_sharding_cache)
 
 
+def _no_op(plan: Any, mesh: DeviceMesh) -> bool:
+    """A plan of local steps over mesh dims of size 1 leaves every component as it is."""
+    return all(
+        s.collective == "local" and isinstance(s.mesh_dim, int) and mesh.shape[s.mesh_dim] == 1
+        for s in plan.steps
+    )
+
+
+def _op_entry(func: Any) -> _Op:
+    generation = _generation[0]
+    op = _Op(func)
+    with _publish:
+        if _generation[0] == generation:
+            op = _OPS.setdefault(func, op)
+    return op
+
+
+# argument types keyed by value as they are; floats and bools also by type (1, 1.0 and True
+# are equal keys but give different output dtypes)
+_ATOMS = frozenset({int, str, type(None), torch.dtype, torch.device})
+_TYPED_ATOMS = frozenset({float, bool})
+
+
 def _key_part(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
+    t = type(value)
+    if t in _ATOMS:
+        return value
+    if t in _TYPED_ATOMS:
+        return t, value
+    if t is list or t is tuple:
         return tuple(_key_part(v) for v in value)
+    if isinstance(value, DTensor):
+        return value._spec
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device)):
-        return value
+    if isinstance(value, (int, float, str, torch.dtype, torch.device)):
+        return t, value
+    if isinstance(value, (list, tuple)):
+        return tuple(_key_part(v) for v in value)
     if isinstance(value, (torch.memory_format, torch.layout)):
         return str(value)
-    return ("obj", type(value).__name__, id(value))
+    return ("obj", t.__name__, id(value))
 
 
-def _cache_key(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -> Any:
-    reg = registry.registration(func)
-    info = reg.schema_info if reg is not None else None
-    static_argnum = info.static_argnum if info else 100
-    parts = []
+def _loose_part(value: Any) -> Any:
+    """Key of an argument before ``static_argnum``: DTensors by spec, others by type (a
+    plain scalar tensor by dtype, which type promotion reads)."""
+    if isinstance(value, DTensor):
+        return value._spec
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return type(value)
+
+
+_SEQUENCES = (list, tuple)
+
+
+def _scan(args: tuple, kwargs: dict, static_argnum: int) -> tuple[tuple, list, bool]:
+    """One flat pass over the arguments: the cache key (DTensors by spec, arguments from
+    ``static_argnum`` on and keyword arguments by value, the others by type), the DTensors in
+    argument order (list elements, then keyword arguments), and whether a plain tensor that
+    is not a scalar is among them (it must be replicated first). Types are tested before
+    ``isinstance`` (slow on torch.Tensor for numbers)."""
+    parts: list = []
+    dtensors: list = []
+    plain = False
     for i, a in enumerate(args):
-        if isinstance(a, DTensor):
-            parts.append("D")
-        elif i >= static_argnum:
-            parts.append(_key_part(a))
+        t = type(a)
+        if t in _ATOMS:
+            parts.append(a if i >= static_argnum else t)
+        elif t in _TYPED_ATOMS:
+            parts.append((t, a) if i >= static_argnum else t)
+        elif isinstance(a, DTensor):
+            dtensors.append(a)
+            parts.append(a._spec)
+        elif isinstance(a, torch.Tensor):
+            plain = plain or a.ndim > 0
+            parts.append(_key_part(a) if i >= static_argnum else a.dtype)
+        elif t is list or t is tuple:
+            if _ATOMS.issuperset(map(type, a)):  # sizes, dims: no tensors
+                parts.append(tuple(a) if i >= static_argnum else tuple(map(type, a)))
+                continue
+            plain = _collect(a, dtensors) or plain
+            parts.append(_key_part(a) if i >= static_argnum else tuple(map(_loose_part, a)))
         else:
-            parts.append(type(a).__name__ if not isinstance(a, (list, tuple)) else _key_part(
-                [type(x).__name__ if not isinstance(x, DTensor) else "D" for x in a]
-            ))
-    # keyword arguments (dtype, device, keepdim...) decide output metadata: key them all
-    kw = tuple(sorted((k, _key_part(v)) for k, v in kwargs.items()))
-    return (func, tuple(specs), tuple(parts), kw)
+            parts.append(_key_part(a) if i >= static_argnum else t)
+    if kwargs:
+        for k, v in kwargs.items():
+            if isinstance(v, DTensor):
+                dtensors.append(v)
+            elif isinstance(v, torch.Tensor):
+                plain = plain or v.ndim > 0
+            elif type(v) in _SEQUENCES:
+                plain = _collect(v, dtensors) or plain
+            parts.append((k, _key_part(v)))
+    return tuple(parts), dtensors, plain
+
+
+def _collect(values: Sequence[Any], dtensors: list) -> bool:
+    """Append the DTensors among ``values`` to ``dtensors``; True if a plain tensor that is
+    not a scalar is among them."""
+    plain = False
+    for x in values:
+        if isinstance(x, DTensor):
+            dtensors.append(x)
+        elif isinstance(x, torch.Tensor):
+            plain = plain or x.ndim > 0
+    return plain
+
+
+def _where(args: tuple, kwargs: dict) -> tuple:
+    """Where each DTensor argument sits, in ``_scan``'s order: (argument index or keyword,
+    index in its list or -1)."""
+    where = []
+    for i, a in itertools.chain(enumerate(args), kwargs.items()):
+        if isinstance(a, DTensor):
+            where.append((i, -1))
+        elif type(a) in _SEQUENCES:
+            where.extend((i, j) for j, x in enumerate(a) if isinstance(x, DTensor))
+    return tuple(where)
+
+
+def _place(args: tuple, kwargs: dict, where: tuple, pieces: Sequence[Any]) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with the DTensor at each position of ``where`` replaced by the
+    matching piece (lists and tuples are copied, never changed)."""
+    a = list(args)
+    kw = dict(kwargs) if kwargs else kwargs
+    copied: dict = {}
+    for (i, j), piece in zip(where, pieces, strict=True):
+        into = a if isinstance(i, int) else kw
+        if j < 0:
+            into[i] = piece
+            continue
+        seq = copied.get(i)
+        if seq is None:
+            seq = copied[i] = list(into[i])
+        seq[j] = piece
+    for i, seq in copied.items():
+        into = a if isinstance(i, int) else kw
+        into[i] = type(into[i])(seq)
+    return tuple(a), kw
 
 
 def _to_schema(func: Any, args: tuple, kwargs: dict, convert) -> OpSchema:
@@ -194,37 +379,6 @@ def _choose(func: Any, strategy: OpStrategy, specs: list[DTensorSpec]) -> Placem
 # ----- running -------------------------------------------------------------------------------
 
 
-def _flatten(args: tuple, kwargs: dict) -> tuple[list, tuple]:
-    """Flatten aten arguments one level deep (aten schemas nest tensors only in lists), much
-    cheaper than pytree on the hot path."""
-    flat: list = []
-    layout: list = []
-    for a in args:
-        if type(a) in (list, tuple):
-            flat.extend(a)
-            layout.append((type(a), len(a)))
-        else:
-            flat.append(a)
-            layout.append(None)
-    flat.extend(kwargs.values())
-    return flat, (tuple(layout), tuple(kwargs))
-
-
-def _unflatten(flat: list, tree: tuple) -> tuple[tuple, dict]:
-    layout, keys = tree
-    args, i = [], 0
-    for entry in layout:
-        if entry is None:
-            args.append(flat[i])
-            i += 1
-        else:
-            kind, n = entry
-            args.append(kind(flat[i : i + n]))
-            i += n
-    return tuple(args), dict(zip(keys, flat[i:], strict=True))
-
-
-
 def _call_site() -> str:
     for frame in reversed(traceback.extract_stack()[:-3]):
         name = frame.filename
@@ -241,19 +395,31 @@ def redistribute_inputs(
     ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on or autograd's
     backward runs. For handlers registered with ``bypass_dispatch``."""
     dtensors = list(dtensors)
-    targets = tuple(tuple(t) for t in targets)
-    if all(dt._spec.placements == t for dt, t in zip(dtensors, targets, strict=True)):
-        return [dt._components for dt in dtensors]
-    plans: list[RedistributePlan | None] = []
-    for dt, target in zip(dtensors, targets, strict=True):
-        plans.append(None if dt._spec.placements == target else plan_redistribute(dt._spec, target))
-    moving = [
-        (i, p) for i, p in enumerate(plans) if p is not None and any(
-            s.collective != "local" for s in p.steps
-        )
+    moves = tuple(
+        (n, plan_redistribute(dt._spec, tuple(t)))
+        for n, (dt, t) in enumerate(zip(dtensors, targets, strict=True))
+        if dt._spec.placements != tuple(t)
+    )
+    return _moved(func, dtensors, moves, _communicating(moves)) if moves else [
+        dt._components for dt in dtensors
     ]
-    in_backward = torch._C._current_graph_task_id() != -1
-    if moving and not settings.IMPLICIT_REDISTRIBUTE.get() and not in_backward:
+
+
+def _communicating(moves: tuple) -> tuple:
+    """The (input index, plan) pairs of ``moves`` whose plan needs a collective."""
+    return tuple(
+        (n, plan) for n, plan in moves if any(s.collective != "local" for s in plan.steps)
+    )
+
+
+def _moved(
+    func: Any, dtensors: list[DTensor], moves: tuple, moving: tuple
+) -> list[list[torch.Tensor]]:
+    """The components of ``dtensors`` after running the plans of ``moves`` ((input index,
+    plan) pairs); ``moving``, those that communicate, must be allowed."""
+    if moving and not settings.IMPLICIT_REDISTRIBUTE.get() and (
+        torch._C._current_graph_task_id() == -1
+    ):
         lines = []
         for i, p in moving:
             dt = dtensors[i]
@@ -267,28 +433,28 @@ def redistribute_inputs(
             + "\n".join(lines)
             + "\nor allow it with `with shardwise.allow_implicit_redistribute():`"
         )
-    components = []
-    for dt, plan in zip(dtensors, plans, strict=True):
-        if plan is None:
-            components.append(dt._components)
-            continue
-        if settings.LOG_REDISTRIBUTE.get() and any(s.collective != "local" for s in plan.steps):
+    components = [dt._components for dt in dtensors]
+    log_moves = bool(moving) and settings.LOG_REDISTRIBUTE.get()
+    for i, plan in moves:
+        dt = dtensors[i]
+        if log_moves and any(s.collective != "local" for s in plan.steps):
             log.info(
                 "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, _call_site()
             )
-        components.append(execute_plan(plan, dt._spec.mesh, dt._components))
+        components[i] = execute_plan(plan, dt._spec.mesh, dt._components)
     return components
 
 
-def _meta_outputs(func: Any, flat: list, tree: Any, dtensors_at: list[int], specs) -> Any:
-    metas = list(flat)
-    for i, spec in zip(dtensors_at, specs, strict=True):
-        m = spec.tensor_meta
-        metas[i] = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
-    for i, a in enumerate(metas):
-        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.device.type != "meta":
-            metas[i] = a.to("meta")
-    args, kwargs = _unflatten(metas, tree)
+def _meta_outputs(func: Any, args: tuple, kwargs: dict, where: tuple, specs) -> Any:
+    metas = [
+        torch.empty_strided(s.tensor_meta.shape, s.tensor_meta.stride,
+                            dtype=s.tensor_meta.dtype, device="meta")
+        for s in specs
+    ]
+    args, kwargs = _place(args, kwargs, where, metas)
+    args, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t if t.device.type == "meta" else t.to("meta"), (args, kwargs)
+    )
     return func(*args, **kwargs)
 
 
@@ -304,16 +470,16 @@ def _fill_meta(spec: DTensorSpec | None, meta_out: Any, local_out: Any) -> DTens
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """The DTensor ``__torch_dispatch__`` entry point (hooks, then sharded execution)."""
-    bypass = registry.BYPASS_DISPATCH.get(func)
-    if bypass is not None:
-        return bypass(func, args, kwargs)
-    pre = registry.PRE_PATCH.get(func)
-    if pre is not None:
-        args, kwargs = pre(func, args, kwargs)
-    result = _dispatch(func, args, kwargs)
-    post = registry.POST_PATCH.get(func)
-    if post is not None:
-        result = post(func, result, args, kwargs)
+    op = _OPS.get(func)
+    if op is None:
+        op = _op_entry(func)
+    if op.bypass is not None:
+        return op.bypass(func, args, kwargs)
+    if op.pre is not None:
+        args, kwargs = op.pre(func, args, kwargs)
+    result = _dispatch(op, func, args, kwargs)
+    if op.post is not None:
+        result = op.post(func, result, args, kwargs)
     return result
 
 
@@ -395,70 +561,118 @@ def implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> 
     return distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
 
 
-def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    flat, tree = _flatten(args, kwargs)
-    dtensors_at, plain = [], []
-    for i, a in enumerate(flat):
-        if isinstance(a, DTensor):
-            dtensors_at.append(i)
-        elif isinstance(a, torch.Tensor) and a.ndim > 0:
-            plain.append(i)
-    mesh = flat[dtensors_at[0]].device_mesh
+def _replicate_plain(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with every plain tensor that is not a scalar replaced by its
+    replicated DTensor (``implicitly_replicated``)."""
+    where, pieces = [], []
+    for i, a in itertools.chain(enumerate(args), kwargs.items()):
+        for j, x in enumerate(a) if type(a) in _SEQUENCES else [(-1, a)]:
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > 0:
+                where.append((i, j))
+                pieces.append(implicitly_replicated(func, x, mesh))
+    return _place(args, kwargs, tuple(where), pieces)
+
+
+def _dispatch(op: _Op, func: Any, args: tuple, kwargs: dict) -> Any:
+    key, dtensors, plain = _scan(args, kwargs, op.static_argnum)
     if plain:
-        for i in plain:
-            flat[i] = implicitly_replicated(func, flat[i], mesh)
-        args, kwargs = _unflatten(flat, tree)
-        dtensors_at = sorted(dtensors_at + plain)
-    dtensors: list[DTensor] = [flat[i] for i in dtensors_at]
+        args, kwargs = _replicate_plain(func, args, kwargs, dtensors[0]._spec.mesh)
+        key, dtensors, _ = _scan(args, kwargs, op.static_argnum)
+    entry = op.decisions.get(key)
+    if entry is None:  # this thread decides, fills in and publishes its own entry
+        return _dispatch_cold(op, func, args, kwargs, key, dtensors)
+    if op.inplace:
+        _check_write_reaches_base(
+            func, dtensors[0], entry.moved_self, entry.decision.input_placements[0]
+        )
+    if entry.direct:  # one kernel call on the components as they are
+        a = list(args)
+        for pos, d in zip(entry.top, dtensors, strict=True):
+            a[pos] = d._components[0]
+        results = [op.call(*a, **kwargs)]
+        components = None
+    else:
+        if entry.moves:
+            components = _moved(func, dtensors, entry.moves, entry.communicates)
+        else:
+            components = [d._components for d in dtensors]
+        results = _run_local(op, func, args, kwargs, entry, components)
+    spec = entry.single
+    if spec is not None and isinstance(results[0], torch.Tensor):
+        out = _new_dtensor(results, spec)
+        if op.view:
+            out._is_view_of_dtensor = True
+            out._orphan_view = entry.moved_self or dtensors[0].__dict__.get("_orphan_view", False)
+        return out
+    return _finish(op, func, entry, results, dtensors, components)
+
+
+def _dispatch_cold(
+    op: _Op, func: Any, args: tuple, kwargs: dict, key: tuple, dtensors: list[DTensor]
+) -> Any:
     specs = [d._spec for d in dtensors]
+    mesh = specs[0].mesh
     for d in dtensors:
         if d.device_mesh != mesh:
             raise MeshError(
                 f"{func} got DTensors on different meshes: {mesh} and {d.device_mesh} "
                 f"(shapes {[list(x.shape) for x in dtensors]})"
             )
+    generation = _generation[0]
+    decision = _decide(func, args, kwargs, specs)
+    entry = _Entry(op, decision, specs, _where(args, kwargs))
+    if op.inplace:
+        _check_write_reaches_base(func, dtensors[0], entry.moved_self, decision.input_placements[0])
+    components = _moved(func, dtensors, entry.moves, entry.communicates) if entry.moves else [
+        d._components for d in dtensors
+    ]
+    results = _run_local(op, func, args, kwargs, entry, components)
+    entry.complete(op, _complete(func, args, kwargs, entry, decision, results[0]))
+    with _publish:
+        if _generation[0] == generation:
+            op.decisions[key] = entry
+    return _finish(op, func, entry, results, dtensors, components)
 
-    key = _cache_key(func, args, kwargs, specs)
-    decision = _cache.get(key)
-    fresh = decision is None  # this thread decides, fills in and publishes its own entry
-    if fresh:
-        generation = _generation[0]
-        decision = _decide(func, args, kwargs, specs)
-    moved_self = decision.input_placements[0] != specs[0].placements
-    inplace = _is_inplace(func)
-    if inplace:
-        _check_write_reaches_base(func, dtensors[0], moved_self, decision.input_placements[0])
-    components = redistribute_inputs(func, dtensors, decision.input_placements)
 
-    local_args = registry.LOCAL_ARGS.get(func)
-    if local_args is not None:
-        moved = [
-            DTensorSpec(s.mesh, p, s.tensor_meta)
-            for s, p in zip(specs, decision.input_placements, strict=True)
-        ]
-    local_results = []
-    for k, device in enumerate(mesh.local_device_ids):
-        local_flat = list(flat)
-        for pos, comps in zip(dtensors_at, components, strict=True):
-            local_flat[pos] = comps[k]
-        a, kw = _unflatten(local_flat, tree)
+def _run_local(
+    op: _Op, func: Any, args: tuple, kwargs: dict, entry: _Entry, components: list
+) -> list:
+    """The op run once per local device on that device's components."""
+    results = []
+    top = entry.top
+    local_args = op.local_args
+    for k, device in enumerate(entry.devices):
+        if top is not None:
+            a = list(args)
+            for pos, comps in zip(top, components, strict=True):
+                a[pos] = comps[k]
+            kw = kwargs
+        else:
+            a, kw = _place(args, kwargs, entry.where, [comps[k] for comps in components])
         if local_args is not None:
-            a, kw = local_args(a, kw, moved, decision.output_specs, device)
-        local_results.append(func(*a, **kw))
+            a, kw = local_args(
+                tuple(a), kw, entry.moved_specs, entry.decision.output_specs, device
+            )
+        results.append(op.call(*a, **kw))
+    return results
 
-    if fresh:
-        decision = _complete(func, flat, tree, dtensors_at, specs, decision, local_results[0])
-        with _publish:
-            if _generation[0] == generation:
-                _cache[key] = decision
-    if inplace and moved_self:
+
+def _finish(
+    op: _Op, func: Any, entry: _Entry, results: list, dtensors: list[DTensor],
+    components: list | None,
+) -> Any:
+    """Update self when an in-place op moved it (``components``: the moved inputs), wrap the
+    outputs, mark views."""
+    decision = entry.decision
+    if op.inplace and entry.moved_self:
         # the op needed self elsewhere: self now lives there (same global value, updated)
-        dtensors[0]._components = components[0]
-        dtensors[0]._spec = DTensorSpec(mesh, decision.input_placements[0], specs[0].tensor_meta)
-    result = _wrap(func, decision, local_results, dtensors, inplace)
-    if _is_view(func):
+        self = dtensors[0]
+        self._components = components[0]
+        self._spec = entry.moved_specs[0]
+    result = _wrap(func, decision, results, dtensors, op.inplace)
+    if op.view:
         # a view of a moved input aliases a temporary copy, not the input: writes would be lost
-        orphan = moved_self or getattr(dtensors[0], "_orphan_view", False)
+        orphan = entry.moved_self or dtensors[0].__dict__.get("_orphan_view", False)
         for out in result if isinstance(result, (tuple, list)) else (result,):
             if isinstance(out, DTensor):
                 out._is_view_of_dtensor = True
@@ -471,9 +685,8 @@ def _check_write_reaches_base(
 ) -> None:
     """An in-place write into a view must reach the viewed DTensor: refuse it when the view
     aliases a moved copy, or when the view itself would have to move first."""
-    if getattr(target, "_orphan_view", False) or (
-        moved and getattr(target, "_is_view_of_dtensor", False)
-    ):
+    marks = target.__dict__
+    if marks.get("_orphan_view", False) or (moved and marks.get("_is_view_of_dtensor", False)):
         raise UnsupportedOpError(
             f"in-place {func} writes into a view (shape {list(target.shape)}, placements "
             f"{list(target.placements)}) of a DTensor that had to be redistributed for the view "
@@ -482,7 +695,9 @@ def _check_write_reaches_base(
         )
 
 
-def _complete(func, flat, tree, dtensors_at, specs, decision: Decision, first: Any) -> Decision:
+def _complete(
+    func: Any, args: tuple, kwargs: dict, entry: _Entry, decision: Decision, first: Any
+) -> Decision:
     """Fill in output metadata once per cache entry (meta run unless Replicate)."""
     outs = decision.output_specs
     first_list = list(first) if isinstance(first, (tuple, list)) else [first]
@@ -495,11 +710,7 @@ def _complete(func, flat, tree, dtensors_at, specs, decision: Decision, first: A
         and (len(first_list) > 1 or s.tensor_meta is None)
         for s, o in zip(out_list, first_list, strict=False)
     )
-    target_specs = [
-        DTensorSpec(s.mesh, p, s.tensor_meta) for s, p in zip(specs, decision.input_placements,
-                                                              strict=True)
-    ]
-    meta = _meta_outputs(func, flat, tree, dtensors_at, target_specs) if needs_meta else None
+    meta = _meta_outputs(func, args, kwargs, entry.where, entry.moved_specs) if needs_meta else None
     meta_list = list(meta) if isinstance(meta, (tuple, list)) else [meta] * len(first_list)
     filled = tuple(
         _fill_meta(s, m, o) for s, m, o in zip(out_list, meta_list, first_list, strict=False)
@@ -532,7 +743,22 @@ def _wrap(
 def _wrap_one(spec: DTensorSpec | None, components: list) -> Any:
     if spec is None or not isinstance(components[0], torch.Tensor):
         return components[0]
-    return DTensor(components, spec)
+    return _new_dtensor(components, spec)
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _new_dtensor(components: list[torch.Tensor], spec: DTensorSpec) -> DTensor:
+    """``DTensor(components, spec)`` for a fresh list of output components and a cached
+    output spec whose Partials were checked (``_Entry.complete``): the wrapper made directly."""
+    meta = spec.tensor_meta
+    out = _make_wrapper(
+        DTensor, meta.shape, strides=meta.stride, dtype=meta.dtype, device=components[0].device
+    )
+    out._spec = spec
+    out._components = components
+    return out
 
 
 @functools.cache
