@@ -33,7 +33,7 @@ from .mesh import DeviceMesh
 from .ops import registry
 from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
 from .placements import Placement, Replicate
-from .redistribute import execute_plan, plan_redistribute
+from .redistribute import compile_plan, execute_plan, plan_redistribute
 from .spec import DTensorSpec, make_tensor_meta
 
 aten = torch.ops.aten
@@ -114,8 +114,8 @@ class _Entry:
             isinstance(i, int) and j < 0 for i, j in where
         ) else None
         targets = decision.input_placements
-        self.moves = tuple(
-            (n, plan)
+        self.moves = tuple(  # (input index, plan, the plan compiled for its spec)
+            (n, plan, compile_plan(plan, s))
             for n, (s, t) in enumerate(zip(specs, targets, strict=True))
             if s.placements != t and not _no_op(plan := plan_redistribute(s, t), s.mesh)
         )
@@ -395,11 +395,12 @@ def redistribute_inputs(
     ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on or autograd's
     backward runs. For handlers registered with ``bypass_dispatch``."""
     dtensors = list(dtensors)
-    moves = tuple(
-        (n, plan_redistribute(dt._spec, tuple(t)))
-        for n, (dt, t) in enumerate(zip(dtensors, targets, strict=True))
-        if dt._spec.placements != tuple(t)
-    )
+    moves = []
+    for n, (dt, target) in enumerate(zip(dtensors, targets, strict=True)):
+        if dt._spec.placements != tuple(target):
+            plan = plan_redistribute(dt._spec, tuple(target))
+            moves.append((n, plan, functools.partial(execute_plan, plan, dt._spec.mesh)))
+    moves = tuple(moves)
     return _moved(func, dtensors, moves, _communicating(moves)) if moves else [
         dt._components for dt in dtensors
     ]
@@ -408,7 +409,7 @@ def redistribute_inputs(
 def _communicating(moves: tuple) -> tuple:
     """The (input index, plan) pairs of ``moves`` whose plan needs a collective."""
     return tuple(
-        (n, plan) for n, plan in moves if any(s.collective != "local" for s in plan.steps)
+        (n, plan) for n, plan, _ in moves if any(s.collective != "local" for s in plan.steps)
     )
 
 
@@ -416,7 +417,8 @@ def _moved(
     func: Any, dtensors: list[DTensor], moves: tuple, moving: tuple
 ) -> list[list[torch.Tensor]]:
     """The components of ``dtensors`` after running the plans of ``moves`` ((input index,
-    plan) pairs); ``moving``, those that communicate, must be allowed."""
+    plan, function running it on the components) triples); ``moving``, the (index, plan)
+    pairs that communicate, must be allowed."""
     if moving and not settings.IMPLICIT_REDISTRIBUTE.get() and (
         torch._C._current_graph_task_id() == -1
     ):
@@ -435,13 +437,13 @@ def _moved(
         )
     components = [dt._components for dt in dtensors]
     log_moves = bool(moving) and settings.LOG_REDISTRIBUTE.get()
-    for i, plan in moves:
+    for i, plan, run in moves:
         dt = dtensors[i]
         if log_moves and any(s.collective != "local" for s in plan.steps):
             log.info(
                 "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, _call_site()
             )
-        components[i] = execute_plan(plan, dt._spec.mesh, dt._components)
+        components[i] = run(dt._components)
     return components
 
 

@@ -9,7 +9,7 @@ receives (the cost model of DESIGN.md, exact for uneven shards), and caches the 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
@@ -21,7 +21,7 @@ from .comm import accounting
 from .errors import InvalidPlacementError
 from .mesh import DeviceMesh
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from .spec import DTensorSpec, extract_local, shard_segments, split_segments
+from .spec import DTensorSpec, Segments, shard_segments, split_segments
 
 State = tuple[Placement, ...]
 
@@ -308,15 +308,25 @@ def plan_redistribute(spec: DTensorSpec, placements: Sequence[Placement]) -> Red
 # ----- execution ---------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=4096)
+def _split_runs(length: int, placement: Shard, n: int) -> tuple[Segments, ...]:
+    """Per coordinate of a mesh dim of size ``n``, the index runs of a tensor dim of
+    ``length`` that it keeps under ``placement`` (geometry cached: splits repeat)."""
+    return tuple(split_segments(((0, length),), placement, n, k) for k in range(n))
+
+
+def _piece(t: torch.Tensor, dim: int, runs: Segments) -> torch.Tensor:
+    """The part of ``t`` at the index runs ``runs`` of ``dim`` (a view unless several runs)."""
+    if len(runs) == 1:
+        start, stop = runs[0]
+        return t if start == 0 and stop == t.shape[dim] else t.narrow(dim, start, stop - start)
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in runs], dim=dim)
+
+
 def _split(t: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
     """The ``n`` pieces of ``t`` that the coordinates of a mesh dim keep under ``placement``."""
-    whole = ((0, t.shape[placement.dim]),)
-    pieces = []
-    for k in range(n):
-        runs = split_segments(whole, placement, n, k)
-        segments = tuple(runs if d == placement.dim else ((0, s),) for d, s in enumerate(t.shape))
-        pieces.append(extract_local(t, segments))
-    return pieces
+    dim = placement.dim
+    return [_piece(t, dim, runs) for runs in _split_runs(t.shape[dim], placement, n)]
 
 
 def _merge(pieces: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:
@@ -348,7 +358,10 @@ def _run_step(
         coords = [mesh.coordinate_of(d)[m] for d in mesh.local_device_ids]
         if isinstance(b, Partial):
             return [_partition(t, b, c) for t, c in zip(components, coords, strict=True)]
-        return [_split(t, b, n)[c] for t, c in zip(components, coords, strict=True)]
+        return [
+            _piece(t, b.dim, _split_runs(t.shape[b.dim], b, n)[c])
+            for t, c in zip(components, coords, strict=True)
+        ]
     if step.collective == "all_gather":
         return [_merge(p, a) for p in comm.all_gather(mesh, m, components)]
     if step.collective == "all_reduce":
@@ -378,6 +391,44 @@ def execute_plan(
             out = _run_step(step, mesh, out)
             state = state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
     return out
+
+
+def compile_plan(
+    plan: RedistributePlan, spec: DTensorSpec
+) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+    """``execute_plan(plan, spec.mesh, components)`` as a function of the components of a
+    tensor of ``spec``; a plan of local splits only (Replicate -> Shard) gets each device's
+    cuts worked out once, for callers that run the same plan again and again (dispatch)."""
+    mesh = spec.mesh
+    if not plan.steps or any(
+        s.collective != "local" or not isinstance(s.target, Shard) for s in plan.steps
+    ):
+        return lambda components: execute_plan(plan, mesh, components)
+    shape = tuple(spec.shape)
+    cuts = []
+    for device in mesh.local_device_ids:
+        coord = mesh.coordinate_of(device)
+        sizes = [sum(b - a for a, b in runs) for runs in shard_segments(
+            shape, mesh.shape, plan.source, coord
+        )]
+        device_cuts = []
+        for step in plan.steps:  # as _run_step: split the component's current length
+            n, dim = mesh.shape[step.mesh_dim], step.target.dim
+            if n > 1:
+                runs = _split_runs(sizes[dim], step.target, n)[coord[step.mesh_dim]]
+                sizes[dim] = sum(b - a for a, b in runs)
+                device_cuts.append((dim, runs))
+        cuts.append(tuple(device_cuts))
+
+    def run(components: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for t, device_cuts in zip(components, cuts, strict=True):
+            for dim, runs in device_cuts:
+                t = _piece(t, dim, runs)
+            out.append(t)
+        return out
+
+    return run
 
 
 # per device: for each block of its new piece, where it goes in the new piece, its shape, and
