@@ -1,0 +1,166 @@
+"""The warm dispatch path: cached decisions keyed by input specs and static arguments, the
+one-device direct call, precompiled local moves, and concurrent dispatch from threads."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import InterleavedShard, Partial, Replicate, Shard
+from shardwise import dispatch as sw_dispatch
+from shardwise.redistribute import compile_plan, execute_plan, plan_redistribute
+
+MESH1 = sw.init_device_mesh("cpu", (1,))
+MESH2 = sw.init_device_mesh("cpu", (2,))
+MESH22 = sw.init_device_mesh("cpu", (2, 2))
+
+
+@pytest.fixture()
+def decisions(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The ops that reached ``_decide`` (missed the cache) since the fixture started."""
+    seen: list = []
+    real = sw_dispatch._decide
+
+    def counting(func, *args):  # noqa: ANN001, ANN202
+        seen.append(func)
+        return real(func, *args)
+
+    sw.clear_sharding_cache()
+    monkeypatch.setattr(sw_dispatch, "_decide", counting)
+    return seen
+
+
+def test_a_repeated_call_is_decided_once(decisions: list) -> None:
+    x = torch.randn(6, 4)
+    a = sw.distribute_tensor(x, MESH2, [Shard(0)])
+    for _ in range(3):
+        assert torch.equal((a * 2.0).full_tensor(), x * 2.0)
+        torch.testing.assert_close(a.sum(0).full_tensor(), x.sum(0))
+    assert decisions == [torch.ops.aten.mul.Tensor, torch.ops.aten.sum.dim_IntList]
+
+
+def test_scalars_before_static_argnum_share_a_decision_and_static_ones_do_not(
+    decisions: list,
+) -> None:
+    x = torch.randn(6, 4)
+    a = sw.distribute_tensor(x, MESH2, [Shard(0)])
+    for value in (2.0, 3.0, -1.5):  # the scalar's value does not change the sharding
+        assert torch.equal((a * value).full_tensor(), x * value)
+    assert len(decisions) == 1
+    torch.testing.assert_close(a.sum(1).full_tensor(), x.sum(1))  # the dim does
+    torch.testing.assert_close(a.sum(0).full_tensor(), x.sum(0))
+    assert len(decisions) == 3
+
+
+def test_scalar_tensors_of_other_dtypes_get_their_own_output_dtype() -> None:
+    """A 0-d plain tensor promotes by dtype: 1 and 1.5 give an int and a float result (one
+    decision for both gave the second result the first one's dtype)."""
+    x = torch.arange(4)
+    a = sw.distribute_tensor(x, MESH2, [Shard(0)])
+    for scalar in (torch.tensor(1), torch.tensor(1.5), torch.tensor(True)):
+        out = a + scalar
+        want = x + scalar
+        assert out.dtype == want.dtype == out._components[0].dtype
+        assert torch.equal(out.full_tensor(), want)
+
+
+def test_static_numbers_of_other_types_are_other_keys() -> None:
+    key = sw_dispatch._scan
+    a = sw.distribute_tensor(torch.ones(4), MESH2, [Shard(0)])
+    keys = {key((a, v), {}, 1)[0] for v in (1, 1.0, True)}
+    assert len(keys) == 3
+
+
+def test_warm_in_place_write_into_view_of_moved_input_still_raises() -> None:
+    x = torch.randn(4, 6)
+    for _ in range(2):  # the second round is served from the cache
+        dx = sw.distribute_tensor(x, MESH2, [Shard(0)])
+        column = dx.select(1, 2)  # rows stay sharded: the view aliases dx's pieces
+        column.fill_(1.0)
+        expected = x.clone()
+        expected[:, 2] = 1.0
+        assert torch.equal(dx.full_tensor(), expected)
+        with sw.allow_implicit_redistribute():
+            row = dx.select(0, 1)  # a sharded dim: the view is of a gathered copy
+            with pytest.raises(sw.UnsupportedOpError, match="would not see the write"):
+                row.fill_(2.0)
+        assert torch.equal(dx.full_tensor(), expected)
+
+
+def test_warm_in_place_op_on_one_device_mesh_takes_the_op_placements() -> None:
+    x = torch.randn(4, 4)
+    for _ in range(2):
+        a = sw.distribute_tensor(x.clone(), MESH1, [Shard(0)])
+        b = sw.distribute_tensor(x.clone(), MESH1, [Replicate()])
+        b.add_(a)
+        assert torch.equal(b.full_tensor(), 2 * x)
+        assert b.placements == (Replicate(),)
+
+
+@pytest.mark.parametrize("mesh", [MESH2, MESH22], ids=["2", "2x2"])
+def test_compiled_local_plans_equal_execute_plan(mesh: sw.DeviceMesh) -> None:
+    options = [Replicate(), Shard(0), Shard(1), InterleavedShard(0, 2), Partial()]
+    x = torch.randn(8, 6)
+    checked = 0
+    for src, dst in itertools.product(itertools.product(options, repeat=mesh.ndim), repeat=2):
+        dt = sw.distribute_tensor(x, mesh, list(src))
+        plan = plan_redistribute(dt._spec, dst)
+        got = compile_plan(plan, dt._spec)(dt._components)
+        want = execute_plan(plan, mesh, dt._components)
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and torch.equal(g, w), (src, dst)
+        checked += bool(plan.steps) and all(s.collective == "local" for s in plan.steps)
+    assert checked >= 4
+
+
+def test_local_moves_on_several_devices_equal_torch() -> None:
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    for mesh, placements in ((MESH2, [Shard(0)]), (MESH22, [Shard(0), Shard(1)])):
+        a = sw.distribute_tensor(x, mesh, placements)
+        b = sw.distribute_tensor(y, mesh, [Replicate()] * mesh.ndim)
+        for _ in range(2):
+            out = a + b  # b is cut locally to a's placements
+            assert out.placements == a.placements
+            assert torch.equal(out.full_tensor(), x + y)
+
+
+def test_concurrent_warm_and_cold_dispatch_from_threads() -> None:
+    """Threads run views, in-place ops, reductions and local moves while another clears the
+    cache: every result equals torch's."""
+    x = torch.arange(24.0).reshape(6, 4)
+    errors: list = []
+    start = threading.Barrier(4)
+
+    def work(mesh: sw.DeviceMesh) -> None:
+        try:
+            start.wait(10)
+            rest = [Replicate()] * (mesh.ndim - 1)
+            for _ in range(40):
+                a = sw.distribute_tensor(x, mesh, [Shard(0), *rest])
+                b = sw.distribute_tensor(x, mesh, [Replicate(), *rest])
+                c = (a + b).t().sum(1)
+                d = a.clone()
+                d.mul_(2.0)
+                assert torch.equal(c.full_tensor(), (2 * x).t().sum(1))
+                assert torch.equal(d.full_tensor(), 2 * x)
+                assert torch.equal(a.view(-1).full_tensor(), x.view(-1))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    def clear() -> None:
+        start.wait(10)
+        for _ in range(40):
+            sw.clear_sharding_cache()
+
+    threads = [threading.Thread(target=work, args=(m,)) for m in (MESH1, MESH2, MESH22)]
+    threads.append(threading.Thread(target=clear))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
