@@ -78,13 +78,15 @@ class _Op:
     hooks, which arguments key the cache, whether it writes in place or returns a view, and
     its cached decisions (``_Entry`` per input specs and static arguments)."""
 
-    __slots__ = ("bypass", "pre", "post", "local_args", "static_argnum", "inplace", "view",
-                 "call", "decisions")
+    __slots__ = ("func", "bypass", "pre", "post", "hooked", "local_args", "static_argnum",
+                 "inplace", "view", "call", "decisions")
 
     def __init__(self, func: Any) -> None:
+        self.func = func  # keeps ``id(func)``, the key of ``_OPS``, from being reused
         self.bypass = registry.BYPASS_DISPATCH.get(func)
         self.pre = registry.PRE_PATCH.get(func)
         self.post = registry.POST_PATCH.get(func)
+        self.hooked = not (self.bypass is None and self.pre is None and self.post is None)
         self.local_args = registry.LOCAL_ARGS.get(func)
         reg = registry.registration(func)
         info = reg.schema_info if reg is not None else None
@@ -148,7 +150,7 @@ class _Entry:
 # completely by the thread that missed and published with one assignment under ``_publish``,
 # unless the registry or a ``clear_sharding_cache`` changed the generation meanwhile (the entry
 # could be stale).
-_OPS: dict[Any, _Op] = {}
+_OPS: dict[int, _Op] = {}  # by ``id(func)``: OpOverload hashes in Python
 _publish = threading.Lock()
 _generation = [0]
 
@@ -176,7 +178,7 @@ def _op_entry(func: Any) -> _Op:
     op = _Op(func)
     with _publish:
         if _generation[0] == generation:
-            op = _OPS.setdefault(func, op)
+            op = _OPS.setdefault(id(func), op)
     return op
 
 
@@ -472,17 +474,17 @@ def _fill_meta(spec: DTensorSpec | None, meta_out: Any, local_out: Any) -> DTens
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """The DTensor ``__torch_dispatch__`` entry point (hooks, then sharded execution)."""
-    op = _OPS.get(func)
+    op = _OPS.get(id(func))
     if op is None:
         op = _op_entry(func)
-    if op.bypass is not None:
-        return op.bypass(func, args, kwargs)
-    if op.pre is not None:
-        args, kwargs = op.pre(func, args, kwargs)
-    result = _dispatch(op, func, args, kwargs)
-    if op.post is not None:
-        result = op.post(func, result, args, kwargs)
-    return result
+    if op.hooked:
+        if op.bypass is not None:
+            return op.bypass(func, args, kwargs)
+        if op.pre is not None:
+            args, kwargs = op.pre(func, args, kwargs)
+        result = _dispatch(op, func, args, kwargs)
+        return result if op.post is None else op.post(func, result, args, kwargs)
+    return _dispatch(op, func, args, kwargs)
 
 
 SMALL_CONSTANT_NUMEL = 16
@@ -591,7 +593,7 @@ def _dispatch(op: _Op, func: Any, args: tuple, kwargs: dict) -> Any:
         a = list(args)
         for pos, d in zip(entry.top, dtensors, strict=True):
             a[pos] = d._components[0]
-        results = [op.call(*a, **kwargs)]
+        results = [op.call(*a, **kwargs) if kwargs else op.call(*a)]
         components = None
     else:
         if entry.moves:
