@@ -21,7 +21,7 @@ from .comm import accounting
 from .errors import InvalidPlacementError
 from .mesh import DeviceMesh
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from .spec import DTensorSpec, Segments, shard_segments, split_segments
+from .spec import DTensorSpec, Segments, chunk_bounds, shard_segments, split_segments
 
 State = tuple[Placement, ...]
 
@@ -324,9 +324,13 @@ def _piece(t: torch.Tensor, dim: int, runs: Segments) -> torch.Tensor:
 
 
 def _split(t: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
-    """The ``n`` pieces of ``t`` that the coordinates of a mesh dim keep under ``placement``."""
+    """The ``n`` pieces of ``t`` that the coordinates of a mesh dim keep under ``placement``
+    (``torch.chunk`` geometry as one ``tensor_split``, half the cost of a narrow per piece)."""
     dim = placement.dim
-    return [_piece(t, dim, runs) for runs in _split_runs(t.shape[dim], placement, n)]
+    length = t.shape[dim]
+    if not isinstance(placement, InterleavedShard):
+        return list(t.tensor_split([chunk_bounds(length, n, k)[1] for k in range(n - 1)], dim))
+    return [_piece(t, dim, runs) for runs in _split_runs(length, placement, n)]
 
 
 def _merge(pieces: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:
