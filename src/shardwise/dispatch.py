@@ -1,10 +1,12 @@
 """``__torch_dispatch__`` for DTensor: find the op's sharding, move inputs if allowed, run the
 local op once per local component, wrap the outputs.
 
-Sharding decisions (chosen input placements and output specs with their metadata) are cached per
-(op, input specs, static arguments), so a repeated op costs a dictionary lookup plus the local
-kernels. Redistribution of inputs is explicit by default: an op whose inputs would need a
-collective raises ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on
+Sharding decisions (chosen input placements and output specs with their metadata, the plans of
+the inputs that move, where the DTensor arguments sit) are cached per (op, input specs, static
+arguments), so a repeated op costs a flat scan of its arguments for the key, two dictionary
+lookups (the op's entry by identity, then its decision), the local kernels and the wrapping.
+Redistribution of inputs is explicit by default: an op whose inputs would need a collective
+raises ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on
 or autograd's backward is running (gradients of differing placements must be combined).
 """
 
