@@ -261,16 +261,19 @@ def _size_hook(global_size: Callable[[tuple, DTensorSpec], list[int]]):
     return hook
 
 
+_view_size_hook = _size_hook(_view_global)
+
+
 def _view_hook(args: tuple, kwargs: dict, in_specs: list[DTensorSpec], out_spec, device: int):
     """The local view size; a component whose strides cannot take the view (a shard cut out of
-    a larger tensor, say) is made contiguous first, as the global tensor's layout allows it."""
-    (component, local, *rest), kwargs = _size_hook(_view_global)(
-        args, kwargs, in_specs, out_spec, device
-    )
-    try:
-        component.view(local)
-    except RuntimeError:
-        component = component.contiguous()
+    a larger tensor, say) is made contiguous first, as the global tensor's layout allows it
+    (a contiguous component takes every view: no trial view)."""
+    (component, local, *rest), kwargs = _view_size_hook(args, kwargs, in_specs, out_spec, device)
+    if not component.is_contiguous():
+        try:
+            component.view(local)
+        except RuntimeError:
+            component = component.contiguous()
     return (component, local, *rest), kwargs
 
 
