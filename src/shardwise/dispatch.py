@@ -458,10 +458,18 @@ def _meta_outputs(func: Any, args: tuple, kwargs: dict, where: tuple, specs) -> 
         for s in specs
     ]
     args, kwargs = _place(args, kwargs, where, metas)
-    args, kwargs = pytree.tree_map_only(
-        torch.Tensor, lambda t: t if t.device.type == "meta" else t.to("meta"), (args, kwargs)
-    )
+    args = tuple(_to_meta(a) for a in args)
+    kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
     return func(*args, **kwargs)
+
+
+def _to_meta(value: Any) -> Any:
+    """A plain tensor argument (or those in a list of them) on the meta device."""
+    if type(value) in _SEQUENCES:
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.device.type != "meta":
+        return value.to("meta")
+    return value
 
 
 def _fill_meta(spec: DTensorSpec | None, meta_out: Any, local_out: Any) -> DTensorSpec | None:
