@@ -11,6 +11,7 @@ or autograd's backward is running (gradients of differing placements must be com
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -33,7 +34,7 @@ from .ops import registry
 from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
 from .placements import Placement, Replicate
 from .redistribute import RedistributePlan, execute_plan, plan_redistribute
-from .spec import DTensorSpec, make_tensor_meta
+from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta
 
 aten = torch.ops.aten
 log = logging.getLogger("shardwise.redistribute")
@@ -70,6 +71,8 @@ class Decision:
     input_placements: tuple[tuple[Placement, ...], ...]
     output_specs: Any  # DTensorSpec | tuple[DTensorSpec | None, ...] | None
     multi_output: bool
+    # the local kernels run in float32: an output is a float16/bfloat16 sum left pending
+    widen: bool = False
 
 
 # Read without a lock (a dict lookup is atomic); a new entry is built completely by the thread
@@ -424,6 +427,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if fresh:
         generation = _generation[0]
         decision = _decide(func, args, kwargs, specs)
+        if _may_widen(decision, specs):
+            decision = _widen(func, flat, tree, dtensors_at, specs, decision)
     moved_self = decision.input_placements[0] != specs[0].placements
     inplace = _is_inplace(func)
     if inplace:
@@ -441,7 +446,11 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         local_flat = list(flat)
         for pos, comps in zip(dtensors_at, components, strict=True):
             local_flat[pos] = comps[k]
+        if decision.widen:
+            local_flat = [_in_float32(x) for x in local_flat]
         a, kw = _unflatten(local_flat, tree)
+        if decision.widen and kw.get("dtype") in LOW_PRECISION:
+            kw["dtype"] = torch.float32
         if local_args is not None:
             a, kw = local_args(a, kw, moved, decision.output_specs, device)
         local_results.append(func(*a, **kw))
@@ -464,6 +473,47 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 out._is_view_of_dtensor = True
                 out._orphan_view = orphan
     return result
+
+
+def _pending_sum(spec: Any) -> bool:
+    return isinstance(spec, DTensorSpec) and any(
+        p.is_partial() and p.reduce_op in ("sum", "avg") for p in spec.placements
+    )
+
+
+def _may_widen(decision: Decision, specs: list[DTensorSpec]) -> bool:
+    """Cheap test: a half-precision input and an output left pending a sum."""
+    outs = decision.output_specs
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return any(s.tensor_meta.dtype in LOW_PRECISION for s in specs) and any(
+        _pending_sum(s) for s in outs
+    )
+
+
+def _widen(func, flat, tree, dtensors_at, specs, decision: Decision) -> Decision:
+    """Mark the decision to run its local kernels in float32 when an output pending a sum is
+    float16/bfloat16 (its components are held in float32, ``DTensorSpec.component_dtype``):
+    each device's piece is then what torch's float32 accumulation gives before its one
+    rounding, which the reduction does. Decided once per cache entry, from a meta run."""
+    targets = [
+        DTensorSpec(s.mesh, p, s.tensor_meta)
+        for s, p in zip(specs, decision.input_placements, strict=True)
+    ]
+    meta = _meta_outputs(func, flat, tree, dtensors_at, targets)
+    metas = meta if isinstance(meta, (tuple, list)) else (meta,)
+    outs = decision.output_specs
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,) * len(metas)
+    widen = any(
+        _pending_sum(s) and isinstance(m, torch.Tensor) and m.dtype in LOW_PRECISION
+        for s, m in zip(outs, metas, strict=False)
+    )
+    return dataclasses.replace(decision, widen=widen)
+
+
+def _in_float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
+        return value.float()
+    return value
 
 
 def _check_write_reaches_base(
@@ -505,7 +555,9 @@ def _complete(func, flat, tree, dtensors_at, specs, decision: Decision, first: A
         _fill_meta(s, m, o) for s, m, o in zip(out_list, meta_list, first_list, strict=False)
     )
     multi = isinstance(first, (tuple, list))
-    return Decision(decision.input_placements, filled if multi else filled[0], multi)
+    return Decision(
+        decision.input_placements, filled if multi else filled[0], multi, decision.widen
+    )
 
 
 def _wrap(
