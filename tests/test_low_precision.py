@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwise as sw
+from mp_harness import run_in_processes
 from shardwise import DTensor, Partial, Replicate, Shard
 from shardwise.redistribute import plan_redistribute
 
@@ -169,3 +170,32 @@ def test_pending_half_sum_survives_pickling() -> None:
     loaded = torch.load(buffer)
     assert loaded.dtype == bf16 and loaded.placements == (Partial(),)
     assert torch.equal(loaded.full_tensor(), a @ b)
+
+
+# ----- the same bits in one process and across processes ---------------------------------------
+
+
+def _half_results(mesh_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Row-parallel products of random and cancelling operands, their moves and a Partial sum,
+    on ``mesh_shape`` (whatever the processes)."""
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    out: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(1)
+    for dtype in HALF:
+        a = torch.randn(6, 48, generator=gen).to(dtype)
+        b = torch.randn(48, 4, generator=gen).to(dtype)
+        for name, (x, w) in {"random": (a, b), "cancelling": _cancelling(dtype)}.items():
+            prod = _d(x, [Shard(1)], mesh) @ _d(w, [Shard(0)], mesh)
+            out[f"{dtype}-{name}"] = prod.full_tensor()
+            out[f"{dtype}-{name}-shard"] = prod.redistribute(placements=[Shard(0)]).full_tensor()
+            out[f"{dtype}-{name}-twice"] = (prod + prod).full_tensor()
+    return out
+
+
+def test_processes_give_the_bits_of_one_process() -> None:
+    per_rank = run_in_processes(_half_results, 2, (4,), timeout=120)
+    alone = _half_results((4,))
+    for rank in per_rank:
+        assert rank.keys() == alone.keys()
+        for key, value in alone.items():
+            assert torch.equal(rank[key], value), key
