@@ -172,6 +172,20 @@ def test_pending_half_sum_survives_pickling() -> None:
     assert torch.equal(loaded.full_tensor(), a @ b)
 
 
+def test_compiled_row_parallel_matmul_keeps_float32_pieces() -> None:
+    torch._dynamo.reset()
+    a, b = _cancelling(f16)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = x @ w
+        return out, out.redistribute(placements=[Replicate()])
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    pending, reduced = compiled(_d(a, [Shard(1)]), _d(b, [Shard(0)]))
+    assert pending.placements == (Partial(),) and pending.dtype == f16
+    assert torch.equal(pending.full_tensor(), a @ b) and torch.equal(reduced.full_tensor(), a @ b)
+
+
 # ----- the same bits in one process and across processes ---------------------------------------
 
 
