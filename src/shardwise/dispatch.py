@@ -34,7 +34,7 @@ from .ops import registry
 from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
 from .placements import Placement, Replicate
 from .redistribute import RedistributePlan, execute_plan, plan_redistribute
-from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta
+from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta, pending_sum
 
 aten = torch.ops.aten
 log = logging.getLogger("shardwise.redistribute")
@@ -476,9 +476,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _pending_sum(spec: Any) -> bool:
-    return isinstance(spec, DTensorSpec) and any(
-        p.is_partial() and p.reduce_op in ("sum", "avg") for p in spec.placements
-    )
+    return isinstance(spec, DTensorSpec) and pending_sum(spec.placements)
 
 
 def _may_widen(decision: Decision, specs: list[DTensorSpec]) -> bool:

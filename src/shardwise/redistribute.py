@@ -22,7 +22,14 @@ from .comm import accounting
 from .errors import InvalidPlacementError
 from .mesh import DeviceMesh
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from .spec import LOW_PRECISION, DTensorSpec, extract_local, shard_segments, split_segments
+from .spec import (
+    LOW_PRECISION,
+    DTensorSpec,
+    extract_local,
+    pending_sum,
+    shard_segments,
+    split_segments,
+)
 
 State = tuple[Placement, ...]
 
@@ -106,10 +113,6 @@ def _out_of_order(state: State, mesh_dim: int, a: Placement, mesh_shape: tuple[i
     )
 
 
-def _pending_sum(state: State) -> bool:
-    return any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in state)
-
-
 class _Pricer:
     """Bytes received per device for a step, from shard geometry alone. A half-precision sum
     moves its float32 pieces while it is pending (``pending_itemsize``)."""
@@ -135,7 +138,7 @@ class _Pricer:
 
     def size_of(self, state: State) -> int:
         """Bytes per element of the components held in ``state``."""
-        return self.pending_itemsize if _pending_sum(state) else self.itemsize
+        return self.pending_itemsize if pending_sum(state) else self.itemsize
 
     def price(self, kind: str, before: State, after: State, mesh_dim: int) -> tuple[int, int]:
         """(bytes for this process's devices, bytes for all devices)."""
@@ -396,7 +399,7 @@ def execute_plan(
     """Run ``plan`` on this process's components (ordered like ``mesh.local_device_ids``)."""
     out = list(components)
     state = plan.source
-    pending = plan.cast is not None and _pending_sum(state)
+    pending = plan.cast is not None and pending_sum(state)
     for step in plan.steps:
         if step.collective == "exchange":
             after = list(state)
@@ -407,7 +410,7 @@ def execute_plan(
         else:
             out = _run_step(step, mesh, out)
             state = state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
-        if plan.cast is not None and _pending_sum(state) != pending:
+        if plan.cast is not None and pending_sum(state) != pending:
             # the half-precision sum got reduced (round once, move half the bytes from here
             # on) or started pending (hold float32 pieces): as the planner priced it
             out = [c.to(plan.cast) for c in out]

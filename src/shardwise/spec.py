@@ -69,9 +69,7 @@ class DTensorSpec:
         held = self.__dict__.get("_component_dtype")
         if held is None:
             held = self.tensor_meta.dtype
-            if held in LOW_PRECISION and any(
-                p.is_partial() and p.reduce_op in ("sum", "avg") for p in self.placements
-            ):
+            if held in LOW_PRECISION and pending_sum(self.placements):
                 held = torch.float32
             object.__setattr__(self, "_component_dtype", held)
         return held
@@ -94,6 +92,11 @@ class DTensorSpec:
     def __repr__(self) -> str:
         shape = "?" if self.tensor_meta is None else list(self.tensor_meta.shape)
         return f"DTensorSpec(shape={shape}, placements={list(self.placements)}, mesh={self.mesh})"
+
+
+def pending_sum(placements: Sequence[Placement]) -> bool:
+    """Whether ``placements`` leave a sum or an average pending (``Partial("sum"/"avg")``)."""
+    return any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in placements)
 
 
 def _length(segments: Segments) -> int:
