@@ -118,8 +118,11 @@ def test_half_sums_round_once() -> None:
     dt = sw.distribute_tensor(x, MESH4, [Shard(0)])
     with sw.CommCounter() as counter:
         total = dt.sum()
-    assert total.full_tensor().item() == x.sum().item() == 1.015625
+    assert counter.counts["all_reduce"] == 0 and total.placements == (Partial(),)
+    with sw.CommCounter() as counter:
+        assert total.full_tensor().item() == x.sum().item() == 1.015625
     assert counter.counts["all_reduce"] == 1  # the float32 pieces, reduced at once
+    assert counter.total_bytes == 2 * 3 * 4  # 4 bytes each: pieces held in float32
     parts = [torch.tensor([v], dtype=f16) for v in (1.0, 3000.0, -3000.0, 2**-11)]
     pending = DTensor.from_local(parts, MESH4, [Partial()])
     for got, want in [(pending.sum(), torch.stack(parts).float().sum().half()),

@@ -1,7 +1,8 @@
 """The property behind issue 7: for every dtype and every placement pair on meshes (2,), (3,)
 and (2, 2), every redistribution and every reduction either equals single-device torch (with
 torch's own accumulation rules) or raises a shardwise error -- never a wrong value, never a raw
-error.
+error. Partials made by matmuls of float16/bfloat16 operands equal torch's product too (their
+pieces accumulate in float32 and round once).
 
 CI runs a seeded sample (``CASES`` per mesh and dtype); ``SHARDWISE_PROPERTY_CASES=0`` runs every
 combination (``=N`` caps at N per mesh and dtype).
@@ -146,3 +147,77 @@ def test_redistributions_and_reductions_equal_torch_or_raise(
             assert want is not None, (where, name, "torch refuses but shardwise answered")
             _close(got, want, exact=False)
     assert outcomes["equal"] > 0  # the sample is not all refusals
+
+
+# ----- Partials made by matmuls: float16/bfloat16 pieces accumulate in float32 ---------------
+
+# per mesh dim, how x @ w is split: the contraction dim (a Partial("sum") output), the rows of x
+# (Shard(0) output) or nothing (Replicate)
+MATMUL_SPLITS = {
+    "contract": (Shard(1), Shard(0)),
+    "rows": (Shard(0), Replicate()),
+    "none": (Replicate(), Replicate()),
+}
+
+
+def _matmul_operands(dtype: torch.dtype, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer-valued operands whose products are exact in float32 but whose partial sums need
+    more bits than float16/bfloat16 hold, or overflow float16 (+-65504) before they cancel: the
+    sum rounded once (torch) differs from a sum of rounded pieces. The product itself is finite
+    (reductions of it then compare with torch's reductions of the rounded product)."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    scale = 2048.0 if dtype == torch.float16 else 64.0
+    while True:
+        x = torch.randint(-4, 5, (4, 12), generator=gen).to(dtype)
+        w = torch.randint(-4, 5, (12, 3), generator=gen) * scale + torch.randint(
+            -3, 4, (12, 3), generator=gen)
+        w = w.to(dtype)
+        if torch.isfinite(x @ w).all():
+            return x, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=str)
+def test_matmul_partials_of_half_dtypes_equal_torch(
+    mesh_shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    rng = random.Random(f"matmul{mesh_shape}{dtype}")
+    splits = list(itertools.product(MATMUL_SPLITS, repeat=len(mesh_shape)))
+    targets = list(itertools.product(
+        [p for p in PLACEMENTS if not isinstance(p, InterleavedShard)], repeat=len(mesh_shape)))
+    every = [(s, t) for s in splits if "contract" in s for t in targets]
+    limit = CASES if CASES > 0 else len(every)
+    for split, target in rng.sample(every, min(limit, len(every))):
+        x, w = _matmul_operands(dtype, rng)
+        want = x @ w  # torch: float32 accumulation, one rounding
+        where = f"{dtype} {split} -> {list(target)} on {mesh}"
+        dx = sw.distribute_tensor(x, mesh, [MATMUL_SPLITS[s][0] for s in split])
+        dw = sw.distribute_tensor(w, mesh, [MATMUL_SPLITS[s][1] for s in split])
+        out = dx @ dw
+        assert Partial() in out.placements and out.dtype == dtype, where
+        _close(out.full_tensor(), want, exact=True)
+        try:
+            moved = out.redistribute(placements=target)
+        except sw.ShardwiseError as err:
+            assert isinstance(err, sw.InvalidPlacementError), (where, err)
+            assert _expected_problem(dtype, target), (where, err)
+            continue
+        _close(moved.full_tensor(), want, exact=Partial("avg") not in target)
+        for name, reduce in REDUCTIONS.items():
+            with sw.allow_implicit_redistribute():
+                got = reduce(out).full_tensor()
+            assert got.dtype == dtype, (where, name)
+            _near_intermediate(got, reduce(want), reduce(want.abs().float()), (where, name))
+
+
+def _near_intermediate(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, where) -> None:
+    """A linear reduction of a pending sum (sum, mean) reduces the float32 pieces: it skips
+    torch's rounding of the intermediate product, so the two may differ by those roundings
+    (half an epsilon of each reduced element, at most ``scale * eps``) plus one final rounding.
+    Reductions that need the product whole (amax, prod) round it first and equal torch's."""
+    eps = torch.finfo(want.dtype).eps
+    ulp = torch.nextafter(want.abs(), torch.tensor(float("inf"), dtype=want.dtype)) - want.abs()
+    bound = scale.float() * eps + ulp.float()
+    near = (got == want) | ((got.float() - want.float()).abs() <= bound)  # == : infinities
+    assert near.all(), (where, got, want)

@@ -47,6 +47,7 @@ from .errors import (
     ParallelStyleError,
     ShardwiseError,
     ShardwiseTypeError,
+    StateDictMismatchError,
     StrategyValidationError,
     UnsupportedOpError,
 )
@@ -201,3 +202,4 @@ __all__ += [
     "product_strategy",
     "validate_strategy",
 ]
+__all__ += ["StateDictMismatchError"]

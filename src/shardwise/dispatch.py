@@ -13,6 +13,7 @@ or autograd's backward is running (gradients of differing placements must be com
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -36,7 +37,7 @@ from .ops import registry
 from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
 from .placements import Placement, Replicate
 from .redistribute import compile_plan, execute_plan, plan_redistribute
-from .spec import DTensorSpec, make_tensor_meta
+from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta, pending_sum
 
 aten = torch.ops.aten
 log = logging.getLogger("shardwise.redistribute")
@@ -73,6 +74,8 @@ class Decision:
     input_placements: tuple[tuple[Placement, ...], ...]
     output_specs: Any  # DTensorSpec | tuple[DTensorSpec | None, ...] | None
     multi_output: bool
+    # the local kernels run in float32: an output is a float16/bfloat16 sum left pending
+    widen: bool = False
 
 
 class _Op:
@@ -133,18 +136,22 @@ class _Entry:
         self.direct = (
             self.top is not None and len(self.devices) == 1 and not self.moves
             and op.local_args is None and not (op.inplace and self.moved_self)
+            and not decision.widen
         )
         self.single: DTensorSpec | None = None  # set by ``complete``
 
     def complete(self, op: _Op, decision: Decision) -> None:
         """Take the decision with its output metadata filled in; note when its output is one
-        DTensor that needs no more than wrapping (and marking, for a view): not in place."""
+        DTensor that needs no more than wrapping (and marking, for a view): not in place, and
+        not float16/bfloat16 (whose components ``DTensor()`` casts to the held dtype)."""
         self.decision = decision
         out = decision.output_specs
         for spec in out if isinstance(out, (tuple, list)) else (out,):
             if spec is not None:
                 check_partials(spec)
-        if isinstance(out, DTensorSpec) and not (decision.multi_output or op.inplace):
+        if isinstance(out, DTensorSpec) and not (
+            decision.multi_output or op.inplace or out.tensor_meta.dtype in LOW_PRECISION
+        ):
             self.single = out
 
 
@@ -168,8 +175,9 @@ registry.on_registry_change(clear_sharding_cache)
 
 
 def _no_op(plan: Any, mesh: DeviceMesh) -> bool:
-    """A plan of local steps over mesh dims of size 1 leaves every component as it is."""
-    return all(
+    """A plan of local steps over mesh dims of size 1 (and no change of component dtype)
+    leaves every component as it is."""
+    return plan.cast is None and all(
         s.collective == "local" and isinstance(s.mesh_dim, int) and mesh.shape[s.mesh_dim] == 1
         for s in plan.steps
     )
@@ -634,7 +642,10 @@ def _dispatch_cold(
             )
     generation = _generation[0]
     decision = _decide(func, args, kwargs, specs)
-    entry = _Entry(op, decision, specs, _where(args, kwargs))
+    where = _where(args, kwargs)
+    if _may_widen(decision, specs):
+        decision = _widen(func, args, kwargs, where, specs, decision)
+    entry = _Entry(op, decision, specs, where)
     if op.inplace:
         _check_write_reaches_base(func, dtensors[0], entry.moved_self, decision.input_placements[0])
     components = _moved(func, dtensors, entry.moves, entry.communicates) if entry.moves else [
@@ -648,6 +659,7 @@ def _dispatch_cold(
     return _finish(op, func, entry, results, dtensors, components)
 
 
+
 def _run_local(
     op: _Op, func: Any, args: tuple, kwargs: dict, entry: _Entry, components: list
 ) -> list:
@@ -655,6 +667,7 @@ def _run_local(
     results = []
     top = entry.top
     local_args = op.local_args
+    widen = entry.decision.widen
     for k, device in enumerate(entry.devices):
         if top is not None:
             a = list(args)
@@ -663,6 +676,8 @@ def _run_local(
             kw = kwargs
         else:
             a, kw = _place(args, kwargs, entry.where, [comps[k] for comps in components])
+        if widen:
+            a, kw = _widened(a, kw)
         if local_args is not None:
             a, kw = local_args(
                 tuple(a), kw, entry.moved_specs, entry.decision.output_specs, device
@@ -692,6 +707,59 @@ def _finish(
                 out._is_view_of_dtensor = True
                 out._orphan_view = orphan
     return result
+
+
+def _pending_sum(spec: Any) -> bool:
+    return isinstance(spec, DTensorSpec) and pending_sum(spec.placements)
+
+
+def _may_widen(decision: Decision, specs: list[DTensorSpec]) -> bool:
+    """Cheap test: a half-precision input and an output left pending a sum."""
+    outs = decision.output_specs
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return any(s.tensor_meta.dtype in LOW_PRECISION for s in specs) and any(
+        _pending_sum(s) for s in outs
+    )
+
+
+def _widen(
+    func: Any, args: tuple, kwargs: dict, where: tuple, specs: list[DTensorSpec],
+    decision: Decision,
+) -> Decision:
+    """Mark the decision to run its local kernels in float32 when an output pending a sum is
+    float16/bfloat16 (its components are held in float32, ``DTensorSpec.component_dtype``):
+    each device's piece is then what torch's float32 accumulation gives before its one
+    rounding, which the reduction does. Decided once per cache entry, from a meta run."""
+    targets = [
+        DTensorSpec(s.mesh, p, s.tensor_meta)
+        for s, p in zip(specs, decision.input_placements, strict=True)
+    ]
+    meta = _meta_outputs(func, args, kwargs, where, targets)
+    metas = meta if isinstance(meta, (tuple, list)) else (meta,)
+    outs = decision.output_specs
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,) * len(metas)
+    widen = any(
+        _pending_sum(s) and isinstance(m, torch.Tensor) and m.dtype in LOW_PRECISION
+        for s, m in zip(outs, metas, strict=False)
+    )
+    return dataclasses.replace(decision, widen=widen)
+
+
+def _in_float32(value: Any) -> Any:
+    if type(value) in _SEQUENCES:
+        return type(value)(_in_float32(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
+        return value.float()
+    return value
+
+
+def _widened(args: Sequence[Any], kwargs: dict) -> tuple[list, dict]:
+    """A device's arguments for kernels run in float32 (``Decision.widen``): half-precision
+    tensors (also those in lists) and a half-precision ``dtype`` keyword become float32."""
+    kw = {k: _in_float32(v) for k, v in kwargs.items()}
+    if kw.get("dtype") in LOW_PRECISION:
+        kw["dtype"] = torch.float32
+    return [_in_float32(a) for a in args], kw
 
 
 def _check_write_reaches_base(
@@ -730,7 +798,9 @@ def _complete(
         _fill_meta(s, m, o) for s, m, o in zip(out_list, meta_list, first_list, strict=False)
     )
     multi = isinstance(first, (tuple, list))
-    return Decision(decision.input_placements, filled if multi else filled[0], multi)
+    return Decision(
+        decision.input_placements, filled if multi else filled[0], multi, decision.widen
+    )
 
 
 def _wrap(
@@ -757,6 +827,8 @@ def _wrap(
 def _wrap_one(spec: DTensorSpec | None, components: list) -> Any:
     if spec is None or not isinstance(components[0], torch.Tensor):
         return components[0]
+    if spec.tensor_meta.dtype in LOW_PRECISION:  # DTensor() casts to the held dtype
+        return DTensor(components, spec)
     return _new_dtensor(components, spec)
 
 

@@ -18,6 +18,7 @@ from .mesh import DeviceMesh, IdTuple
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import execute_plan, plan_redistribute
 from .spec import (
+    LOW_PRECISION,
     DTensorSpec,
     TensorMeta,
     check_same_mesh,
@@ -68,6 +69,10 @@ class DTensor(torch.Tensor):
         meta = spec.tensor_meta
         check_partials(spec)
         first = components[0] if components else None
+        if meta.dtype in LOW_PRECISION and first is not None:
+            held = spec.component_dtype  # float32 while a half-precision sum is pending
+            if first.dtype != held and first.dtype.is_floating_point:
+                components = [c.to(held) for c in components]
         device = first.device if first is not None else spec.mesh.device_of(0)
         out = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -572,7 +577,8 @@ class _Unpack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dtensor: DTensor, grad_spec: DTensorSpec | None = None):  # noqa: ANN001
         ctx.spec = grad_spec or dtensor._spec
-        return tuple(c.view_as(c) for c in dtensor._components)
+        dtype = dtensor.dtype  # a pending half-precision sum's float32 pieces, rounded
+        return tuple(c.view_as(c) if c.dtype == dtype else c.to(dtype) for c in dtensor._components)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # noqa: ANN001

@@ -107,3 +107,9 @@ class DataParallelError(ShardwiseError, ValueError):
 class StrategyValidationError(ShardwiseError, AssertionError):
     """A sharding strategy, forced on sample inputs, gave a value or placements that differ
     from single-device PyTorch (``shardwise.validate_strategy``)."""
+
+
+class StateDictMismatchError(ShardwiseError, RuntimeError):
+    """``Module.load_state_dict`` got an entry that does not fit a DTensor parameter or buffer
+    (other global shape or mesh, a plain tensor for a DTensor or the reverse); nothing is
+    loaded. A RuntimeError, as torch's own load errors are."""

@@ -8,6 +8,7 @@ receives (the cost model of DESIGN.md, exact for uneven shards), and caches the 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,15 @@ from .comm import accounting
 from .errors import InvalidPlacementError
 from .mesh import DeviceMesh
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from .spec import DTensorSpec, Segments, chunk_bounds, shard_segments, split_segments
+from .spec import (
+    LOW_PRECISION,
+    DTensorSpec,
+    Segments,
+    chunk_bounds,
+    pending_sum,
+    shard_segments,
+    split_segments,
+)
 
 State = tuple[Placement, ...]
 
@@ -52,6 +61,9 @@ class RedistributePlan:
     target: State
     steps: tuple[Step, ...]
     shape: tuple[int, ...] = ()  # the global shape it was planned for
+    # the dtype the components end in when it is not the one they start in: a float16/bfloat16
+    # sum held in float32 while pending (``DTensorSpec.component_dtype``) rounds once, at the end
+    cast: torch.dtype | None = None
     # the fewest bytes all devices must receive (``lower_bound_bytes``); filled in by
     # ``explain_redistribute``, not on the hot path
     lower_bound: int | None = None
@@ -103,10 +115,14 @@ def _out_of_order(state: State, mesh_dim: int, a: Placement, mesh_shape: tuple[i
 
 
 class _Pricer:
-    """Bytes received per device for a step, from shard geometry alone."""
+    """Bytes received per device for a step, from shard geometry alone. A half-precision sum
+    moves its float32 pieces while it is pending (``pending_itemsize``)."""
 
-    def __init__(self, mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int, pending_itemsize: int
+    ) -> None:
         self.mesh, self.shape, self.itemsize = mesh, shape, itemsize
+        self.pending_itemsize = pending_itemsize
         self.local = set(mesh.local_device_ids)
         self._shapes: dict[tuple[State, tuple[int, ...]], tuple[int, ...]] = {}
 
@@ -120,6 +136,10 @@ class _Pricer:
 
     def numel(self, state: State, coord: tuple[int, ...]) -> int:
         return prod(self.local_shape(state, coord))
+
+    def size_of(self, state: State) -> int:
+        """Bytes per element of the components held in ``state``."""
+        return self.pending_itemsize if pending_sum(state) else self.itemsize
 
     def price(self, kind: str, before: State, after: State, mesh_dim: int) -> tuple[int, int]:
         """(bytes for this process's devices, bytes for all devices)."""
@@ -148,14 +168,14 @@ class _Pricer:
             old = shard_segments(self.shape, self.mesh.shape, before, coord)
             new = shard_segments(self.shape, self.mesh.shape, after, coord)
             kept = prod(_overlap(a, b) for a, b in zip(old, new, strict=True))
-            got = (terms * prod(self.local_shape(after, coord)) - kept) * self.itemsize
+            got = (terms * prod(self.local_shape(after, coord)) - kept) * self.size_of(before)
             global_total += got
             if device in self.local:
                 local_total += got
         return local_total, global_total
 
     def _received(self, kind, before, after, mesh_dim, coords, k, n) -> int:
-        size = self.itemsize
+        size = self.size_of(before)
         if kind == "all_gather":
             pieces = [self.numel(before, c) * size for c in coords]
             return accounting.all_gather_received(pieces, k)
@@ -219,9 +239,14 @@ def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None
 
 @lru_cache(maxsize=4096)
 def _plan(
-    mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int, source: State, target: State
+    mesh: DeviceMesh,
+    shape: tuple[int, ...],
+    itemsize: int,
+    source: State,
+    target: State,
+    pending_itemsize: int | None = None,
 ) -> RedistributePlan:
-    pricer = _Pricer(mesh, shape, itemsize)
+    pricer = _Pricer(mesh, shape, itemsize, pending_itemsize or itemsize)
     options = [_candidates(source, target, m, shape) for m in range(mesh.ndim)]
     settled = tuple(Replicate() if p.is_partial() else p for p in target)
     # Dijkstra on (global bytes, exchanges, collectives, steps): an exchange is taken only
@@ -298,7 +323,15 @@ def plan_redistribute(spec: DTensorSpec, placements: Sequence[Placement]) -> Red
     plan = _PLANS.get(key)
     if plan is None:
         meta = spec.tensor_meta
-        plan = _plan(spec.mesh, tuple(meta.shape), meta.dtype.itemsize, spec.placements, key[1])
+        if meta.dtype in LOW_PRECISION:
+            plan = _plan(spec.mesh, tuple(meta.shape), meta.dtype.itemsize, spec.placements,
+                         key[1], torch.float32.itemsize)
+            start, end = spec.component_dtype, spec.with_placements(key[1]).component_dtype
+            if start != end:
+                plan = dataclasses.replace(plan, cast=end)
+        else:
+            plan = _plan(spec.mesh, tuple(meta.shape), meta.dtype.itemsize, spec.placements,
+                         key[1])
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -384,6 +417,7 @@ def execute_plan(
     """Run ``plan`` on this process's components (ordered like ``mesh.local_device_ids``)."""
     out = list(components)
     state = plan.source
+    pending = plan.cast is not None and pending_sum(state)
     for step in plan.steps:
         if step.collective == "exchange":
             after = list(state)
@@ -394,6 +428,11 @@ def execute_plan(
         else:
             out = _run_step(step, mesh, out)
             state = state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
+        if plan.cast is not None and pending_sum(state) != pending:
+            # the half-precision sum got reduced (round once, move half the bytes from here
+            # on) or started pending (hold float32 pieces): as the planner priced it
+            out = [c.to(plan.cast) for c in out]
+            pending = not pending
     return out
 
 
@@ -404,7 +443,7 @@ def compile_plan(
     tensor of ``spec``; a plan of local splits only (Replicate -> Shard) gets each device's
     cuts worked out once, for callers that run the same plan again and again (dispatch)."""
     mesh = spec.mesh
-    if not plan.steps or any(
+    if plan.cast is not None or not plan.steps or any(
         s.collective != "local" or not isinstance(s.target, Shard) for s in plan.steps
     ):
         return lambda components: execute_plan(plan, mesh, components)

@@ -15,6 +15,8 @@ from .placements import InterleavedShard, Placement, Shard, normalize_placement
 # An ordered list of global indices along one tensor dim, as half-open [start, stop) runs.
 Segments = tuple[tuple[int, int], ...]
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -58,6 +60,20 @@ class DTensorSpec:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def component_dtype(self) -> torch.dtype:
+        """The dtype the components are held in: the tensor's, except that a float16/bfloat16
+        value pending a sum or average holds float32 pieces (torch accumulates half values in
+        float32; rounding each piece first could overflow or lose what later cancels), so the
+        reduction rounds once."""
+        held = self.__dict__.get("_component_dtype")
+        if held is None:
+            held = self.tensor_meta.dtype
+            if held in LOW_PRECISION and pending_sum(self.placements):
+                held = torch.float32
+            object.__setattr__(self, "_component_dtype", held)
+        return held
+
     def with_placements(self, placements: Sequence[Placement]) -> DTensorSpec:
         return DTensorSpec(self.mesh, tuple(placements), self.tensor_meta)
 
@@ -76,6 +92,11 @@ class DTensorSpec:
     def __repr__(self) -> str:
         shape = "?" if self.tensor_meta is None else list(self.tensor_meta.shape)
         return f"DTensorSpec(shape={shape}, placements={list(self.placements)}, mesh={self.mesh})"
+
+
+def pending_sum(placements: Sequence[Placement]) -> bool:
+    """Whether ``placements`` leave a sum or an average pending (``Partial("sum"/"avg")``)."""
+    return any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in placements)
 
 
 def _length(segments: Segments) -> int:

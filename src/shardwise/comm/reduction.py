@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ShardwiseError
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+from ..spec import LOW_PRECISION
 
 
 def _is_inexact(dtype: torch.dtype) -> bool:

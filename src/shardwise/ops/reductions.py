@@ -30,7 +30,7 @@ from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..redistribute import execute_plan, plan_redistribute
 from ..spec import DTensorSpec
 from .common import DimOption, bind_schema, product_strategy
-from .low_precision import round_once
+from .low_precision import held_as
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -219,7 +219,7 @@ def _mean(op: Any, args: tuple, kwargs: dict) -> DTensor:
         total = aten.sum.dim_IntList(x, dims, keepdim, dtype=kwargs.get("dtype"))
         count = math.prod(x.shape[d] for d in dims)
     mean = aten.div.Scalar(total, count)
-    return round_once(mean, x.dtype) if low else mean
+    return held_as(mean, x.dtype) if low else mean
 
 
 # ----- Python values ---------------------------------------------------------------------------

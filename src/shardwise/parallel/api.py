@@ -13,6 +13,7 @@ from ..mesh import DeviceMesh
 from .boundary import resolve_tp_dim
 from .params import replicate_rest
 from .plan import PlanKey, key_text, match_modules
+from .state_dict import guard_loading
 from .style import ParallelStyle
 from .vescale import apply_vescale_plan, is_vescale_plan
 
@@ -37,6 +38,7 @@ def distribute_module(
         for name, sub in list(module.named_modules()):
             partition_fn(name, sub, device_mesh)
     replicate_rest(module, device_mesh)
+    guard_loading(module)
     if input_fn is not None:
         module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
     if output_fn is not None:
@@ -60,6 +62,7 @@ def parallelize_module(
     Styles shard on one mesh dim (``tp_mesh_dim``; default the dim named ``"tp"``, else the
     last), every other mesh dim is Replicate, so a 2-D (data x tensor) mesh works as is."""
     _apply_plan(module, device_mesh, parallelize_plan, tp_mesh_dim)
+    guard_loading(module)
     materialize_if_root(module)  # a meta-built module: each device allocates only its shards
     return module
 

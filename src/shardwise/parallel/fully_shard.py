@@ -27,6 +27,7 @@ from .data_parallel import (
     place_parameter,
     shard_inputs,
 )
+from .state_dict import guard_loading
 
 _MANAGED = "_shardwise_fully_sharded"
 
@@ -66,6 +67,7 @@ def fully_shard(
     for owner, name, _compute in slots:
         setattr(owner._parameters[name], _MANAGED, True)
     materialize_if_root(module)  # after sharding: each device allocates only its shard
+    guard_loading(module)
     unit = _Unit(slots, reshard_after_forward)
     module.register_forward_pre_hook(unit.before_forward)
     module.register_forward_hook(unit.after_forward)

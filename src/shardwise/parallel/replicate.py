@@ -29,6 +29,7 @@ from .data_parallel import (
     place_parameter,
     shard_inputs,
 )
+from .state_dict import guard_loading
 
 _MANAGED = "_shardwise_replicated"
 
@@ -62,6 +63,7 @@ def replicate(
         setattr(p, _MANAGED, True)
     _GradReducer(mesh, dp, [p for p in params if p.requires_grad], int(bucket_cap_mb * 2**20))
     materialize_if_root(module)  # after sharding: each device allocates only its piece
+    guard_loading(module)
     return module
 
 
