@@ -345,21 +345,27 @@ class _Round:
             self.call.compare(differ)
 
     def _wait(self, works: list) -> None:
-        timeout = safety.get_collective_timeout()
-        deadline = time.monotonic() + timeout
-        for work in works:
-            left = max(deadline - time.monotonic(), 0.001)
-            try:
-                work.wait(timedelta(seconds=left))
-            except RuntimeError as err:
-                if "timed out" in str(err).lower() or time.monotonic() >= deadline:
-                    raise CollectiveTimeoutError(
-                        f"{self.call.what()} did not complete within the collective timeout of "
-                        f"{timeout:g} s: another process did not take part (it diverged, is "
-                        f"slower than the timeout, or hangs); set_debug_checks(True) finds "
-                        f"divergent programs"
-                    ) from err
-                raise CollectiveError(f"{self.call.what()} failed: {err}") from err
+        wait_all(self.call, works)
+
+
+def wait_all(call: _Call, works: list) -> None:
+    """Wait for ``works`` (async handles of ``call``) within the collective timeout: past it
+    ``CollectiveTimeoutError``, a transport failure ``CollectiveError``."""
+    timeout = safety.get_collective_timeout()
+    deadline = time.monotonic() + timeout
+    for work in works:
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timedelta(seconds=left))
+        except RuntimeError as err:
+            if "timed out" in str(err).lower() or time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"{call.what()} did not complete within the collective timeout of "
+                    f"{timeout:g} s: another process did not take part (it diverged, is "
+                    f"slower than the timeout, or hangs); set_debug_checks(True) finds "
+                    f"divergent programs"
+                ) from err
+            raise CollectiveError(f"{call.what()} failed: {err}") from err
 
 
 def _describe_header(header: list[int]) -> str:
