@@ -1,14 +1,17 @@
-"""The ``torch.distributed`` transport: collectives for mesh groups whose devices span processes.
+"""The ``torch.distributed`` transport for mesh groups whose devices span processes, point to
+point: the groups where a process owns several devices of one group (and tensors of more dims
+than the native header holds). Groups with one device per process use the backend's own
+collectives instead (``native.py``, which shares this module's calls, headers, process groups
+and error handling).
 
-Each collective is built from point-to-point messages (gloo has no all_to_all nor
-reduce_scatter, and its all_gather wants equal pieces), at most one message per peer process and
-round, so a process receives only what its devices need: the pieces of other processes' devices
-for all_gather and all_to_all, the source once for broadcast. Reductions run in coordinate order
-on the process that owns the result (the first process of a group pre-reduces its leading
-members), so every mode gives the same bits as the embedded one, and all_reduce is that
-reduce_scatter of the ring chunks followed by an all_gather of the reduced chunks. Process groups
-are made per set of processes that share a device group, once, in mesh order.
-"""
+Each collective here is built from point-to-point messages, at most one message per peer
+process and round, so a process receives only what its devices need: the pieces of other
+processes' devices for all_gather and all_to_all, the source once for broadcast. Reductions run
+in coordinate order on the process that owns the result (the first process of a group
+pre-reduces its leading members), so every mode gives the same bits as the embedded one, and
+all_reduce is that reduce_scatter of the ring chunks followed by an all_gather of the reduced
+chunks. Process groups are made per set of processes that share a device group, once, in mesh
+order."""
 
 from __future__ import annotations
 

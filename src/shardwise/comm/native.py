@@ -1,18 +1,21 @@
 """Collectives on ``torch.distributed``'s own operations, for device groups with one device per
 process (classic SPMD, the common case): one native collective moves the data, received into
-one fresh buffer whose views are the results (no per-piece clone or cat).
+one fresh buffer whose views are the results (no per-piece clone or cat; ``join`` even turns
+pieces received side by side into one tensor without a copy).
 
 Before the data, the processes of a group all-gather one fixed-size header (collective,
-sequence number, dtype, debug-check fingerprint, and the shapes of the pieces each will send),
-so a divergent program raises ``CollectiveMismatchError`` on every rank before gloo sees
-messages of the wrong size (it aborts the process on those); the shapes in the header also size
-the receive buffers, so no separate shape round is needed. Reductions stay bit-identical to the
-embedded transport: terms are never summed by the backend (its order is its own); an
-all_to_all brings every member the terms of its part, which it combines in coordinate order
-(``reduction.combine``), and all_reduce all-gathers those reduced parts, the bytes of a ring
-all_reduce. Pieces of uneven sizes that an all_gather or a gather of parts cannot take go
-point to point, straight into the result buffer.
-"""
+sequence number, dtype, reduce op, debug-check fingerprint, and the shapes of the pieces each
+will send), so a divergent program raises ``CollectiveMismatchError`` on every rank before gloo
+sees messages of the wrong size (it aborts the process on those); the shapes in the header also
+size the receive buffers, so no separate shape round is needed.
+
+Reductions stay bit-identical to the embedded transport, which combines terms in coordinate
+order (``reduction.combine``): an all_to_all brings member k chunk k of every term, which it
+combines in that order, and all_reduce all-gathers the reduced chunks (the bytes of a ring
+all_reduce); reduce_scatter is the first half. Only a sum of two terms of a dtype the backend
+adds exactly as torch does (one addition per element, which commutes) uses the backend's own
+all_reduce. Pieces of uneven sizes, which all_gather cannot take, go point to point, straight
+into the result buffer."""
 
 from __future__ import annotations
 
