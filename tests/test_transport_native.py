@@ -6,10 +6,11 @@ header is their only extra message and the cross-process bytes are the ring mode
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import comm
+from shardwise import CollectiveMismatchError, comm
 
 GATHER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
                  torch.complex64]
@@ -74,11 +75,33 @@ def _run(mesh: sw.DeviceMesh, case: tuple) -> list:
     return getattr(comm, kind)(mesh, 0, args)
 
 
+def _mismatches(mesh: sw.DeviceMesh) -> dict:
+    """Rank 0 and the others disagree (reduce op, dtype, shape): every rank raises."""
+    rank = dist.get_rank()
+    first = rank == 0
+    tries = {
+        "op": lambda: comm.all_reduce(mesh, 0, [torch.ones(4)], "sum" if first else "max"),
+        "dtype": lambda: comm.all_gather(
+            mesh, 0, [torch.ones(4, dtype=torch.float32 if first else torch.float64)]
+        ),
+        "shape": lambda: comm.broadcast(mesh, 0, [torch.ones(4 if first else 5)]),
+    }
+    out = {}
+    for name, fn in tries.items():
+        try:
+            fn()
+            out[name] = "ok"
+        except CollectiveMismatchError as err:
+            out[name] = str(err)
+    out["after"] = torch.cat(comm.all_gather(mesh, 0, [torch.full((2,), float(rank))])[0])
+    return out
+
+
 def native_job(order: list[int]) -> dict:
     """Every case on a 1-D mesh of the world's processes, device ids in ``order``: each
-    device's result and the bytes counted."""
+    device's result and the bytes counted; then the mismatches."""
     mesh = sw.DeviceMesh("cpu", torch.tensor(order))
-    out = {}
+    out = {"mismatches": _mismatches(mesh)}
     for case in _cases(len(order)):
         with sw.CommCounter() as counter:
             result = _run(mesh, case)
@@ -112,6 +135,12 @@ def _check(order: list[int], per_rank: list[dict]) -> None:
     n = len(order)
     embedded = sw.DeviceMesh("cpu", torch.tensor(order))  # every device in this process
     header = (n - 1) * (8 + 8 * n) * 8
+    for result in per_rank:
+        faults = result.pop("mismatches")
+        assert "all_reduce(sum)" in faults["op"] and "all_reduce(max)" in faults["op"]
+        assert "torch.float32" in faults["dtype"] and "torch.float64" in faults["dtype"]
+        assert "[4]" in faults["shape"] and "[5]" in faults["shape"]
+        assert torch.equal(faults["after"], torch.tensor([float(d) for d in order for _ in "ab"]))
     for case in _cases(n):
         name = case[0]
         want = dict(zip(embedded.local_device_ids, _run(embedded, case), strict=True))

@@ -19,7 +19,6 @@ into the result buffer."""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from math import prod
@@ -47,6 +46,7 @@ MAX_NDIM = 8  # shapes in the fixed-size header; tensors of more dims go point t
 _FIXED = 8  # header fields before the shapes
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _OPS = ("sum", "avg", "max", "min")
+_DTYPES = sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
 # dtypes whose sum of two terms the backend computes exactly as ``reduction.combine`` does (half
 # types accumulate in float32 there; max/min differ on NaN)
 _PAIR_EXACT = (torch.float32, torch.float64, torch.int32, torch.int64)
@@ -87,7 +87,7 @@ class _Native:
         """All-gather this process's header; check the others'; return, per member, the
         shapes it announced."""
         call = self.call
-        dtype_code = zlib.crc32(str(call.sample.dtype).encode())
+        dtype_code = _DTYPES.index(str(call.sample.dtype))
         fixed = [
             _HEADER_MAGIC, KIND_CODES.index(call.kind), call.seq[self.ranks],
             call.fingerprints.get(self.ranks, 0), dtype_code, call.sample.ndim, extra,
@@ -98,8 +98,7 @@ class _Native:
         padded[: len(flat)] = flat
         mine = torch.tensor(fixed + padded, dtype=torch.int64, device=call.sample.device)
         everyone = torch.empty(self.n * mine.numel(), dtype=torch.int64, device=mine.device)
-        self.run(lambda: _ALL_GATHER(everyone, mine, group=self.pg,
-                                                     async_op=True))
+        self.run(lambda: _ALL_GATHER(everyone, mine, group=self.pg, async_op=True))
         call.rounds = max(call.rounds, 1)  # the debug comparison needs no point-to-point header
         call.traffic.meta += (self.n - 1) * mine.numel() * 8
         rows = everyone.view(self.n, -1).tolist()
@@ -169,8 +168,7 @@ class _Native:
         if self.ordered and len(sizes) == 1:
             whole = _adjacent(parts)
             if whole.numel():
-                self.run(lambda: _ALL_GATHER(whole, mine, group=self.pg,
-                                                             async_op=True))
+                self.run(lambda: _ALL_GATHER(whole, mine, group=self.pg, async_op=True))
             return
         parts[self.k].copy_(mine)
 
@@ -188,11 +186,16 @@ class _Native:
 
 
 def _describe(header: list[int]) -> str:
-    magic, kind, seq = header[:3]
+    magic, kind, seq, _, dtype, ndim, extra, _ = header[:_FIXED]
     if magic != _HEADER_MAGIC:
         return f"a message that is not a shardwise header ({header[:_FIXED]})"
     name = KIND_CODES[kind] if 0 <= kind < len(KIND_CODES) else f"kind {kind}"
-    return f"{name} #{seq} between these processes, {header[5]}-d pieces, extra {header[6]}"
+    if name in ("all_reduce", "reduce_scatter") and 0 <= extra < len(_OPS):
+        name += f"({_OPS[extra]})"
+    elif name == "broadcast":
+        name += f"(src={extra})"
+    dtype_name = _DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else f"dtype {dtype}"
+    return f"{name} #{seq} between these processes on {ndim}-d {dtype_name} pieces"
 
 
 def _adjacent(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
