@@ -174,8 +174,14 @@ REASONS = {
                "per-element bound may also be unreachable for some of them)",
     "cold_planning": "Dijkstra over placement states in Python, each step priced exactly on "
                      "every device's uneven shard; mixed Partial sources explore many states",
-    "redistribute": "time outside the collective itself (point-to-point rounds, a clone and a "
-                    "cat for Partial -> Replicate in issue 13's profile)",
+    "redistribute": "native gloo collectives now move the data (one per transition; "
+                    "Partial -> Replicate over more than 2 processes is an all_to_all, a "
+                    "coordinate-order combine and an all_gather, for bits equal to the "
+                    "embedded run); what remains is a small header all_gather before each "
+                    "collective (the always-on mismatch check), results in fresh buffers "
+                    "(page faults) where the raw collective reuses its output, the copy that "
+                    "packs Shard -> Shard's strided pieces, and a clone before the in-place "
+                    "all_reduce (DTensor pays the last three too)",
     "training": "a step is many small ops, each paying the dispatch gap above, plus the "
                 "redistribution gap",
 }

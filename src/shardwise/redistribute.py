@@ -358,7 +358,7 @@ def _merge(pieces: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:
         k = placement.interleaved_size
         blocks = [p.chunk(k, dim) if p.shape[dim] else [p] * k for p in pieces]
         return torch.cat([blocks[j][b] for b in range(k) for j in range(len(pieces))], dim)
-    return torch.cat(list(pieces), dim)
+    return comm.join(pieces, dim)
 
 
 def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Tensor:
@@ -390,7 +390,7 @@ def _run_step(
         return comm.reduce_scatter(mesh, m, pieces, a.reduce_op)
     # all_to_all: Shard(d) -> Shard(e)
     pieces = [_split(t, b, n) for t in components]
-    return [torch.cat(p, a.dim) for p in comm.all_to_all(mesh, m, pieces)]
+    return [comm.join(p, a.dim) for p in comm.all_to_all(mesh, m, pieces)]
 
 
 def execute_plan(

@@ -11,6 +11,7 @@ from .collectives import (
     reduce_scatter,
     scatter_from,
 )
+from .native import join
 from .reduction import reduce_terms
 from .safety import (
     debug_checks_enabled,
@@ -31,6 +32,7 @@ __all__ = [
     "exchange",
     "debug_checks_enabled",
     "get_collective_timeout",
+    "join",
     "moving",
     "reduce_scatter",
     "reduce_terms",

@@ -1,14 +1,17 @@
-"""The ``torch.distributed`` transport: collectives for mesh groups whose devices span processes.
+"""The ``torch.distributed`` transport for mesh groups whose devices span processes, point to
+point: the groups where a process owns several devices of one group (and tensors of more dims
+than the native header holds). Groups with one device per process use the backend's own
+collectives instead (``native.py``, which shares this module's calls, headers, process groups
+and error handling).
 
-Each collective is built from point-to-point messages (gloo has no all_to_all nor
-reduce_scatter, and its all_gather wants equal pieces), at most one message per peer process and
-round, so a process receives only what its devices need: the pieces of other processes' devices
-for all_gather and all_to_all, the source once for broadcast. Reductions run in coordinate order
-on the process that owns the result (the first process of a group pre-reduces its leading
-members), so every mode gives the same bits as the embedded one, and all_reduce is that
-reduce_scatter of the ring chunks followed by an all_gather of the reduced chunks. Process groups
-are made per set of processes that share a device group, once, in mesh order.
-"""
+Each collective here is built from point-to-point messages, at most one message per peer
+process and round, so a process receives only what its devices need: the pieces of other
+processes' devices for all_gather and all_to_all, the source once for broadcast. Reductions run
+in coordinate order on the process that owns the result (the first process of a group
+pre-reduces its leading members), so every mode gives the same bits as the embedded one, and
+all_reduce is that reduce_scatter of the ring chunks followed by an all_gather of the reduced
+chunks. Process groups are made per set of processes that share a device group, once, in mesh
+order."""
 
 from __future__ import annotations
 
@@ -345,21 +348,27 @@ class _Round:
             self.call.compare(differ)
 
     def _wait(self, works: list) -> None:
-        timeout = safety.get_collective_timeout()
-        deadline = time.monotonic() + timeout
-        for work in works:
-            left = max(deadline - time.monotonic(), 0.001)
-            try:
-                work.wait(timedelta(seconds=left))
-            except RuntimeError as err:
-                if "timed out" in str(err).lower() or time.monotonic() >= deadline:
-                    raise CollectiveTimeoutError(
-                        f"{self.call.what()} did not complete within the collective timeout of "
-                        f"{timeout:g} s: another process did not take part (it diverged, is "
-                        f"slower than the timeout, or hangs); set_debug_checks(True) finds "
-                        f"divergent programs"
-                    ) from err
-                raise CollectiveError(f"{self.call.what()} failed: {err}") from err
+        wait_all(self.call, works)
+
+
+def wait_all(call: _Call, works: list) -> None:
+    """Wait for ``works`` (async handles of ``call``) within the collective timeout: past it
+    ``CollectiveTimeoutError``, a transport failure ``CollectiveError``."""
+    timeout = safety.get_collective_timeout()
+    deadline = time.monotonic() + timeout
+    for work in works:
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timedelta(seconds=left))
+        except RuntimeError as err:
+            if "timed out" in str(err).lower() or time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"{call.what()} did not complete within the collective timeout of "
+                    f"{timeout:g} s: another process did not take part (it diverged, is "
+                    f"slower than the timeout, or hangs); set_debug_checks(True) finds "
+                    f"divergent programs"
+                ) from err
+            raise CollectiveError(f"{call.what()} failed: {err}") from err
 
 
 def _describe_header(header: list[int]) -> str:
