@@ -4,6 +4,7 @@ processes on other meshes and placements, bit for bit."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,7 @@ def save_job(ckdir: str) -> dict:
         out["async_equal"].append(all(torch.equal(a, b) for a, b in zip(got, want, strict=True)))
     mesh = _mesh((2,))
     dt = sw.distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])
+    out["messages"] = _messages_sent(lambda: dt.redistribute(placements=[Replicate()]))
     local = dt.redistribute(placements=[Replicate()], async_op=True).to_local()
     out["to_local_type"] = type(local).__name__
     out["to_local_plus_one"] = local + 1
@@ -123,6 +125,24 @@ def save_job(ckdir: str) -> dict:
         except sw.CollectiveTimeoutError as err:
             out["error"] = str(err)
     return out
+
+
+def _messages_sent(fn: Callable[[], object]) -> int:
+    """How many point-to-point messages this process sends during ``fn()``."""
+    import torch.distributed as dist
+
+    sent, isend = [], dist.isend
+
+    def counting(*args: object, **kwargs: object) -> object:
+        sent.append(args)
+        return isend(*args, **kwargs)
+
+    dist.isend = counting
+    try:
+        fn()
+    finally:
+        dist.isend = isend
+    return len(sent)
 
 
 def dist_rank() -> int:
@@ -190,6 +210,7 @@ def test_async_across_processes_and_loading_in_one_process(saved_by_two: tuple) 
         assert result["async_equal"] == [True] * len(ASYNC_CASES), rank
         assert result["gathered"] == [True] * 2 * len(GATHER_CASES), rank
         assert result["to_local_type"] == "AsyncCollectiveTensor"
+        assert result["messages"] == 2  # the header, carrying the shapes, then the pieces
         assert torch.equal(result["to_local_plus_one"], torch.arange(10.0).reshape(5, 2) + 1)
     error = saved[1]["error"]
     assert "background collective" in error and "redistribute of" in error

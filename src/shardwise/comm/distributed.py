@@ -44,6 +44,11 @@ _sequence_lock = threading.Lock()
 KIND_CODES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "broadcast", "scatter",
               "agree", "exchange")
 _HEADER_MAGIC = 0x5357_4844
+_HEADER_FIELDS = 8  # int64: magic, kind, sequence, round, sent, expected, fingerprint, padding
+# A first round's message to one peer of at most this many bytes travels inside the header
+# (fixed size, so a mismatch is still reported, never a transport abort): one round trip less
+# for the shapes that all_gather and all_to_all exchange first and for small collectives.
+_INLINE_BYTES = 256
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -273,11 +278,18 @@ class _Round:
     def _run(self) -> list[torch.Tensor]:
         device = self.call.sample.device
         self.call.rounds += 1
+        payloads = {
+            key: (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)
+            for key, parts in self.outgoing.items()
+        }
+        inline: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
         if self.call.rounds == 1:  # later rounds' sizes follow from the first one's
-            self._exchange_headers(device)
+            inline = self._exchange_headers(device, payloads)
         works = []
-        buffers, direct = {}, set()
+        buffers, direct = dict(inline), set()
         for key, sizes in self.incoming.items():  # receives first: the data has a place to go
+            if key in inline:
+                continue
             buffer = _span([into for k, _, _, into in self.expected if k == key], sum(sizes))
             if buffer is None:
                 buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
@@ -287,11 +299,10 @@ class _Round:
             if buffer.numel():
                 works.append(dist.irecv(buffer, src=key[1], group=group_for_ranks(key[0]),
                                         tag=TAG))
-        for (ranks, peer), parts in self.outgoing.items():
-            buffer = parts[0] if len(parts) == 1 else torch.cat(parts)
-            if buffer.numel():
+        for (ranks, peer), buffer in payloads.items():
+            if buffer.numel() and not (self.call.rounds == 1 and _fits(buffer.numel())):
                 pg = group_for_ranks(ranks)
-                works.append(dist.isend(buffer.to(device), dst=peer, group=pg, tag=TAG))
+                works.append(dist.isend(buffer, dst=peer, group=pg, tag=TAG))
         self._wait(works)
         received = sum(b.numel() for b in buffers.values())
         if self.meta:
@@ -321,29 +332,44 @@ class _Round:
             self.call.fingerprints.get(key[0], 0),
         ]
 
-    def _exchange_headers(self, device: torch.device) -> None:
+    def _exchange_headers(
+        self, device: torch.device, payloads: dict[tuple[tuple[int, ...], int], torch.Tensor]
+    ) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
         """Before the first round of a collective, each pair of processes swaps a fixed-size
         header (collective, sequence number, bytes to send, bytes expected), so processes that
         entered different collectives, or the same one with other sizes, raise
         ``CollectiveMismatchError`` on both sides instead of handing the transport a message of
         the wrong size (gloo aborts the process on that). The sizes of later rounds follow from
         what the first one carried (shapes, lengths) or from the same local shapes, so they
-        agree once the first round's do."""
+        agree once the first round's do. A first-round message of at most ``_INLINE_BYTES``
+        rides in the header; returns the ones received that way, per (ranks, peer)."""
         keys = list(dict.fromkeys([*self.outgoing, *self.incoming]))
         mine = {key: self._header(key) for key in keys}
-        theirs = {key: torch.empty(len(mine[key]), dtype=torch.int64) for key in keys}
+        size = _HEADER_FIELDS + _INLINE_BYTES // 8
+        theirs = {key: torch.empty(size, dtype=torch.int64, device=device) for key in keys}
         works = []
         for key in keys:
             pg = group_for_ranks(key[0])
-            header = torch.tensor(mine[key], dtype=torch.int64).to(device)
-            works.append(dist.isend(header, dst=key[1], group=pg, tag=TAG))
-            theirs[key] = theirs[key].to(device)
             works.append(dist.irecv(theirs[key], src=key[1], group=pg, tag=TAG))
+        for key in keys:
+            header = torch.zeros(size, dtype=torch.int64)
+            header[: len(mine[key])] = torch.tensor(mine[key], dtype=torch.int64)
+            header = header.to(device)
+            payload = payloads.get(key)
+            if payload is not None and payload.numel() and _fits(payload.numel()):
+                header.view(torch.uint8)[_HEADER_FIELDS * 8 :][: payload.numel()] = payload
+            works.append(dist.isend(header, dst=key[1], group=group_for_ranks(key[0]), tag=TAG))
         self._wait(works)
-        self.call.traffic.meta += sum(t.numel() * 8 for t in theirs.values())
+        inline = {
+            key: theirs[key].view(torch.uint8)[_HEADER_FIELDS * 8 :][: sum(sizes)]
+            for key, sizes in self.incoming.items()
+            if _fits(sum(sizes))
+        }  # counted with the round they belong to
+        self.call.traffic.meta += len(keys) * size * 8 - sum(b.numel() for b in inline.values())
+        received = {key: theirs[key][: len(mine[key])].tolist() for key in keys}
         differ = set()
         for key in keys:
-            own, other = mine[key], theirs[key].tolist()
+            own, other = mine[key], received[key]
             agree = other[:4] == own[:4] and other[4] == own[5] and other[5] == own[4]
             if agree and other[6] != own[6]:
                 differ.add(key)
@@ -357,6 +383,7 @@ class _Round:
                 )
         if differ:
             self.call.compare(differ)
+        return inline
 
     def _wait(self, works: list) -> None:
         timeout = safety.get_collective_timeout()
@@ -374,6 +401,11 @@ class _Round:
                         f"divergent programs"
                     ) from err
                 raise CollectiveError(f"{self.call.what()} failed: {err}") from err
+
+
+def _fits(nbytes: int) -> bool:
+    """Whether a first-round message of ``nbytes`` travels inside the header."""
+    return nbytes <= _INLINE_BYTES
 
 
 def _span(targets: list[torch.Tensor | None], nbytes: int) -> torch.Tensor | None:
