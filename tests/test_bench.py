@@ -92,9 +92,12 @@ def _fake_results() -> dict:
             "planner": {**ok, "results": planner},
             "redistribute_2": {**ok, "results": redistribute},
             "training_2": {**ok, "results": training},
-            "overlap_2": {**ok, "results": {"mib": 4, "all_gather_ms": 5.0, "matmul_ms": 5.0,
-                                            "sequential_ms": 10.0, "overlapped_ms": 6.0,
-                                            "ratio": 0.6}},
+            "overlap_2": {**ok, "results": {
+                "mib": 2, "layers": 8, "dim": 724, "batch": 64, "cores": 2, "processes": 2,
+                "matmul_ms": 5.0, "all_gather_ms": 5.0, "all_gather_cpu_ms": 2.0,
+                "sequential_ms": 10.0, "overlapped_ms": 8.0, "ratio": 0.8,
+                "raw_all_gather_ms": 4.0, "raw_all_gather_cpu_ms": 1.5, "raw_sequential_ms": 9.0,
+                "raw_overlapped_ms": 7.0, "raw_ratio": 7 / 9, "bound_ratio": 0.7}},
             "checkpoint": {**ok, "results": {"megabytes": 20.0, "rows": [
                 {"label": "torch.save (plain tensors)", "seconds": 0.5}]}},
             "launch": {**ok, "results": {"nproc": 2, "runs_s": {},
@@ -116,6 +119,8 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
                     "## Overlap", "## Checkpoint", "## Launcher"):
         assert heading in text, heading
     assert "test cpu" in text and "2026-01-01" in text
+    assert "| raw gloo async_op=True | 4.00 | 1.50 | 9.00 | 7.00 | 0.78 |" in text
+    assert "(matmul + gather wall), is 0.70" in text
     assert "redistribute_4" in text  # the benchmark that did not finish is named
     status = {t: s for t, s, _ in run_all.targets(
         {k: v["results"] for k, v in results["benchmarks"].items() if "results" in v})}

@@ -351,14 +351,12 @@ def _split(t: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
     return pieces
 
 
-def _merge(pieces: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:
-    """Inverse of ``_split``: the whole tensor from every coordinate's piece."""
-    dim = placement.dim
-    if isinstance(placement, InterleavedShard):
-        k = placement.interleaved_size
-        blocks = [p.chunk(k, dim) if p.shape[dim] else [p] * k for p in pieces]
-        return torch.cat([blocks[j][b] for b in range(k) for j in range(len(pieces))], dim)
-    return comm.join(pieces, dim)
+def _merge_interleaved(pieces: Sequence[torch.Tensor], placement: InterleavedShard) -> torch.Tensor:
+    """Inverse of ``_split`` for ``InterleavedShard``: the whole tensor from every coordinate's
+    piece (for ``Shard`` it is a concatenation, which ``comm.all_gather_tensor`` does)."""
+    dim, k = placement.dim, placement.interleaved_size
+    blocks = [p.chunk(k, dim) if p.shape[dim] else [p] * k for p in pieces]
+    return torch.cat([blocks[j][b] for b in range(k) for j in range(len(pieces))], dim)
 
 
 def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Tensor:
@@ -382,7 +380,9 @@ def _run_step(
             return [_partition(t, b, c) for t, c in zip(components, coords, strict=True)]
         return [_split(t, b, n)[c] for t, c in zip(components, coords, strict=True)]
     if step.collective == "all_gather":
-        return [_merge(p, a) for p in comm.all_gather(mesh, m, components)]
+        if isinstance(a, InterleavedShard):
+            return [_merge_interleaved(p, a) for p in comm.all_gather(mesh, m, components)]
+        return comm.all_gather_tensor(mesh, m, components, a.dim)
     if step.collective == "all_reduce":
         return comm.all_reduce(mesh, m, components, a.reduce_op)
     if step.collective == "reduce_scatter":

@@ -4,6 +4,7 @@ from .accounting import CommCounter, CommRecord
 from .collectives import (
     agree,
     all_gather,
+    all_gather_tensor,
     all_reduce,
     all_to_all,
     broadcast,
@@ -26,6 +27,7 @@ __all__ = [
     "CommRecord",
     "agree",
     "all_gather",
+    "all_gather_tensor",
     "all_reduce",
     "all_to_all",
     "broadcast",

@@ -128,6 +128,29 @@ def all_gather(
     return out
 
 
+def all_gather_tensor(
+    mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor], gather_dim: int
+) -> list[torch.Tensor]:
+    """Every device gets its group's components concatenated along ``gather_dim``, in
+    coordinate order (``all_gather`` then ``torch.cat``, but pieces from other processes land
+    in the result as they arrive: one copy fewer)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(components)
+    inside, across = _split_groups(mesh, mesh_dim)
+    for members, indices in inside:
+        for k, i in enumerate(indices):
+            out[i] = torch.cat([_to(components[j], mesh, members[k]) for j in indices],
+                               gather_dim)
+    traffic = _across(out, "all_gather_tensor", mesh, mesh_dim, across, components, gather_dim)
+    received = sum(
+        _nbytes(out[i]) - _nbytes(components[i])  # accounting.all_gather_received
+        for _, indices in inside + across
+        for i in indices
+        if i is not None
+    )
+    _record("all_gather", mesh_dim, received, traffic)
+    return out
+
+
 def reduce_scatter(
     mesh: DeviceMesh, mesh_dim: int, pieces: Sequence[Sequence[torch.Tensor]], op: str = "sum"
 ) -> list[torch.Tensor]:

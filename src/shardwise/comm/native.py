@@ -283,6 +283,16 @@ def all_gather(
     return out, call.traffic
 
 
+def all_gather_tensor(
+    mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor],
+    gather_dim: int,
+) -> tuple[dict[int, torch.Tensor], Traffic]:
+    """``all_gather`` joined along ``gather_dim``: a view of the gathered buffer where the pieces
+    lie in order along it, else one concatenation."""
+    gathered, traffic = all_gather(mesh, mesh_dim, groups, components)
+    return {i: join(pieces, gather_dim) for i, pieces in gathered.items()}, traffic
+
+
 def all_to_all(
     mesh: DeviceMesh,
     mesh_dim: int,
