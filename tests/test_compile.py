@@ -187,3 +187,29 @@ def test_compiled_tensor_parallel_block_across_two_processes() -> None:
     compiled steps equal eager bit for bit on every rank and the unsharded model's values."""
     losses = run_in_processes(_tp_block_job, 2, timeout=300)
     assert losses[0] == losses[1]
+
+
+def test_plan_op_replans_from_its_key_alone() -> None:
+    """A graph from torch's compile caches carries only the op's key: a process that never
+    traced it plans again from the key and gets eager's bits (and the fake shapes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardwise import plan_op
+    from shardwise.redistribute import plan_redistribute
+
+    mesh = sw.init_device_mesh("cpu", (3,), mesh_dim_names=("tp",))
+    x = torch.randn(7, 5)
+    d = sw.distribute_tensor(x, mesh, [Shard(0)])
+    plan = plan_redistribute(d._spec, (Shard(1),))
+    key = plan_op._key(plan, mesh, x.dtype)
+    plan_op._entries.pop(key, None)
+    out = torch.ops.shardwise.execute_plan(sw.unpack(d), key)
+    expected = d.redistribute(placements=[Shard(1)])
+    for got, want in zip(out, sw.unpack(expected), strict=True):
+        assert torch.equal(got, want)
+    plan_op._entries.pop(key, None)
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(c.detach()) for c in sw.unpack(d)]
+    with mode:
+        fake = torch.ops.shardwise.execute_plan(fakes, key)
+    assert [list(f.shape) for f in fake] == [[7, 2], [7, 2], [7, 1]]

@@ -29,7 +29,8 @@ _MARK = "shardwise.placement"
 pytree.register_constant(DeviceMesh)
 
 
-def _encode_one(p: Placement) -> tuple:
+def encode_placement(p: Placement) -> tuple:
+    """``p`` as a tuple of plain values (``decode_placement`` inverts it)."""
     if isinstance(p, InterleavedShard):
         return (_MARK, "I", p.dim, p.interleaved_size)
     if isinstance(p, Shard):
@@ -42,13 +43,13 @@ def _encode_one(p: Placement) -> tuple:
 def _encode(value: Any) -> Any:
     """A placement, or a non-empty sequence of placements, as a tuple of plain values."""
     if isinstance(value, Placement):
-        return _encode_one(value)
+        return encode_placement(value)
     if (
         isinstance(value, (list, tuple))
         and value
         and all(isinstance(p, Placement) for p in value)
     ):
-        return tuple(_encode_one(p) for p in value)
+        return tuple(encode_placement(p) for p in value)
     return value
 
 
@@ -56,7 +57,8 @@ def _is_code(value: Any) -> bool:
     return isinstance(value, tuple) and len(value) > 1 and value[0] == _MARK
 
 
-def _decode_one(code: tuple) -> Placement:
+def decode_placement(code: tuple | list) -> Placement:
+    """The placement ``encode_placement`` gave ``code`` for (a list after JSON)."""
     kind = code[1]
     if kind == "I":
         return InterleavedShard(code[2], code[3])
@@ -69,9 +71,9 @@ def _decode_one(code: tuple) -> Placement:
 
 def _decode(value: Any) -> Any:
     if _is_code(value):
-        return _decode_one(value)
+        return decode_placement(value)
     if isinstance(value, tuple) and value and all(_is_code(c) for c in value):
-        return tuple(_decode_one(c) for c in value)
+        return tuple(decode_placement(c) for c in value)
     return value
 
 
