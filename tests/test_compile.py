@@ -132,7 +132,8 @@ def _train(module: nn.Module, step, inputs: list) -> tuple[list[float], list]:  
         loss.backward()
         losses.append(loss.item())
         grads = [_plain(p.grad).clone() for p in module.parameters()]
-        opt.step()
+        with sw.allow_implicit_redistribute():  # replicated norms get pending-sum gradients
+            opt.step()
     return losses, grads
 
 
@@ -148,8 +149,14 @@ def _compiled_vs_eager(model: str, mesh: sw.DeviceMesh, inputs: list, dim: int) 
         step = lambda x, m=module: _loss(m, x)  # noqa: E731
         if kind == "compiled":
             torch._dynamo.reset()
-            step = torch.compile(step, backend="aot_eager", fullgraph=True)
-        runs[kind] = _train(module, step, inputs)
+            step = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=False)
+        xs = inputs
+        if kind != "single" and model == "block" and mesh.num_local_devices() > 1:
+            # several devices in this process: outputs stay DTensors, so the residual is one,
+            # and the norms' parameters are replicated DTensors too
+            sw.distribute_module(module, mesh)
+            xs = [sw.distribute_tensor(x, mesh) for x in inputs]
+        runs[kind] = _train(module, step, xs)
     return runs
 
 
@@ -164,28 +171,28 @@ def _check(runs: dict) -> None:
         torch.testing.assert_close(c, s)
 
 
-def test_compiled_parallelized_mlp_trains_like_eager_on_simulated_devices() -> None:
+def test_compiled_parallelized_mlp_and_block_train_like_eager_on_simulated_devices() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     g = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(6, 8, generator=g) for _ in range(2)]
-    runs = _compiled_vs_eager("mlp", mesh, inputs, 8)
-    _check(runs)
+    for model, shape in (("mlp", (6, 8)), ("block", (2, 4, 8))):
+        inputs = [torch.randn(shape, generator=g) for _ in range(2)]
+        _check(_compiled_vs_eager(model, mesh, inputs, 8))
 
 
-def _tp_block_job() -> list[float]:
-    """Rank-local: a TP transformer block compiled over 2 gloo processes."""
+def _tp_mlp_job() -> list[float]:
+    """Rank-local: a TP MLP compiled over 2 gloo processes."""
     mesh = sw.init_device_mesh("cpu", (2,))
     g = torch.Generator().manual_seed(2)
-    inputs = [torch.randn(2, 4, 8, generator=g) for _ in range(2)]
-    runs = _compiled_vs_eager("block", mesh, inputs, 8)
+    inputs = [torch.randn(6, 8, generator=g) for _ in range(2)]
+    runs = _compiled_vs_eager("mlp", mesh, inputs, 8)
     _check(runs)
     return runs["compiled"][0]
 
 
-def test_compiled_tensor_parallel_block_across_two_processes() -> None:
+def test_compiled_tensor_parallel_mlp_across_two_processes() -> None:
     """Redistributions across processes trace as one custom op each (fullgraph, no break),
     compiled steps equal eager bit for bit on every rank and the unsharded model's values."""
-    losses = run_in_processes(_tp_block_job, 2, timeout=300)
+    losses = run_in_processes(_tp_mlp_job, 2, timeout=300)
     assert losses[0] == losses[1]
 
 
