@@ -81,6 +81,12 @@ def _fake_results() -> dict:
                 "hand": {**side, "step_ms": 8.0}, "ratio_time_vs_torch_dt": 10 / 12,
                 "ratio_time_vs_hand": 1.25, "ratio_mem_vs_torch_dt": 1.0,
                 "ratio_mem_vs_hand": 1.0}}}
+    kind = {"step_ms": 10.0, "fwd_bwd_ms": 5.0, "compile_s": 3.0, "max_loss_diff_vs_hand": 0.0}
+    compiled = {"world_size": 2, "backend": "aot_eager", "dim": 128, "batch": 4, "seq": 32,
+                "heads": 4, "models": {"mlp": {
+                    "shardwise": {**kind, "step_ms": 12.0}, "hand": kind, "torch_dt": kind,
+                    "ratio_step_vs_hand": 1.2, "ratio_step_vs_torch_dt": 1.2,
+                    "ratio_fwd_bwd_vs_hand": 1.0, "ratio_fwd_bwd_vs_torch_dt": 1.0}}}
     ok = {"seconds": 1.0, "returncode": 0}
     return {
         "date": "2026-01-01 00:00 UTC", "quick": False, "seconds": 100.0,
@@ -104,6 +110,7 @@ def _fake_results() -> dict:
                                          "median_s": {"shardwise.launch": 1.0,
                                                       "torchrun": 3.0}}},
             "redistribute_4": {"seconds": 300.0, "returncode": "timeout", "error": "..."},
+            "compile_2": {**ok, "results": compiled},
         },
     }
 
@@ -116,7 +123,8 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
     text = doc.read_text()
     for heading in ("## Targets of issue 13", "## Per-op dispatch", "## Planner",
                     "## Redistribution, 2 gloo processes", "## Tensor-parallel training step",
-                    "## Overlap", "## Checkpoint", "## Launcher"):
+                    "## Overlap", "## Checkpoint", "## Launcher",
+                    "## Compiled tensor-parallel step, 2 gloo processes"):
         assert heading in text, heading
     assert "test cpu" in text and "2026-01-01" in text
     assert "| raw gloo async_op=True | 4.00 | 1.50 | 9.00 | 7.00 | 0.78 |" in text
@@ -131,6 +139,9 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
         "met"
     assert status["Redistribution <= DTensor and within 1.2x of the raw collective"] == "met"
     assert status["TP MLP and transformer step <= DTensor in time and peak memory"] == "met"
+    # the compiled step is 12 / 10 = 1.2x hand-written: a gap, with its reason
+    assert status["Compiled TP step within 1.1x of hand-written"] == "gap"
+    assert "worst step 1.20x" in text
     groups = run_all.ratios(results)
     assert math.isclose(dict(groups["dispatch (warm, 1 device)"])["add"], 0.75)
     assert dict(groups["TP training, 2 procs"])["mlp time"] == pytest.approx(10 / 12)

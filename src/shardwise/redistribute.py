@@ -397,6 +397,18 @@ def execute_plan(
     plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
     """Run ``plan`` on this process's components (ordered like ``mesh.local_device_ids``)."""
+    if torch._C._len_torch_dispatch_stack():  # a tracer may be running
+        from . import plan_op  # (plan_op imports this module)
+
+        if plan_op.tracing(mesh, components):
+            return plan_op.traced_plan(plan, mesh, components)
+    return run_plan(plan, mesh, components)
+
+
+def run_plan(
+    plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``execute_plan``'s eager body: the plan's steps, one after the other."""
     out = list(components)
     state = plan.source
     pending = plan.cast is not None and pending_sum(state)
