@@ -81,6 +81,12 @@ def _fake_results() -> dict:
                 "hand": {**side, "step_ms": 8.0}, "ratio_time_vs_torch_dt": 10 / 12,
                 "ratio_time_vs_hand": 1.25, "ratio_mem_vs_torch_dt": 1.0,
                 "ratio_mem_vs_hand": 1.0}}}
+    kind = {"step_ms": 10.0, "fwd_bwd_ms": 5.0, "compile_s": 3.0, "max_loss_diff_vs_hand": 0.0}
+    compiled = {"world_size": 2, "backend": "aot_eager", "dim": 128, "batch": 4, "seq": 32,
+                "heads": 4, "models": {"mlp": {
+                    "shardwise": {**kind, "step_ms": 12.0}, "hand": kind, "torch_dt": kind,
+                    "ratio_step_vs_hand": 1.2, "ratio_step_vs_torch_dt": 1.2,
+                    "ratio_fwd_bwd_vs_hand": 1.0, "ratio_fwd_bwd_vs_torch_dt": 1.0}}}
     ok = {"seconds": 1.0, "returncode": 0}
     return {
         "date": "2026-01-01 00:00 UTC", "quick": False, "seconds": 100.0,
@@ -92,15 +98,19 @@ def _fake_results() -> dict:
             "planner": {**ok, "results": planner},
             "redistribute_2": {**ok, "results": redistribute},
             "training_2": {**ok, "results": training},
-            "overlap_2": {**ok, "results": {"mib": 4, "all_gather_ms": 5.0, "matmul_ms": 5.0,
-                                            "sequential_ms": 10.0, "overlapped_ms": 6.0,
-                                            "ratio": 0.6}},
+            "overlap_2": {**ok, "results": {
+                "mib": 2, "layers": 8, "dim": 724, "batch": 64, "cores": 2, "processes": 2,
+                "matmul_ms": 5.0, "all_gather_ms": 5.0, "all_gather_cpu_ms": 2.0,
+                "sequential_ms": 10.0, "overlapped_ms": 8.0, "ratio": 0.8,
+                "raw_all_gather_ms": 4.0, "raw_all_gather_cpu_ms": 1.5, "raw_sequential_ms": 9.0,
+                "raw_overlapped_ms": 7.0, "raw_ratio": 7 / 9, "bound_ratio": 0.7}},
             "checkpoint": {**ok, "results": {"megabytes": 20.0, "rows": [
                 {"label": "torch.save (plain tensors)", "seconds": 0.5}]}},
             "launch": {**ok, "results": {"nproc": 2, "runs_s": {},
                                          "median_s": {"shardwise.launch": 1.0,
                                                       "torchrun": 3.0}}},
             "redistribute_4": {"seconds": 300.0, "returncode": "timeout", "error": "..."},
+            "compile_2": {**ok, "results": compiled},
         },
     }
 
@@ -113,9 +123,12 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
     text = doc.read_text()
     for heading in ("## Targets of issue 13", "## Per-op dispatch", "## Planner",
                     "## Redistribution, 2 gloo processes", "## Tensor-parallel training step",
-                    "## Overlap", "## Checkpoint", "## Launcher"):
+                    "## Overlap", "## Checkpoint", "## Launcher",
+                    "## Compiled tensor-parallel step, 2 gloo processes"):
         assert heading in text, heading
     assert "test cpu" in text and "2026-01-01" in text
+    assert "| raw gloo async_op=True | 4.00 | 1.50 | 9.00 | 7.00 | 0.78 |" in text
+    assert "(matmul + gather wall), is 0.70" in text
     assert "redistribute_4" in text  # the benchmark that did not finish is named
     status = {t: s for t, s, _ in run_all.targets(
         {k: v["results"] for k, v in results["benchmarks"].items() if "results" in v})}
@@ -126,6 +139,9 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
         "met"
     assert status["Redistribution <= DTensor and within 1.2x of the raw collective"] == "met"
     assert status["TP MLP and transformer step <= DTensor in time and peak memory"] == "met"
+    # the compiled step is 12 / 10 = 1.2x hand-written: a gap, with its reason
+    assert status["Compiled TP step within 1.1x of hand-written"] == "gap"
+    assert "worst step 1.20x" in text
     groups = run_all.ratios(results)
     assert math.isclose(dict(groups["dispatch (warm, 1 device)"])["add"], 0.75)
     assert dict(groups["TP training, 2 procs"])["mlp time"] == pytest.approx(10 / 12)

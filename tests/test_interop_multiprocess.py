@@ -4,6 +4,7 @@ processes on other meshes and placements, bit for bit."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import shardwise as sw
 import shardwise.checkpoint as ckpt
 from mp_harness import run_in_processes
 from shardwise import InterleavedShard, Partial, Replicate, Shard
+from shardwise.comm.distributed import _span
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -28,6 +30,14 @@ ASYNC_CASES = [
     ((2,), (6, 4), [Partial()], [Shard(1)]),
     ((2, 2), (7, 5), [Shard(0), Shard(1)], [Replicate(), Shard(0)]),
     ((2, 2), (8, 3), [InterleavedShard(0, 2), Partial()], [Shard(1), Replicate()]),
+]
+
+GATHER_CASES = [  # (mesh devices, global shape, dtype, placements) gathered to Replicate
+    ([0, 1], (7, 3), torch.float32, [Shard(0)]),  # uneven pieces, received in place
+    ([0, 1], (5, 7), torch.float64, [Shard(1)]),  # column pieces: through a buffer
+    ([0, 1], (1, 3), torch.bool, [Shard(0)]),  # an empty piece
+    ([0, 1, 2, 3], (10, 3), torch.int64, [Shard(0)]),  # two local devices, two from the peer
+    ([[0, 2], [1, 3]], (6, 5), torch.float32, [Shard(1), Shard(0)]),  # two groups per peer
 ]
 
 
@@ -61,7 +71,19 @@ def _mesh(shape: tuple[int, ...]) -> sw.DeviceMesh:
 
 def save_job(ckdir: str) -> dict:
     """2 processes: async collectives, then DCP saves, then an async error surfacing."""
-    out: dict = {"async_equal": []}
+    out: dict = {"async_equal": [], "gathered": []}
+    for devices, shape, dtype, placements in GATHER_CASES:
+        mesh = sw.DeviceMesh("cpu", devices)
+        full = (torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 100).to(dtype)
+        dt = sw.distribute_tensor(full, mesh, placements)
+        target = [Replicate()] * mesh.ndim
+        for got in (dt.redistribute(placements=target),
+                    dt.redistribute(placements=target, async_op=True).wait()):
+            pieces = sw.unpack(got)
+            out["gathered"].append(
+                all(p.dtype == dtype and torch.equal(p, full) for p in pieces)
+                and len({p.data_ptr() for p in pieces if p.numel()}) == len(pieces)
+            )
     for mesh_shape, shape, source, target in ASYNC_CASES:
         mesh = _mesh(mesh_shape)
         torch.manual_seed(3)
@@ -77,6 +99,7 @@ def save_job(ckdir: str) -> dict:
         out["async_equal"].append(all(torch.equal(a, b) for a, b in zip(got, want, strict=True)))
     mesh = _mesh((2,))
     dt = sw.distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])
+    out["messages"] = _messages_sent(lambda: dt.redistribute(placements=[Replicate()]))
     local = dt.redistribute(placements=[Replicate()], async_op=True).to_local()
     out["to_local_type"] = type(local).__name__
     out["to_local_plus_one"] = local + 1
@@ -102,6 +125,24 @@ def save_job(ckdir: str) -> dict:
         except sw.CollectiveTimeoutError as err:
             out["error"] = str(err)
     return out
+
+
+def _messages_sent(fn: Callable[[], object]) -> int:
+    """How many point-to-point messages this process sends during ``fn()``."""
+    import torch.distributed as dist
+
+    sent, isend = [], dist.isend
+
+    def counting(*args: object, **kwargs: object) -> object:
+        sent.append(args)
+        return isend(*args, **kwargs)
+
+    dist.isend = counting
+    try:
+        fn()
+    finally:
+        dist.isend = isend
+    return len(sent)
 
 
 def dist_rank() -> int:
@@ -167,7 +208,9 @@ def test_async_across_processes_and_loading_in_one_process(saved_by_two: tuple) 
     ckdir, saved = saved_by_two
     for rank, result in enumerate(saved):
         assert result["async_equal"] == [True] * len(ASYNC_CASES), rank
+        assert result["gathered"] == [True] * 2 * len(GATHER_CASES), rank
         assert result["to_local_type"] == "AsyncCollectiveTensor"
+        assert result["messages"] == 1  # the header, carrying the shapes (pieces: gloo all_gather)
         assert torch.equal(result["to_local_plus_one"], torch.arange(10.0).reshape(5, 2) + 1)
     error = saved[1]["error"]
     assert "background collective" in error and "redistribute of" in error
@@ -192,3 +235,16 @@ def test_checkpoint_of_two_processes_loads_in_four(saved_by_two: tuple) -> None:
         _check_loaded(result["dcp"])
         assert result["step"] == 3
         assert all(torch.equal(a, b) for a, b in zip(result["params"], reference, strict=True))
+
+
+def test_all_gather_receives_into_the_result_when_its_slices_are_back_to_back() -> None:
+    whole = torch.zeros(6, 4)
+    rows = [whole[0:2], whole[2:5], whole[5:6]]
+    span = _span(rows[1:], 4 * 4 * 4)
+    assert span is not None and span.dtype == torch.uint8 and span.numel() == 64
+    span.view(torch.float32).fill_(7.0)  # what the transport writes lands in the result
+    assert torch.equal(whole, torch.cat([torch.zeros(2, 4), torch.full((4, 4), 7.0)]))
+    assert _span([whole[:, :2], whole[:, 2:]], 6 * 4 * 4) is None  # columns: not contiguous
+    assert _span([rows[0], rows[2]], 3 * 4 * 4) is None  # not adjacent
+    assert _span([rows[0], None], 2 * 4 * 4) is None  # a piece without a place
+    assert _span([rows[0], torch.zeros(1, 4)], 3 * 4 * 4) is None  # another storage

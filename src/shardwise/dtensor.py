@@ -27,6 +27,7 @@ from .spec import (
     make_tensor_meta,
     validate_placements,
 )
+from .tracing import dynamo_opaque
 
 DispatchHandler = Callable[[Any, tuple, dict], Any]
 _dispatch_handler: list[DispatchHandler] = []
@@ -127,6 +128,7 @@ class DTensor(torch.Tensor):
 
     # ----- conversions ---------------------------------------------------------------------
     @staticmethod
+    @dynamo_opaque
     def from_local(
         local: torch.Tensor | Sequence[torch.Tensor],
         device_mesh: DeviceMesh,
@@ -167,6 +169,7 @@ class DTensor(torch.Tensor):
             components = _broadcast_replicated(spec, components)
         return _FromLocal.apply(spec, *components)
 
+    @dynamo_opaque
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This process's component; when it owns several devices, use ``unpack`` (inside
         ``Strategy.run``, the component of the replica this thread acts for).
@@ -190,6 +193,7 @@ class DTensor(torch.Tensor):
             return unpack(self)[index]
         return _Unpack.apply(self, _grad_spec(self._spec, grad_placements, "to_local"))[index]
 
+    @dynamo_opaque
     def redistribute(
         self,
         device_mesh: DeviceMesh | None = None,
@@ -277,6 +281,7 @@ class DTensor(torch.Tensor):
         """The global value as a NumPy array, never one device's piece."""
         return self.full_tensor().detach().numpy(force=force)
 
+    @dynamo_opaque
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The global value as a plain tensor (differentiable).
 
@@ -437,6 +442,7 @@ def _broadcast_replicated(spec: DTensorSpec, components: list[torch.Tensor]) -> 
     return components
 
 
+@dynamo_opaque
 def distribute_tensor(
     tensor: torch.Tensor,
     device_mesh: DeviceMesh,

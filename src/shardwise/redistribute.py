@@ -366,14 +366,12 @@ def _split(t: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
     return [_piece(t, dim, runs) for runs in _split_runs(length, placement, n)]
 
 
-def _merge(pieces: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:
-    """Inverse of ``_split``: the whole tensor from every coordinate's piece."""
-    dim = placement.dim
-    if isinstance(placement, InterleavedShard):
-        k = placement.interleaved_size
-        blocks = [p.chunk(k, dim) if p.shape[dim] else [p] * k for p in pieces]
-        return torch.cat([blocks[j][b] for b in range(k) for j in range(len(pieces))], dim)
-    return torch.cat(list(pieces), dim)
+def _merge_interleaved(pieces: Sequence[torch.Tensor], placement: InterleavedShard) -> torch.Tensor:
+    """Inverse of ``_split`` for ``InterleavedShard``: the whole tensor from every coordinate's
+    piece (for ``Shard`` it is a concatenation, which ``comm.all_gather_tensor`` does)."""
+    dim, k = placement.dim, placement.interleaved_size
+    blocks = [p.chunk(k, dim) if p.shape[dim] else [p] * k for p in pieces]
+    return torch.cat([blocks[j][b] for b in range(k) for j in range(len(pieces))], dim)
 
 
 def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Tensor:
@@ -400,7 +398,9 @@ def _run_step(
             for t, c in zip(components, coords, strict=True)
         ]
     if step.collective == "all_gather":
-        return [_merge(p, a) for p in comm.all_gather(mesh, m, components)]
+        if isinstance(a, InterleavedShard):
+            return [_merge_interleaved(p, a) for p in comm.all_gather(mesh, m, components)]
+        return comm.all_gather_tensor(mesh, m, components, a.dim)
     if step.collective == "all_reduce":
         return comm.all_reduce(mesh, m, components, a.reduce_op)
     if step.collective == "reduce_scatter":
@@ -408,13 +408,25 @@ def _run_step(
         return comm.reduce_scatter(mesh, m, pieces, a.reduce_op)
     # all_to_all: Shard(d) -> Shard(e)
     pieces = [_split(t, b, n) for t in components]
-    return [torch.cat(p, a.dim) for p in comm.all_to_all(mesh, m, pieces)]
+    return [comm.join(p, a.dim) for p in comm.all_to_all(mesh, m, pieces)]
 
 
 def execute_plan(
     plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
     """Run ``plan`` on this process's components (ordered like ``mesh.local_device_ids``)."""
+    if torch._C._len_torch_dispatch_stack():  # a tracer may be running
+        from . import plan_op  # (plan_op imports this module)
+
+        if plan_op.tracing(mesh, components):
+            return plan_op.traced_plan(plan, mesh, components)
+    return run_plan(plan, mesh, components)
+
+
+def run_plan(
+    plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``execute_plan``'s eager body: the plan's steps, one after the other."""
     out = list(components)
     state = plan.source
     pending = plan.cast is not None and pending_sum(state)
@@ -464,6 +476,8 @@ def compile_plan(
         cuts.append(tuple(device_cuts))
 
     def run(components: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if torch._C._len_torch_dispatch_stack():  # a tracer may be running: its route
+            return execute_plan(plan, mesh, components)
         out = []
         for t, device_cuts in zip(components, cuts, strict=True):
             for dim, runs in device_cuts:

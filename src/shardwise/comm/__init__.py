@@ -4,6 +4,7 @@ from .accounting import CommCounter, CommRecord
 from .collectives import (
     agree,
     all_gather,
+    all_gather_tensor,
     all_reduce,
     all_to_all,
     broadcast,
@@ -11,6 +12,7 @@ from .collectives import (
     reduce_scatter,
     scatter_from,
 )
+from .native import join
 from .reduction import reduce_terms
 from .safety import (
     debug_checks_enabled,
@@ -25,12 +27,14 @@ __all__ = [
     "CommRecord",
     "agree",
     "all_gather",
+    "all_gather_tensor",
     "all_reduce",
     "all_to_all",
     "broadcast",
     "exchange",
     "debug_checks_enabled",
     "get_collective_timeout",
+    "join",
     "moving",
     "reduce_scatter",
     "reduce_terms",

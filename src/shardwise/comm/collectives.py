@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..mesh import DeviceMesh
-from . import accounting, background, distributed
+from . import accounting, background, distributed, native
 from .reduction import reduce_terms
 
 
@@ -46,17 +46,21 @@ def _to(t: torch.Tensor, mesh: DeviceMesh, device_id: int) -> torch.Tensor:
 
 def _across(
     out: list,
-    collective: Callable[..., tuple[dict[int, Any], distributed.Traffic]],
+    collective: str,
     mesh: DeviceMesh,
     mesh_dim: int,
     groups: list,
     *args: Any,
 ) -> distributed.Traffic:
-    """Run the distributed ``collective`` for the cross-process ``groups``; store its results."""
+    """Run ``collective`` for the cross-process ``groups`` (on the backend's own collectives
+    where the groups have one device per process, else point to point); store its results."""
     if not groups:
         return distributed.Traffic()
     background.drain()  # background collectives first: every process keeps the same order
-    results, traffic = collective(mesh, mesh_dim, groups, *args)
+    first = args[0][0]
+    sample = first[0] if isinstance(first, (list, tuple)) else first
+    transport = native if native.applies(mesh, mesh_dim, sample) else distributed
+    results, traffic = getattr(transport, collective)(mesh, mesh_dim, groups, *args)
     for i, result in results.items():
         out[i] = result
     return traffic
@@ -95,7 +99,7 @@ def all_reduce(
         result = reduce_terms([components[i] for i in indices], op)
         for k, i in enumerate(indices):
             out[i] = _to(result if k == 0 else result.clone(), mesh, members[k])
-    traffic = _across(out, distributed.all_reduce, mesh, mesh_dim, across, components, op)
+    traffic = _across(out, "all_reduce", mesh, mesh_dim, across, components, op)
     received = sum(
         accounting.all_reduce_received(
             components[i].numel(), components[i].element_size(), len(members), k
@@ -118,8 +122,31 @@ def all_gather(
         pieces = [components[i] for i in indices]
         for k, i in enumerate(indices):
             out[i] = [_to(p, mesh, members[k]) for p in pieces]
-    traffic = _across(out, distributed.all_gather, mesh, mesh_dim, across, components)
+    traffic = _across(out, "all_gather", mesh, mesh_dim, across, components)
     received = _per_piece_received(inside + across, out, accounting.all_gather_received)
+    _record("all_gather", mesh_dim, received, traffic)
+    return out
+
+
+def all_gather_tensor(
+    mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor], gather_dim: int
+) -> list[torch.Tensor]:
+    """Every device gets its group's components concatenated along ``gather_dim``, in
+    coordinate order (``all_gather`` then ``torch.cat``, but pieces from other processes land
+    in the result as they arrive: one copy fewer)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(components)
+    inside, across = _split_groups(mesh, mesh_dim)
+    for members, indices in inside:
+        for k, i in enumerate(indices):
+            out[i] = torch.cat([_to(components[j], mesh, members[k]) for j in indices],
+                               gather_dim)
+    traffic = _across(out, "all_gather_tensor", mesh, mesh_dim, across, components, gather_dim)
+    received = sum(
+        _nbytes(out[i]) - _nbytes(components[i])  # accounting.all_gather_received
+        for _, indices in inside + across
+        for i in indices
+        if i is not None
+    )
     _record("all_gather", mesh_dim, received, traffic)
     return out
 
@@ -134,7 +161,7 @@ def reduce_scatter(
     for members, indices in inside:
         for k, i in enumerate(indices):
             out[i] = _to(reduce_terms([pieces[j][k] for j in indices], op), mesh, members[k])
-    traffic = _across(out, distributed.reduce_scatter, mesh, mesh_dim, across, pieces, op)
+    traffic = _across(out, "reduce_scatter", mesh, mesh_dim, across, pieces, op)
     received = _per_piece_received(inside + across, pieces, accounting.reduce_scatter_received)
     _record("reduce_scatter", mesh_dim, received, traffic)
     return out
@@ -150,7 +177,7 @@ def all_to_all(
     for members, indices in inside:
         for k, i in enumerate(indices):
             out[i] = [_to(pieces[j][k], mesh, members[k]) for j in indices]
-    traffic = _across(out, distributed.all_to_all, mesh, mesh_dim, across, pieces)
+    traffic = _across(out, "all_to_all", mesh, mesh_dim, across, pieces)
     received = sum(
         accounting.all_to_all_received([_nbytes(p) for p in out[i]], k)
         for _, indices in inside + across
@@ -171,7 +198,7 @@ def broadcast(
         source = components[indices[src]]
         for k, i in enumerate(indices):
             out[i] = source if k == src else _to(source.clone(), mesh, members[k])
-    traffic = _across(out, distributed.broadcast, mesh, mesh_dim, across, components, src)
+    traffic = _across(out, "broadcast", mesh, mesh_dim, across, components, src)
     received = sum(
         accounting.broadcast_received(_nbytes(out[i]), k, src)
         for _, indices in inside + across

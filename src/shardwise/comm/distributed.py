@@ -1,14 +1,17 @@
-"""The ``torch.distributed`` transport: collectives for mesh groups whose devices span processes.
+"""The ``torch.distributed`` transport for mesh groups whose devices span processes, point to
+point: the groups where a process owns several devices of one group (and tensors of more dims
+than the native header holds). Groups with one device per process use the backend's own
+collectives instead (``native.py``, which shares this module's calls, headers, process groups
+and error handling).
 
-Each collective is built from point-to-point messages (gloo has no all_to_all nor
-reduce_scatter, and its all_gather wants equal pieces), at most one message per peer process and
-round, so a process receives only what its devices need: the pieces of other processes' devices
-for all_gather and all_to_all, the source once for broadcast. Reductions run in coordinate order
-on the process that owns the result (the first process of a group pre-reduces its leading
-members), so every mode gives the same bits as the embedded one, and all_reduce is that
-reduce_scatter of the ring chunks followed by an all_gather of the reduced chunks. Process groups
-are made per set of processes that share a device group, once, in mesh order.
-"""
+Each collective here is built from point-to-point messages, at most one message per peer
+process and round, so a process receives only what its devices need: the pieces of other
+processes' devices for all_gather and all_to_all, the source once for broadcast. Reductions run
+in coordinate order on the process that owns the result (the first process of a group
+pre-reduces its leading members), so every mode gives the same bits as the embedded one, and
+all_reduce is that reduce_scatter of the ring chunks followed by an all_gather of the reduced
+chunks. Process groups are made per set of processes that share a device group, once, in mesh
+order."""
 
 from __future__ import annotations
 
@@ -44,6 +47,11 @@ _sequence_lock = threading.Lock()
 KIND_CODES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "broadcast", "scatter",
               "agree", "exchange")
 _HEADER_MAGIC = 0x5357_4844
+_HEADER_FIELDS = 8  # int64: magic, kind, sequence, round, sent, expected, fingerprint, padding
+# A first round's message to one peer of at most this many bytes travels inside the header
+# (fixed size, so a mismatch is still reported, never a transport abort): one round trip less
+# for the shapes that all_gather and all_to_all exchange first and for small collectives.
+_INLINE_BYTES = 256
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -239,19 +247,25 @@ class _Round:
         self.call, self.meta = call, meta
         self.outgoing: dict[tuple[tuple[int, ...], int], list[torch.Tensor]] = {}
         self.incoming: dict[tuple[tuple[int, ...], int], list[int]] = {}
-        self.expected: list[tuple[tuple[tuple[int, ...], int], torch.Size, torch.dtype]] = []
+        self.expected: list[
+            tuple[tuple[tuple[int, ...], int], torch.Size, torch.dtype, torch.Tensor | None]
+        ] = []
 
     def send(self, ranks: tuple[int, ...], peer: int, tensor: torch.Tensor) -> None:
         self.outgoing.setdefault((ranks, peer), []).append(_as_bytes(tensor))
 
     def expect(
-        self, ranks: tuple[int, ...], peer: int, shape: Sequence[int], dtype: torch.dtype
+        self, ranks: tuple[int, ...], peer: int, shape: Sequence[int], dtype: torch.dtype,
+        into: torch.Tensor | None = None,
     ) -> None:
-        """Expect the next tensor from ``peer``; ``run`` returns them in ``expect`` order."""
+        """Expect the next tensor from ``peer``; ``run`` returns them in ``expect`` order.
+        With ``into`` (of that shape and dtype) the tensor lands there: when the ``into``s of
+        one peer are contiguous and adjacent in memory, the transport receives straight into
+        them, without a buffer and a copy."""
         shape = torch.Size(shape)
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         self.incoming.setdefault((ranks, peer), []).append(nbytes)
-        self.expected.append(((ranks, peer), shape, dtype))
+        self.expected.append(((ranks, peer), shape, dtype, into))
 
     def run(self) -> list[torch.Tensor]:
         try:
@@ -267,20 +281,31 @@ class _Round:
     def _run(self) -> list[torch.Tensor]:
         device = self.call.sample.device
         self.call.rounds += 1
+        payloads = {
+            key: (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)
+            for key, parts in self.outgoing.items()
+        }
+        inline: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
         if self.call.rounds == 1:  # later rounds' sizes follow from the first one's
-            self._exchange_headers(device)
+            inline = self._exchange_headers(device, payloads)
         works = []
-        for (ranks, peer), parts in self.outgoing.items():
-            buffer = parts[0] if len(parts) == 1 else torch.cat(parts)
+        buffers, direct = dict(inline), set()
+        for key, sizes in self.incoming.items():  # receives first: the data has a place to go
+            if key in inline:
+                continue
+            buffer = _span([into for k, _, _, into in self.expected if k == key], sum(sizes))
+            if buffer is None:
+                buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            else:
+                direct.add(key)
+            buffers[key] = buffer
             if buffer.numel():
+                works.append(dist.irecv(buffer, src=key[1], group=group_for_ranks(key[0]),
+                                        tag=TAG))
+        for (ranks, peer), buffer in payloads.items():
+            if buffer.numel() and not (self.call.rounds == 1 and _fits(buffer.numel())):
                 pg = group_for_ranks(ranks)
-                works.append(dist.isend(buffer.to(device), dst=peer, group=pg, tag=TAG))
-        buffers = {}
-        for (ranks, peer), sizes in self.incoming.items():
-            buffers[(ranks, peer)] = buffer = torch.empty(sum(sizes), dtype=torch.uint8,
-                                                          device=device)
-            if buffer.numel():
-                works.append(dist.irecv(buffer, src=peer, group=group_for_ranks(ranks), tag=TAG))
+                works.append(dist.isend(buffer, dst=peer, group=pg, tag=TAG))
         self._wait(works)
         received = sum(b.numel() for b in buffers.values())
         if self.meta:
@@ -289,14 +314,17 @@ class _Round:
             self.call.traffic.payload += received
         offsets = dict.fromkeys(buffers, 0)
         out = []
-        for key, shape, dtype in self.expected:
+        for key, shape, dtype, into in self.expected:
+            if key in direct:
+                out.append(into)
+                continue
             start = offsets[key]
             nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
             offsets[key] = start + nbytes
             piece = buffers[key][start : start + nbytes]  # a fresh buffer: views are safe
             itemsize = torch.empty((), dtype=dtype).element_size()
             piece = piece.view(dtype) if start % itemsize == 0 else piece.clone().view(dtype)
-            out.append(piece.reshape(shape))
+            out.append(piece.reshape(shape) if into is None else into.copy_(piece.reshape(shape)))
         return out
 
     def _header(self, key: tuple[tuple[int, ...], int]) -> list[int]:
@@ -307,29 +335,44 @@ class _Round:
             self.call.fingerprints.get(key[0], 0),
         ]
 
-    def _exchange_headers(self, device: torch.device) -> None:
+    def _exchange_headers(
+        self, device: torch.device, payloads: dict[tuple[tuple[int, ...], int], torch.Tensor]
+    ) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
         """Before the first round of a collective, each pair of processes swaps a fixed-size
         header (collective, sequence number, bytes to send, bytes expected), so processes that
         entered different collectives, or the same one with other sizes, raise
         ``CollectiveMismatchError`` on both sides instead of handing the transport a message of
         the wrong size (gloo aborts the process on that). The sizes of later rounds follow from
         what the first one carried (shapes, lengths) or from the same local shapes, so they
-        agree once the first round's do."""
+        agree once the first round's do. A first-round message of at most ``_INLINE_BYTES``
+        rides in the header; returns the ones received that way, per (ranks, peer)."""
         keys = list(dict.fromkeys([*self.outgoing, *self.incoming]))
         mine = {key: self._header(key) for key in keys}
-        theirs = {key: torch.empty(len(mine[key]), dtype=torch.int64) for key in keys}
+        size = _HEADER_FIELDS + _INLINE_BYTES // 8
+        theirs = {key: torch.empty(size, dtype=torch.int64, device=device) for key in keys}
         works = []
         for key in keys:
             pg = group_for_ranks(key[0])
-            header = torch.tensor(mine[key], dtype=torch.int64).to(device)
-            works.append(dist.isend(header, dst=key[1], group=pg, tag=TAG))
-            theirs[key] = theirs[key].to(device)
             works.append(dist.irecv(theirs[key], src=key[1], group=pg, tag=TAG))
+        for key in keys:
+            header = torch.zeros(size, dtype=torch.int64)
+            header[: len(mine[key])] = torch.tensor(mine[key], dtype=torch.int64)
+            header = header.to(device)
+            payload = payloads.get(key)
+            if payload is not None and payload.numel() and _fits(payload.numel()):
+                header.view(torch.uint8)[_HEADER_FIELDS * 8 :][: payload.numel()] = payload
+            works.append(dist.isend(header, dst=key[1], group=group_for_ranks(key[0]), tag=TAG))
         self._wait(works)
-        self.call.traffic.meta += sum(t.numel() * 8 for t in theirs.values())
+        inline = {
+            key: theirs[key].view(torch.uint8)[_HEADER_FIELDS * 8 :][: sum(sizes)]
+            for key, sizes in self.incoming.items()
+            if _fits(sum(sizes))
+        }  # counted with the round they belong to
+        self.call.traffic.meta += len(keys) * size * 8 - sum(b.numel() for b in inline.values())
+        received = {key: theirs[key][: len(mine[key])].tolist() for key in keys}
         differ = set()
         for key in keys:
-            own, other = mine[key], theirs[key].tolist()
+            own, other = mine[key], received[key]
             agree = other[:4] == own[:4] and other[4] == own[5] and other[5] == own[4]
             if agree and other[6] != own[6]:
                 differ.add(key)
@@ -343,23 +386,58 @@ class _Round:
                 )
         if differ:
             self.call.compare(differ)
+        return inline
 
     def _wait(self, works: list) -> None:
-        timeout = safety.get_collective_timeout()
-        deadline = time.monotonic() + timeout
-        for work in works:
-            left = max(deadline - time.monotonic(), 0.001)
-            try:
-                work.wait(timedelta(seconds=left))
-            except RuntimeError as err:
-                if "timed out" in str(err).lower() or time.monotonic() >= deadline:
-                    raise CollectiveTimeoutError(
-                        f"{self.call.what()} did not complete within the collective timeout of "
-                        f"{timeout:g} s: another process did not take part (it diverged, is "
-                        f"slower than the timeout, or hangs); set_debug_checks(True) finds "
-                        f"divergent programs"
-                    ) from err
-                raise CollectiveError(f"{self.call.what()} failed: {err}") from err
+        wait_all(self.call, works)
+
+
+def wait_all(call: _Call, works: list) -> None:
+    """Wait for ``works`` (async handles of ``call``) within the collective timeout: past it
+    ``CollectiveTimeoutError``, a transport failure ``CollectiveError``."""
+    timeout = safety.get_collective_timeout()
+    deadline = time.monotonic() + timeout
+    for work in works:
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timedelta(seconds=left))
+        except RuntimeError as err:
+            if "timed out" in str(err).lower() or time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"{call.what()} did not complete within the collective timeout of "
+                    f"{timeout:g} s: another process did not take part (it diverged, is "
+                    f"slower than the timeout, or hangs); set_debug_checks(True) finds "
+                    f"divergent programs"
+                ) from err
+            raise CollectiveError(f"{call.what()} failed: {err}") from err
+
+
+def _fits(nbytes: int) -> bool:
+    """Whether a first-round message of ``nbytes`` travels inside the header."""
+    return nbytes <= _INLINE_BYTES
+
+
+def _span(targets: list[torch.Tensor | None], nbytes: int) -> torch.Tensor | None:
+    """The ``nbytes`` bytes of memory that ``targets`` cover, as one uint8 tensor to receive
+    into, if they are all given, contiguous and back to back in one storage; else None."""
+    if any(t is None for t in targets):
+        return None
+    filled = [t for t in targets if t.numel()]
+    if not filled:
+        return None
+    first = filled[0]
+    storage = first.untyped_storage()
+    end = first.data_ptr()
+    for t in filled:
+        if (not t.is_contiguous() or t.data_ptr() != end
+                or t.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+        end += t.numel() * t.element_size()
+    if end - first.data_ptr() != nbytes:
+        return None
+    offset = first.data_ptr() - storage.data_ptr()
+    span = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return span.set_(storage, offset, (nbytes,))
 
 
 def _describe_header(header: list[int]) -> str:
@@ -390,28 +468,36 @@ def _members_of(call: _Call, members: tuple[int, ...], rank: int) -> list[int]:
     return [k for k, d in enumerate(members) if call.owner(d) == rank]
 
 
+def _gather_shapes(
+    call: _Call, groups: Sequence[Group], components: Sequence[torch.Tensor]
+) -> dict[tuple[tuple[int, ...], int], list[list[int]]]:
+    """The first round of an all_gather: the shapes of every peer's pieces, per (group, peer)."""
+    call.check(lambda group: {"ndim": components[0].ndim})
+    headers = call.round(meta=True)
+    keys = []
+    for members, indices in groups:
+        mine = [list(components[i].shape) for _, i in _local_members((members, indices))]
+        for peer in call.peers(members):
+            headers.send(call.ranks[members], peer, torch.tensor(mine, dtype=torch.int64))
+            count = len(_members_of(call, members, peer))
+            headers.expect(call.ranks[members], peer, (count, components[0].ndim), torch.int64)
+            keys.append((members, peer))
+    return {key: shapes.tolist() for key, shapes in zip(keys, headers.run(), strict=True)}
+
+
 def all_gather(
     mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor]
 ) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
     """Every member's piece for every local device: other processes send their pieces once."""
     sample = components[0]
     call = _Call("all_gather", mesh, mesh_dim, groups, sample)
-    call.check(lambda group: {"ndim": sample.ndim})
-    ndim = sample.ndim
-    headers = call.round(meta=True)
-    for members, indices in groups:
-        mine = [list(components[i].shape) for _, i in _local_members((members, indices))]
-        for peer in call.peers(members):
-            headers.send(call.ranks[members], peer, torch.tensor(mine, dtype=torch.int64))
-            count = len(_members_of(call, members, peer))
-            headers.expect(call.ranks[members], peer, (count, ndim), torch.int64)
-    shapes = iter(headers.run())
+    shapes = _gather_shapes(call, groups, components)
     data = call.round()
     for members, indices in groups:
         for peer in call.peers(members):
             for _, i in _local_members((members, indices)):
                 data.send(call.ranks[members], peer, components[i])
-            for shape in next(shapes).tolist():
+            for shape in shapes[(members, peer)]:
                 data.expect(call.ranks[members], peer, shape, sample.dtype)
     received = iter(data.run())
     out: dict[int, list[torch.Tensor]] = {}
@@ -426,6 +512,59 @@ def all_gather(
         ]
         for k, i in _local_members((members, indices)):
             out[i] = [p.to(mesh.device_of(members[k])) for p in pieces]
+    return out, call.traffic
+
+
+def all_gather_tensor(
+    mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor],
+    gather_dim: int,
+) -> tuple[dict[int, torch.Tensor], Traffic]:
+    """``all_gather`` whose pieces are concatenated along ``gather_dim``: the result is
+    allocated first and the peers' pieces are received straight into it when their slices are
+    contiguous (gathering along dim 0), so no piece is copied after it arrived."""
+    sample = components[0]
+    call = _Call("all_gather", mesh, mesh_dim, groups, sample)
+    shapes = _gather_shapes(call, groups, components)
+    data = call.round()
+    wholes = []
+    for members, indices in groups:
+        local = _local_members((members, indices))
+        sizes: list[list[int]] = [[] for _ in members]
+        for k, i in local:
+            sizes[k] = list(components[i].shape)
+        for peer in call.peers(members):
+            for k, shape in zip(_members_of(call, members, peer), shapes[(members, peer)],
+                                strict=True):
+                sizes[k] = shape
+        first = components[local[0][1]]
+        shape = list(first.shape)
+        for k, size in enumerate(sizes):
+            if size[:gather_dim] + size[gather_dim + 1:] != shape[:gather_dim] + shape[
+                    gather_dim + 1:]:
+                raise CollectiveMismatchError(
+                    f"{call.what()}: member {k} of device group {list(members)} holds a piece "
+                    f"of shape {size}, which does not concatenate along dim {gather_dim} with "
+                    f"the local piece of shape {shape}"
+                )
+        shape[gather_dim] = sum(size[gather_dim] for size in sizes)
+        whole = torch.empty(shape, dtype=sample.dtype, device=first.device)
+        parts, offset = [], 0
+        for size in sizes:
+            parts.append(whole.narrow(gather_dim, offset, size[gather_dim]))
+            offset += size[gather_dim]
+        for peer in call.peers(members):
+            for _, i in local:
+                data.send(call.ranks[members], peer, components[i])
+            for k in _members_of(call, members, peer):
+                data.expect(call.ranks[members], peer, sizes[k], sample.dtype, into=parts[k])
+        for k, i in local:
+            parts[k].copy_(components[i])
+        wholes.append(whole)
+    data.run()
+    out: dict[int, torch.Tensor] = {}
+    for (members, indices), whole in zip(groups, wholes, strict=True):
+        for m, (k, i) in enumerate(_local_members((members, indices))):
+            out[i] = (whole if m == 0 else whole.clone()).to(mesh.device_of(members[k]))
     return out, call.traffic
 
 

@@ -16,6 +16,7 @@ from ..dtensor import DTensor, distribute_tensor
 from ..errors import ParallelPlanError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
+from ..tracing import dynamo_opaque
 
 
 def resolve_tp_dim(mesh: DeviceMesh, tp_mesh_dim: int | str | None) -> int:
@@ -48,6 +49,7 @@ def on_tp_dim(
     return tuple(full)
 
 
+@dynamo_opaque
 def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
     """A module input as a DTensor. A DTensor passes unchanged. A plain tensor is this
     process's shard when it owns one device of the mesh (PyTorch's ``from_local``), and the
@@ -64,11 +66,13 @@ def to_layout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
     return x.redistribute(placements=placements)
 
 
+@dynamo_opaque
 def on_tp(x: DTensor, tp_dim: int, placement: Placement) -> DTensor:
     """``x`` with the tp mesh dim moved to ``placement`` (other mesh dims unchanged)."""
     return to_layout(x, on_tp_dim(x.device_mesh, tp_dim, placement, base=x.placements))
 
 
+@dynamo_opaque
 def local_output(x: object, use_local_output: bool) -> object:
     """PyTorch's ``use_local_output``: the local tensor when the process owns one device of the
     mesh; with several there is no single local tensor, so the DTensor is kept."""

@@ -1,0 +1,416 @@
+"""Collectives on ``torch.distributed``'s own operations, for device groups with one device per
+process (classic SPMD, the common case): one native collective moves the data, received into
+one fresh buffer whose views are the results (no per-piece clone or cat; ``join`` even turns
+pieces received side by side into one tensor without a copy).
+
+Before the data, the processes of a group all-gather one fixed-size header (collective,
+sequence number, dtype, reduce op, debug-check fingerprint, and the shapes of the pieces each
+will send), so a divergent program raises ``CollectiveMismatchError`` on every rank before gloo
+sees messages of the wrong size (it aborts the process on those); the shapes in the header also
+size the receive buffers, so no separate shape round is needed.
+
+Reductions stay bit-identical to the embedded transport, which combines terms in coordinate
+order (``reduction.combine``): an all_to_all brings member k chunk k of every term, which it
+combines in that order, and all_reduce all-gathers the reduced chunks (the bytes of a ring
+all_reduce); reduce_scatter is the first half. Only a sum of two terms of a dtype the backend
+adds exactly as torch does (one addition per element, which commutes) uses the backend's own
+all_reduce. Pieces of uneven sizes, which all_gather cannot take, go point to point, straight
+into the result buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from math import prod
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveError, CollectiveMismatchError
+from ..mesh import DeviceMesh
+from .distributed import (
+    _HEADER_MAGIC,
+    KIND_CODES,
+    TAG,
+    Group,
+    Traffic,
+    _as_bytes,
+    _Call,
+    _first_local,
+    group_for_ranks,
+    wait_all,
+)
+from .reduction import combine, finish
+
+MAX_NDIM = 8  # shapes in the fixed-size header; tensors of more dims go point to point
+_FIXED = 8  # header fields before the shapes
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_OPS = ("sum", "avg", "max", "min")
+_DTYPES = sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
+# dtypes whose sum of two terms the backend computes exactly as ``reduction.combine`` does (half
+# types accumulate in float32 there; max/min differ on NaN)
+_PAIR_EXACT = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+@lru_cache(maxsize=1024)
+def _one_device_per_process(mesh: DeviceMesh, mesh_dim: int) -> bool:
+    """Every group along ``mesh_dim`` has its members in distinct processes (the same answer
+    in every process, so all take the same path)."""
+    return all(
+        len({mesh.owner_of(d) for d in members}) == len(members)
+        for members in mesh.groups(mesh_dim)
+    )
+
+
+def applies(mesh: DeviceMesh, mesh_dim: int, sample: torch.Tensor) -> bool:
+    """Whether the native collectives serve the cross-process groups of ``mesh_dim``: every
+    such group has one device per process, and the tensors fit the header."""
+    return sample.ndim <= MAX_NDIM and _one_device_per_process(mesh, mesh_dim)
+
+
+class _Native:
+    """One cross-process group of a call, seen from its single local member."""
+
+    def __init__(self, call: _Call, group: Group) -> None:
+        members, indices = group
+        self.call, self.n = call, len(members)
+        self.ranks = call.ranks[members]
+        self.pg = group_for_ranks(self.ranks)
+        self.owners = [call.owner(d) for d in members]
+        self.slot = [self.ranks.index(o) for o in self.owners]  # group rank of member k
+        self.member_at = [self.slot.index(r) for r in range(self.n)]  # member of group rank r
+        self.k = next(k for k, i in enumerate(indices) if i is not None)
+        self.local = _first_local(group)
+        self.ordered = self.slot == list(range(self.n))
+
+    def header(self, shapes: Sequence[Sequence[int]], extra: int = 0) -> list[list[list[int]]]:
+        """All-gather this process's header; check the others'; return, per member, the
+        shapes it announced."""
+        call = self.call
+        dtype_code = _DTYPES.index(str(call.sample.dtype))
+        fixed = [
+            _HEADER_MAGIC, KIND_CODES.index(call.kind), call.seq[self.ranks],
+            call.fingerprints.get(self.ranks, 0), dtype_code, call.sample.ndim, extra,
+            len(shapes),
+        ]
+        padded = [-1] * (self.n * MAX_NDIM)
+        flat = [int(x) for s in shapes for x in s]
+        padded[: len(flat)] = flat
+        mine = torch.tensor(fixed + padded, dtype=torch.int64, device=call.sample.device)
+        everyone = torch.empty(self.n * mine.numel(), dtype=torch.int64, device=mine.device)
+        self.run(lambda: _ALL_GATHER(everyone, mine, group=self.pg, async_op=True))
+        call.rounds = max(call.rounds, 1)  # the debug comparison needs no point-to-point header
+        call.traffic.meta += (self.n - 1) * mine.numel() * 8
+        rows = everyone.view(self.n, -1).tolist()
+        differ = set()
+        for r, row in enumerate(rows):
+            if row[:3] + row[4:_FIXED] != fixed[:3] + fixed[4:]:
+                self.mismatch(fixed, r, row)
+            if row[3] != fixed[3]:
+                differ.add((self.ranks, self.ranks[r]))
+        if differ:
+            call.compare(differ)
+        ndim = call.sample.ndim
+        return [
+            [row[_FIXED + m * ndim : _FIXED + (m + 1) * ndim] for m in range(len(shapes))]
+            for row in (rows[self.slot[j]] for j in range(self.n))
+        ]
+
+    def mismatch(self, mine: list[int], r: int, theirs: list[int]) -> None:
+        raise CollectiveMismatchError(
+            f"processes entered different collectives: {self.call.what()}. Rank "
+            f"{self.call.me}: {_describe(mine)}; rank {self.ranks[r]}: {_describe(theirs)}. "
+            f"Every process must run the same collectives in the same order on tensors of the "
+            f"same shapes; set_debug_checks(True) names the call sites"
+        )
+
+    def same_shapes(self, announced: list[list[list[int]]]) -> None:
+        """Reductions and broadcast need every member to announce the same shapes."""
+        for j, shapes in enumerate(announced):
+            if shapes != announced[self.k]:
+                raise CollectiveMismatchError(
+                    f"processes disagree on the shapes of a collective: {self.call.what()}. "
+                    f"Rank {self.call.me}: {announced[self.k]}; rank {self.owners[j]}: "
+                    f"{shapes}. Every process must pass tensors of the same shapes"
+                )
+
+    def run(self, start: Callable[[], object]) -> None:
+        """Start the native operation(s) and wait for them within the collective timeout."""
+        try:
+            works = start()
+        except RuntimeError as err:
+            raise CollectiveError(
+                f"{self.call.what()} failed: {err}; another process probably failed or timed "
+                f"out first"
+            ) from err
+        wait_all(self.call, works if isinstance(works, list) else [works])
+
+    def all_to_all(self, send: Sequence[torch.Tensor], receive: Sequence[int]) -> list:
+        """Member k gets ``send[k]``; returns the byte views of what each member sent here,
+        ``receive[j]`` bytes from member j."""
+        outgoing = [send[self.member_at[r]] for r in range(self.n)]
+        buffer = _packed(outgoing)
+        in_splits = [t.numel() * t.element_size() for t in outgoing]
+        out_splits = [receive[self.member_at[r]] for r in range(self.n)]
+        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=buffer.device)
+        # every process calls it, even with nothing to move here (its peers may have)
+        self.run(lambda: dist.all_to_all_single(out, buffer, out_splits, in_splits,
+                                                group=self.pg, async_op=True))
+        self.call.traffic.payload += out.numel() - out_splits[self.slot[self.k]]
+        by_rank = out.split(out_splits)
+        return [by_rank[self.slot[j]] for j in range(self.n)]
+
+    def gather_into(self, parts: Sequence[torch.Tensor], mine: torch.Tensor) -> None:
+        """Fill ``parts[j]`` (views of one result buffer) with member j's ``mine``: natively
+        when the parts are equal and lie in group-rank order, otherwise point to point."""
+        sizes = {p.numel() for p in parts}
+        self.call.traffic.payload += sum(p.numel() for p in parts) - parts[self.k].numel()
+        if self.ordered and len(sizes) == 1:
+            whole = _adjacent(parts)
+            if whole.numel():
+                self.run(lambda: _ALL_GATHER(whole, mine, group=self.pg, async_op=True))
+            return
+        parts[self.k].copy_(mine)
+
+        def start() -> list:
+            works = []
+            for j in range(self.n):
+                if j != self.k and mine.numel():
+                    works.append(dist.isend(mine, dst=self.owners[j], group=self.pg, tag=TAG))
+                if j != self.k and parts[j].numel():
+                    works.append(dist.irecv(parts[j], src=self.owners[j], group=self.pg,
+                                            tag=TAG))
+            return works
+
+        self.run(start)
+
+
+def _describe(header: list[int]) -> str:
+    magic, kind, seq, _, dtype, ndim, extra, _ = header[:_FIXED]
+    if magic != _HEADER_MAGIC:
+        return f"a message that is not a shardwise header ({header[:_FIXED]})"
+    name = KIND_CODES[kind] if 0 <= kind < len(KIND_CODES) else f"kind {kind}"
+    if name in ("all_reduce", "reduce_scatter") and 0 <= extra < len(_OPS):
+        name += f"({_OPS[extra]})"
+    elif name == "broadcast":
+        name += f"(src={extra})"
+    dtype_name = _DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else f"dtype {dtype}"
+    return f"{name} #{seq} between these processes on {ndim}-d {dtype_name} pieces"
+
+
+def _adjacent(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of ``pieces`` one after the other as one view, when they already lie side by
+    side, dense, in one storage (a component cut along its first dim); else None."""
+    first = pieces[0]
+    offset = start = first.storage_offset() * first.element_size()
+    for p in pieces:
+        if not p.is_contiguous() or p.untyped_storage().data_ptr() != first.untyped_storage(
+        ).data_ptr() or p.storage_offset() * p.element_size() != offset:
+            return None
+        offset += p.numel() * p.element_size()
+    joined = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return joined.set_(first.untyped_storage(), start, (offset - start,))
+
+
+def _packed(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``pieces`` one after the other: a view where they already are, else one
+    copy of each into a fresh buffer."""
+    joined = _adjacent(pieces)
+    if joined is not None:
+        return joined
+    sizes = [p.numel() * p.element_size() for p in pieces]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=pieces[0].device)
+    for p, part in zip(pieces, buffer.split(sizes), strict=True):
+        part.view(p.dtype).view(p.shape).copy_(p)
+    return buffer
+
+
+class Received(list):
+    """Pieces that a collective received side by side into one fresh buffer, which nothing
+    else holds: ``join`` may return a view of it instead of copying them."""
+
+
+def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(pieces, dim)``, without the copy when ``pieces`` is ``Received`` and they
+    lie in order along ``dim`` (an all_gather or all_to_all along the first non-trivial dim):
+    then a view of their buffer."""
+    first = pieces[0]
+    if (
+        isinstance(pieces, Received)
+        and len(pieces) > 1
+        and all(
+            prod(p.shape[:dim]) == 1
+            and p.shape[:dim] + p.shape[dim + 1 :] == first.shape[:dim] + first.shape[dim + 1 :]
+            for p in pieces
+        )
+        and _adjacent(pieces) is not None
+    ):
+        shape = list(first.shape)
+        shape[dim] = sum(p.shape[dim] for p in pieces)
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+    return torch.cat(list(pieces), dim)
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    return raw.view(dtype).view(tuple(shape))
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return prod(shape) * dtype.itemsize
+
+
+# ----- collectives (same signatures and results as distributed.py's) ---------------------------
+
+
+def all_gather(
+    mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor]
+) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
+    """Every member's piece, as views of one buffer filled by one all_gather."""
+    sample = components[0]
+    call = _Call("all_gather", mesh, mesh_dim, groups, sample)
+    call.check(lambda group: {"ndim": sample.ndim})
+    out = {}
+    for group in sorted(groups):
+        g = _Native(call, group)
+        piece = components[g.local]
+        shapes = [s[0] for s in g.header([piece.shape])]
+        sizes = [_nbytes(s, sample.dtype) for s in shapes]
+        parts = torch.empty(sum(sizes), dtype=torch.uint8, device=sample.device).split(sizes)
+        g.gather_into(parts, _as_bytes(piece))
+        out[g.local] = Received(
+            _typed(p, sample.dtype, s) for p, s in zip(parts, shapes, strict=True)
+        )
+    return out, call.traffic
+
+
+def all_gather_tensor(
+    mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor],
+    gather_dim: int,
+) -> tuple[dict[int, torch.Tensor], Traffic]:
+    """``all_gather`` joined along ``gather_dim``: a view of the gathered buffer where the pieces
+    lie in order along it, else one concatenation."""
+    gathered, traffic = all_gather(mesh, mesh_dim, groups, components)
+    return {i: join(pieces, gather_dim) for i, pieces in gathered.items()}, traffic
+
+
+def all_to_all(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    groups: Sequence[Group],
+    pieces: Sequence[Sequence[torch.Tensor]],
+) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
+    """``pieces[i][k]`` goes to member k by one all_to_all with the pieces' split sizes."""
+    sample = pieces[0][0]
+    call = _Call("all_to_all", mesh, mesh_dim, groups, sample)
+    call.check(lambda group: {"ndim": sample.ndim})
+    out = {}
+    for group in sorted(groups):
+        g = _Native(call, group)
+        mine = pieces[g.local]
+        announced = g.header([p.shape for p in mine])
+        shapes = [announced[j][g.k] for j in range(g.n)]
+        received = g.all_to_all(mine, [_nbytes(s, sample.dtype) for s in shapes])
+        out[g.local] = Received(
+            _typed(r, sample.dtype, s) for r, s in zip(received, shapes, strict=True)
+        )
+    return out, call.traffic
+
+
+def reduce_scatter(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    groups: Sequence[Group],
+    pieces: Sequence[Sequence[torch.Tensor]],
+    op: str,
+) -> tuple[dict[int, torch.Tensor], Traffic]:
+    """An all_to_all of the pieces, then each member combines its terms in coordinate order."""
+    sample = pieces[0][0]
+    call = _Call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})")
+    call.check(lambda g: {"piece shapes": [list(p.shape) for p in pieces[_first_local(g)]]})
+    out = {}
+    for group in sorted(groups):
+        g = _Native(call, group)
+        mine = pieces[g.local]
+        g.same_shapes(g.header([p.shape for p in mine], extra=_OPS.index(op)))
+        shape = mine[g.k].shape
+        size = _nbytes(shape, sample.dtype)
+        terms = g.all_to_all(mine, [size] * g.n)
+        reduced = combine([_typed(t, sample.dtype, shape) for t in terms], op)
+        out[g.local] = finish(reduced, op, g.n, sample.dtype)
+    return out, call.traffic
+
+
+def _chunks(numel: int, n: int) -> list[tuple[int, int]]:
+    """(start, stop) of the ring chunks of a flat tensor (the accounting's all_reduce model)."""
+    size = -(-numel // n) if numel else 0
+    return [(min(k * size, numel), min((k + 1) * size, numel)) for k in range(n)]
+
+
+def all_reduce(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    groups: Sequence[Group],
+    components: Sequence[torch.Tensor],
+    op: str,
+) -> tuple[dict[int, torch.Tensor], Traffic]:
+    """Member k reduces chunk k of every component in coordinate order (after an all_to_all of
+    the chunks), then the reduced chunks are all-gathered into the result buffer."""
+    sample = components[0]
+    call = _Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})")
+    call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
+    out = {}
+    item = sample.dtype.itemsize
+    for group in sorted(groups):
+        g = _Native(call, group)
+        component = components[g.local]
+        g.same_shapes(g.header([component.shape], extra=_OPS.index(op)))
+        if g.n == 2 and op in ("sum", "avg") and sample.dtype in _PAIR_EXACT:
+            # one addition per element, a + b == b + a: the backend's sum is the embedded one
+            result = component.clone(memory_format=torch.contiguous_format)
+            g.run(lambda r=result, g=g: dist.all_reduce(r, group=g.pg, async_op=True))
+            call.traffic.payload += result.numel() * item  # a ring's two halves
+            out[g.local] = finish(result, op, g.n, sample.dtype)
+            continue
+        flat = _as_bytes(component)
+        bounds = _chunks(component.numel(), g.n)
+        start, stop = bounds[g.k]
+        terms = g.all_to_all([flat[a * item : b * item] for a, b in bounds],
+                             [(stop - start) * item] * g.n)
+        reduced = finish(
+            combine([_typed(t, sample.dtype, (stop - start,)) for t in terms], op), op, g.n,
+            sample.dtype,
+        )
+        result = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
+        raw = _as_bytes(result)
+        g.gather_into([raw[a * item : b * item] for a, b in bounds], _as_bytes(reduced))
+        out[g.local] = result
+    return out, call.traffic
+
+
+def broadcast(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    groups: Sequence[Group],
+    components: Sequence[torch.Tensor],
+    src: int,
+) -> tuple[dict[int, torch.Tensor], Traffic]:
+    """Member ``src``'s component, by one native broadcast into a fresh buffer."""
+    sample = components[0]
+    call = _Call("broadcast", mesh, mesh_dim, groups, sample, f"(src={src})")
+    call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
+    out = {}
+    for group in sorted(groups):
+        g = _Native(call, group)
+        component = components[g.local]
+        g.same_shapes(g.header([component.shape], extra=src))
+        if g.k == src:
+            buffer, value = _as_bytes(component), component
+        else:
+            value = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
+            buffer = _as_bytes(value)
+            call.traffic.payload += buffer.numel()
+        if buffer.numel():
+            g.run(lambda b=buffer, g=g: dist.broadcast(b, src=g.owners[src], group=g.pg,
+                                                       async_op=True))
+        out[g.local] = value
+    return out, call.traffic

@@ -1,0 +1,103 @@
+"""A redistribution plan across processes as one ``torch.library`` custom op, so torch.compile
+can trace it: ``shardwise::execute_plan(components, key)`` runs the plan that ``key`` describes
+(``run_plan``, eager's executor, so results are bit-identical to eager), and its fake
+implementation gives the target local shapes without communicating.
+
+``execute_plan`` takes this route only while a tracer runs (a dispatch mode is active) on a mesh
+that spans processes; in one process the plan's local ops and in-process collectives are traced
+as they are, where the compiler can fuse them. The key is a JSON text of the mesh, the
+placements, the global shape and the dtype, so a graph loaded from torch's compile caches in
+another process finds its plan again (planning is deterministic).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .comm.distributed import spans_processes
+from .mesh import DeviceMesh
+from .redistribute import RedistributePlan, plan_redistribute, run_plan
+from .spec import DTensorSpec, contiguous_meta
+from .tracing import decode_placement, encode_placement
+
+# key -> (plan, mesh, local output shapes)
+_entries: dict[str, tuple[RedistributePlan, DeviceMesh, list[torch.Size]]] = {}
+_lock = threading.Lock()
+
+
+def tracing(mesh: DeviceMesh, components: Sequence[torch.Tensor]) -> bool:
+    """True while a tracer runs on a mesh whose devices span processes."""
+    return torch._C._len_torch_dispatch_stack() > 0 and spans_processes(mesh) and bool(components)
+
+
+def _key(plan: RedistributePlan, mesh: DeviceMesh, dtype: torch.dtype) -> str:
+    return json.dumps({
+        "mesh": [mesh.device_type, list(mesh.shape), list(mesh.device_ids),
+                 list(mesh.mesh_dim_names or ())],
+        "source": [encode_placement(p) for p in plan.source],
+        "target": [encode_placement(p) for p in plan.target],
+        "shape": list(plan.shape),
+        "dtype": str(dtype).removeprefix("torch."),
+    })
+
+
+def _entry(key: str) -> tuple[RedistributePlan, DeviceMesh, list[torch.Size]]:
+    """The plan, mesh and output shapes of ``key`` (planned again when this process has not
+    traced it: a graph from torch's caches)."""
+    entry = _entries.get(key)
+    if entry is None:
+        with _disable_current_modes():  # a fake mode may be tracing: the mesh is real data
+            _replan(key)
+        entry = _entries[key]
+    return entry
+
+
+def _replan(key: str) -> None:
+    d = json.loads(key)
+    device_type, shape, ids, names = d["mesh"]
+    mesh = DeviceMesh(device_type, torch.tensor(ids).reshape(shape),
+                      mesh_dim_names=tuple(names) or None)
+    meta = contiguous_meta(d["shape"], getattr(torch, d["dtype"]))
+    source = DTensorSpec(mesh, tuple(decode_placement(c) for c in d["source"]), meta)
+    plan = plan_redistribute(source, tuple(decode_placement(c) for c in d["target"]))
+    _store(key, plan, mesh, meta.dtype)
+
+
+def _store(key: str, plan: RedistributePlan, mesh: DeviceMesh, dtype: torch.dtype) -> None:
+    with _lock:
+        if key not in _entries:
+            spec = DTensorSpec(mesh, plan.target, contiguous_meta(plan.shape, dtype))
+            _entries[key] = (plan, mesh, [spec.local_shape(d) for d in mesh.local_device_ids])
+
+
+def traced_plan(
+    plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``plan`` on ``components`` through the custom op (what a compiled graph records)."""
+    key = _key(plan, mesh, components[0].dtype)
+    _store(key, plan, mesh, components[0].dtype)
+    return list(torch.ops.shardwise.execute_plan(list(components), key))
+
+
+@torch.library.custom_op("shardwise::execute_plan", mutates_args=())
+def _execute_plan_op(components: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    plan, mesh, _ = _entry(key)
+    inputs = {c.untyped_storage().data_ptr() for c in components}
+    # a custom op's outputs are fresh, dense tensors (no aliasing of its inputs)
+    return [
+        c.clone(memory_format=torch.contiguous_format)
+        if c.untyped_storage().data_ptr() in inputs or not c.is_contiguous()
+        else c
+        for c in run_plan(plan, mesh, components)
+    ]
+
+
+@_execute_plan_op.register_fake
+def _(components: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    shapes = _entry(key)[2]
+    return [c.new_empty(shape) for c, shape in zip(components, shapes, strict=True)]

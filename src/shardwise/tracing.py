@@ -1,0 +1,94 @@
+"""torch.compile over DTensors: the entry points that build DTensors from plain tensors or move
+data between devices (``from_local``, ``distribute_tensor``, ``redistribute``, ``to_local``,
+``full_tensor``) are one opaque call each for dynamo (``torch._dynamo.nonstrict_trace``), and AOT
+autograd traces through them with fake components. Dynamo then never steps into shardwise's
+Python (plans, transports, caches), and a parallelized module's hooks compile without graph
+breaks.
+
+Dynamo passes only tensors, Python constants and registered pytree constants into such a call:
+meshes are registered constants (made before the compiled region, compared with ``==``), and
+placements, often made inside the region, cross the boundary as tuples of plain values.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.utils._pytree as pytree
+
+from .mesh import DeviceMesh
+from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_MARK = "shardwise.placement"
+
+pytree.register_constant(DeviceMesh)
+
+
+def encode_placement(p: Placement) -> tuple:
+    """``p`` as a tuple of plain values (``decode_placement`` inverts it)."""
+    if isinstance(p, InterleavedShard):
+        return (_MARK, "I", p.dim, p.interleaved_size)
+    if isinstance(p, Shard):
+        return (_MARK, "S", p.dim)
+    if isinstance(p, Partial):
+        return (_MARK, "P", p.reduce_op)
+    return (_MARK, "R")
+
+
+def _encode(value: Any) -> Any:
+    """A placement, or a non-empty sequence of placements, as a tuple of plain values."""
+    if isinstance(value, Placement):
+        return encode_placement(value)
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(p, Placement) for p in value)
+    ):
+        return tuple(encode_placement(p) for p in value)
+    return value
+
+
+def _is_code(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) > 1 and value[0] == _MARK
+
+
+def decode_placement(code: tuple | list) -> Placement:
+    """The placement ``encode_placement`` gave ``code`` for (a list after JSON)."""
+    kind = code[1]
+    if kind == "I":
+        return InterleavedShard(code[2], code[3])
+    if kind == "S":
+        return Shard(code[2])
+    if kind == "P":
+        return Partial(code[2])
+    return Replicate()
+
+
+def _decode(value: Any) -> Any:
+    if _is_code(value):
+        return decode_placement(value)
+    if isinstance(value, tuple) and value and all(_is_code(c) for c in value):
+        return tuple(decode_placement(c) for c in value)
+    return value
+
+
+def dynamo_opaque(fn: F) -> F:
+    """``fn`` unchanged in eager mode; under dynamo, one ``nonstrict_trace`` call that AOT
+    autograd traces through (placement arguments travel encoded)."""
+
+    @torch._dynamo.nonstrict_trace
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        return fn(*[_decode(a) for a in args], **{k: _decode(v) for k, v in kwargs.items()})
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            return traced(*[_encode(a) for a in args], **{k: _encode(v) for k, v in kwargs.items()})
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]

@@ -1,0 +1,163 @@
+"""The native collectives (one device per process: gloo's all_gather, all_to_all, broadcast and
+all_reduce) give the embedded transport's bits for every dtype, uneven and empty pieces, NaN,
+infinities and signed zeros, on meshes whose member order is or is not the rank order; the
+header is their only extra message and the cross-process bytes are the ring model's."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from mp_harness import run_in_processes
+from shardwise import CollectiveMismatchError, comm
+
+GATHER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
+                 torch.complex64]
+REDUCTIONS = [
+    (torch.float32, "sum"), (torch.float32, "avg"), (torch.float32, "max"),
+    (torch.float32, "min"), (torch.float16, "sum"), (torch.float16, "avg"),
+    (torch.float16, "max"), (torch.bfloat16, "sum"), (torch.float64, "avg"),
+    (torch.int64, "sum"), (torch.int64, "max"),
+]
+REDUCE_SHAPES = [(4, 6), (7, 3), (0, 3), ()]
+
+
+def _values(shape: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Deterministic test values of one device; floats include NaN, -0.0 and inf."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=gen, dtype=torch.float64) * 100
+    if dtype.is_floating_point and t.numel() >= 3:
+        flat = t.view(-1)
+        flat[1] = -0.0
+        if seed % 3 == 0:
+            flat[0] = float("nan")
+        if seed % 3 == 1:
+            flat[2] = float("inf")
+    if dtype == torch.bool:
+        return t > 0
+    if dtype.is_complex:
+        return torch.complex(t, -t).to(dtype)
+    return t.to(dtype)
+
+
+def _cases(n: int) -> list:
+    """(name, collective, per-device argument builder) for a group of ``n`` devices."""
+    cases = []
+    for dtype in GATHER_DTYPES:
+        cases.append((f"all_gather {dtype}", "all_gather",
+                      lambda d, dt=dtype: _values((3, 4), dt, d)))
+        cases.append((f"all_to_all {dtype}", "all_to_all",
+                      lambda d, dt=dtype: [_values((1 + k, 2 + d % 2), dt, 10 * d + k)
+                                           for k in range(n)]))
+        cases.append((f"broadcast {dtype}", "broadcast",
+                      lambda d, dt=dtype: _values((3, 5), dt, d)))
+    cases.append(("all_gather uneven", "all_gather",
+                  lambda d: _values((d % 3, 4), torch.float32, d)))
+    cases.append(("all_gather scalar", "all_gather", lambda d: _values((), torch.float64, d)))
+    for dtype, op in REDUCTIONS:
+        for shape in REDUCE_SHAPES:
+            cases.append((f"all_reduce {op} {dtype} {shape}", ("all_reduce", op),
+                          lambda d, dt=dtype, s=shape: _values(s, dt, d)))
+        cases.append((f"reduce_scatter {op} {dtype}", ("reduce_scatter", op),
+                      lambda d, dt=dtype: [_values((1 + k, 3), dt, 10 * d + k)
+                                           for k in range(n)]))
+    return cases
+
+
+def _run(mesh: sw.DeviceMesh, case: tuple) -> list:
+    _, kind, build = case
+    args = [build(d) for d in mesh.local_device_ids]
+    if isinstance(kind, tuple):
+        return getattr(comm, kind[0])(mesh, 0, args, kind[1])
+    if kind == "broadcast":
+        return comm.broadcast(mesh, 0, args, src=1)
+    return getattr(comm, kind)(mesh, 0, args)
+
+
+def _mismatches(mesh: sw.DeviceMesh) -> dict:
+    """Rank 0 and the others disagree (reduce op, dtype, shape): every rank raises."""
+    rank = dist.get_rank()
+    first = rank == 0
+    tries = {
+        "op": lambda: comm.all_reduce(mesh, 0, [torch.ones(4)], "sum" if first else "max"),
+        "dtype": lambda: comm.all_gather(
+            mesh, 0, [torch.ones(4, dtype=torch.float32 if first else torch.float64)]
+        ),
+        "shape": lambda: comm.broadcast(mesh, 0, [torch.ones(4 if first else 5)]),
+    }
+    out = {}
+    for name, fn in tries.items():
+        try:
+            fn()
+            out[name] = "ok"
+        except CollectiveMismatchError as err:
+            out[name] = str(err)
+    out["after"] = torch.cat(comm.all_gather(mesh, 0, [torch.full((2,), float(rank))])[0])
+    return out
+
+
+def native_job(order: list[int]) -> dict:
+    """Every case on a 1-D mesh of the world's processes, device ids in ``order``: each
+    device's result and the bytes counted; then the mismatches."""
+    mesh = sw.DeviceMesh("cpu", torch.tensor(order))
+    out = {"mismatches": _mismatches(mesh)}
+    for case in _cases(len(order)):
+        with sw.CommCounter() as counter:
+            result = _run(mesh, case)
+        out[case[0]] = (
+            dict(zip(mesh.local_device_ids, result, strict=True)),
+            counter.total_bytes,
+            counter.total_cross_process_bytes,
+            counter.total_meta_bytes,
+        )
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits of ``t``, NaNs made one value (torch's own kernels pick a NaN's payload by
+    vector width, so it is not part of a value)."""
+    t = t.contiguous().reshape(-1)
+    if t.is_complex():
+        t = torch.view_as_real(t).reshape(-1)
+    if t.is_floating_point():
+        t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+    return t.view(torch.uint8)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _check(order: list[int], per_rank: list[dict]) -> None:
+    n = len(order)
+    embedded = sw.DeviceMesh("cpu", torch.tensor(order))  # every device in this process
+    header = (n - 1) * (8 + 8 * n) * 8
+    for result in per_rank:
+        faults = result.pop("mismatches")
+        assert "all_reduce(sum)" in faults["op"] and "all_reduce(max)" in faults["op"]
+        assert "torch.float32" in faults["dtype"] and "torch.float64" in faults["dtype"]
+        assert "[4]" in faults["shape"] and "[5]" in faults["shape"]
+        assert torch.equal(faults["after"], torch.tensor([float(d) for d in order for _ in "ab"]))
+    for case in _cases(n):
+        name = case[0]
+        want = dict(zip(embedded.local_device_ids, _run(embedded, case), strict=True))
+        for got, _, _, meta in (r[name] for r in per_rank):
+            for device, value in got.items():
+                assert _same(value, want[device]), f"{name}, device {device}"
+            assert meta == header, f"{name}: {meta} meta bytes, the native header is {header}"
+        counted = sum(r[name][1] for r in per_rank)
+        crossed = sum(r[name][2] for r in per_rank)
+        assert crossed == counted, f"{name}: {crossed} bytes crossed, ring model {counted}"
+
+
+def test_native_collectives_two_processes() -> None:
+    order = [0, 1]
+    _check(order, run_in_processes(native_job, 2, order, timeout=100))
+
+
+def test_native_collectives_four_processes_out_of_rank_order() -> None:
+    order = [2, 0, 3, 1]
+    _check(order, run_in_processes(native_job, 4, order, timeout=100))
