@@ -9,6 +9,7 @@ receives (the cost model of DESIGN.md, exact for uneven shards), and caches the 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,6 +37,7 @@ class Step:
     collective: str  # a comm kind, or "local" when no data moves between devices
     bytes: int  # received by this process's devices (what CommCounter counts)
     global_bytes: int  # received by all devices of the mesh (the planner's cost)
+    rounds: int = 1  # communication rounds (a reducing exchange may take two)
 
     def __repr__(self) -> str:
         return (
@@ -137,22 +139,12 @@ class _Pricer:
                     local_total += got
         return local_total, global_total
 
-    def exchange_price(self, before: State, after: State) -> tuple[int, int]:
-        """(bytes for this process's devices, bytes for all devices) of an exchange: every
-        device receives, for its new piece, each of the ``k`` Partial terms (1 without
-        Partial) it does not hold itself."""
-        terms = prod(n for n, p in zip(self.mesh.shape, before, strict=True) if p.is_partial())
-        local_total = global_total = 0
-        for device in self.mesh.device_ids:
-            coord = self.mesh.coordinate_of(device)
-            old = shard_segments(self.shape, self.mesh.shape, before, coord)
-            new = shard_segments(self.shape, self.mesh.shape, after, coord)
-            kept = prod(_overlap(a, b) for a, b in zip(old, new, strict=True))
-            got = (terms * prod(self.local_shape(after, coord)) - kept) * self.itemsize
-            global_total += got
-            if device in self.local:
-                local_total += got
-        return local_total, global_total
+    def exchange_price(self, before: State, after: State) -> tuple[int, int, int]:
+        """(bytes for this process's devices, bytes for all devices, rounds) of an exchange
+        (see ``_exchange_flows``)."""
+        _, received, rounds = _exchange_flows(self.mesh, self.shape, before, after)
+        local_total = sum(n for d, n in received.items() if d in self.local) * self.itemsize
+        return local_total, sum(received.values()) * self.itemsize, rounds
 
     def _received(self, kind, before, after, mesh_dim, coords, k, n) -> int:
         size = self.itemsize
@@ -204,7 +196,7 @@ def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None
         return None
     dims = tuple(m for m in range(mesh.ndim) if state[m] != settled[m])
     try:
-        local_bytes, global_bytes = pricer.exchange_price(state, settled)
+        local_bytes, global_bytes, rounds = pricer.exchange_price(state, settled)
     except InvalidPlacementError:
         return None  # an interleave that does not divide at this nesting level
     return Step(
@@ -214,7 +206,18 @@ def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None
         "exchange",
         local_bytes,
         global_bytes,
+        rounds,
     )
+
+
+def _apply(state: State, step: Step) -> State:
+    """The placements after ``step``."""
+    if step.collective == "exchange":
+        after = list(state)
+        for m, p in zip(step.mesh_dim, step.target, strict=True):
+            after[m] = p
+        return tuple(after)
+    return state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
 
 
 @lru_cache(maxsize=4096)
@@ -225,11 +228,21 @@ def _plan(
     options = [_candidates(source, target, m, shape) for m in range(mesh.ndim)]
     settled = tuple(Replicate() if p.is_partial() else p for p in target)
     # Dijkstra on (global bytes, exchanges, collectives, steps): an exchange is taken only
-    # when it moves fewer bytes than the named collectives; ties keep the first found.
+    # when it moves fewer bytes than the named collectives; ties keep the first found. An
+    # exchange straight from the source already moves the fewest bytes any schedule can (see
+    # ``_exchange_flows``), so it bounds the search: dearer states are never queued, and no
+    # later exchange can do better. Only mixed reduce ops, which it cannot resolve, need
+    # exchanges from states past the source.
     best: dict[State, tuple[int, int, int, int]] = {source: (0, 0, 0, 0)}
     back: dict[State, tuple[State, Step]] = {}
     heap: list[tuple[tuple[int, int, int, int], int, State]] = [((0, 0, 0, 0), 0, source)]
-    counter = 0
+    direct = _exchange_step(pricer, source, settled)
+    limit = None if direct is None else direct.global_bytes
+    if direct is not None:
+        best[settled] = (direct.global_bytes, 1, 1, 1)
+        back[settled] = (source, direct)
+        heap.append((best[settled], 1, settled))
+    counter = 1
     while heap:
         cost, _, state = heapq.heappop(heap)
         if state == target:
@@ -260,17 +273,19 @@ def _plan(
                     cost[2] + (kind != "local"),
                     cost[3] + 1,
                 )
+                if limit is not None and new_cost[0] > limit:
+                    continue
                 if nxt not in best or new_cost < best[nxt]:
                     best[nxt] = new_cost
                     back[nxt] = (state, Step(m, a, b, kind, local_bytes, global_bytes))
                     counter += 1
                     heapq.heappush(heap, (new_cost, counter, nxt))
-        direct = _exchange_step(pricer, state, settled)
-        if direct is not None:
-            new_cost = (cost[0] + direct.global_bytes, cost[1] + 1, cost[2] + 1, cost[3] + 1)
+        later = None if limit is not None else _exchange_step(pricer, state, settled)
+        if later is not None:
+            new_cost = (cost[0] + later.global_bytes, cost[1] + 1, cost[2] + 1, cost[3] + 1)
             if settled not in best or new_cost < best[settled]:
                 best[settled] = new_cost
-                back[settled] = (state, direct)
+                back[settled] = (state, later)
                 counter += 1
                 heapq.heappush(heap, (new_cost, counter, settled))
     if target not in best:
@@ -368,20 +383,115 @@ def execute_plan(
     out = list(components)
     state = plan.source
     for step in plan.steps:
+        after = _apply(state, step)
         if step.collective == "exchange":
-            after = list(state)
-            for m, p in zip(step.mesh_dim, step.target, strict=True):
-                after[m] = p
-            out = _run_exchange(mesh, plan.shape, state, tuple(after), step.mesh_dim, out)
-            state = tuple(after)
+            out = _run_exchange(mesh, plan.shape, state, after, step.mesh_dim, out)
         else:
             out = _run_step(step, mesh, out)
-            state = state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
+        state = after
     return out
 
 
-# per device: for each block of its new piece, where it goes in the new piece, its shape, and
-# (holder, where it is in the holder's old piece) for each Partial term in reduction order
+@dataclass(frozen=True)
+class _Flow:
+    """One box of global indices in an exchange: the devices that need it, the holders of
+    each Partial term (one term without Partial) in term order, and the ``root``, a needer
+    that reduces the terms and forwards the result to the other needers (None with one
+    term: every needer then takes it from a holder)."""
+
+    block: tuple[tuple[int, int], ...]
+    size: int
+    needers: tuple[int, ...]
+    holders: tuple[tuple[int, ...], ...]
+    root: int | None
+
+
+@lru_cache(maxsize=4096)
+def _exchange_flows(
+    mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
+) -> tuple[tuple[_Flow, ...], dict[int, int], int]:
+    """How an exchange from ``before`` to the Partial-free ``after`` moves every box of
+    indices, the elements each device receives, and the rounds it takes.
+
+    Per box with ``k`` Partial terms and ``m`` needers, the root (a needer holding a term where
+    one does) receives the ``k - 1`` (or ``k``) terms it lacks in round one and sends the result
+    to the ``m - 1`` other needers in round two; with one term every needer that lacks the box
+    receives it once in round one. That is the per-element minimum of ``lower_bound_bytes``,
+    so an exchange moves the fewest bytes any schedule can."""
+    devices = mesh.device_ids
+    coords = [mesh.coordinate_of(d) for d in devices]
+    partial = [m for m, p in enumerate(before) if p.is_partial() and mesh.shape[m] > 1]
+    old = [shard_segments(shape, mesh.shape, before, c) for c in coords]
+    new = [shard_segments(shape, mesh.shape, after, c) for c in coords]
+    spans = _spans(shape, old + new)
+    old_masks = [_cover_masks(old, dim, s) for dim, s in enumerate(spans)]
+    new_masks = [_cover_masks(new, dim, s) for dim, s in enumerate(spans)]
+    term_masks: dict[tuple[int, ...], int] = {}
+    for i, c in enumerate(coords):
+        term = tuple(c[m] for m in partial)
+        term_masks[term] = term_masks.get(term, 0) | 1 << i
+    terms = [term_masks[t] for t in sorted(term_masks)]
+    everyone = (1 << len(devices)) - 1
+    flows = []
+    received = dict.fromkeys(devices, 0)
+    rounds = 1
+    for index in itertools.product(*(range(len(s)) for s in spans)):
+        need, hold = everyone, everyone
+        for dim, k in enumerate(index):
+            need &= new_masks[dim][k]
+            hold &= old_masks[dim][k]
+        block = tuple(s[k] for s, k in zip(spans, index, strict=True))
+        size = prod(b - a for a, b in block)
+        if not need or not size:
+            continue
+        needers = tuple(devices[i] for i in _bits(need))
+        holders = tuple(tuple(devices[i] for i in _bits(hold & t)) for t in terms if hold & t)
+        root = None
+        if len(holders) == 1:
+            for i in _bits(need & ~hold):
+                received[devices[i]] += size
+        else:
+            candidates = [devices[i] for i in _bits(need & hold)] or list(needers)
+            root = candidates[sum(index) % len(candidates)]  # spread the reductions
+            received[root] += size * (len(holders) - any(root in h for h in holders))
+            for d in needers:
+                if d != root:
+                    received[d] += size
+                    rounds = 2
+        flows.append(_Flow(block, size, needers, holders, root))
+    return tuple(flows), received, rounds
+
+
+def _spans(shape: tuple[int, ...], pieces: list[tuple]) -> list[list[tuple[int, int]]]:
+    """Per tensor dim, the intervals between every run boundary of ``pieces``."""
+    cuts = [{0, size} for size in shape]
+    for segments in pieces:
+        for dim, runs in enumerate(segments):
+            for a, b in runs:
+                cuts[dim].update((a, b))
+    edges = [sorted(c) for c in cuts]
+    return [list(zip(e[:-1], e[1:], strict=False)) or [(0, 0)] for e in edges]
+
+
+def _cover_masks(pieces: list[tuple], dim: int, spans: list[tuple[int, int]]) -> list[int]:
+    """Per interval of ``dim``, the bit mask of the pieces whose runs cover it."""
+    masks = []
+    for lo, hi in spans:
+        mask = 0
+        for i, segments in enumerate(pieces):
+            if any(a <= lo and hi <= b for a, b in segments[dim]):
+                mask |= 1 << i
+        masks.append(mask)
+    return masks
+
+
+def _bits(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+# per device, the blocks of its new piece it fills in one round: where the block goes in the
+# new piece, its shape, and the (device, where it is in that device's piece) it comes from: one
+# per Partial term in term order in round one (reduced there), the root in round two
 Route = tuple[tuple[tuple[slice, ...], tuple[int, ...], tuple[tuple[int, tuple[slice, ...]], ...]],
               ...]
 
@@ -399,43 +509,63 @@ def _local_slice(runs: tuple[tuple[int, int], ...], lo: int, hi: int) -> slice:
 @lru_cache(maxsize=1024)
 def _routes(
     mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
-) -> dict[int, Route]:
-    """For every device, each block of its new piece and, for each Partial term of the old
-    placements (one term without Partial), the device it comes from: itself when it holds
-    it, else a holder in its own process, else the nearest holder by mesh coordinate, then
-    the lowest id."""
+) -> tuple[dict[int, Route], dict[int, Route]]:
+    """Rounds one and two of an exchange (see ``_exchange_flows``) for every device. A term
+    comes from the device itself when it holds it, else a holder in its own process, else
+    the nearest holder by mesh coordinate, then the lowest id."""
     devices = mesh.device_ids
     coords = {d: mesh.coordinate_of(d) for d in devices}
-    partial = [m for m, p in enumerate(before) if p.is_partial()]
-    term = {d: tuple(coords[d][m] for m in partial) for d in devices}
     old = {d: shard_segments(shape, mesh.shape, before, coords[d]) for d in devices}
     new = {d: shard_segments(shape, mesh.shape, after, coords[d]) for d in devices}
-    blocks = _blocks(shape, [*old.values(), *new.values()])
-    routes: dict[int, Route] = {}
-    for d in devices:
-        route = []
-        for block in blocks:
-            if prod(b - a for a, b in block) == 0 or not _covers(new[d], block):
+    first: dict[int, list] = {d: [] for d in devices}
+    second: dict[int, list] = {d: [] for d in devices}
+
+    def where(pieces: tuple, block: tuple) -> tuple[slice, ...]:
+        return tuple(_local_slice(r, a, b) for r, (a, b) in zip(pieces, block, strict=True))
+
+    for flow in _exchange_flows(mesh, shape, before, after)[0]:
+        block_shape = tuple(b - a for a, b in flow.block)
+        for d in flow.needers:
+            if flow.root not in (None, d):
+                second[d].append((where(new[d], flow.block), block_shape,
+                                  ((flow.root, where(new[flow.root], flow.block)),)))
                 continue
-            holders: dict[tuple[int, ...], list[int]] = {}
-            for h in devices:
-                if _covers(old[h], block):
-                    holders.setdefault(term[h], []).append(h)
             sources = []
-            for t in sorted(holders):
-                holder = min(holders[t], key=lambda h: (
+            for holders in flow.holders:
+                holder = min(holders, key=lambda h, d=d: (
                     h != d,
                     mesh.owner_of(h) != mesh.owner_of(d),
                     sum(x != y for x, y in zip(coords[h], coords[d], strict=True)),
                     h,
                 ))
-                src = tuple(_local_slice(r, a, b) for r, (a, b) in zip(old[holder], block,
-                                                                         strict=True))
-                sources.append((holder, src))
-            dst = tuple(_local_slice(r, a, b) for r, (a, b) in zip(new[d], block, strict=True))
-            route.append((dst, tuple(b - a for a, b in block), tuple(sources)))
-        routes[d] = tuple(route)
-    return routes
+                sources.append((holder, where(old[holder], flow.block)))
+            first[d].append((where(new[d], flow.block), block_shape, tuple(sources)))
+    return ({d: tuple(r) for d, r in first.items()}, {d: tuple(r) for d, r in second.items()})
+
+
+def _send_round(
+    mesh: DeviceMesh,
+    mesh_dims: tuple[int, ...],
+    route: dict[int, Route],
+    held: list[torch.Tensor],
+) -> list[list[torch.Tensor]]:
+    """One round of an exchange: every source device sends its blocks of ``held`` (this
+    process's pieces) that ``route`` asks for; returns what each local device receives, in
+    route order."""
+    local = mesh.local_device_ids
+    index = {d: i for i, d in enumerate(local)}
+    sends: list[list[tuple[int, torch.Tensor]]] = [[] for _ in local]
+    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in local]
+    for d in mesh.device_ids:
+        for _, block_shape, sources in route[d]:
+            for holder, src in sources:
+                if holder == d:
+                    continue
+                if holder in index:
+                    sends[index[holder]].append((d, held[index[holder]][src]))
+                if d in index:
+                    receives[index[d]].append((holder, block_shape))
+    return comm.exchange(mesh, mesh_dims, sends, receives, held[0].dtype)
 
 
 def _run_exchange(
@@ -448,40 +578,29 @@ def _run_exchange(
 ) -> list[torch.Tensor]:
     """Every device assembles its new piece from the blocks it holds and the blocks other
     devices send it, point to point (it receives exactly what it lacks); pending Partial
-    terms are reduced in term order, the same in every process."""
-    sample = components[0]
-    routes = _routes(mesh, shape, before, after)
+    terms are reduced in term order at one root per block, the same in every process, which
+    forwards the result in a second round."""
+    first, second = _routes(mesh, shape, before, after)
     ops = {
         p.reduce_op for m, p in enumerate(before) if isinstance(p, Partial) and mesh.shape[m] > 1
     }
     op = ops.pop() if ops else None  # the planner exchanges only Partials that reduce alike
     local = mesh.local_device_ids
-    index = {d: i for i, d in enumerate(local)}
-    sends: list[list[tuple[int, torch.Tensor]]] = [[] for _ in local]
-    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in local]
-    for d in mesh.device_ids:
-        for _, block_shape, sources in routes[d]:
-            for holder, src in sources:
-                if holder == d:
-                    continue
-                if holder in index:
-                    sends[index[holder]].append((d, components[index[holder]][src]))
-                if d in index:
-                    receives[index[d]].append((holder, block_shape))
-    received = comm.exchange(mesh, mesh_dims, sends, receives, sample.dtype)
+    received = _send_round(mesh, mesh_dims, first, components)
     out = []
     for i, d in enumerate(local):
-        coord = mesh.coordinate_of(d)
-        runs = shard_segments(shape, mesh.shape, after, coord)
-        piece = sample.new_empty(tuple(sum(b - a for a, b in r) for r in runs))
+        runs = shard_segments(shape, mesh.shape, after, mesh.coordinate_of(d))
+        piece = components[0].new_empty(tuple(sum(b - a for a, b in r) for r in runs))
         incoming = iter(received[i])
-        for dst, _, sources in routes[d]:
+        for dst, _, sources in first[d]:
             terms = [components[i][src] if h == d else next(incoming) for h, src in sources]
-            if len(terms) == 1:
-                piece[dst] = terms[0]
-            else:
-                piece[dst] = comm.reduce_terms(terms, op)
+            piece[dst] = terms[0] if len(terms) == 1 else comm.reduce_terms(terms, op)
         out.append(piece)
+    if any(second[d] for d in mesh.device_ids):
+        received = _send_round(mesh, mesh_dims, second, out)
+        for i, d in enumerate(local):
+            for (dst, _, _), block in zip(second[d], received[i], strict=True):
+                out[i][dst] = block
     return out
 
 
@@ -536,17 +655,7 @@ def lower_bound_bytes(
 def _blocks(shape: tuple[int, ...], pieces: list[tuple]) -> list[tuple[tuple[int, int], ...]]:
     """The boxes of global indices cut on every run boundary of ``pieces`` (segments per
     tensor dim): each piece is a union of whole boxes."""
-    cuts = [{0, size} for size in shape]
-    for segments in pieces:
-        for dim, runs in enumerate(segments):
-            for a, b in runs:
-                cuts[dim].update((a, b))
-    edges = [sorted(c) for c in cuts]
-    spans = [list(zip(e[:-1], e[1:], strict=False)) or [(0, 0)] for e in edges]
-    out: list[tuple[tuple[int, int], ...]] = [()]
-    for dim_spans in spans:
-        out = [b + (s,) for b in out for s in dim_spans]
-    return out
+    return list(itertools.product(*_spans(shape, pieces)))
 
 
 def _covers(segments: tuple, block: tuple[tuple[int, int], ...]) -> bool:
