@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
@@ -104,67 +104,98 @@ def _out_of_order(state: State, mesh_dim: int, a: Placement, mesh_shape: tuple[i
     )
 
 
+@lru_cache(maxsize=65536)
+def _layout(
+    mesh: DeviceMesh, shape: tuple[int, ...], state: State
+) -> tuple[tuple[tuple, ...], tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """Every device's segments, local shape and element count under ``state``, in
+    ``mesh.device_ids`` order (geometry, shared by every plan on that mesh and shape)."""
+    segments = tuple(
+        shard_segments(shape, mesh.shape, state, mesh.coordinate_of(d)) for d in mesh.device_ids
+    )
+    shapes = tuple(tuple(sum(b - a for a, b in runs) for runs in s) for s in segments)
+    return segments, shapes, tuple(prod(s) for s in shapes)
+
+
 class _Pricer:
     """Bytes received per device for a step, from shard geometry alone."""
 
     def __init__(self, mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int) -> None:
         self.mesh, self.shape, self.itemsize = mesh, shape, itemsize
         self.local = set(mesh.local_device_ids)
-        self._shapes: dict[tuple[State, tuple[int, ...]], tuple[int, ...]] = {}
+        self.is_local = [d in self.local for d in mesh.device_ids]
+        position = {d: i for i, d in enumerate(mesh.device_ids)}
+        # per mesh dim, its groups as positions in ``mesh.device_ids``
+        self.groups = [[[position[d] for d in g] for g in mesh.groups(m)] for m in
+                       range(mesh.ndim)]
 
-    def local_shape(self, state: State, coord: tuple[int, ...]) -> list[int]:
-        key = (state, coord)
-        shape = self._shapes.get(key)
-        if shape is None:
-            runs = shard_segments(self.shape, self.mesh.shape, state, coord)
-            shape = self._shapes[key] = tuple(sum(b - a for a, b in r) for r in runs)
-        return list(shape)
+    def geometry(self, state: State) -> tuple[tuple, ...]:
+        """Every device's segments under ``state``, in ``mesh.device_ids`` order."""
+        return _layout(self.mesh, self.shape, state)[0]
 
-    def numel(self, state: State, coord: tuple[int, ...]) -> int:
-        return prod(self.local_shape(state, coord))
+    def shapes(self, state: State) -> tuple[tuple[int, ...], ...]:
+        return _layout(self.mesh, self.shape, state)[1]
+
+    def numels(self, state: State) -> tuple[int, ...]:
+        return _layout(self.mesh, self.shape, state)[2]
+
+    def lacking(self, state: State, target: State) -> int:
+        """Bytes the rest of any plan from ``state`` to the Partial-free ``target`` moves at
+        least (A*'s heuristic), from the per-element bound of ``lower_bound_bytes``: with
+        ``k`` Partial terms and ``m`` devices that need an element (the product of the mesh
+        dims ``target`` replicates), of which ``l`` hold no term, ``k + m - 1 - a >= l``
+        (one term), else ``>= max(k + m - 2, k - 1 + l)``."""
+        held, wanted = self.geometry(state), self.geometry(target)
+        lacked = 0
+        for numel, old, new in zip(self.numels(target), held, wanted, strict=True):
+            kept = 1
+            for a, b in zip(old, new, strict=True):
+                kept *= _overlap(a, b)
+            lacked += numel - kept
+        terms = prod(n for n, p in zip(self.mesh.shape, state, strict=True) if p.is_partial())
+        if terms == 1:
+            return lacked * self.itemsize
+        needers = prod(n for n, p in zip(self.mesh.shape, target, strict=True)
+                       if not isinstance(p, Shard))
+        numel = prod(self.shape)
+        return max(lacked + (terms - 1) * numel, (terms + needers - 2) * numel) * self.itemsize
 
     def price(self, kind: str, before: State, after: State, mesh_dim: int) -> tuple[int, int]:
         """(bytes for this process's devices, bytes for all devices)."""
         if kind == "local":
             return 0, 0
-        mesh = self.mesh
+        size = self.itemsize
+        old, new = self.shapes(before), self.shapes(after)
+        numels = self.numels(after if kind == "reduce_scatter" else before)
         local_total = global_total = 0
-        for group in mesh.groups(mesh_dim):
-            coords = [mesh.coordinate_of(d) for d in group]
+        for group in self.groups[mesh_dim]:
             n = len(group)
-            for k, device in enumerate(group):
-                got = self._received(kind, before, after, mesh_dim, coords, k, n)
+            pieces = [numels[i] * size for i in group]
+            for k, i in enumerate(group):
+                if kind == "all_gather":
+                    got = accounting.all_gather_received(pieces, k)
+                elif kind == "reduce_scatter":
+                    got = accounting.reduce_scatter_received(pieces, k)
+                elif kind == "all_reduce":
+                    got = accounting.all_reduce_received(numels[i], size, n, k)
+                else:  # all_to_all: member j sends k the block of j's old piece in k's new one
+                    e = after[mesh_dim].dim
+                    incoming = [
+                        prod(new[i][e] if d == e else x for d, x in enumerate(old[j])) * size
+                        for j in group
+                    ]
+                    got = accounting.all_to_all_received(incoming, k)
                 global_total += got
-                if device in self.local:
+                if self.is_local[i]:
                     local_total += got
         return local_total, global_total
 
     def exchange_price(self, before: State, after: State) -> tuple[int, int, int]:
         """(bytes for this process's devices, bytes for all devices, rounds) of an exchange
-        (see ``_exchange_flows``)."""
-        _, received, rounds = _exchange_flows(self.mesh, self.shape, before, after)
-        local_total = sum(n for d, n in received.items() if d in self.local) * self.itemsize
-        return local_total, sum(received.values()) * self.itemsize, rounds
-
-    def _received(self, kind, before, after, mesh_dim, coords, k, n) -> int:
-        size = self.itemsize
-        if kind == "all_gather":
-            pieces = [self.numel(before, c) * size for c in coords]
-            return accounting.all_gather_received(pieces, k)
-        if kind == "reduce_scatter":
-            pieces = [self.numel(after, c) * size for c in coords]
-            return accounting.reduce_scatter_received(pieces, k)
-        if kind == "all_reduce":
-            return accounting.all_reduce_received(self.numel(before, coords[k]), size, n, k)
-        # all_to_all: member j sends k the block of j's old piece inside k's new piece
-        e = after[mesh_dim].dim
-        wanted = self.local_shape(after, coords[k])[e]
-        incoming = []
-        for c in coords:
-            block = self.local_shape(before, c)
-            block[e] = wanted
-            incoming.append(prod(block) * size)
-        return accounting.all_to_all_received(incoming, k)
+        (see ``_exchange_cost``)."""
+        received, rounds = _exchange_cost(self.mesh, self.shape, before, after)
+        local_total = sum(n for n, here in zip(received, self.is_local, strict=True) if here)
+        return local_total * self.itemsize, sum(received) * self.itemsize, rounds
 
 
 def _candidates(
@@ -183,6 +214,8 @@ def _candidates(
 
 def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> int:
     """How many indices two run lists share."""
+    if len(a) == len(b) == 1:
+        return max(0, min(a[0][1], b[0][1]) - max(a[0][0], b[0][0]))
     return sum(max(0, min(y1, y2) - max(x1, x2)) for x1, y1 in a for x2, y2 in b)
 
 
@@ -227,28 +260,46 @@ def _plan(
     pricer = _Pricer(mesh, shape, itemsize)
     options = [_candidates(source, target, m, shape) for m in range(mesh.ndim)]
     settled = tuple(Replicate() if p.is_partial() else p for p in target)
-    # Dijkstra on (global bytes, exchanges, collectives, steps): an exchange is taken only
-    # when it moves fewer bytes than the named collectives; ties keep the first found. An
-    # exchange straight from the source already moves the fewest bytes any schedule can (see
-    # ``_exchange_flows``), so it bounds the search: dearer states are never queued, and no
-    # later exchange can do better. Only mixed reduce ops, which it cannot resolve, need
-    # exchanges from states past the source.
-    best: dict[State, tuple[int, int, int, int]] = {source: (0, 0, 0, 0)}
+    # A* on (global bytes, exchanges, collectives, steps): an exchange is taken only when it
+    # moves fewer bytes than the named collectives; ties keep the first found. The bytes each
+    # device still lacks (``_Pricer.lacking``) never exceed what the rest of a plan moves, so
+    # they guide the search (not towards a Partial target: zeros or the identity of max and
+    # min would do there). An exchange straight from the source already moves the fewest
+    # bytes any schedule can (see ``_exchange_cost``), so it bounds the search: states that
+    # cannot beat it are never queued, and no later exchange can do better. Only mixed
+    # reduce ops, which it cannot resolve, need exchanges from states past the source.
+    guided = not any(p.is_partial() and n > 1 for p, n in zip(target, mesh.shape, strict=True))
+    guesses: dict[State, int] = {}
+
+    def guess(state: State) -> int:
+        h = guesses.get(state)
+        if h is None:
+            h = guesses[state] = pricer.lacking(state, target) if guided else 0
+        return h
+
+    Cost = tuple[int, int, int, int]
+    best: dict[State, Cost] = {source: (0, 0, 0, 0)}
     back: dict[State, tuple[State, Step]] = {}
-    heap: list[tuple[tuple[int, int, int, int], int, State]] = [((0, 0, 0, 0), 0, source)]
+    heap: list[tuple[Cost, int, Cost, State]] = []
+    order = itertools.count(1)  # ties pop first queued first
+
+    def push(state: State, cost: Cost, step: tuple[State, Step]) -> None:
+        if state not in best or cost < best[state]:
+            best[state] = cost
+            back[state] = step
+            heapq.heappush(heap, ((cost[0] + guess(state), *cost[1:]), next(order), cost, state))
+
+    heapq.heappush(heap, ((guess(source), 0, 0, 0), 0, (0, 0, 0, 0), source))
     direct = _exchange_step(pricer, source, settled)
     limit = None if direct is None else direct.global_bytes
     if direct is not None:
-        best[settled] = (direct.global_bytes, 1, 1, 1)
-        back[settled] = (source, direct)
-        heap.append((best[settled], 1, settled))
-    counter = 1
+        push(settled, (direct.global_bytes, 1, 1, 1), (source, direct))
     while heap:
-        cost, _, state = heapq.heappop(heap)
+        _, _, cost, state = heapq.heappop(heap)
         if state == target:
             break
-        if cost > best[state]:
-            continue
+        if cost != best[state]:
+            continue  # a cheaper way here was queued later
         for m in range(mesh.ndim):
             a = state[m]
             for b in options[m]:
@@ -265,29 +316,17 @@ def _plan(
                 nxt = state[:m] + (b,) + state[m + 1 :]
                 try:
                     local_bytes, global_bytes = pricer.price(kind, state, nxt, m)
+                    moved = cost[0] + global_bytes
+                    if limit is not None and moved + guess(nxt) > limit:
+                        continue
                 except InvalidPlacementError:
                     continue  # an interleave that does not divide at this nesting level
-                new_cost = (
-                    cost[0] + global_bytes,
-                    cost[1],
-                    cost[2] + (kind != "local"),
-                    cost[3] + 1,
-                )
-                if limit is not None and new_cost[0] > limit:
-                    continue
-                if nxt not in best or new_cost < best[nxt]:
-                    best[nxt] = new_cost
-                    back[nxt] = (state, Step(m, a, b, kind, local_bytes, global_bytes))
-                    counter += 1
-                    heapq.heappush(heap, (new_cost, counter, nxt))
+                new_cost = (moved, cost[1], cost[2] + (kind != "local"), cost[3] + 1)
+                push(nxt, new_cost, (state, Step(m, a, b, kind, local_bytes, global_bytes)))
         later = None if limit is not None else _exchange_step(pricer, state, settled)
         if later is not None:
             new_cost = (cost[0] + later.global_bytes, cost[1] + 1, cost[2] + 1, cost[3] + 1)
-            if settled not in best or new_cost < best[settled]:
-                best[settled] = new_cost
-                back[settled] = (state, later)
-                counter += 1
-                heapq.heappush(heap, (new_cost, counter, settled))
+            push(settled, new_cost, (state, later))
     if target not in best:
         raise InvalidPlacementError(
             f"no redistribution from {list(source)} to {list(target)} for shape {list(shape)} "
@@ -392,38 +431,19 @@ def execute_plan(
     return out
 
 
-@dataclass(frozen=True)
-class _Flow:
-    """One box of global indices in an exchange: the devices that need it, the holders of
-    each Partial term (one term without Partial) in term order, and the ``root``, a needer
-    that reduces the terms and forwards the result to the other needers (None with one
-    term: every needer then takes it from a holder)."""
-
-    block: tuple[tuple[int, int], ...]
-    size: int
-    needers: tuple[int, ...]
-    holders: tuple[tuple[int, ...], ...]
-    root: int | None
+Box = tuple[tuple[int, ...], tuple[tuple[int, int], ...], int, int, list[int]]
 
 
-@lru_cache(maxsize=4096)
-def _exchange_flows(
+def _boxes(
     mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
-) -> tuple[tuple[_Flow, ...], dict[int, int], int]:
-    """How an exchange from ``before`` to the Partial-free ``after`` moves every box of
-    indices, the elements each device receives, and the rounds it takes.
-
-    Per box with ``k`` Partial terms and ``m`` needers, the root (a needer holding a term where
-    one does) receives the ``k - 1`` (or ``k``) terms it lacks in round one and sends the result
-    to the ``m - 1`` other needers in round two; with one term every needer that lacks the box
-    receives it once in round one. That is the per-element minimum of ``lower_bound_bytes``,
-    so an exchange moves the fewest bytes any schedule can."""
-    devices = mesh.device_ids
-    coords = [mesh.coordinate_of(d) for d in devices]
+) -> Iterator[Box]:
+    """The boxes of global indices an exchange from ``before`` to the Partial-free ``after``
+    moves: (box index, box, size, needers, holders of each Partial term in term order), the
+    devices as bit masks over their positions in ``mesh.device_ids``."""
+    coords = [mesh.coordinate_of(d) for d in mesh.device_ids]
     partial = [m for m, p in enumerate(before) if p.is_partial() and mesh.shape[m] > 1]
-    old = [shard_segments(shape, mesh.shape, before, c) for c in coords]
-    new = [shard_segments(shape, mesh.shape, after, c) for c in coords]
-    spans = _spans(shape, old + new)
+    old, new = _layout(mesh, shape, before)[0], _layout(mesh, shape, after)[0]
+    spans = _spans(shape, [*old, *new])
     old_masks = [_cover_masks(old, dim, s) for dim, s in enumerate(spans)]
     new_masks = [_cover_masks(new, dim, s) for dim, s in enumerate(spans)]
     term_masks: dict[tuple[int, ...], int] = {}
@@ -431,35 +451,55 @@ def _exchange_flows(
         term = tuple(c[m] for m in partial)
         term_masks[term] = term_masks.get(term, 0) | 1 << i
     terms = [term_masks[t] for t in sorted(term_masks)]
-    everyone = (1 << len(devices)) - 1
-    flows = []
-    received = dict.fromkeys(devices, 0)
-    rounds = 1
+    everyone = (1 << len(coords)) - 1
     for index in itertools.product(*(range(len(s)) for s in spans)):
         need, hold = everyone, everyone
         for dim, k in enumerate(index):
             need &= new_masks[dim][k]
             hold &= old_masks[dim][k]
-        block = tuple(s[k] for s, k in zip(spans, index, strict=True))
-        size = prod(b - a for a, b in block)
-        if not need or not size:
+        box = tuple(s[k] for s, k in zip(spans, index, strict=True))
+        size = prod(b - a for a, b in box)
+        if need and size:
+            yield index, box, size, need, [hold & t for t in terms if hold & t]
+
+
+def _root(index: tuple[int, ...], need: int, holds: list[int]) -> int | None:
+    """The position of the needer that reduces a box's Partial terms (one holding a term
+    where one does, spread over the boxes), None with one term."""
+    if len(holds) == 1:
+        return None
+    held = 0
+    for h in holds:
+        held |= h
+    candidates = _bits(need & held) or _bits(need)
+    return candidates[sum(index) % len(candidates)]
+
+
+@lru_cache(maxsize=4096)
+def _exchange_cost(
+    mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
+) -> tuple[tuple[int, ...], int]:
+    """The elements each device (in ``mesh.device_ids`` order) receives in an exchange from
+    ``before`` to the Partial-free ``after``, and the rounds it takes.
+
+    Per box with ``k`` Partial terms and ``m`` needers, the root receives the ``k - 1`` (or
+    ``k``) terms it lacks in round one and sends the result to the ``m - 1`` other needers
+    in round two; with one term every needer that lacks the box receives it once in round
+    one. That is the per-element minimum of ``lower_bound_bytes``, so an exchange moves the
+    fewest bytes any schedule can."""
+    received = [0] * mesh.size()
+    rounds = 1
+    for index, _, size, need, holds in _boxes(mesh, shape, before, after):
+        root = _root(index, need, holds)
+        if root is None:
+            for i in _bits(need & ~holds[0]):
+                received[i] += size
             continue
-        needers = tuple(devices[i] for i in _bits(need))
-        holders = tuple(tuple(devices[i] for i in _bits(hold & t)) for t in terms if hold & t)
-        root = None
-        if len(holders) == 1:
-            for i in _bits(need & ~hold):
-                received[devices[i]] += size
-        else:
-            candidates = [devices[i] for i in _bits(need & hold)] or list(needers)
-            root = candidates[sum(index) % len(candidates)]  # spread the reductions
-            received[root] += size * (len(holders) - any(root in h for h in holders))
-            for d in needers:
-                if d != root:
-                    received[d] += size
-                    rounds = 2
-        flows.append(_Flow(block, size, needers, holders, root))
-    return tuple(flows), received, rounds
+        received[root] += size * (len(holds) - any(h >> root & 1 for h in holds))
+        for i in _bits(need & ~(1 << root)):
+            received[i] += size
+            rounds = 2
+    return tuple(received), rounds
 
 
 def _spans(shape: tuple[int, ...], pieces: list[tuple]) -> list[list[tuple[int, int]]]:
@@ -510,7 +550,7 @@ def _local_slice(runs: tuple[tuple[int, int], ...], lo: int, hi: int) -> slice:
 def _routes(
     mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
 ) -> tuple[dict[int, Route], dict[int, Route]]:
-    """Rounds one and two of an exchange (see ``_exchange_flows``) for every device. A term
+    """Rounds one and two of an exchange (see ``_exchange_cost``) for every device. A term
     comes from the device itself when it holds it, else a holder in its own process, else
     the nearest holder by mesh coordinate, then the lowest id."""
     devices = mesh.device_ids
@@ -523,23 +563,25 @@ def _routes(
     def where(pieces: tuple, block: tuple) -> tuple[slice, ...]:
         return tuple(_local_slice(r, a, b) for r, (a, b) in zip(pieces, block, strict=True))
 
-    for flow in _exchange_flows(mesh, shape, before, after)[0]:
-        block_shape = tuple(b - a for a, b in flow.block)
-        for d in flow.needers:
-            if flow.root not in (None, d):
-                second[d].append((where(new[d], flow.block), block_shape,
-                                  ((flow.root, where(new[flow.root], flow.block)),)))
+    for index, box, _, need, holds in _boxes(mesh, shape, before, after):
+        box_shape = tuple(b - a for a, b in box)
+        root = _root(index, need, holds)
+        for i in _bits(need):
+            d = devices[i]
+            if root not in (None, i):
+                second[d].append((where(new[d], box), box_shape,
+                                  ((devices[root], where(new[devices[root]], box)),)))
                 continue
             sources = []
-            for holders in flow.holders:
-                holder = min(holders, key=lambda h, d=d: (
+            for hold in holds:
+                holder = min((devices[j] for j in _bits(hold)), key=lambda h, d=d: (
                     h != d,
                     mesh.owner_of(h) != mesh.owner_of(d),
                     sum(x != y for x, y in zip(coords[h], coords[d], strict=True)),
                     h,
                 ))
-                sources.append((holder, where(old[holder], flow.block)))
-            first[d].append((where(new[d], flow.block), block_shape, tuple(sources)))
+                sources.append((holder, where(old[holder], box)))
+            first[d].append((where(new[d], box), box_shape, tuple(sources)))
     return ({d: tuple(r) for d, r in first.items()}, {d: tuple(r) for d, r in second.items()})
 
 
