@@ -25,6 +25,7 @@ from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec, extract_local, shard_segments, split_segments
 
 State = tuple[Placement, ...]
+Cost = tuple[int, int, int, int]  # bytes all devices receive, exchanges, collectives, steps
 
 
 @dataclass(frozen=True)
@@ -264,20 +265,24 @@ def _plan(
     # moves fewer bytes than the named collectives; ties keep the first found. The bytes each
     # device still lacks (``_Pricer.lacking``) never exceed what the rest of a plan moves, so
     # they guide the search (not towards a Partial target: zeros or the identity of max and
-    # min would do there). An exchange straight from the source already moves the fewest
-    # bytes any schedule can (see ``_exchange_cost``), so it bounds the search: states that
-    # cannot beat it are never queued, and no later exchange can do better. Only mixed
-    # reduce ops, which it cannot resolve, need exchanges from states past the source.
+    # min would do there); so do the collectives and steps still needed without an exchange
+    # (a mesh dim leaves a placement other than Replicate only by a collective on it). An
+    # exchange straight from the source already moves the fewest bytes any schedule can (see
+    # ``_exchange_cost``), so it bounds the search: states that cannot beat it are never
+    # queued, and no later exchange can do better. Only mixed reduce ops, which it cannot
+    # resolve, need exchanges from states past the source.
     guided = not any(p.is_partial() and n > 1 for p, n in zip(target, mesh.shape, strict=True))
-    guesses: dict[State, int] = {}
+    guesses: dict[State, Cost] = {}
 
-    def guess(state: State) -> int:
+    def guess(state: State, cost: Cost) -> Cost:
         h = guesses.get(state)
         if h is None:
-            h = guesses[state] = pricer.lacking(state, target) if guided else 0
-        return h
+            moved = pricer.lacking(state, target) if guided else 0
+            changed = [m for m, (p, q) in enumerate(zip(state, target, strict=True)) if p != q]
+            collectives = sum(mesh.shape[m] > 1 and not state[m].is_replicate() for m in changed)
+            h = guesses[state] = (moved, 0, collectives, len(changed))
+        return (cost[0] + h[0], cost[1], cost[2] + h[2], cost[3] + h[3])
 
-    Cost = tuple[int, int, int, int]
     best: dict[State, Cost] = {source: (0, 0, 0, 0)}
     back: dict[State, tuple[State, Step]] = {}
     heap: list[tuple[Cost, int, Cost, State]] = []
@@ -287,9 +292,9 @@ def _plan(
         if state not in best or cost < best[state]:
             best[state] = cost
             back[state] = step
-            heapq.heappush(heap, ((cost[0] + guess(state), *cost[1:]), next(order), cost, state))
+            heapq.heappush(heap, (guess(state, cost), next(order), cost, state))
 
-    heapq.heappush(heap, ((guess(source), 0, 0, 0), 0, (0, 0, 0, 0), source))
+    heapq.heappush(heap, (guess(source, (0, 0, 0, 0)), 0, (0, 0, 0, 0), source))
     direct = _exchange_step(pricer, source, settled)
     limit = None if direct is None else direct.global_bytes
     if direct is not None:
@@ -317,7 +322,7 @@ def _plan(
                 try:
                     local_bytes, global_bytes = pricer.price(kind, state, nxt, m)
                     moved = cost[0] + global_bytes
-                    if limit is not None and moved + guess(nxt) > limit:
+                    if limit is not None and guess(nxt, (moved, 0, 0, 0))[0] > limit:
                         continue
                 except InvalidPlacementError:
                     continue  # an interleave that does not divide at this nesting level
