@@ -129,16 +129,15 @@ class _Pricer:
         # per mesh dim, its groups as positions in ``mesh.device_ids``
         self.groups = [[[position[d] for d in g] for g in mesh.groups(m)] for m in
                        range(mesh.ndim)]
+        self._layouts: dict[State, tuple] = {}
 
-    def geometry(self, state: State) -> tuple[tuple, ...]:
-        """Every device's segments under ``state``, in ``mesh.device_ids`` order."""
-        return _layout(self.mesh, self.shape, state)[0]
-
-    def shapes(self, state: State) -> tuple[tuple[int, ...], ...]:
-        return _layout(self.mesh, self.shape, state)[1]
-
-    def numels(self, state: State) -> tuple[int, ...]:
-        return _layout(self.mesh, self.shape, state)[2]
+    def layout(self, state: State) -> tuple[tuple[tuple, ...], tuple[tuple[int, ...], ...],
+                                             tuple[int, ...]]:
+        """``_layout`` of ``state``, remembered for this search."""
+        layout = self._layouts.get(state)
+        if layout is None:
+            layout = self._layouts[state] = _layout(self.mesh, self.shape, state)
+        return layout
 
     def lacking(self, state: State, target: State) -> int:
         """Bytes the rest of any plan from ``state`` to the Partial-free ``target`` moves at
@@ -146,12 +145,18 @@ class _Pricer:
         ``k`` Partial terms and ``m`` devices that need an element (the product of the mesh
         dims ``target`` replicates), of which ``l`` hold no term, ``k + m - 1 - a >= l``
         (one term), else ``>= max(k + m - 2, k - 1 + l)``."""
-        held, wanted = self.geometry(state), self.geometry(target)
+        held = self.layout(state)[0]
+        wanted, _, numels = self.layout(target)
         lacked = 0
-        for numel, old, new in zip(self.numels(target), held, wanted, strict=True):
+        for numel, old, new in zip(numels, held, wanted, strict=True):
             kept = 1
             for a, b in zip(old, new, strict=True):
-                kept *= _overlap(a, b)
+                if len(a) == 1 == len(b):  # one run each (no interleave, no nesting): inline
+                    (a0, a1), (b0, b1) = a[0], b[0]
+                    common = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
+                    kept *= common if common > 0 else 0
+                else:
+                    kept *= _overlap(a, b)
             lacked += numel - kept
         terms = prod(n for n, p in zip(self.mesh.shape, state, strict=True) if p.is_partial())
         if terms == 1:
@@ -166,8 +171,10 @@ class _Pricer:
         if kind == "local":
             return 0, 0
         size = self.itemsize
-        old, new = self.shapes(before), self.shapes(after)
-        numels = self.numels(after if kind == "reduce_scatter" else before)
+        _, old, numels = self.layout(before)
+        _, new, after_numels = self.layout(after)
+        if kind == "reduce_scatter":
+            numels = after_numels
         local_total = global_total = 0
         for group in self.groups[mesh_dim]:
             n = len(group)
@@ -215,8 +222,6 @@ def _candidates(
 
 def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> int:
     """How many indices two run lists share."""
-    if len(a) == len(b) == 1:
-        return max(0, min(a[0][1], b[0][1]) - max(a[0][0], b[0][0]))
     return sum(max(0, min(y1, y2) - max(x1, x2)) for x1, y1 in a for x2, y2 in b)
 
 
