@@ -168,12 +168,13 @@ def plot(results: dict, path: Path) -> None:
 REASONS = {
     "dispatch": "shardwise's own Python work per op (issue 13 counted about 89 Python calls "
                 "per add against DTensor's 32)",
-    "planner": "the misses all start from a Partial that a whole-mesh exchange cannot reach "
-               "the bound from directly: they need a reduce-exchange into an intermediate "
-               "sharded state, then an exchange, an edge the planner does not offer yet (the "
-               "per-element bound may also be unreachable for some of them)",
-    "cold_planning": "Dijkstra over placement states in Python, each step priced exactly on "
-                     "every device's uneven shard; mixed Partial sources explore many states",
+    "planner": "every swept pair reaches the bound (an exchange resolves Partials of one "
+               "reduce op at one root per block, then forwards); a gap could only come from "
+               "sources mixing reduce ops, which must reduce lowest mesh dim first",
+    "cold_planning": "A* over placement states in Python, each state's shards measured on "
+                     "every device; Partial sources with many equally cheap collective orders "
+                     "visit the most states (about 100 step prices for (S1,P,P)->(S2,R,R) "
+                     "against 12 on average on 2x2x2)",
     "redistribute": "time outside the collective itself (point-to-point rounds, a clone and a "
                     "cat for Partial -> Replicate in issue 13's profile)",
     "training": "a step is many small ops, each paying the dispatch gap above, plus the "
