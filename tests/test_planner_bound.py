@@ -139,18 +139,20 @@ SRP = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
 
 def _pairs(ndim: int) -> list[tuple[tuple, tuple]]:
     states = list(itertools.product(SRP, repeat=ndim))
-    return [(s, t) for s in states for t in states if not any(p.is_partial() for p in t)]
+    return list(itertools.product(states, states))
 
 
 def _check_pair(mesh: sw.DeviceMesh, x: torch.Tensor, source: tuple, target: tuple) -> None:
-    """The plan moves exactly the bound, and running it gives the oracle's values with the
-    bytes the plan priced."""
+    """The plan moves exactly the bound (at least it, to a Partial target), and running it
+    gives the oracle's values with the bytes the plan priced."""
     shape = tuple(x.shape)
     dt = sw.DTensor.from_local(components_for(x, mesh, source, 7), mesh, source, shape=shape)
     plan = sw.explain_redistribute(dt, target)
-    assert plan.global_bytes == plan.lower_bound == lower_bound_bytes(
-        mesh, shape, 4, source, target
-    ), (source, target, plan)
+    assert plan.lower_bound == lower_bound_bytes(mesh, shape, 4, source, target)
+    if any(p.is_partial() for p in target):
+        assert plan.global_bytes >= plan.lower_bound
+    else:
+        assert plan.global_bytes == plan.lower_bound, (source, target, plan)
     with sw.CommCounter() as counter:
         out = dt.redistribute(placements=target)
     assert counter.total_bytes == plan.bytes
@@ -161,8 +163,8 @@ def _check_pair(mesh: sw.DeviceMesh, x: torch.Tensor, source: tuple, target: tup
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 @pytest.mark.parametrize("shape", [(8, 4, 4), (5, 3, 7)])
 def test_every_srp_pair_reaches_the_bound_and_the_values(mesh_shape, shape) -> None:
-    """Every Shard/Replicate/Partial source to every Partial-free target, even and uneven
-    shapes (some shards empty)."""
+    """Every Shard/Replicate/Partial source to every such target, even and uneven shapes
+    (some shards empty)."""
     mesh = sw.init_device_mesh("cpu", mesh_shape)
     x = make_tensor(shape, torch.float32, 3)
     for source, target in _pairs(len(mesh_shape)):
@@ -171,8 +173,9 @@ def test_every_srp_pair_reaches_the_bound_and_the_values(mesh_shape, shape) -> N
 
 @pytest.mark.parametrize("shape", [(8, 4, 4), (5, 3, 7)])
 def test_cube_srp_pairs_reach_the_bound_and_the_values(shape) -> None:
-    """A fixed sample of the 8000 pairs on a 2x2x2 mesh (all of them run in the benchmark)."""
+    """A fixed sample of the 15625 pairs on a 2x2x2 mesh (the benchmark plans the 8000 with
+    a Partial-free target)."""
     mesh = sw.init_device_mesh("cpu", (2, 2, 2))
     x = make_tensor(shape, torch.float32, 5)
-    for source, target in random.Random(13).sample(_pairs(3), 300):
+    for source, target in random.Random(13).sample(_pairs(3), 400):
         _check_pair(mesh, x, source, target)

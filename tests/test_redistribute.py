@@ -107,6 +107,8 @@ def _cheapest_1d(
     if isinstance(source, Partial):
         # reduce_scatter straight to a shard; otherwise all_reduce (2(n-1)/n per device)
         return gather if isinstance(target, Shard) else 2 * gather
+    if target == Partial("sum"):
+        return 0  # every device keeps its shard in place, zeros elsewhere: the sum is whole
     if type(source) is Shard and type(target) is Shard:
         d, e = source.dim, target.dim
         rest = full // (shape[d] * shape[e]) if shape[d] * shape[e] else 0

@@ -83,6 +83,8 @@ def _step_kind(a: Placement, b: Placement, mesh_size: int) -> str | None:
         return "all_reduce" if isinstance(a, Partial) else "all_gather"
     if isinstance(a, Partial):
         return "reduce_scatter" if isinstance(b, Shard) else None
+    if isinstance(b, Partial) and b.reduce_op == "sum":
+        return "local"  # Shard -> Partial("sum"): each keeps its shard in place, zeros around
     if type(a) is Shard and type(b) is Shard and a.dim != b.dim:
         return "all_to_all"
     return None
@@ -401,6 +403,28 @@ def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Te
     return t
 
 
+def _pad(
+    mesh: DeviceMesh,
+    shape: tuple[int, ...],
+    state: State,
+    mesh_dim: int,
+    components: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Shard -> Partial("sum") on ``mesh_dim`` without moving data: every device's new piece
+    is its shard where it lies in the unsplit piece, and zeros elsewhere."""
+    placement = state[mesh_dim]
+    unsplit = state[:mesh_dim] + (Replicate(),) + state[mesh_dim + 1 :]
+    n = mesh.shape[mesh_dim]
+    out = []
+    for t, d in zip(components, mesh.local_device_ids, strict=True):
+        coord = mesh.coordinate_of(d)
+        runs = shard_segments(shape, mesh.shape, unsplit, coord)
+        pieces = _split(t.new_zeros(tuple(sum(b - a for a, b in r) for r in runs)), placement, n)
+        pieces[coord[mesh_dim]] = t
+        out.append(_merge(pieces, placement))
+    return out
+
+
 def _run_step(
     step: Step, mesh: DeviceMesh, components: list[torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -435,6 +459,8 @@ def execute_plan(
         after = _apply(state, step)
         if step.collective == "exchange":
             out = _run_exchange(mesh, plan.shape, state, after, step.mesh_dim, out)
+        elif isinstance(step.source, Shard) and step.target.is_partial():
+            out = _pad(mesh, plan.shape, state, step.mesh_dim, out)
         else:
             out = _run_step(step, mesh, out)
         state = after
