@@ -1,9 +1,10 @@
 """Redistribution: plan the cheapest per-mesh-dim steps from one spec to another, and run them.
 
-A step changes the placement of one mesh dim. The planner searches the (small) space of
-placement tuples with Dijkstra, pricing each step by the bytes every device of the mesh
-receives (the cost model of DESIGN.md, exact for uneven shards), and caches the plan per
-(source spec, target placements). Plans are the same in every process, so SPMD stays in step.
+A step changes the placement of one mesh dim, or of several at once (an exchange: point to
+point messages that may also reduce pending Partials). The planner searches the (small) space
+of placement tuples with A*, pricing each step by the bytes every device of the mesh receives
+(the cost model of DESIGN.md, exact for uneven shards), and caches the plan per (source spec,
+target placements). Plans are the same in every process, so SPMD stays in step.
 """
 
 from __future__ import annotations
