@@ -126,8 +126,8 @@ class _Pricer:
 
     def __init__(self, mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int) -> None:
         self.mesh, self.shape, self.itemsize = mesh, shape, itemsize
-        self.local = set(mesh.local_device_ids)
-        self.is_local = [d in self.local for d in mesh.device_ids]
+        local = set(mesh.local_device_ids)
+        self.is_local = [d in local for d in mesh.device_ids]
         position = {d: i for i, d in enumerate(mesh.device_ids)}
         # per mesh dim, its groups as positions in ``mesh.device_ids``
         self.groups = [[[position[d] for d in g] for g in mesh.groups(m)] for m in
@@ -146,8 +146,9 @@ class _Pricer:
         """Bytes the rest of any plan from ``state`` to the Partial-free ``target`` moves at
         least (A*'s heuristic), from the per-element bound of ``lower_bound_bytes``: with
         ``k`` Partial terms and ``m`` devices that need an element (the product of the mesh
-        dims ``target`` replicates), of which ``l`` hold no term, ``k + m - 1 - a >= l``
-        (one term), else ``>= max(k + m - 2, k - 1 + l)``."""
+        dims ``target`` replicates), of which ``l`` hold no term, it is ``l`` for one term,
+        else ``k + m - 1 - a >= max(k + m - 2, k - 1 + l)`` (``a`` is 1 when a needer holds
+        a term, so ``l <= m - a``)."""
         held = self.layout(state)[0]
         wanted, _, numels = self.layout(target)
         lacked = 0
