@@ -293,6 +293,10 @@ def _plan(
     # exchange is tried. Only mixed reduce ops, which it cannot resolve, need exchanges from
     # states past the source.
     guided = not any(p.is_partial() and n > 1 for p, n in zip(target, mesh.shape, strict=True))
+    try:
+        pricer.layout(target)
+    except InvalidPlacementError:
+        guided = False  # an interleave the target cannot hold: planned as before, unguided
     guesses: dict[State, Cost] = {}
 
     def guess(state: State, cost: Cost) -> Cost:
@@ -344,10 +348,11 @@ def _plan(
                 try:
                     local_bytes, global_bytes = pricer.price(kind, state, nxt, m)
                     moved = cost[0] + global_bytes
-                    if limit is not None and guess(nxt, (moved, 0, 0, 0))[0] > limit:
-                        continue
+                    bound = guess(nxt, (moved, 0, 0, 0))[0]  # measures nxt's shards too
                 except InvalidPlacementError:
                     continue  # an interleave that does not divide at this nesting level
+                if limit is not None and bound > limit:
+                    continue
                 new_cost = (moved, cost[1], cost[2] + (kind != "local"), cost[3] + 1)
                 push(nxt, new_cost, (state, Step(m, a, b, kind, local_bytes, global_bytes)))
         later = None if limit is not None else _exchange_step(pricer, state, _goal(state, target))
