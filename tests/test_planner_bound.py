@@ -92,14 +92,11 @@ def test_bound_counts_elements_and_never_beats_the_plan(case, data) -> None:
 
 def _exchange_reaches_the_bound(mesh: sw.DeviceMesh, source: tuple, target: tuple) -> bool:
     """Where the planner is exact by construction: an exchange straight from ``source``
-    resolves its Partials (one reduce op) into ``target`` at the bound, when ``target``'s
-    Partials are "sum" on mesh dims that ``source`` does not reduce."""
+    resolves its Partials (one reduce op) into a Partial-free ``target`` at the bound."""
     ops = {p.reduce_op for p, n in zip(source, mesh.shape, strict=True)
            if isinstance(p, Partial) and n > 1}
     plain = all(type(p) in (Shard, Replicate, Partial) for p in source + target)
-    sums = all(not q.is_partial() or (q == Partial("sum") and not p.is_partial())
-               for p, q in zip(source, target, strict=True))
-    return plain and len(ops) <= 1 and sums
+    return plain and len(ops) <= 1 and not any(p.is_partial() for p in target)
 
 
 ONE_D = [Shard(0), Shard(1), Replicate(), Partial("sum"), Partial("max")]
@@ -142,20 +139,18 @@ SRP = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
 
 def _pairs(ndim: int) -> list[tuple[tuple, tuple]]:
     states = list(itertools.product(SRP, repeat=ndim))
-    return list(itertools.product(states, states))
+    return [(s, t) for s in states for t in states if not any(p.is_partial() for p in t)]
 
 
 def _check_pair(mesh: sw.DeviceMesh, x: torch.Tensor, source: tuple, target: tuple) -> None:
-    """The plan moves exactly the bound (at least it where a mesh dim keeps its Partial), and
-    running it gives the oracle's values with the bytes the plan priced."""
+    """The plan moves exactly the bound, and running it gives the oracle's values with the
+    bytes the plan priced."""
     shape = tuple(x.shape)
     dt = sw.DTensor.from_local(components_for(x, mesh, source, 7), mesh, source, shape=shape)
     plan = sw.explain_redistribute(dt, target)
-    assert plan.lower_bound == lower_bound_bytes(mesh, shape, 4, source, target)
-    if any(p.is_partial() and q.is_partial() for p, q in zip(source, target, strict=True)):
-        assert plan.global_bytes >= plan.lower_bound  # a Partial kept on a mesh dim
-    else:
-        assert plan.global_bytes == plan.lower_bound, (source, target, plan)
+    assert plan.global_bytes == plan.lower_bound == lower_bound_bytes(
+        mesh, shape, 4, source, target
+    ), (source, target, plan)
     with sw.CommCounter() as counter:
         out = dt.redistribute(placements=target)
     assert counter.total_bytes == plan.bytes
@@ -166,8 +161,8 @@ def _check_pair(mesh: sw.DeviceMesh, x: torch.Tensor, source: tuple, target: tup
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 @pytest.mark.parametrize("shape", [(8, 4, 4), (5, 3, 7)])
 def test_every_srp_pair_reaches_the_bound_and_the_values(mesh_shape, shape) -> None:
-    """Every Shard/Replicate/Partial source to every such target, even and uneven shapes
-    (some shards empty)."""
+    """Every Shard/Replicate/Partial source to every Partial-free target, even and uneven
+    shapes (some shards empty)."""
     mesh = sw.init_device_mesh("cpu", mesh_shape)
     x = make_tensor(shape, torch.float32, 3)
     for source, target in _pairs(len(mesh_shape)):
@@ -176,9 +171,8 @@ def test_every_srp_pair_reaches_the_bound_and_the_values(mesh_shape, shape) -> N
 
 @pytest.mark.parametrize("shape", [(8, 4, 4), (5, 3, 7)])
 def test_cube_srp_pairs_reach_the_bound_and_the_values(shape) -> None:
-    """A fixed sample of the 15625 pairs on a 2x2x2 mesh (the benchmark plans the 8000 with
-    a Partial-free target)."""
+    """A fixed sample of the 8000 pairs on a 2x2x2 mesh (all of them run in the benchmark)."""
     mesh = sw.init_device_mesh("cpu", (2, 2, 2))
     x = make_tensor(shape, torch.float32, 5)
-    for source, target in random.Random(13).sample(_pairs(3), 400):
+    for source, target in random.Random(13).sample(_pairs(3), 300):
         _check_pair(mesh, x, source, target)

@@ -107,8 +107,6 @@ def _cheapest_1d(
     if isinstance(source, Partial):
         # reduce_scatter straight to a shard; otherwise all_reduce (2(n-1)/n per device)
         return gather if isinstance(target, Shard) else 2 * gather
-    if target == Partial("sum"):
-        return 0  # every device keeps its shard in place, zeros elsewhere: the sum is whole
     if type(source) is Shard and type(target) is Shard:
         d, e = source.dim, target.dim
         rest = full // (shape[d] * shape[e]) if shape[d] * shape[e] else 0
@@ -266,17 +264,9 @@ def _ref_step_bytes(
                for c in coords}
         new = {c: set(itertools.product(*ref_indices(shape, mesh_shape, after, c)))
                for c in coords}
-        # a Partial("sum") target needs the value on one device per group along those
-        # mesh dims (a holder where the group has one); the others hold zeros
-        summed = [m for m, p in enumerate(after) if p.is_partial() and mesh_shape[m] > 1]
         for element in itertools.product(*(range(s) for s in shape)):
             holders = [c for c in coords if element in old[c]]
             needers = [c for c in coords if element in new[c]]
-            if summed:
-                chosen: dict = {}
-                for c in sorted(needers, key=lambda c: c not in holders):
-                    chosen.setdefault(tuple(x for m, x in enumerate(c) if m not in summed), c)
-                needers = list(chosen.values())
             terms = {tuple(c[m] for m in partial) for c in holders}
             if len(terms) == 1:
                 total += sum(c not in holders for c in needers)

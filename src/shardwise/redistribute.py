@@ -84,8 +84,6 @@ def _step_kind(a: Placement, b: Placement, mesh_size: int) -> str | None:
         return "all_reduce" if isinstance(a, Partial) else "all_gather"
     if isinstance(a, Partial):
         return "reduce_scatter" if isinstance(b, Shard) else None
-    if isinstance(b, Partial) and b.reduce_op == "sum":
-        return "local"  # Shard -> Partial("sum"): each keeps its shard in place, zeros around
     if type(a) is Shard and type(b) is Shard and a.dim != b.dim:
         return "all_to_all"
     return None
@@ -229,35 +227,23 @@ def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> 
     return sum(max(0, min(y1, y2) - max(x1, x2)) for x1, y1 in a for x2, y2 in b)
 
 
-def _goal(state: State, target: State) -> State:
-    """Where an exchange from ``state`` towards ``target`` goes: ``target`` itself unless it
-    has a Partial other than "sum", or one that ``state`` already has on that mesh dim; else
-    ``target`` with Replicate for its Partials (a free local step from there)."""
-    if all(
-        not p.is_partial() or (p == Partial("sum") and not q.is_partial())
-        for p, q in zip(target, state, strict=True)
-    ):
-        return target
-    return tuple(Replicate() if p.is_partial() else p for p in target)
-
-
-def _exchange_step(pricer: _Pricer, state: State, goal: State) -> Step | None:
-    """The exchange straight from ``state`` to ``goal`` (see ``_goal``), or None. Pending
+def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None:
+    """The exchange straight from ``state`` to the Partial-free ``settled``, or None. Pending
     Partials are resolved on the way when they all reduce alike (mixed reduce ops must go
     lowest mesh dim first, one dim at a time)."""
     mesh = pricer.mesh
     ops = {p.reduce_op for m, p in enumerate(state) if isinstance(p, Partial) and mesh.shape[m] > 1}
-    if state == goal or len(ops) > 1:
+    if state == settled or len(ops) > 1:
         return None
-    dims = tuple(m for m in range(mesh.ndim) if state[m] != goal[m])
+    dims = tuple(m for m in range(mesh.ndim) if state[m] != settled[m])
     try:
-        local_bytes, global_bytes, rounds = pricer.exchange_price(state, goal)
+        local_bytes, global_bytes, rounds = pricer.exchange_price(state, settled)
     except InvalidPlacementError:
         return None  # an interleave that does not divide at this nesting level
     return Step(
         dims,
         tuple(state[m] for m in dims),
-        tuple(goal[m] for m in dims),
+        tuple(settled[m] for m in dims),
         "exchange",
         local_bytes,
         global_bytes,
@@ -281,6 +267,7 @@ def _plan(
 ) -> RedistributePlan:
     pricer = _Pricer(mesh, shape, itemsize)
     options = [_candidates(source, target, m, shape) for m in range(mesh.ndim)]
+    settled = tuple(Replicate() if p.is_partial() else p for p in target)
     # A* on (global bytes, exchanges, collectives, steps): an exchange is taken only when it
     # moves fewer bytes than the named collectives; ties keep the first found. The bytes each
     # device still lacks (``_Pricer.lacking``) never exceed what the rest of a plan moves, so
@@ -288,10 +275,9 @@ def _plan(
     # min would do there); so do the collectives and steps still needed without an exchange
     # (a mesh dim leaves a placement other than Replicate only by a collective on it). An
     # exchange straight from the source already moves the fewest bytes any schedule can (see
-    # ``_exchange_cost``; unless the target keeps a Partial of the source on a mesh dim), so
-    # it bounds the search: states that cannot beat it are never queued, and no later
-    # exchange is tried. Only mixed reduce ops, which it cannot resolve, need exchanges from
-    # states past the source.
+    # ``_exchange_cost``), so it bounds the search: states that cannot beat it are never
+    # queued, and no later exchange can do better. Only mixed reduce ops, which it cannot
+    # resolve, need exchanges from states past the source.
     guided = not any(p.is_partial() and n > 1 for p, n in zip(target, mesh.shape, strict=True))
     try:
         pricer.layout(target)
@@ -320,11 +306,10 @@ def _plan(
             heapq.heappush(heap, (guess(state, cost), next(order), cost, state))
 
     heapq.heappush(heap, (guess(source, (0, 0, 0, 0)), 0, (0, 0, 0, 0), source))
-    goal = _goal(source, target)
-    direct = _exchange_step(pricer, source, goal)
+    direct = _exchange_step(pricer, source, settled)
     limit = None if direct is None else direct.global_bytes
     if direct is not None:
-        push(goal, (direct.global_bytes, 1, 1, 1), (source, direct))
+        push(settled, (direct.global_bytes, 1, 1, 1), (source, direct))
     while heap:
         _, _, cost, state = heapq.heappop(heap)
         if state == target:
@@ -355,10 +340,10 @@ def _plan(
                     continue
                 new_cost = (moved, cost[1], cost[2] + (kind != "local"), cost[3] + 1)
                 push(nxt, new_cost, (state, Step(m, a, b, kind, local_bytes, global_bytes)))
-        later = None if limit is not None else _exchange_step(pricer, state, _goal(state, target))
+        later = None if limit is not None else _exchange_step(pricer, state, settled)
         if later is not None:
             new_cost = (cost[0] + later.global_bytes, cost[1] + 1, cost[2] + 1, cost[3] + 1)
-            push(_apply(state, later), new_cost, (state, later))
+            push(settled, new_cost, (state, later))
     if target not in best:
         raise InvalidPlacementError(
             f"no redistribution from {list(source)} to {list(target)} for shape {list(shape)} "
@@ -423,28 +408,6 @@ def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Te
     return t
 
 
-def _pad(
-    mesh: DeviceMesh,
-    shape: tuple[int, ...],
-    state: State,
-    mesh_dim: int,
-    components: list[torch.Tensor],
-) -> list[torch.Tensor]:
-    """Shard -> Partial("sum") on ``mesh_dim`` without moving data: every device's new piece
-    is its shard where it lies in the unsplit piece, and zeros elsewhere."""
-    placement = state[mesh_dim]
-    unsplit = state[:mesh_dim] + (Replicate(),) + state[mesh_dim + 1 :]
-    n = mesh.shape[mesh_dim]
-    out = []
-    for t, d in zip(components, mesh.local_device_ids, strict=True):
-        coord = mesh.coordinate_of(d)
-        runs = shard_segments(shape, mesh.shape, unsplit, coord)
-        pieces = _split(t.new_zeros(tuple(sum(b - a for a, b in r) for r in runs)), placement, n)
-        pieces[coord[mesh_dim]] = t
-        out.append(_merge(pieces, placement))
-    return out
-
-
 def _run_step(
     step: Step, mesh: DeviceMesh, components: list[torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -479,34 +442,23 @@ def execute_plan(
         after = _apply(state, step)
         if step.collective == "exchange":
             out = _run_exchange(mesh, plan.shape, state, after, step.mesh_dim, out)
-        elif isinstance(step.source, Shard) and step.target.is_partial():
-            out = _pad(mesh, plan.shape, state, step.mesh_dim, out)
         else:
             out = _run_step(step, mesh, out)
         state = after
     return out
 
 
-Box = tuple[tuple[int, ...], tuple[tuple[int, int], ...], int, int, list[int], int]
+Box = tuple[tuple[int, ...], tuple[tuple[int, int], ...], int, int, list[int]]
 
 
 def _boxes(
     mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
 ) -> Iterator[Box]:
-    """The boxes of global indices an exchange from ``before`` to ``after`` moves: (box
-    index, box, size, needers, holders of each Partial term in term order, devices that
-    hold zeros there), the devices as bit masks over their positions in
-    ``mesh.device_ids``. ``after`` may be Partial("sum") on mesh dims that ``before`` does
-    not reduce: of each group along those dims, one device needs the value (a holder where
-    the group has one) and the others hold zeros."""
+    """The boxes of global indices an exchange from ``before`` to the Partial-free ``after``
+    moves: (box index, box, size, needers, holders of each Partial term in term order), the
+    devices as bit masks over their positions in ``mesh.device_ids``."""
     coords = [mesh.coordinate_of(d) for d in mesh.device_ids]
     partial = [m for m, p in enumerate(before) if p.is_partial() and mesh.shape[m] > 1]
-    summed = [m for m, p in enumerate(after) if p.is_partial() and mesh.shape[m] > 1]
-    group_masks: dict[tuple[int, ...], int] = {}
-    for i, c in enumerate(coords):
-        key = tuple(x for m, x in enumerate(c) if m not in summed)
-        group_masks[key] = group_masks.get(key, 0) | 1 << i
-    groups = list(group_masks.values()) if summed else []
     old, new = _layout(mesh, shape, before)[0], _layout(mesh, shape, after)[0]
     spans = _spans(shape, [*old, *new])
     old_masks = [_cover_masks(old, dim, s) for dim, s in enumerate(spans)]
@@ -524,15 +476,8 @@ def _boxes(
             hold &= old_masks[dim][k]
         box = tuple(s[k] for s, k in zip(spans, index, strict=True))
         size = prod(b - a for a, b in box)
-        if not (need and size):
-            continue
-        zero = 0
-        for group in groups:  # one needer per Partial("sum") group, the others hold zeros
-            members = need & group
-            if members:
-                chosen = members & hold or members
-                zero |= members & ~(chosen & -chosen)
-        yield index, box, size, need & ~zero, [hold & t for t in terms if hold & t], zero
+        if need and size:
+            yield index, box, size, need, [hold & t for t in terms if hold & t]
 
 
 def _root(index: tuple[int, ...], need: int, holds: list[int]) -> int | None:
@@ -552,7 +497,7 @@ def _exchange_cost(
     mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
 ) -> tuple[tuple[int, ...], int]:
     """The elements each device (in ``mesh.device_ids`` order) receives in an exchange from
-    ``before`` to ``after`` (see ``_boxes``), and the rounds it takes.
+    ``before`` to the Partial-free ``after``, and the rounds it takes.
 
     Per box with ``k`` Partial terms and ``m`` needers, the root receives the ``k - 1`` (or
     ``k``) terms it lacks in round one and sends the result to the ``m - 1`` other needers
@@ -561,7 +506,7 @@ def _exchange_cost(
     fewest bytes any schedule can."""
     received = [0] * mesh.size()
     rounds = 1
-    for index, _, size, need, holds, _ in _boxes(mesh, shape, before, after):
+    for index, _, size, need, holds in _boxes(mesh, shape, before, after):
         root = _root(index, need, holds)
         if root is None:
             for i in _bits(need & ~holds[0]):
@@ -622,10 +567,9 @@ def _local_slice(runs: tuple[tuple[int, int], ...], lo: int, hi: int) -> slice:
 def _routes(
     mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
 ) -> tuple[dict[int, Route], dict[int, Route]]:
-    """Rounds one and two of an exchange (see ``_exchange_cost``) for every device (a block
-    without sources is zeros). A term comes from the device itself when it holds it, else a
-    holder in its own process, else the nearest holder by mesh coordinate, then the lowest
-    id."""
+    """Rounds one and two of an exchange (see ``_exchange_cost``) for every device. A term
+    comes from the device itself when it holds it, else a holder in its own process, else
+    the nearest holder by mesh coordinate, then the lowest id."""
     devices = mesh.device_ids
     coords = {d: mesh.coordinate_of(d) for d in devices}
     old = {d: shard_segments(shape, mesh.shape, before, coords[d]) for d in devices}
@@ -636,11 +580,9 @@ def _routes(
     def where(pieces: tuple, block: tuple) -> tuple[slice, ...]:
         return tuple(_local_slice(r, a, b) for r, (a, b) in zip(pieces, block, strict=True))
 
-    for index, box, _, need, holds, zero in _boxes(mesh, shape, before, after):
+    for index, box, _, need, holds in _boxes(mesh, shape, before, after):
         box_shape = tuple(b - a for a, b in box)
         root = _root(index, need, holds)
-        for i in _bits(zero):  # no sources: zeros
-            first[devices[i]].append((where(new[devices[i]], box), box_shape, ()))
         for i in _bits(need):
             d = devices[i]
             if root not in (None, i):
@@ -711,10 +653,7 @@ def _run_exchange(
         incoming = iter(received[i])
         for dst, _, sources in first[d]:
             terms = [components[i][src] if h == d else next(incoming) for h, src in sources]
-            if not terms:
-                piece[dst] = 0
-            else:
-                piece[dst] = terms[0] if len(terms) == 1 else comm.reduce_terms(terms, op)
+            piece[dst] = terms[0] if len(terms) == 1 else comm.reduce_terms(terms, op)
         out.append(piece)
     if any(second[d] for d in mesh.device_ids):
         received = _send_round(mesh, mesh_dims, second, out)
