@@ -30,6 +30,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import shardwise as sw
 from shardwise.redistribute import (
     _PLANS,
+    _exchange_cost,
     _plan,
     _Pricer,
     _step_kind,
@@ -128,8 +129,9 @@ def _compare(mesh, their_mesh, src: tuple, dst: tuple, graph: bool) -> dict:
     target = tuple(_ours(c) for c in dst)
     bound = lower_bound_bytes(mesh, SHAPE, ITEMSIZE, source, target)
 
-    def plan_ours():
+    def plan_ours():  # cold: the plan caches cleared (shard geometry stays cached)
         _plan.cache_clear()
+        _exchange_cost.cache_clear()
         _PLANS.clear()
         return _plan(mesh, SHAPE, ITEMSIZE, source, target)
 

@@ -180,12 +180,13 @@ REASONS = {
                 "replicated input (add: one narrow, about 1.7 us) or exchanges pieces "
                 "in-process (cat: an all_to_all, n^2 pieces), and view runs its local-size "
                 "hook on every device",
-    "planner": "the misses all start from a Partial that a whole-mesh exchange cannot reach "
-               "the bound from directly: they need a reduce-exchange into an intermediate "
-               "sharded state, then an exchange, an edge the planner does not offer yet (the "
-               "per-element bound may also be unreachable for some of them)",
-    "cold_planning": "Dijkstra over placement states in Python, each step priced exactly on "
-                     "every device's uneven shard; mixed Partial sources explore many states",
+    "planner": "every swept pair reaches the bound (an exchange resolves Partials of one "
+               "reduce op at one root per block, then forwards); a gap could only come from "
+               "sources mixing reduce ops, which must reduce lowest mesh dim first",
+    "cold_planning": "A* over placement states in Python, each state's shards measured on "
+                     "every device; Partial sources with many equally cheap collective orders "
+                     "visit the most states (about 100 step prices for (S1,P,P)->(S2,R,R) "
+                     "against 12 on average on 2x2x2)",
     "redistribute": "native gloo collectives now move the data (one per transition; "
                     "Partial -> Replicate over more than 2 processes is an all_to_all, a "
                     "coordinate-order combine and an all_gather, for bits equal to the "
@@ -198,7 +199,7 @@ REASONS = {
                 "redistribution gap",
     "compile": "the compiled forward and backward match hand-written code on one process; the "
                "rest is the optimizer update, which runs eagerly through dispatch on DTensor "
-               "parameters, and across processes each redistribution's point-to-point rounds "
+               "parameters, and across processes each redistribution's header round and collective "
                "against one gloo all_reduce by hand",
 }
 

@@ -210,7 +210,10 @@ def test_batch_sharded_mean_is_exact_and_moves_one_scalar(mesh_shape) -> None:
     w = sw.distribute_tensor(weight, mesh, [Replicate()] * len(mesh_shape))
     with CommCounter() as comm:
         loss = F.cross_entropy(x, t, weight=w, ignore_index=3)
-    assert set(comm.counts) == {"all_reduce"} and comm.counts["all_reduce"] == len(mesh_shape)
+    # one all-reduce per sharded mesh dim, or on several mesh dims one reducing exchange,
+    # which the planner takes where it moves fewer bytes (a 0-d value cannot be sharded)
+    assert set(comm.counts) in ({"all_reduce"}, {"exchange"})
+    assert comm.counts["all_reduce"] in (0, len(mesh_shape))
     assert comm.total_bytes <= 8 * mesh.size()  # a 4-byte scalar, ring all-reduce on each device
     assert all(p.is_partial() for p in loss.placements)
     expected_x = LOGITS.clone().requires_grad_()

@@ -1,16 +1,18 @@
 """Redistribution: plan the cheapest per-mesh-dim steps from one spec to another, and run them.
 
-A step changes the placement of one mesh dim. The planner searches the (small) space of
-placement tuples with Dijkstra, pricing each step by the bytes every device of the mesh
-receives (the cost model of DESIGN.md, exact for uneven shards), and caches the plan per
-(source spec, target placements). Plans are the same in every process, so SPMD stays in step.
+A step changes the placement of one mesh dim, or of several at once (an exchange: point to
+point messages that may also reduce pending Partials). The planner searches the (small) space
+of placement tuples with A*, pricing each step by the bytes every device of the mesh receives
+(the cost model of DESIGN.md, exact for uneven shards), and caches the plan per (source spec,
+target placements). Plans are the same in every process, so SPMD stays in step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
@@ -33,6 +35,7 @@ from .spec import (
 )
 
 State = tuple[Placement, ...]
+Cost = tuple[int, int, int, int]  # bytes all devices receive, exchanges, collectives, steps
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Step:
     collective: str  # a comm kind, or "local" when no data moves between devices
     bytes: int  # received by this process's devices (what CommCounter counts)
     global_bytes: int  # received by all devices of the mesh (the planner's cost)
+    rounds: int = 1  # communication rounds (a reducing exchange may take two)
 
     def __repr__(self) -> str:
         return (
@@ -114,28 +118,75 @@ def _out_of_order(state: State, mesh_dim: int, a: Placement, mesh_shape: tuple[i
     )
 
 
+@lru_cache(maxsize=65536)
+def _layout(
+    mesh: DeviceMesh, shape: tuple[int, ...], state: State
+) -> tuple[tuple[tuple, ...], tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """Every device's segments, local shape and element count under ``state``, in
+    ``mesh.device_ids`` order (geometry, shared by every plan on that mesh and shape)."""
+    segments = tuple(
+        shard_segments(shape, mesh.shape, state, mesh.coordinate_of(d)) for d in mesh.device_ids
+    )
+    shapes = tuple(tuple(sum(b - a for a, b in runs) for runs in s) for s in segments)
+    return segments, shapes, tuple(prod(s) for s in shapes)
+
+
 class _Pricer:
     """Bytes received per device for a step, from shard geometry alone. A half-precision sum
     moves its float32 pieces while it is pending (``pending_itemsize``)."""
 
     def __init__(
-        self, mesh: DeviceMesh, shape: tuple[int, ...], itemsize: int, pending_itemsize: int
+        self,
+        mesh: DeviceMesh,
+        shape: tuple[int, ...],
+        itemsize: int,
+        pending_itemsize: int | None = None,
     ) -> None:
         self.mesh, self.shape, self.itemsize = mesh, shape, itemsize
-        self.pending_itemsize = pending_itemsize
-        self.local = set(mesh.local_device_ids)
-        self._shapes: dict[tuple[State, tuple[int, ...]], tuple[int, ...]] = {}
+        self.pending_itemsize = pending_itemsize or itemsize
+        local = set(mesh.local_device_ids)
+        self.is_local = [d in local for d in mesh.device_ids]
+        position = {d: i for i, d in enumerate(mesh.device_ids)}
+        # per mesh dim, its groups as positions in ``mesh.device_ids``
+        self.groups = [[[position[d] for d in g] for g in mesh.groups(m)] for m in
+                       range(mesh.ndim)]
+        self._layouts: dict[State, tuple] = {}
 
-    def local_shape(self, state: State, coord: tuple[int, ...]) -> list[int]:
-        key = (state, coord)
-        shape = self._shapes.get(key)
-        if shape is None:
-            runs = shard_segments(self.shape, self.mesh.shape, state, coord)
-            shape = self._shapes[key] = tuple(sum(b - a for a, b in r) for r in runs)
-        return list(shape)
+    def layout(self, state: State) -> tuple[tuple[tuple, ...], tuple[tuple[int, ...], ...],
+                                             tuple[int, ...]]:
+        """``_layout`` of ``state``, remembered for this search."""
+        layout = self._layouts.get(state)
+        if layout is None:
+            layout = self._layouts[state] = _layout(self.mesh, self.shape, state)
+        return layout
 
-    def numel(self, state: State, coord: tuple[int, ...]) -> int:
-        return prod(self.local_shape(state, coord))
+    def lacking(self, state: State, target: State) -> int:
+        """Bytes the rest of any plan from ``state`` to the Partial-free ``target`` moves at
+        least (A*'s heuristic), from the per-element bound of ``lower_bound_bytes``: with
+        ``k`` Partial terms and ``m`` devices that need an element (the product of the mesh
+        dims ``target`` replicates), of which ``l`` hold no term, it is ``l`` for one term,
+        else ``k + m - 1 - a >= max(k + m - 2, k - 1 + l)`` (``a`` is 1 when a needer holds
+        a term, so ``l <= m - a``)."""
+        held = self.layout(state)[0]
+        wanted, _, numels = self.layout(target)
+        lacked = 0
+        for numel, old, new in zip(numels, held, wanted, strict=True):
+            kept = 1
+            for a, b in zip(old, new, strict=True):
+                if len(a) == 1 == len(b):  # one run each (no interleave, no nesting): inline
+                    (a0, a1), (b0, b1) = a[0], b[0]
+                    common = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
+                    kept *= common if common > 0 else 0
+                else:
+                    kept *= _overlap(a, b)
+            lacked += numel - kept
+        terms = prod(n for n, p in zip(self.mesh.shape, state, strict=True) if p.is_partial())
+        if terms == 1:
+            return lacked * self.itemsize
+        needers = prod(n for n, p in zip(self.mesh.shape, target, strict=True)
+                       if not isinstance(p, Shard))
+        numel = prod(self.shape)
+        return max(lacked + (terms - 1) * numel, (terms + needers - 2) * numel) * self.itemsize
 
     def size_of(self, state: State) -> int:
         """Bytes per element of the components held in ``state``."""
@@ -145,54 +196,41 @@ class _Pricer:
         """(bytes for this process's devices, bytes for all devices)."""
         if kind == "local":
             return 0, 0
-        mesh = self.mesh
+        size = self.size_of(before)
+        _, old, numels = self.layout(before)
+        _, new, after_numels = self.layout(after)
+        if kind == "reduce_scatter":
+            numels = after_numels
         local_total = global_total = 0
-        for group in mesh.groups(mesh_dim):
-            coords = [mesh.coordinate_of(d) for d in group]
+        for group in self.groups[mesh_dim]:
             n = len(group)
-            for k, device in enumerate(group):
-                got = self._received(kind, before, after, mesh_dim, coords, k, n)
+            pieces = [numels[i] * size for i in group]
+            for k, i in enumerate(group):
+                if kind == "all_gather":
+                    got = accounting.all_gather_received(pieces, k)
+                elif kind == "reduce_scatter":
+                    got = accounting.reduce_scatter_received(pieces, k)
+                elif kind == "all_reduce":
+                    got = accounting.all_reduce_received(numels[i], size, n, k)
+                else:  # all_to_all: member j sends k the block of j's old piece in k's new one
+                    e = after[mesh_dim].dim
+                    incoming = [
+                        prod(new[i][e] if d == e else x for d, x in enumerate(old[j])) * size
+                        for j in group
+                    ]
+                    got = accounting.all_to_all_received(incoming, k)
                 global_total += got
-                if device in self.local:
+                if self.is_local[i]:
                     local_total += got
         return local_total, global_total
 
-    def exchange_price(self, before: State, after: State) -> tuple[int, int]:
-        """(bytes for this process's devices, bytes for all devices) of an exchange: every
-        device receives, for its new piece, each of the ``k`` Partial terms (1 without
-        Partial) it does not hold itself."""
-        terms = prod(n for n, p in zip(self.mesh.shape, before, strict=True) if p.is_partial())
-        local_total = global_total = 0
-        for device in self.mesh.device_ids:
-            coord = self.mesh.coordinate_of(device)
-            old = shard_segments(self.shape, self.mesh.shape, before, coord)
-            new = shard_segments(self.shape, self.mesh.shape, after, coord)
-            kept = prod(_overlap(a, b) for a, b in zip(old, new, strict=True))
-            got = (terms * prod(self.local_shape(after, coord)) - kept) * self.size_of(before)
-            global_total += got
-            if device in self.local:
-                local_total += got
-        return local_total, global_total
-
-    def _received(self, kind, before, after, mesh_dim, coords, k, n) -> int:
+    def exchange_price(self, before: State, after: State) -> tuple[int, int, int]:
+        """(bytes for this process's devices, bytes for all devices, rounds) of an exchange
+        (see ``_exchange_cost``)."""
+        received, rounds = _exchange_cost(self.mesh, self.shape, before, after)
+        local_total = sum(n for n, here in zip(received, self.is_local, strict=True) if here)
         size = self.size_of(before)
-        if kind == "all_gather":
-            pieces = [self.numel(before, c) * size for c in coords]
-            return accounting.all_gather_received(pieces, k)
-        if kind == "reduce_scatter":
-            pieces = [self.numel(after, c) * size for c in coords]
-            return accounting.reduce_scatter_received(pieces, k)
-        if kind == "all_reduce":
-            return accounting.all_reduce_received(self.numel(before, coords[k]), size, n, k)
-        # all_to_all: member j sends k the block of j's old piece inside k's new piece
-        e = after[mesh_dim].dim
-        wanted = self.local_shape(after, coords[k])[e]
-        incoming = []
-        for c in coords:
-            block = self.local_shape(before, c)
-            block[e] = wanted
-            incoming.append(prod(block) * size)
-        return accounting.all_to_all_received(incoming, k)
+        return local_total * size, sum(received) * size, rounds
 
 
 def _candidates(
@@ -224,7 +262,7 @@ def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None
         return None
     dims = tuple(m for m in range(mesh.ndim) if state[m] != settled[m])
     try:
-        local_bytes, global_bytes = pricer.exchange_price(state, settled)
+        local_bytes, global_bytes, rounds = pricer.exchange_price(state, settled)
     except InvalidPlacementError:
         return None  # an interleave that does not divide at this nesting level
     return Step(
@@ -234,7 +272,18 @@ def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None
         "exchange",
         local_bytes,
         global_bytes,
+        rounds,
     )
+
+
+def _apply(state: State, step: Step) -> State:
+    """The placements after ``step``."""
+    if step.collective == "exchange":
+        after = list(state)
+        for m, p in zip(step.mesh_dim, step.target, strict=True):
+            after[m] = p
+        return tuple(after)
+    return state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
 
 
 @lru_cache(maxsize=4096)
@@ -246,21 +295,57 @@ def _plan(
     target: State,
     pending_itemsize: int | None = None,
 ) -> RedistributePlan:
-    pricer = _Pricer(mesh, shape, itemsize, pending_itemsize or itemsize)
+    pricer = _Pricer(mesh, shape, itemsize, pending_itemsize)
     options = [_candidates(source, target, m, shape) for m in range(mesh.ndim)]
     settled = tuple(Replicate() if p.is_partial() else p for p in target)
-    # Dijkstra on (global bytes, exchanges, collectives, steps): an exchange is taken only
-    # when it moves fewer bytes than the named collectives; ties keep the first found.
-    best: dict[State, tuple[int, int, int, int]] = {source: (0, 0, 0, 0)}
+    # A* on (global bytes, exchanges, collectives, steps): an exchange is taken only when it
+    # moves fewer bytes than the named collectives; ties keep the first found. The bytes each
+    # device still lacks (``_Pricer.lacking``) never exceed what the rest of a plan moves, so
+    # they guide the search (not towards a Partial target: zeros or the identity of max and
+    # min would do there); so do the collectives and steps still needed without an exchange
+    # (a mesh dim leaves a placement other than Replicate only by a collective on it). An
+    # exchange straight from the source already moves the fewest bytes any schedule can (see
+    # ``_exchange_cost``), so it bounds the search: states that cannot beat it are never
+    # queued, and no later exchange can do better. Only mixed reduce ops, which it cannot
+    # resolve, need exchanges from states past the source.
+    guided = not any(p.is_partial() and n > 1 for p, n in zip(target, mesh.shape, strict=True))
+    try:
+        pricer.layout(target)
+    except InvalidPlacementError:
+        guided = False  # an interleave the target cannot hold: planned as before, unguided
+    guesses: dict[State, Cost] = {}
+
+    def guess(state: State, cost: Cost) -> Cost:
+        h = guesses.get(state)
+        if h is None:
+            moved = pricer.lacking(state, target) if guided else 0
+            changed = [m for m, (p, q) in enumerate(zip(state, target, strict=True)) if p != q]
+            collectives = sum(mesh.shape[m] > 1 and not state[m].is_replicate() for m in changed)
+            h = guesses[state] = (moved, 0, collectives, len(changed))
+        return (cost[0] + h[0], cost[1], cost[2] + h[2], cost[3] + h[3])
+
+    best: dict[State, Cost] = {source: (0, 0, 0, 0)}
     back: dict[State, tuple[State, Step]] = {}
-    heap: list[tuple[tuple[int, int, int, int], int, State]] = [((0, 0, 0, 0), 0, source)]
-    counter = 0
+    heap: list[tuple[Cost, int, Cost, State]] = []
+    order = itertools.count(1)  # ties pop first queued first
+
+    def push(state: State, cost: Cost, step: tuple[State, Step]) -> None:
+        if state not in best or cost < best[state]:
+            best[state] = cost
+            back[state] = step
+            heapq.heappush(heap, (guess(state, cost), next(order), cost, state))
+
+    heapq.heappush(heap, (guess(source, (0, 0, 0, 0)), 0, (0, 0, 0, 0), source))
+    direct = _exchange_step(pricer, source, settled)
+    limit = None if direct is None else direct.global_bytes
+    if direct is not None:
+        push(settled, (direct.global_bytes, 1, 1, 1), (source, direct))
     while heap:
-        cost, _, state = heapq.heappop(heap)
+        _, _, cost, state = heapq.heappop(heap)
         if state == target:
             break
-        if cost > best[state]:
-            continue
+        if cost != best[state]:
+            continue  # a cheaper way here was queued later
         for m in range(mesh.ndim):
             a = state[m]
             for b in options[m]:
@@ -277,27 +362,18 @@ def _plan(
                 nxt = state[:m] + (b,) + state[m + 1 :]
                 try:
                     local_bytes, global_bytes = pricer.price(kind, state, nxt, m)
+                    moved = cost[0] + global_bytes
+                    bound = guess(nxt, (moved, 0, 0, 0))[0]  # measures nxt's shards too
                 except InvalidPlacementError:
                     continue  # an interleave that does not divide at this nesting level
-                new_cost = (
-                    cost[0] + global_bytes,
-                    cost[1],
-                    cost[2] + (kind != "local"),
-                    cost[3] + 1,
-                )
-                if nxt not in best or new_cost < best[nxt]:
-                    best[nxt] = new_cost
-                    back[nxt] = (state, Step(m, a, b, kind, local_bytes, global_bytes))
-                    counter += 1
-                    heapq.heappush(heap, (new_cost, counter, nxt))
-        direct = _exchange_step(pricer, state, settled)
-        if direct is not None:
-            new_cost = (cost[0] + direct.global_bytes, cost[1] + 1, cost[2] + 1, cost[3] + 1)
-            if settled not in best or new_cost < best[settled]:
-                best[settled] = new_cost
-                back[settled] = (state, direct)
-                counter += 1
-                heapq.heappush(heap, (new_cost, counter, settled))
+                if limit is not None and bound > limit:
+                    continue
+                new_cost = (moved, cost[1], cost[2] + (kind != "local"), cost[3] + 1)
+                push(nxt, new_cost, (state, Step(m, a, b, kind, local_bytes, global_bytes)))
+        later = None if limit is not None else _exchange_step(pricer, state, settled)
+        if later is not None:
+            new_cost = (cost[0] + later.global_bytes, cost[1] + 1, cost[2] + 1, cost[3] + 1)
+            push(settled, new_cost, (state, later))
     if target not in best:
         raise InvalidPlacementError(
             f"no redistribution from {list(source)} to {list(target)} for shape {list(shape)} "
@@ -431,15 +507,12 @@ def run_plan(
     state = plan.source
     pending = plan.cast is not None and pending_sum(state)
     for step in plan.steps:
+        after = _apply(state, step)
         if step.collective == "exchange":
-            after = list(state)
-            for m, p in zip(step.mesh_dim, step.target, strict=True):
-                after[m] = p
-            out = _run_exchange(mesh, plan.shape, state, tuple(after), step.mesh_dim, out)
-            state = tuple(after)
+            out = _run_exchange(mesh, plan.shape, state, after, step.mesh_dim, out)
         else:
             out = _run_step(step, mesh, out)
-            state = state[: step.mesh_dim] + (step.target,) + state[step.mesh_dim + 1 :]
+        state = after
         if plan.cast is not None and pending_sum(state) != pending:
             # the half-precision sum got reduced (round once, move half the bytes from here
             # on) or started pending (hold float32 pieces): as the planner priced it
@@ -488,8 +561,107 @@ def compile_plan(
     return run
 
 
-# per device: for each block of its new piece, where it goes in the new piece, its shape, and
-# (holder, where it is in the holder's old piece) for each Partial term in reduction order
+Box = tuple[tuple[int, ...], tuple[tuple[int, int], ...], int, int, list[int]]
+
+
+def _boxes(
+    mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
+) -> Iterator[Box]:
+    """The boxes of global indices an exchange from ``before`` to the Partial-free ``after``
+    moves: (box index, box, size, needers, holders of each Partial term in term order), the
+    devices as bit masks over their positions in ``mesh.device_ids``."""
+    coords = [mesh.coordinate_of(d) for d in mesh.device_ids]
+    partial = [m for m, p in enumerate(before) if p.is_partial() and mesh.shape[m] > 1]
+    old, new = _layout(mesh, shape, before)[0], _layout(mesh, shape, after)[0]
+    spans = _spans(shape, [*old, *new])
+    old_masks = [_cover_masks(old, dim, s) for dim, s in enumerate(spans)]
+    new_masks = [_cover_masks(new, dim, s) for dim, s in enumerate(spans)]
+    term_masks: dict[tuple[int, ...], int] = {}
+    for i, c in enumerate(coords):
+        term = tuple(c[m] for m in partial)
+        term_masks[term] = term_masks.get(term, 0) | 1 << i
+    terms = [term_masks[t] for t in sorted(term_masks)]
+    everyone = (1 << len(coords)) - 1
+    for index in itertools.product(*(range(len(s)) for s in spans)):
+        need, hold = everyone, everyone
+        for dim, k in enumerate(index):
+            need &= new_masks[dim][k]
+            hold &= old_masks[dim][k]
+        box = tuple(s[k] for s, k in zip(spans, index, strict=True))
+        size = prod(b - a for a, b in box)
+        if need and size:
+            yield index, box, size, need, [hold & t for t in terms if hold & t]
+
+
+def _root(index: tuple[int, ...], need: int, holds: list[int]) -> int | None:
+    """The position of the needer that reduces a box's Partial terms (one holding a term
+    where one does, spread over the boxes), None with one term."""
+    if len(holds) == 1:
+        return None
+    held = 0
+    for h in holds:
+        held |= h
+    candidates = _bits(need & held) or _bits(need)
+    return candidates[sum(index) % len(candidates)]
+
+
+@lru_cache(maxsize=4096)
+def _exchange_cost(
+    mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
+) -> tuple[tuple[int, ...], int]:
+    """The elements each device (in ``mesh.device_ids`` order) receives in an exchange from
+    ``before`` to the Partial-free ``after``, and the rounds it takes.
+
+    Per box with ``k`` Partial terms and ``m`` needers, the root receives the ``k - 1`` (or
+    ``k``) terms it lacks in round one and sends the result to the ``m - 1`` other needers
+    in round two; with one term every needer that lacks the box receives it once in round
+    one. That is the per-element minimum of ``lower_bound_bytes``, so an exchange moves the
+    fewest bytes any schedule can."""
+    received = [0] * mesh.size()
+    rounds = 1
+    for index, _, size, need, holds in _boxes(mesh, shape, before, after):
+        root = _root(index, need, holds)
+        if root is None:
+            for i in _bits(need & ~holds[0]):
+                received[i] += size
+            continue
+        received[root] += size * (len(holds) - any(h >> root & 1 for h in holds))
+        for i in _bits(need & ~(1 << root)):
+            received[i] += size
+            rounds = 2
+    return tuple(received), rounds
+
+
+def _spans(shape: tuple[int, ...], pieces: list[tuple]) -> list[list[tuple[int, int]]]:
+    """Per tensor dim, the intervals between every run boundary of ``pieces``."""
+    cuts = [{0, size} for size in shape]
+    for segments in pieces:
+        for dim, runs in enumerate(segments):
+            for a, b in runs:
+                cuts[dim].update((a, b))
+    edges = [sorted(c) for c in cuts]
+    return [list(zip(e[:-1], e[1:], strict=False)) or [(0, 0)] for e in edges]
+
+
+def _cover_masks(pieces: list[tuple], dim: int, spans: list[tuple[int, int]]) -> list[int]:
+    """Per interval of ``dim``, the bit mask of the pieces whose runs cover it."""
+    masks = []
+    for lo, hi in spans:
+        mask = 0
+        for i, segments in enumerate(pieces):
+            if any(a <= lo and hi <= b for a, b in segments[dim]):
+                mask |= 1 << i
+        masks.append(mask)
+    return masks
+
+
+def _bits(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+# per device, the blocks of its new piece it fills in one round: where the block goes in the
+# new piece, its shape, and the (device, where it is in that device's piece) it comes from: one
+# per Partial term in term order in round one (reduced there), the root in round two
 Route = tuple[tuple[tuple[slice, ...], tuple[int, ...], tuple[tuple[int, tuple[slice, ...]], ...]],
               ...]
 
@@ -507,43 +679,65 @@ def _local_slice(runs: tuple[tuple[int, int], ...], lo: int, hi: int) -> slice:
 @lru_cache(maxsize=1024)
 def _routes(
     mesh: DeviceMesh, shape: tuple[int, ...], before: State, after: State
-) -> dict[int, Route]:
-    """For every device, each block of its new piece and, for each Partial term of the old
-    placements (one term without Partial), the device it comes from: itself when it holds
-    it, else a holder in its own process, else the nearest holder by mesh coordinate, then
-    the lowest id."""
+) -> tuple[dict[int, Route], dict[int, Route]]:
+    """Rounds one and two of an exchange (see ``_exchange_cost``) for every device. A term
+    comes from the device itself when it holds it, else a holder in its own process, else
+    the nearest holder by mesh coordinate, then the lowest id."""
     devices = mesh.device_ids
     coords = {d: mesh.coordinate_of(d) for d in devices}
-    partial = [m for m, p in enumerate(before) if p.is_partial()]
-    term = {d: tuple(coords[d][m] for m in partial) for d in devices}
     old = {d: shard_segments(shape, mesh.shape, before, coords[d]) for d in devices}
     new = {d: shard_segments(shape, mesh.shape, after, coords[d]) for d in devices}
-    blocks = _blocks(shape, [*old.values(), *new.values()])
-    routes: dict[int, Route] = {}
-    for d in devices:
-        route = []
-        for block in blocks:
-            if prod(b - a for a, b in block) == 0 or not _covers(new[d], block):
+    first: dict[int, list] = {d: [] for d in devices}
+    second: dict[int, list] = {d: [] for d in devices}
+
+    def where(pieces: tuple, block: tuple) -> tuple[slice, ...]:
+        return tuple(_local_slice(r, a, b) for r, (a, b) in zip(pieces, block, strict=True))
+
+    for index, box, _, need, holds in _boxes(mesh, shape, before, after):
+        box_shape = tuple(b - a for a, b in box)
+        root = _root(index, need, holds)
+        for i in _bits(need):
+            d = devices[i]
+            if root not in (None, i):
+                second[d].append((where(new[d], box), box_shape,
+                                  ((devices[root], where(new[devices[root]], box)),)))
                 continue
-            holders: dict[tuple[int, ...], list[int]] = {}
-            for h in devices:
-                if _covers(old[h], block):
-                    holders.setdefault(term[h], []).append(h)
             sources = []
-            for t in sorted(holders):
-                holder = min(holders[t], key=lambda h: (
+            for hold in holds:
+                holder = min((devices[j] for j in _bits(hold)), key=lambda h, d=d: (
                     h != d,
                     mesh.owner_of(h) != mesh.owner_of(d),
                     sum(x != y for x, y in zip(coords[h], coords[d], strict=True)),
                     h,
                 ))
-                src = tuple(_local_slice(r, a, b) for r, (a, b) in zip(old[holder], block,
-                                                                         strict=True))
-                sources.append((holder, src))
-            dst = tuple(_local_slice(r, a, b) for r, (a, b) in zip(new[d], block, strict=True))
-            route.append((dst, tuple(b - a for a, b in block), tuple(sources)))
-        routes[d] = tuple(route)
-    return routes
+                sources.append((holder, where(old[holder], box)))
+            first[d].append((where(new[d], box), box_shape, tuple(sources)))
+    return ({d: tuple(r) for d, r in first.items()}, {d: tuple(r) for d, r in second.items()})
+
+
+def _send_round(
+    mesh: DeviceMesh,
+    mesh_dims: tuple[int, ...],
+    route: dict[int, Route],
+    held: list[torch.Tensor],
+) -> list[list[torch.Tensor]]:
+    """One round of an exchange: every source device sends its blocks of ``held`` (this
+    process's pieces) that ``route`` asks for; returns what each local device receives, in
+    route order."""
+    local = mesh.local_device_ids
+    index = {d: i for i, d in enumerate(local)}
+    sends: list[list[tuple[int, torch.Tensor]]] = [[] for _ in local]
+    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in local]
+    for d in mesh.device_ids:
+        for _, block_shape, sources in route[d]:
+            for holder, src in sources:
+                if holder == d:
+                    continue
+                if holder in index:
+                    sends[index[holder]].append((d, held[index[holder]][src]))
+                if d in index:
+                    receives[index[d]].append((holder, block_shape))
+    return comm.exchange(mesh, mesh_dims, sends, receives, held[0].dtype)
 
 
 def _run_exchange(
@@ -556,40 +750,29 @@ def _run_exchange(
 ) -> list[torch.Tensor]:
     """Every device assembles its new piece from the blocks it holds and the blocks other
     devices send it, point to point (it receives exactly what it lacks); pending Partial
-    terms are reduced in term order, the same in every process."""
-    sample = components[0]
-    routes = _routes(mesh, shape, before, after)
+    terms are reduced in term order at one root per block, the same in every process, which
+    forwards the result in a second round."""
+    first, second = _routes(mesh, shape, before, after)
     ops = {
         p.reduce_op for m, p in enumerate(before) if isinstance(p, Partial) and mesh.shape[m] > 1
     }
     op = ops.pop() if ops else None  # the planner exchanges only Partials that reduce alike
     local = mesh.local_device_ids
-    index = {d: i for i, d in enumerate(local)}
-    sends: list[list[tuple[int, torch.Tensor]]] = [[] for _ in local]
-    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in local]
-    for d in mesh.device_ids:
-        for _, block_shape, sources in routes[d]:
-            for holder, src in sources:
-                if holder == d:
-                    continue
-                if holder in index:
-                    sends[index[holder]].append((d, components[index[holder]][src]))
-                if d in index:
-                    receives[index[d]].append((holder, block_shape))
-    received = comm.exchange(mesh, mesh_dims, sends, receives, sample.dtype)
+    received = _send_round(mesh, mesh_dims, first, components)
     out = []
     for i, d in enumerate(local):
-        coord = mesh.coordinate_of(d)
-        runs = shard_segments(shape, mesh.shape, after, coord)
-        piece = sample.new_empty(tuple(sum(b - a for a, b in r) for r in runs))
+        runs = shard_segments(shape, mesh.shape, after, mesh.coordinate_of(d))
+        piece = components[0].new_empty(tuple(sum(b - a for a, b in r) for r in runs))
         incoming = iter(received[i])
-        for dst, _, sources in routes[d]:
+        for dst, _, sources in first[d]:
             terms = [components[i][src] if h == d else next(incoming) for h, src in sources]
-            if len(terms) == 1:
-                piece[dst] = terms[0]
-            else:
-                piece[dst] = comm.reduce_terms(terms, op)
+            piece[dst] = terms[0] if len(terms) == 1 else comm.reduce_terms(terms, op)
         out.append(piece)
+    if any(second[d] for d in mesh.device_ids):
+        received = _send_round(mesh, mesh_dims, second, out)
+        for i, d in enumerate(local):
+            for (dst, _, _), block in zip(second[d], received[i], strict=True):
+                out[i][dst] = block
     return out
 
 
@@ -644,17 +827,7 @@ def lower_bound_bytes(
 def _blocks(shape: tuple[int, ...], pieces: list[tuple]) -> list[tuple[tuple[int, int], ...]]:
     """The boxes of global indices cut on every run boundary of ``pieces`` (segments per
     tensor dim): each piece is a union of whole boxes."""
-    cuts = [{0, size} for size in shape]
-    for segments in pieces:
-        for dim, runs in enumerate(segments):
-            for a, b in runs:
-                cuts[dim].update((a, b))
-    edges = [sorted(c) for c in cuts]
-    spans = [list(zip(e[:-1], e[1:], strict=False)) or [(0, 0)] for e in edges]
-    out: list[tuple[tuple[int, int], ...]] = [()]
-    for dim_spans in spans:
-        out = [b + (s,) for b in out for s in dim_spans]
-    return out
+    return list(itertools.product(*_spans(shape, pieces)))
 
 
 def _covers(segments: tuple, block: tuple[tuple[int, int], ...]) -> bool:
