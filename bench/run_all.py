@@ -219,7 +219,10 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 def _section_tables(bench: dict) -> list[str]:
     md: list[str] = []
     if "dispatch" in bench:
-        md += ["## Per-op dispatch (1-device mesh, 64x64 float32, us, median)", ""]
+        md += ["## Per-op dispatch (1-device mesh, 64x64 float32, us, median)", "",
+               "Cold: the first call after clearing the sharding caches. torch 2.13's DTensor "
+               "also caches in C++, which Python cannot clear, so its cold column is nearer a "
+               "warm call than a true first call.", ""]
         md += _table(
             ["op", "autograd", "local", "shardwise", "torch DT", "ratio", "sw cold",
              "DT cold", "us / extra device"],
