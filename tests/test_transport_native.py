@@ -11,6 +11,7 @@ import torch.distributed as dist
 import shardwise as sw
 from mp_harness import run_in_processes
 from shardwise import CollectiveMismatchError, comm
+from shardwise.comm import native
 
 GATHER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
                  torch.complex64]
@@ -161,3 +162,85 @@ def test_native_collectives_two_processes() -> None:
 def test_native_collectives_four_processes_out_of_rank_order() -> None:
     order = [2, 0, 3, 1]
     _check(order, run_in_processes(native_job, 4, order, timeout=100))
+
+
+def _run_counted(mesh: sw.DeviceMesh, case: tuple) -> tuple[dict, int]:
+    """The case's result per local device, and how many native operations this process
+    waited for."""
+    waits = []
+    original = native._Native.run
+
+    def counting(self: native._Native, start: object) -> None:
+        waits.append(1)
+        original(self, start)
+
+    native._Native.run = counting
+    try:
+        result = _run(mesh, case)
+    finally:
+        native._Native.run = original
+    return dict(zip(mesh.local_device_ids, result, strict=True)), len(waits)
+
+
+def forecast_job(order: list[int]) -> dict:
+    """The cases repeated, so the headers learn to carry the pieces: two passes to learn,
+    one forecast pass, one pass in reverse order (every forecast wrong); then processes that
+    diverge where a piece is forecast."""
+    mesh = sw.DeviceMesh("cpu", torch.tensor(order))
+    cases = _cases(len(order))
+    out = {}
+    for label, sequence in (("learn", cases), ("confirm", cases), ("forecast", cases),
+                            ("reversed", cases[::-1])):
+        out[label] = {case[0]: _run_counted(mesh, case) for case in sequence}
+    rank = dist.get_rank()
+    piece = torch.full((3, 4), float(rank))
+    for _ in range(3):
+        comm.all_gather(mesh, 0, [piece])
+    try:  # rank 0 gathers as forecast, the others reduce the same bytes
+        if rank == 0:
+            comm.all_gather(mesh, 0, [piece])
+        else:
+            comm.reduce_scatter(mesh, 0, [[piece] * len(order)], "sum")
+        out["diverged"] = "ok"
+    except CollectiveMismatchError as err:
+        out["diverged"] = str(err)
+    out["after"] = torch.cat(comm.all_gather(mesh, 0, [piece])[0])
+    return out
+
+
+def _check_forecast(order: list[int], per_rank: list[dict]) -> None:
+    n = len(order)
+    embedded = sw.DeviceMesh("cpu", torch.tensor(order))
+    for result in per_rank:
+        assert "all_gather" in result["diverged"] and "reduce_scatter" in result["diverged"]
+        want = torch.cat([torch.full((3, 4), float(r)) for r in sorted(range(n),
+                                                                        key=order.index)])
+        assert torch.equal(result["after"], want)
+    for index, case in enumerate(_cases(n)):
+        name, kind = case[0], case[1]
+        want = dict(zip(embedded.local_device_ids, _run(embedded, case), strict=True))
+        for result in per_rank:
+            for label in ("learn", "forecast", "reversed"):
+                got, waits = result[label][name]
+                for device, value in got.items():
+                    assert _same(value, want[device]), f"{label} {name}, device {device}"
+            learnt, forecast = result["learn"][name][1], result["forecast"][name][1]
+            if index == 0:  # it followed another collective in the first pass than later
+                continue
+            if kind in ("all_gather", "all_to_all") or kind[0] == "reduce_scatter":
+                # header, then data: one operation with the data inline once forecast
+                assert (learnt, forecast) == (2, 1), f"{name}: {learnt} then {forecast} waits"
+            elif kind[0] == "all_reduce" and not (n == 2 and kind[1] in ("sum", "avg")
+                                                  and "16" not in name):
+                nonempty = "(0, 3)" not in name
+                assert forecast == learnt - nonempty, f"{name}: {learnt}, {forecast} waits"
+
+
+def test_forecast_headers_carry_the_pieces_two_processes() -> None:
+    order = [0, 1]
+    _check_forecast(order, run_in_processes(forecast_job, 2, order, timeout=150))
+
+
+def test_forecast_headers_carry_the_pieces_four_processes() -> None:
+    order = [2, 0, 3, 1]
+    _check_forecast(order, run_in_processes(forecast_job, 4, order, timeout=200))

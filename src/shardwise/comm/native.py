@@ -19,8 +19,9 @@ into the result buffer."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from math import prod
 
 import torch
@@ -44,6 +45,10 @@ from .reduction import combine, finish
 
 MAX_NDIM = 8  # shapes in the fixed-size header; tensors of more dims go point to point
 _FIXED = 8  # header fields before the shapes
+# A piece of at most this many bytes may ride in the first message with the header (copied in
+# and out: past this size a round trip costs less than the copies)
+_INLINE_MAX = 1 << 20
+_FORECASTS = 1024  # collectives remembered per set of processes
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _OPS = ("sum", "avg", "max", "min")
 _DTYPES = sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
@@ -68,6 +73,40 @@ def applies(mesh: DeviceMesh, mesh_dim: int, sample: torch.Tensor) -> bool:
     return sample.ndim <= MAX_NDIM and _one_device_per_process(mesh, mesh_dim)
 
 
+class _Forecast:
+    """What the next collective between one set of processes will send, learnt from what
+    followed the same collective before (a training loop repeats its collectives): a
+    successor seen twice in a row is forecast; one that changes is not, until it repeats.
+    Every process learns from the same agreed headers, so all forecast alike, even the
+    processes of a program about to diverge: the first message has one size everywhere."""
+
+    def __init__(self) -> None:
+        self.last: tuple = ()
+        self.after: dict[tuple, tuple[str | None, int, bool]] = {}
+        self.lock = threading.Lock()
+
+    def predict(self) -> tuple[str | None, int]:
+        """(the collective that carries the pieces, bytes of the largest piece), or a size of
+        0 when nothing is forecast."""
+        with self.lock:
+            wire, size, confirmed = self.after.get(self.last, (None, 0, False))
+        return (wire, size) if confirmed else (None, 0)
+
+    def learn(self, digest: tuple, wire: str | None, size: int) -> None:
+        """The collective ``digest`` (its agreed headers) came after the last one."""
+        with self.lock:
+            if len(self.after) >= _FORECASTS:
+                self.after.clear()
+            seen = self.after.get(self.last)
+            self.after[self.last] = (wire, size, seen is not None and seen[:2] == (wire, size))
+            self.last = digest
+
+
+@cache
+def _forecast(ranks: tuple[int, ...]) -> _Forecast:
+    return _Forecast()
+
+
 class _Native:
     """One cross-process group of a call, seen from its single local member."""
 
@@ -82,29 +121,92 @@ class _Native:
         self.k = next(k for k, i in enumerate(indices) if i is not None)
         self.local = _first_local(group)
         self.ordered = self.slot == list(range(self.n))
+        self.forecast = _forecast(self.ranks)
 
-    def header(self, shapes: Sequence[Sequence[int]], extra: int = 0) -> list[list[list[int]]]:
-        """All-gather this process's header; check the others'; return, per member, the
-        shapes it announced."""
+    def first_round(
+        self,
+        wire: str | None,
+        shapes: Sequence[Sequence[int]],
+        outgoing: Sequence[torch.Tensor] = (),
+        sent: Callable[[list[list[int]]], list[int]] = lambda shapes: [],
+        extra: int = 0,
+    ) -> tuple[list[list[list[int]]], list[torch.Tensor] | None]:
+        """Exchange headers, the pieces inline when the forecast allows: returns, per member,
+        the shapes it announced and (if every piece came inline) the bytes it sent here.
+
+        ``wire`` is the collective that could carry the pieces ("all_gather": ``outgoing[0]``
+        to everyone; "all_to_all": ``outgoing[k]`` to member k; None: headers only), ``sent``
+        gives the bytes a member sends from its announced shapes (the same rule on every
+        process decides who sent inline)."""
         call = self.call
-        dtype_code = _DTYPES.index(str(call.sample.dtype))
+        header = self._header(shapes, extra)
+        hb = header.numel()
+        f_wire, f_size = self.forecast.predict()
+        slot = hb + f_size
+        sizes = [t.numel() for t in outgoing]
+        inline = f_size > 0 and wire == f_wire and max(sizes, default=0) <= f_size
+        recv = torch.empty(self.n * slot, dtype=torch.uint8, device=header.device)
+        if f_wire == "all_to_all" and f_size:
+            send = torch.empty(self.n, slot, dtype=torch.uint8, device=header.device)
+            send[:, :hb] = header
+            for r in range(self.n) if inline else ():
+                piece = outgoing[self.member_at[r]]
+                send[r, hb : hb + piece.numel()] = piece
+            self.run(lambda: dist.all_to_all_single(recv, send.view(-1), group=self.pg,
+                                                    async_op=True))
+        else:
+            send = torch.empty(slot, dtype=torch.uint8, device=header.device)
+            send[:hb] = header
+            if inline and outgoing:
+                send[hb : hb + sizes[0]] = outgoing[0]
+            self.run(lambda: _ALL_GATHER(recv, send, group=self.pg, async_op=True))
+        call.rounds = max(call.rounds, 1)  # the debug comparison needs no point-to-point header
+        grid = recv.view(self.n, slot)
+        rows = grid[:, :hb].contiguous().view(torch.int64).tolist()
+        announced = self._check(rows, header.view(torch.int64).tolist(), len(shapes))
+        by_rank = [announced[self.member_at[r]] for r in range(self.n)]
+        needs = [sent(shapes) for shapes in by_rank]
+        largest = max((b for row in needs for b in row), default=0)
+        everyone_inline = f_size > 0 and wire == f_wire and largest <= f_size
+        self.forecast.learn(
+            tuple(tuple(row[1:2] + row[4:]) for row in rows),
+            wire, -(-largest // 16) * 16 if wire and 0 < largest <= _INLINE_MAX else 0,
+        )
+        if not everyone_inline:
+            call.traffic.meta += (self.n - 1) * slot
+            return announced, None
+        arrived = [
+            grid[self.slot[j], hb : hb + needs[self.slot[j]][self.k if f_wire == "all_to_all"
+                                                          else 0]]
+            for j in range(self.n)
+        ]
+        call.traffic.meta += (self.n - 1) * slot - sum(
+            a.numel() for j, a in enumerate(arrived) if j != self.k
+        )
+        return announced, arrived
+
+    def _header(self, shapes: Sequence[Sequence[int]], extra: int) -> torch.Tensor:
+        """This process's header as bytes: the collective, its sequence number, dtype, reduce op
+        or source, debug fingerprint, and the shapes of the pieces it sends."""
+        call = self.call
         fixed = [
             _HEADER_MAGIC, KIND_CODES.index(call.kind), call.seq[self.ranks],
-            call.fingerprints.get(self.ranks, 0), dtype_code, call.sample.ndim, extra,
-            len(shapes),
+            call.fingerprints.get(self.ranks, 0), _DTYPES.index(str(call.sample.dtype)),
+            call.sample.ndim, extra, len(shapes),
         ]
         padded = [-1] * (self.n * MAX_NDIM)
         flat = [int(x) for s in shapes for x in s]
         padded[: len(flat)] = flat
-        mine = torch.tensor(fixed + padded, dtype=torch.int64, device=call.sample.device)
-        everyone = torch.empty(self.n * mine.numel(), dtype=torch.int64, device=mine.device)
-        self.run(lambda: _ALL_GATHER(everyone, mine, group=self.pg, async_op=True))
-        call.rounds = max(call.rounds, 1)  # the debug comparison needs no point-to-point header
-        call.traffic.meta += (self.n - 1) * mine.numel() * 8
-        rows = everyone.view(self.n, -1).tolist()
+        return torch.tensor(fixed + padded, dtype=torch.int64,
+                            device=call.sample.device).view(torch.uint8)
+
+    def _check(self, rows: list[list[int]], fixed: list[int], count: int) -> list[list[list[int]]]:
+        """Raise on a header that differs from this process's; return, per member, the
+        shapes it announced."""
+        call = self.call
         differ = set()
         for r, row in enumerate(rows):
-            if row[:3] + row[4:_FIXED] != fixed[:3] + fixed[4:]:
+            if row[:3] + row[4:_FIXED] != fixed[:3] + fixed[4:_FIXED]:
                 self.mismatch(fixed, r, row)
             if row[3] != fixed[3]:
                 differ.add((self.ranks, self.ranks[r]))
@@ -112,7 +214,7 @@ class _Native:
             call.compare(differ)
         ndim = call.sample.ndim
         return [
-            [row[_FIXED + m * ndim : _FIXED + (m + 1) * ndim] for m in range(len(shapes))]
+            [row[_FIXED + m * ndim : _FIXED + (m + 1) * ndim] for m in range(count)]
             for row in (rows[self.slot[j]] for j in range(self.n))
         ]
 
@@ -123,6 +225,10 @@ class _Native:
             f"Every process must run the same collectives in the same order on tensors of the "
             f"same shapes; set_debug_checks(True) names the call sites"
         )
+
+    def count_arrived(self, arrived: Sequence[torch.Tensor]) -> None:
+        """Count the pieces that came inline as the payload from the other members."""
+        self.call.traffic.payload += sum(a.numel() for j, a in enumerate(arrived) if j != self.k)
 
     def same_shapes(self, announced: list[list[list[int]]]) -> None:
         """Reductions and broadcast need every member to announce the same shapes."""
@@ -265,7 +371,8 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 def all_gather(
     mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor]
 ) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
-    """Every member's piece, as views of one buffer filled by one all_gather."""
+    """Every member's piece: inline with the headers when forecast, else as views of one
+    buffer filled by one all_gather after them."""
     sample = components[0]
     call = _Call("all_gather", mesh, mesh_dim, groups, sample)
     call.check(lambda group: {"ndim": sample.ndim})
@@ -273,7 +380,16 @@ def all_gather(
     for group in sorted(groups):
         g = _Native(call, group)
         piece = components[g.local]
-        shapes = [s[0] for s in g.header([piece.shape])]
+        announced, arrived = g.first_round(
+            "all_gather", [piece.shape], [_as_bytes(piece)],
+            lambda shapes: [_nbytes(shapes[0], sample.dtype)],
+        )
+        shapes = [s[0] for s in announced]
+        if arrived is not None:
+            g.count_arrived(arrived)
+            out[g.local] = [_typed(a, sample.dtype, s) for a, s in zip(arrived, shapes,
+                                                                       strict=True)]
+            continue
         sizes = [_nbytes(s, sample.dtype) for s in shapes]
         parts = torch.empty(sum(sizes), dtype=torch.uint8, device=sample.device).split(sizes)
         g.gather_into(parts, _as_bytes(piece))
@@ -299,7 +415,8 @@ def all_to_all(
     groups: Sequence[Group],
     pieces: Sequence[Sequence[torch.Tensor]],
 ) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
-    """``pieces[i][k]`` goes to member k by one all_to_all with the pieces' split sizes."""
+    """``pieces[i][k]`` goes to member k: inline with the headers when forecast, else by one
+    all_to_all with the pieces' split sizes after them."""
     sample = pieces[0][0]
     call = _Call("all_to_all", mesh, mesh_dim, groups, sample)
     call.check(lambda group: {"ndim": sample.ndim})
@@ -307,10 +424,16 @@ def all_to_all(
     for group in sorted(groups):
         g = _Native(call, group)
         mine = pieces[g.local]
-        announced = g.header([p.shape for p in mine])
+        announced, received = g.first_round(
+            "all_to_all", [p.shape for p in mine], [_as_bytes(p) for p in mine],
+            lambda shapes: [_nbytes(s, sample.dtype) for s in shapes],
+        )
         shapes = [announced[j][g.k] for j in range(g.n)]
-        received = g.all_to_all(mine, [_nbytes(s, sample.dtype) for s in shapes])
-        out[g.local] = Received(
+        if received is None:
+            received = Received(g.all_to_all(mine, [_nbytes(s, sample.dtype) for s in shapes]))
+        else:
+            g.count_arrived(received)
+        out[g.local] = type(received)(
             _typed(r, sample.dtype, s) for r, s in zip(received, shapes, strict=True)
         )
     return out, call.traffic
@@ -323,7 +446,8 @@ def reduce_scatter(
     pieces: Sequence[Sequence[torch.Tensor]],
     op: str,
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
-    """An all_to_all of the pieces, then each member combines its terms in coordinate order."""
+    """An all_to_all of the pieces (inline with the headers when forecast), then each member
+    combines its terms in coordinate order."""
     sample = pieces[0][0]
     call = _Call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})")
     call.check(lambda g: {"piece shapes": [list(p.shape) for p in pieces[_first_local(g)]]})
@@ -331,10 +455,17 @@ def reduce_scatter(
     for group in sorted(groups):
         g = _Native(call, group)
         mine = pieces[g.local]
-        g.same_shapes(g.header([p.shape for p in mine], extra=_OPS.index(op)))
+        announced, terms = g.first_round(
+            "all_to_all", [p.shape for p in mine], [_as_bytes(p) for p in mine],
+            lambda shapes: [_nbytes(s, sample.dtype) for s in shapes], _OPS.index(op),
+        )
+        g.same_shapes(announced)
         shape = mine[g.k].shape
         size = _nbytes(shape, sample.dtype)
-        terms = g.all_to_all(mine, [size] * g.n)
+        if terms is None:
+            terms = g.all_to_all(mine, [size] * g.n)
+        else:
+            g.count_arrived(terms)
         reduced = combine([_typed(t, sample.dtype, shape) for t in terms], op)
         out[g.local] = finish(reduced, op, g.n, sample.dtype)
     return out, call.traffic
@@ -354,7 +485,8 @@ def all_reduce(
     op: str,
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """Member k reduces chunk k of every component in coordinate order (after an all_to_all of
-    the chunks), then the reduced chunks are all-gathered into the result buffer."""
+    the chunks, inline with the headers when forecast), then the reduced chunks are
+    all-gathered into the result buffer."""
     sample = components[0]
     call = _Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})")
     call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
@@ -363,19 +495,28 @@ def all_reduce(
     for group in sorted(groups):
         g = _Native(call, group)
         component = components[g.local]
-        g.same_shapes(g.header([component.shape], extra=_OPS.index(op)))
+        bounds = _chunks(component.numel(), g.n)
         if g.n == 2 and op in ("sum", "avg") and sample.dtype in _PAIR_EXACT:
             # one addition per element, a + b == b + a: the backend's sum is the embedded one
+            g.same_shapes(g.first_round(None, [component.shape], extra=_OPS.index(op))[0])
             result = component.clone(memory_format=torch.contiguous_format)
             g.run(lambda r=result, g=g: dist.all_reduce(r, group=g.pg, async_op=True))
             call.traffic.payload += result.numel() * item  # a ring's two halves
             out[g.local] = finish(result, op, g.n, sample.dtype)
             continue
         flat = _as_bytes(component)
-        bounds = _chunks(component.numel(), g.n)
+        chunks = [flat[a * item : b * item] for a, b in bounds]
+        announced, terms = g.first_round(
+            "all_to_all", [component.shape], chunks,
+            lambda shapes, n=g.n: [(b - a) * item for a, b in _chunks(prod(shapes[0]), n)],
+            _OPS.index(op),
+        )
+        g.same_shapes(announced)
         start, stop = bounds[g.k]
-        terms = g.all_to_all([flat[a * item : b * item] for a, b in bounds],
-                             [(stop - start) * item] * g.n)
+        if terms is None:
+            terms = g.all_to_all(chunks, [(stop - start) * item] * g.n)
+        else:
+            g.count_arrived(terms)
         reduced = finish(
             combine([_typed(t, sample.dtype, (stop - start,)) for t in terms], op), op, g.n,
             sample.dtype,
@@ -402,7 +543,7 @@ def broadcast(
     for group in sorted(groups):
         g = _Native(call, group)
         component = components[g.local]
-        g.same_shapes(g.header([component.shape], extra=src))
+        g.same_shapes(g.first_round(None, [component.shape], extra=src)[0])
         if g.k == src:
             buffer, value = _as_bytes(component), component
         else:
