@@ -3,11 +3,16 @@ process (classic SPMD, the common case): one native collective moves the data, r
 one fresh buffer whose views are the results (no per-piece clone or cat; ``join`` even turns
 pieces received side by side into one tensor without a copy).
 
-Before the data, the processes of a group all-gather one fixed-size header (collective,
-sequence number, dtype, reduce op, debug-check fingerprint, and the shapes of the pieces each
-will send), so a divergent program raises ``CollectiveMismatchError`` on every rank before gloo
-sees messages of the wrong size (it aborts the process on those); the shapes in the header also
-size the receive buffers, so no separate shape round is needed.
+Before the data, the processes of a group exchange one fixed-size header (collective, sequence
+number, dtype, reduce op, debug-check fingerprint, and the shapes of the pieces each will send),
+so a divergent program raises ``CollectiveMismatchError`` on every rank before gloo sees
+messages of the wrong size (it aborts the process on those); the shapes in the header also size
+the receive buffers. A training loop repeats its collectives, so each set of processes learns
+which collective follows which (``_Forecast``): once a successor has repeated, the header's
+message is sized to carry its pieces too, and a repeated collective takes one round trip
+instead of two. The forecast comes from headers every process agreed on, so the first message
+has the same size in every process even when their programs diverge; a wrong forecast only
+costs the padding, and the data follows as without one.
 
 Reductions stay bit-identical to the embedded transport, which combines terms in coordinate
 order (``reduction.combine``): an all_to_all brings member k chunk k of every term, which it
@@ -486,7 +491,8 @@ def all_reduce(
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """Member k reduces chunk k of every component in coordinate order (after an all_to_all of
     the chunks, inline with the headers when forecast), then the reduced chunks are
-    all-gathered into the result buffer."""
+    all-gathered into the result buffer. Two processes exchange their whole components (the
+    same bytes as a ring), in the header's message when forecast."""
     sample = components[0]
     call = _Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})")
     call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
@@ -496,9 +502,19 @@ def all_reduce(
         g = _Native(call, group)
         component = components[g.local]
         bounds = _chunks(component.numel(), g.n)
+        if g.n == 2:  # the ring's bytes: each process gets the other's whole component
+            announced, terms = g.first_round(
+                "all_gather", [component.shape], [_as_bytes(component)],
+                lambda shapes: [_nbytes(shapes[0], sample.dtype)], _OPS.index(op),
+            )
+            g.same_shapes(announced)
+            if terms is not None:  # both came inline: combine them in coordinate order
+                g.count_arrived(terms)
+                reduced = combine([_typed(t, sample.dtype, component.shape) for t in terms], op)
+                out[g.local] = finish(reduced, op, g.n, sample.dtype)
+                continue
         if g.n == 2 and op in ("sum", "avg") and sample.dtype in _PAIR_EXACT:
             # one addition per element, a + b == b + a: the backend's sum is the embedded one
-            g.same_shapes(g.first_round(None, [component.shape], extra=_OPS.index(op))[0])
             result = component.clone(memory_format=torch.contiguous_format)
             g.run(lambda r=result, g=g: dist.all_reduce(r, group=g.pg, async_op=True))
             call.traffic.payload += result.numel() * item  # a ring's two halves
@@ -506,12 +522,14 @@ def all_reduce(
             continue
         flat = _as_bytes(component)
         chunks = [flat[a * item : b * item] for a, b in bounds]
-        announced, terms = g.first_round(
-            "all_to_all", [component.shape], chunks,
-            lambda shapes, n=g.n: [(b - a) * item for a, b in _chunks(prod(shapes[0]), n)],
-            _OPS.index(op),
-        )
-        g.same_shapes(announced)
+        terms = None
+        if g.n > 2:
+            announced, terms = g.first_round(
+                "all_to_all", [component.shape], chunks,
+                lambda shapes, n=g.n: [(b - a) * item for a, b in _chunks(prod(shapes[0]), n)],
+                _OPS.index(op),
+            )
+            g.same_shapes(announced)
         start, stop = bounds[g.k]
         if terms is None:
             terms = g.all_to_all(chunks, [(stop - start) * item] * g.n)
