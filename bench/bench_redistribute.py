@@ -1,6 +1,7 @@
 """Redistribution time across processes: shardwise vs torch.distributed.tensor in the
 same run (gloo on CPU, one device per process, same mesh, same tensor, same transitions),
-beside the raw gloo collective moving the same bytes on plain tensors: all_gather for
+beside the raw gloo collective moving the same bytes on plain tensors into a new tensor (as a
+redistribution must return one): all_gather for
 Shard -> Replicate, all_to_all for Shard -> Shard, all_reduce for Partial -> Replicate,
 reduce_scatter for Partial -> Shard, and a local slice (no communication) for Replicate -> Shard.
 
@@ -40,18 +41,22 @@ def _placements(module, code: str) -> list:
     }[code]
 
 
-def _time(fn, repeat: int) -> float:
-    """Median ms over ``repeat`` runs, each started together on all ranks, slowest rank."""
-    fn()
-    samples = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
+def _times(fns: list, repeat: int) -> list[float]:
+    """Median ms of each of ``fns`` over ``repeat`` rounds that run them one after the other
+    (interleaved: the machine's noise hits them alike), each call started together on all
+    ranks; the slowest rank's."""
+    for fn in fns:
         fn()
-        samples.append(time.perf_counter() - start)
-    median = torch.tensor([statistics.median(samples) * 1e3])
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, mine in zip(fns, samples, strict=True):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            mine.append(time.perf_counter() - start)
+    medians = torch.tensor([statistics.median(mine) * 1e3 for mine in samples])
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return medians.tolist()
 
 
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -59,21 +64,18 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_ten
 
 
 def _raw(code_src: str, code_dst: str, full: torch.Tensor):  # noqa: ANN202
-    """The plain-tensor collective moving what the transition moves, and its name."""
+    """The plain-tensor collective moving what the transition moves into a new tensor (a
+    redistribution returns one, and a fresh buffer costs its page faults), and its name."""
     world, rank = dist.get_world_size(), dist.get_rank()
     shard = full.chunk(world, 0)[rank].contiguous()
     if (code_src, code_dst) == ("S0", "R"):
-        out = torch.empty_like(full)
-        return "all_gather", lambda: _ALL_GATHER(out, shard)
+        return "all_gather", lambda: _ALL_GATHER(torch.empty_like(full), shard)
     if (code_src, code_dst) == ("S0", "S1"):
-        out = torch.empty_like(shard)
-        return "all_to_all", lambda: dist.all_to_all_single(out, shard)
+        return "all_to_all", lambda: dist.all_to_all_single(torch.empty_like(shard), shard)
     if (code_src, code_dst) == ("P", "R"):
-        buf = full.clone()
-        return "all_reduce", lambda: dist.all_reduce(buf)
+        return "all_reduce", lambda: dist.all_reduce(full.clone())
     if (code_src, code_dst) == ("P", "S0"):
-        out = torch.empty_like(shard)
-        return "reduce_scatter", lambda: _REDUCE_SCATTER(out, full)
+        return "reduce_scatter", lambda: _REDUCE_SCATTER(torch.empty_like(shard), full)
     return "local slice", lambda: full.chunk(world, 0)[rank].clone()
 
 
@@ -89,15 +91,12 @@ def run(sizes: list[int], repeat: int) -> dict:
             theirs_src = torch_dt.distribute_tensor(full, tmesh, _placements(torch_dt, src))
             raw_name, raw = _raw(src, dst, full)
             row = {"transition": name, "size": size, "raw_collective": raw_name}
-            # interleaved: the three are timed one after the other at each size
-            row["shardwise_ms"] = _time(
-                lambda s=ours_src, d=dst: s.redistribute(placements=_placements(sw, d)), repeat
-            )
-            row["torch_dt_ms"] = _time(
-                lambda s=theirs_src, d=dst: s.redistribute(tmesh, _placements(torch_dt, d)),
+            row["shardwise_ms"], row["torch_dt_ms"], row["raw_ms"] = _times(
+                [lambda s=ours_src, d=dst: s.redistribute(placements=_placements(sw, d)),
+                 lambda s=theirs_src, d=dst: s.redistribute(tmesh, _placements(torch_dt, d)),
+                 raw],
                 repeat,
             )
-            row["raw_ms"] = _time(raw, repeat)
             row["ratio_vs_torch_dt"] = row["shardwise_ms"] / row["torch_dt_ms"]
             row["ratio_vs_raw"] = row["shardwise_ms"] / row["raw_ms"]
             rows.append(row)

@@ -256,14 +256,18 @@ class _Native:
             ) from err
         wait_all(self.call, works if isinstance(works, list) else [works])
 
-    def all_to_all(self, send: Sequence[torch.Tensor], receive: Sequence[int]) -> list:
+    def all_to_all(
+        self, send: Sequence[torch.Tensor], receive: Sequence[int],
+        into: torch.Tensor | None = None,
+    ) -> list:
         """Member k gets ``send[k]``; returns the byte views of what each member sent here,
-        ``receive[j]`` bytes from member j."""
+        ``receive[j]`` bytes from member j, received into ``into`` (bytes) if given."""
         outgoing = [send[self.member_at[r]] for r in range(self.n)]
         buffer = _packed(outgoing)
         in_splits = [t.numel() * t.element_size() for t in outgoing]
         out_splits = [receive[self.member_at[r]] for r in range(self.n)]
-        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=buffer.device)
+        out = into if into is not None else torch.empty(sum(out_splits), dtype=torch.uint8,
+                                                        device=buffer.device)
         # every process calls it, even with nothing to move here (its peers may have)
         self.run(lambda: dist.all_to_all_single(out, buffer, out_splits, in_splits,
                                                 group=self.pg, async_op=True))
@@ -531,16 +535,20 @@ def all_reduce(
             )
             g.same_shapes(announced)
         start, stop = bounds[g.k]
+        result = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
+        raw = _as_bytes(result)
         if terms is None:
-            terms = g.all_to_all(chunks, [(stop - start) * item] * g.n)
+            # the terms land in the result's memory when they fit (no second fresh buffer):
+            # they are combined before the all_gather overwrites them
+            size = (stop - start) * item
+            into = raw[: size * g.n] if size * g.n <= raw.numel() else None
+            terms = g.all_to_all(chunks, [size] * g.n, into)
         else:
             g.count_arrived(terms)
         reduced = finish(
             combine([_typed(t, sample.dtype, (stop - start,)) for t in terms], op), op, g.n,
             sample.dtype,
         )
-        result = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
-        raw = _as_bytes(result)
         g.gather_into([raw[a * item : b * item] for a, b in bounds], _as_bytes(reduced))
         out[g.local] = result
     return out, call.traffic
