@@ -52,7 +52,7 @@ MAX_NDIM = 8  # shapes in the fixed-size header; tensors of more dims go point t
 _FIXED = 8  # header fields before the shapes
 # A piece of at most this many bytes may ride in the first message with the header (copied in
 # and out: past this size a round trip costs less than the copies)
-_INLINE_MAX = 1 << 20
+_INLINE_MAX = 2 << 20
 _FORECASTS = 1024  # collectives remembered per set of processes
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _OPS = ("sum", "avg", "max", "min")
