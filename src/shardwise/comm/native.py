@@ -53,6 +53,7 @@ _FIXED = 8  # header fields before the shapes
 # A piece of at most this many bytes may ride in the first message with the header (copied in
 # and out: past this size a round trip costs less than the copies)
 _INLINE_MAX = 2 << 20
+_APART_FROM = 256 << 10  # a forecast piece this large travels in its own message, in place
 _FORECASTS = 1024  # collectives remembered per set of processes
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _OPS = ("sum", "avg", "max", "min")
@@ -135,57 +136,103 @@ class _Native:
         outgoing: Sequence[torch.Tensor] = (),
         sent: Callable[[list[list[int]]], list[int]] = lambda shapes: [],
         extra: int = 0,
+        own: bool = False,
+        into: torch.Tensor | None = None,
     ) -> tuple[list[list[list[int]]], list[torch.Tensor] | None]:
         """Exchange headers, the pieces inline when the forecast allows: returns, per member,
         the shapes it announced and (if every piece came inline) the bytes it sent here.
 
-        ``wire`` is the collective that could carry the pieces ("all_gather": ``outgoing[0]``
-        to everyone; "all_to_all": ``outgoing[k]`` to member k; None: headers only), ``sent``
-        gives the bytes a member sends from its announced shapes (the same rule on every
-        process decides who sent inline)."""
+        ``wire`` says which pieces could ride along ("all_gather": ``outgoing[0]`` to everyone;
+        "all_to_all": ``outgoing[k]`` to member k; None: headers only), ``sent`` the bytes a
+        member sends, from its announced shapes (the same rule in every process decides who
+        sent inline). Each peer gets one message of the header and the forecast bytes, or, for
+        a large forecast, the header and then the piece on its own, received in place: in
+        member order into ``into`` (bytes) when it is large enough, else one fresh buffer,
+        with this process's own piece copied into its slot too when ``own``."""
         call = self.call
         header = self._header(shapes, extra)
         hb = header.numel()
         f_wire, f_size = self.forecast.predict()
-        slot = hb + f_size
-        sizes = [t.numel() for t in outgoing]
-        inline = f_size > 0 and wire == f_wire and max(sizes, default=0) <= f_size
-        recv = torch.empty(self.n * slot, dtype=torch.uint8, device=header.device)
-        if f_wire == "all_to_all" and f_size:
-            send = torch.empty(self.n, slot, dtype=torch.uint8, device=header.device)
-            send[:, :hb] = header
-            for r in range(self.n) if inline else ():
-                piece = outgoing[self.member_at[r]]
-                send[r, hb : hb + piece.numel()] = piece
-            self.run(lambda: dist.all_to_all_single(recv, send.view(-1), group=self.pg,
-                                                    async_op=True))
-        else:
-            send = torch.empty(slot, dtype=torch.uint8, device=header.device)
-            send[:hb] = header
-            if inline and outgoing:
-                send[hb : hb + sizes[0]] = outgoing[0]
-            self.run(lambda: _ALL_GATHER(recv, send, group=self.pg, async_op=True))
+        inline = f_size > 0 and wire == f_wire and all(t.numel() <= f_size for t in outgoing)
+        apart = f_size >= _APART_FROM
+        peers = [j for j in range(self.n) if j != self.k]
+        device = header.device
+        headers = torch.empty(self.n, hb if apart else hb + f_size, dtype=torch.uint8,
+                              device=device)
+        landing: dict[int, torch.Tensor] = {}
+        if apart:
+            slots = list(range(self.n)) if own else peers
+            need = len(slots) * f_size
+            buffer = (into[:need] if into is not None and into.numel() >= need
+                      else torch.empty(need, dtype=torch.uint8, device=device))
+            landing = dict(zip(slots, buffer.split(f_size), strict=True))
+        junk = torch.empty(f_size if f_size and not inline else 0, dtype=torch.uint8,
+                           device=device)
+
+        def piece_for(j: int) -> torch.Tensor:
+            """The forecast bytes for member j (exactly ``f_size``)."""
+            if not inline:
+                return junk
+            piece = outgoing[j if wire == "all_to_all" else 0]
+            if piece.numel() == f_size:
+                return piece
+            padded = torch.empty(f_size, dtype=torch.uint8, device=device)
+            padded[: piece.numel()] = piece
+            return padded
+
+        def start() -> list:
+            works = []
+            for j in peers:
+                src = self.owners[j]
+                works.append(dist.irecv(headers[j], src=src, group=self.pg, tag=TAG))
+                if apart:
+                    works.append(dist.irecv(landing[j], src=src, group=self.pg, tag=TAG))
+            shared = None  # one message for every peer unless the pieces differ per member
+            for j in peers:
+                dst = self.owners[j]
+                if apart:
+                    works.append(dist.isend(header, dst=dst, group=self.pg, tag=TAG))
+                    works.append(dist.isend(piece_for(j), dst=dst, group=self.pg, tag=TAG))
+                    continue
+                message = shared
+                if message is None:
+                    message = torch.empty(hb + f_size, dtype=torch.uint8, device=device)
+                    message[:hb] = header
+                    if f_size:
+                        message[hb:] = piece_for(j)
+                    if not (inline and wire == "all_to_all"):
+                        shared = message
+                works.append(dist.isend(message, dst=dst, group=self.pg, tag=TAG))
+            return works
+
+        self.run(start)
         call.rounds = max(call.rounds, 1)  # the debug comparison needs no point-to-point header
-        grid = recv.view(self.n, slot)
-        rows = grid[:, :hb].contiguous().view(torch.int64).tolist()
+        headers[self.k, :hb] = header
+        by_member = headers[:, :hb].contiguous().view(torch.int64).tolist()
+        rows = [by_member[self.member_at[r]] for r in range(self.n)]
         announced = self._check(rows, header.view(torch.int64).tolist(), len(shapes))
-        by_rank = [announced[self.member_at[r]] for r in range(self.n)]
-        needs = [sent(shapes) for shapes in by_rank]
+        needs = [sent(shapes) for shapes in announced]  # per member
         largest = max((b for row in needs for b in row), default=0)
         everyone_inline = f_size > 0 and wire == f_wire and largest <= f_size
         self.forecast.learn(
             tuple(tuple(row[1:2] + row[4:]) for row in rows),
             wire, -(-largest // 16) * 16 if wire and 0 < largest <= _INLINE_MAX else 0,
         )
+        message_bytes = (self.n - 1) * (hb + f_size)
         if not everyone_inline:
-            call.traffic.meta += (self.n - 1) * slot
+            call.traffic.meta += message_bytes
             return announced, None
-        arrived = [
-            grid[self.slot[j], hb : hb + needs[self.slot[j]][self.k if f_wire == "all_to_all"
-                                                          else 0]]
-            for j in range(self.n)
-        ]
-        call.traffic.meta += (self.n - 1) * slot - sum(
+        arrived = []
+        for j in range(self.n):
+            size = needs[j][self.k if wire == "all_to_all" else 0]
+            if j != self.k:
+                arrived.append(landing[j][:size] if apart else headers[j, hb : hb + size])
+                continue
+            mine = outgoing[self.k if wire == "all_to_all" else 0]
+            if own:  # a result of its own, not a view of the input
+                mine = landing[j][:size].copy_(mine) if apart else mine.clone()
+            arrived.append(mine)
+        call.traffic.meta += message_bytes - sum(
             a.numel() for j, a in enumerate(arrived) if j != self.k
         )
         return announced, arrived
@@ -276,11 +323,12 @@ class _Native:
         return [by_rank[self.slot[j]] for j in range(self.n)]
 
     def gather_into(self, parts: Sequence[torch.Tensor], mine: torch.Tensor) -> None:
-        """Fill ``parts[j]`` (views of one result buffer) with member j's ``mine``: natively
-        when the parts are equal and lie in group-rank order, otherwise point to point."""
+        """Fill ``parts[j]`` (views of one result buffer) with member j's ``mine``: small equal
+        parts in group-rank order by the backend's all_gather, the rest point to point,
+        received in place (gloo's all_gather goes through a flat copy of the whole result)."""
         sizes = {p.numel() for p in parts}
         self.call.traffic.payload += sum(p.numel() for p in parts) - parts[self.k].numel()
-        if self.ordered and len(sizes) == 1:
+        if self.ordered and len(sizes) == 1 and mine.numel() < _APART_FROM:
             whole = _adjacent(parts)
             if whole.numel():
                 self.run(lambda: _ALL_GATHER(whole, mine, group=self.pg, async_op=True))
@@ -391,13 +439,14 @@ def all_gather(
         piece = components[g.local]
         announced, arrived = g.first_round(
             "all_gather", [piece.shape], [_as_bytes(piece)],
-            lambda shapes: [_nbytes(shapes[0], sample.dtype)],
+            lambda shapes: [_nbytes(shapes[0], sample.dtype)], own=True,
         )
         shapes = [s[0] for s in announced]
         if arrived is not None:
             g.count_arrived(arrived)
-            out[g.local] = [_typed(a, sample.dtype, s) for a, s in zip(arrived, shapes,
-                                                                       strict=True)]
+            out[g.local] = Received(
+                _typed(a, sample.dtype, s) for a, s in zip(arrived, shapes, strict=True)
+            )
             continue
         sizes = [_nbytes(s, sample.dtype) for s in shapes]
         parts = torch.empty(sum(sizes), dtype=torch.uint8, device=sample.device).split(sizes)
@@ -435,7 +484,7 @@ def all_to_all(
         mine = pieces[g.local]
         announced, received = g.first_round(
             "all_to_all", [p.shape for p in mine], [_as_bytes(p) for p in mine],
-            lambda shapes: [_nbytes(s, sample.dtype) for s in shapes],
+            lambda shapes: [_nbytes(s, sample.dtype) for s in shapes], own=True,
         )
         shapes = [announced[j][g.k] for j in range(g.n)]
         if received is None:
@@ -514,7 +563,12 @@ def all_reduce(
             g.same_shapes(announced)
             if terms is not None:  # both came inline: combine them in coordinate order
                 g.count_arrived(terms)
-                reduced = combine([_typed(t, sample.dtype, component.shape) for t in terms], op)
+                typed = [_typed(t, sample.dtype, component.shape) for t in terms]
+                if op in ("sum", "avg") and sample.dtype in _PAIR_EXACT:
+                    # a + b == b + a: add into the received buffer, no third one
+                    reduced = typed[1 - g.k].add_(typed[g.k])
+                else:
+                    reduced = combine(typed, op)
                 out[g.local] = finish(reduced, op, g.n, sample.dtype)
                 continue
         if g.n == 2 and op in ("sum", "avg") and sample.dtype in _PAIR_EXACT:
@@ -526,20 +580,20 @@ def all_reduce(
             continue
         flat = _as_bytes(component)
         chunks = [flat[a * item : b * item] for a, b in bounds]
+        # the terms land in the result's memory (no second fresh buffer): they are combined
+        # before the all_gather overwrites them
+        result = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
+        raw = _as_bytes(result)
         terms = None
         if g.n > 2:
             announced, terms = g.first_round(
                 "all_to_all", [component.shape], chunks,
                 lambda shapes, n=g.n: [(b - a) * item for a, b in _chunks(prod(shapes[0]), n)],
-                _OPS.index(op),
+                _OPS.index(op), into=raw,
             )
             g.same_shapes(announced)
         start, stop = bounds[g.k]
-        result = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
-        raw = _as_bytes(result)
         if terms is None:
-            # the terms land in the result's memory when they fit (no second fresh buffer):
-            # they are combined before the all_gather overwrites them
             size = (stop - start) * item
             into = raw[: size * g.n] if size * g.n <= raw.numel() else None
             terms = g.all_to_all(chunks, [size] * g.n, into)
