@@ -53,6 +53,9 @@ _FIXED = 8  # header fields before the shapes
 # A piece of at most this many bytes may ride in the first message with the header (copied in
 # and out: past this size a round trip costs less than the copies)
 _INLINE_MAX = 2 << 20
+# the native messages' own tag: a process on the point-to-point transport of distributed.py
+# (another header size) never takes one of them for its own, which would abort gloo
+_TAG = TAG + 1
 _APART_FROM = 256 << 10  # a forecast piece this large travels in its own message, in place
 _FORECASTS = 1024  # collectives remembered per set of processes
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -184,15 +187,15 @@ class _Native:
             works = []
             for j in peers:
                 src = self.owners[j]
-                works.append(dist.irecv(headers[j], src=src, group=self.pg, tag=TAG))
+                works.append(dist.irecv(headers[j], src=src, group=self.pg, tag=_TAG))
                 if apart:
-                    works.append(dist.irecv(landing[j], src=src, group=self.pg, tag=TAG))
+                    works.append(dist.irecv(landing[j], src=src, group=self.pg, tag=_TAG))
             shared = None  # one message for every peer unless the pieces differ per member
             for j in peers:
                 dst = self.owners[j]
                 if apart:
-                    works.append(dist.isend(header, dst=dst, group=self.pg, tag=TAG))
-                    works.append(dist.isend(piece_for(j), dst=dst, group=self.pg, tag=TAG))
+                    works.append(dist.isend(header, dst=dst, group=self.pg, tag=_TAG))
+                    works.append(dist.isend(piece_for(j), dst=dst, group=self.pg, tag=_TAG))
                     continue
                 message = shared
                 if message is None:
@@ -202,7 +205,7 @@ class _Native:
                         message[hb:] = piece_for(j)
                     if not (inline and wire == "all_to_all"):
                         shared = message
-                works.append(dist.isend(message, dst=dst, group=self.pg, tag=TAG))
+                works.append(dist.isend(message, dst=dst, group=self.pg, tag=_TAG))
             return works
 
         self.run(start)
@@ -339,10 +342,10 @@ class _Native:
             works = []
             for j in range(self.n):
                 if j != self.k and mine.numel():
-                    works.append(dist.isend(mine, dst=self.owners[j], group=self.pg, tag=TAG))
+                    works.append(dist.isend(mine, dst=self.owners[j], group=self.pg, tag=_TAG))
                 if j != self.k and parts[j].numel():
                     works.append(dist.irecv(parts[j], src=self.owners[j], group=self.pg,
-                                            tag=TAG))
+                                            tag=_TAG))
             return works
 
         self.run(start)
