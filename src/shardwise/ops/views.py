@@ -10,6 +10,7 @@ among equally cheap ones dispatch keeps the inputs as they are.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from math import prod
 
@@ -250,13 +251,29 @@ def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:
     return [int(s) for s in args[1]]
 
 
+@functools.lru_cache(maxsize=4096)
+def _local_size(
+    global_size: Callable[[tuple, DTensorSpec], list[int]], size: tuple, spec: DTensorSpec,
+    placements: tuple[Placement, ...], device: int,
+) -> list[int]:
+    """The device's output shape for a global ``size`` argument (cached: a size hook runs
+    once per device and call)."""
+    shape = global_size((None, size), spec)
+    return _local_shape(spec.mesh, placements, shape, device)
+
+
 def _size_hook(global_size: Callable[[tuple, DTensorSpec], list[int]]):
     """A local-args hook replacing the global size (argument 1) by the device's output shape."""
 
     def hook(args: tuple, kwargs: dict, in_specs: list[DTensorSpec], out_spec, device: int):
-        shape = global_size(args, in_specs[0])
-        local = _local_shape(in_specs[0].mesh, out_spec.placements, shape, device)
-        return (args[0], local, *args[2:]), kwargs
+        try:
+            local = _local_size(
+                global_size, tuple(args[1]), in_specs[0], out_spec.placements, device
+            )
+        except TypeError:  # symbolic sizes do not hash
+            shape = global_size(args, in_specs[0])
+            local = _local_shape(in_specs[0].mesh, out_spec.placements, shape, device)
+        return (args[0], list(local), *args[2:]), kwargs
 
     return hook
 
