@@ -38,15 +38,19 @@ OPS = {
 }
 
 
-def _median_us(fn, number: int, repeat: int) -> float:
-    fn()
-    samples = []
+def _interleaved_us(fns: dict, number: int, repeat: int) -> dict:
+    """Median time per call (us) of each function; every repeat times each of them once in
+    turn, so a slow patch of the machine hits all of them alike."""
+    for fn in fns.values():
+        fn()
+    samples: dict = {who: [] for who in fns}
     for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append((time.perf_counter() - start) / number)
-    return statistics.median(samples) * 1e6
+        for who, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples[who].append((time.perf_counter() - start) / number)
+    return {who: statistics.median(times) * 1e6 for who, times in samples.items()}
 
 
 def _cold_us(fn, clear, repeat: int) -> float:
@@ -82,7 +86,7 @@ def _inputs(lib, mesh, grad: bool):
 
 
 def run(quick: bool) -> dict:
-    number, repeat = (100, 5) if quick else (500, 9)
+    number, repeat = (100, 5) if quick else (200, 21)
     smesh1 = sw.init_device_mesh("cpu", (1,))
     smesh4 = sw.DeviceMesh("cpu", list(range(4)))
     tmesh = torch_dt.init_device_mesh("cpu", (1,))
@@ -98,10 +102,13 @@ def run(quick: bool) -> dict:
         with sw.allow_implicit_redistribute():
             for name, op in OPS.items():
                 row = {"op": name, "autograd": grad}
-                # interleave the libraries: each repeat times all of them once
-                for who, args in (("local", local), ("shardwise", ours1),
-                                  ("torch_dt", theirs), ("shardwise_4dev", ours4)):
-                    row[who] = _median_us(lambda op=op, args=args: op(*args), number, repeat)
+                row.update(_interleaved_us(
+                    {who: (lambda op=op, args=args: op(*args)) for who, args in (
+                        ("local", local), ("shardwise", ours1), ("torch_dt", theirs),
+                        ("shardwise_4dev", ours4),
+                    )},
+                    number, repeat,
+                ))
                 row["local_4x"] = 4 * row["local"]
                 if not grad:
                     row["shardwise_cold"] = _cold_us(
