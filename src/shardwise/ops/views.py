@@ -254,12 +254,12 @@ def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:
 @functools.lru_cache(maxsize=4096)
 def _local_size(
     global_size: Callable[[tuple, DTensorSpec], list[int]], size: tuple, spec: DTensorSpec,
-    placements: tuple[Placement, ...], device: int,
+    out_spec: DTensorSpec, device: int,
 ) -> list[int]:
-    """The device's output shape for a global ``size`` argument (cached: a size hook runs
-    once per device and call)."""
+    """The device's output shape for a global ``size`` argument (cached by specs, whose
+    hashes are cached: a size hook runs once per device and call)."""
     shape = global_size((None, size), spec)
-    return _local_shape(spec.mesh, placements, shape, device)
+    return _local_shape(spec.mesh, out_spec.placements, shape, device)
 
 
 def _size_hook(global_size: Callable[[tuple, DTensorSpec], list[int]]):
@@ -267,9 +267,7 @@ def _size_hook(global_size: Callable[[tuple, DTensorSpec], list[int]]):
 
     def hook(args: tuple, kwargs: dict, in_specs: list[DTensorSpec], out_spec, device: int):
         try:
-            local = _local_size(
-                global_size, tuple(args[1]), in_specs[0], out_spec.placements, device
-            )
+            local = _local_size(global_size, tuple(args[1]), in_specs[0], out_spec, device)
         except TypeError:  # symbolic sizes do not hash
             shape = global_size(args, in_specs[0])
             local = _local_shape(in_specs[0].mesh, out_spec.placements, shape, device)
