@@ -4,7 +4,9 @@ local op once per local component, wrap the outputs.
 Sharding decisions (chosen input placements and output specs with their metadata, the plans of
 the inputs that move, where the DTensor arguments sit) are cached per (op, input specs, static
 arguments), so a repeated op costs a flat scan of its arguments for the key, two dictionary
-lookups (the op's entry by identity, then its decision), the local kernels and the wrapping.
+lookups (the op's entry by identity, then its decision), the local kernels (through the op's
+Python binding once checked, ``fast_call``) and the wrapping, all in one frame on one device.
+Hooks are resolved per decision: a decision they do not apply to runs without them.
 Redistribution of inputs is explicit by default: an op whose inputs would need a collective
 raises ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on
 or autograd's backward is running (gradients of differing placements must be combined).
