@@ -2,9 +2,10 @@
 torch.distributed.tensor in the same run, interleaved, medians of repeats.
 
 World size 1 (gloo, one device), so both libraries run exactly one local kernel per op and the
-difference is their own cost: warm (cached sharding) and cold (first call after clearing the
-caches), with and without autograd. shardwise also runs on 4 simulated devices in one process
-(no DTensor counterpart): the cost of each extra device is (t4 - t1) / 3 minus the extra kernels.
+difference is their own cost: warm (cached sharding, CPU time) and cold (first call after
+clearing the caches), with and without autograd. shardwise also runs on 4 simulated devices in
+one process (no DTensor counterpart): the cost of each extra device is (t4 - t1) / 3 minus the
+extra kernels.
 
 Run: python bench/bench_dispatch.py [--json FILE] [--quick]
 """
@@ -39,17 +40,18 @@ OPS = {
 
 
 def _interleaved_us(fns: dict, number: int, repeat: int) -> dict:
-    """Median time per call (us) of each function; every repeat times each of them once in
-    turn, so a slow patch of the machine hits all of them alike."""
+    """Median CPU time per call (us) of each function; every repeat times each of them once
+    in turn, so a slow patch of the machine hits all of them alike (CPU time: a process
+    that waits for a core on a busy machine is not charged for the wait)."""
     for fn in fns.values():
         fn()
     samples: dict = {who: [] for who in fns}
     for _ in range(repeat):
         for who, fn in fns.items():
-            start = time.perf_counter()
+            start = time.process_time()
             for _ in range(number):
                 fn()
-            samples[who].append((time.perf_counter() - start) / number)
+            samples[who].append((time.process_time() - start) / number)
     return {who: statistics.median(times) * 1e6 for who, times in samples.items()}
 
 
