@@ -275,18 +275,18 @@ def _scan(args: tuple, kwargs: dict, static_argnum: int) -> tuple[tuple, list, b
             parts.append(a if i >= static_argnum else t)
         elif t in _TYPED_ATOMS:
             parts.append((t, a) if i >= static_argnum else t)
-        elif isinstance(a, DTensor):
-            dtensors.append(a)
-            parts.append(a._spec)
-        elif isinstance(a, torch.Tensor):
-            plain = plain or a.ndim > 0
-            parts.append(_key_part(a) if i >= static_argnum else a.dtype)
         elif t is list or t is tuple:
             if _ATOMS.issuperset(map(type, a)):  # sizes, dims: no tensors
                 parts.append(tuple(a) if i >= static_argnum else tuple(map(type, a)))
                 continue
             plain = _collect(a, dtensors) or plain
             parts.append(_key_part(a) if i >= static_argnum else tuple(map(_loose_part, a)))
+        elif isinstance(a, DTensor):
+            dtensors.append(a)
+            parts.append(a._spec)
+        elif isinstance(a, torch.Tensor):
+            plain = plain or a.ndim > 0
+            parts.append(_key_part(a) if i >= static_argnum else a.dtype)
         else:
             parts.append(_key_part(a) if i >= static_argnum else t)
     if kwargs:
