@@ -2,9 +2,10 @@
 torch.distributed.tensor in the same run, interleaved, medians of repeats.
 
 World size 1 (gloo, one device), so both libraries run exactly one local kernel per op and the
-difference is their own cost: warm (cached sharding) and cold (first call after clearing the
-caches), with and without autograd. shardwise also runs on 4 simulated devices in one process
-(no DTensor counterpart): the cost of each extra device is (t4 - t1) / 3 minus the extra kernels.
+difference is their own cost: warm (cached sharding, CPU time) and cold (first call after
+clearing the caches), with and without autograd. shardwise also runs on 4 simulated devices in
+one process (no DTensor counterpart): the cost of each extra device is (t4 - t1) / 3 minus the
+extra kernels.
 
 Run: python bench/bench_dispatch.py [--json FILE] [--quick]
 """
@@ -38,15 +39,20 @@ OPS = {
 }
 
 
-def _median_us(fn, number: int, repeat: int) -> float:
-    fn()
-    samples = []
+def _interleaved_us(fns: dict, number: int, repeat: int) -> dict:
+    """Median CPU time per call (us) of each function; every repeat times each of them once
+    in turn, so a slow patch of the machine hits all of them alike (CPU time: a process
+    that waits for a core on a busy machine is not charged for the wait)."""
+    for fn in fns.values():
+        fn()
+    samples: dict = {who: [] for who in fns}
     for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append((time.perf_counter() - start) / number)
-    return statistics.median(samples) * 1e6
+        for who, fn in fns.items():
+            start = time.process_time()
+            for _ in range(number):
+                fn()
+            samples[who].append((time.process_time() - start) / number)
+    return {who: statistics.median(times) * 1e6 for who, times in samples.items()}
 
 
 def _cold_us(fn, clear, repeat: int) -> float:
@@ -82,7 +88,7 @@ def _inputs(lib, mesh, grad: bool):
 
 
 def run(quick: bool) -> dict:
-    number, repeat = (100, 5) if quick else (500, 9)
+    number, repeat = (100, 5) if quick else (200, 21)
     smesh1 = sw.init_device_mesh("cpu", (1,))
     smesh4 = sw.DeviceMesh("cpu", list(range(4)))
     tmesh = torch_dt.init_device_mesh("cpu", (1,))
@@ -98,10 +104,13 @@ def run(quick: bool) -> dict:
         with sw.allow_implicit_redistribute():
             for name, op in OPS.items():
                 row = {"op": name, "autograd": grad}
-                # interleave the libraries: each repeat times all of them once
-                for who, args in (("local", local), ("shardwise", ours1),
-                                  ("torch_dt", theirs), ("shardwise_4dev", ours4)):
-                    row[who] = _median_us(lambda op=op, args=args: op(*args), number, repeat)
+                row.update(_interleaved_us(
+                    {who: (lambda op=op, args=args: op(*args)) for who, args in (
+                        ("local", local), ("shardwise", ours1), ("torch_dt", theirs),
+                        ("shardwise_4dev", ours4),
+                    )},
+                    number, repeat,
+                ))
                 row["local_4x"] = 4 * row["local"]
                 if not grad:
                     row["shardwise_cold"] = _cold_us(

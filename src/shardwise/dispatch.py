@@ -4,7 +4,9 @@ local op once per local component, wrap the outputs.
 Sharding decisions (chosen input placements and output specs with their metadata, the plans of
 the inputs that move, where the DTensor arguments sit) are cached per (op, input specs, static
 arguments), so a repeated op costs a flat scan of its arguments for the key, two dictionary
-lookups (the op's entry by identity, then its decision), the local kernels and the wrapping.
+lookups (the op's entry by identity, then its decision), the local kernels (through the op's
+Python binding once checked, ``fast_call``) and the wrapping, all in one frame on one device.
+Hooks are resolved per decision: a decision they do not apply to runs without them.
 Redistribution of inputs is explicit by default: an op whose inputs would need a collective
 raises ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on
 or autograd's backward is running (gradients of differing placements must be combined).
@@ -32,6 +34,8 @@ import torch.utils._pytree as pytree
 from . import settings
 from .dtensor import DTensor, check_partials, distribute_tensor, set_dispatch_handler
 from .errors import ImplicitRedistributeError, MeshError, UnsupportedOpError
+from .fast_call import binding as _binding
+from .fast_call import checked_call
 from .mesh import DeviceMesh
 from .ops import registry
 from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
@@ -80,18 +84,19 @@ class Decision:
 
 class _Op:
     """Everything dispatch needs to know about one op, found with one dictionary lookup: its
-    hooks, which arguments key the cache, whether it writes in place or returns a view, and
-    its cached decisions (``_Entry`` per input specs and static arguments)."""
+    hooks, which arguments key the cache, whether it writes in place or returns a view, its
+    kernel (and the candidate binding, ``fast_call``) and its cached decisions (``_Entry`` per
+    input specs and static arguments)."""
 
     __slots__ = ("func", "bypass", "pre", "post", "hooked", "local_args", "static_argnum",
-                 "inplace", "view", "call", "decisions")
+                 "inplace", "view", "call", "binding", "decisions")
 
     def __init__(self, func: Any) -> None:
         self.func = func  # keeps ``id(func)``, the key of ``_OPS``, from being reused
         self.bypass = registry.BYPASS_DISPATCH.get(func)
         self.pre = registry.PRE_PATCH.get(func)
         self.post = registry.POST_PATCH.get(func)
-        self.hooked = not (self.bypass is None and self.pre is None and self.post is None)
+        self.hooked = not (self.bypass is None and self.pre is None)
         self.local_args = registry.LOCAL_ARGS.get(func)
         reg = registry.registration(func)
         info = reg.schema_info if reg is not None else None
@@ -100,16 +105,17 @@ class _Op:
         self.view = _is_view(func)
         # the kernel without OpOverload.__call__'s Python frame
         self.call = func._op if type(func) is torch._ops.OpOverload else func
+        self.binding = _binding(func)
         self.decisions: dict[tuple, _Entry] = {}
 
 
 class _Entry:
     """A cached decision ready to run: where the DTensor arguments sit, the plans of the
     inputs that move (and whether any needs communication), the specs the inputs move to,
-    and the complete output spec(s)."""
+    the op's hooks that apply to this decision, and the complete output spec(s)."""
 
     __slots__ = ("decision", "where", "top", "moves", "communicates", "moved_self", "moved_specs",
-                 "devices", "direct", "single")
+                 "devices", "local_args", "post", "direct", "single", "call")
 
     def __init__(
         self, op: _Op, decision: Decision, specs: list[DTensorSpec], where: tuple
@@ -132,13 +138,22 @@ class _Entry:
             DTensorSpec(s.mesh, p, s.tensor_meta) for s, p in zip(specs, targets, strict=True)
         ]
         self.devices = specs[0].mesh.local_device_ids
+        # hooks are resolved here, once: a decision they do not apply to runs without them
+        self.local_args = _applying(
+            op.func, op.local_args, registry.LOCAL_ARGS_APPLIES, self.moved_specs, decision
+        )
+        self.post = _applying(
+            op.func, op.post, registry.POST_PATCH_APPLIES, self.moved_specs, decision
+        )
         # one kernel call on the components as they are: no per-device loop, no moves, no hook
         self.direct = (
             self.top is not None and len(self.devices) == 1 and not self.moves
-            and op.local_args is None and not (op.inplace and self.moved_self)
-            and not decision.widen
+            and self.local_args is None and self.post is None
+            and not (op.inplace and self.moved_self) and not decision.widen
         )
         self.single: DTensorSpec | None = None  # set by ``complete``
+        # the op's binding once a call through it was checked (``fast_call``), else None
+        self.call = None
 
     def complete(self, op: _Op, decision: Decision) -> None:
         """Take the decision with its output metadata filled in; note when its output is one
@@ -153,6 +168,16 @@ class _Entry:
             decision.multi_output or op.inplace or out.tensor_meta.dtype in LOW_PRECISION
         ):
             self.single = out
+
+
+def _applying(
+    func: Any, hook: Any, applies: dict, specs: list[DTensorSpec], decision: Decision
+) -> Any:
+    """``hook`` if it applies to the decision (no predicate, or its predicate says so)."""
+    if hook is None:
+        return None
+    when = applies.get(func)
+    return hook if when is None or when(specs, decision.output_specs) else None
 
 
 # Read without a lock (a dict lookup is atomic); a new entry (op or decision) is built
@@ -243,22 +268,25 @@ def _scan(args: tuple, kwargs: dict, static_argnum: int) -> tuple[tuple, list, b
     plain = False
     for i, a in enumerate(args):
         t = type(a)
-        if t in _ATOMS:
+        if t is DTensor:
+            dtensors.append(a)
+            parts.append(a._spec)
+        elif t in _ATOMS:
             parts.append(a if i >= static_argnum else t)
         elif t in _TYPED_ATOMS:
             parts.append((t, a) if i >= static_argnum else t)
-        elif isinstance(a, DTensor):
-            dtensors.append(a)
-            parts.append(a._spec)
-        elif isinstance(a, torch.Tensor):
-            plain = plain or a.ndim > 0
-            parts.append(_key_part(a) if i >= static_argnum else a.dtype)
         elif t is list or t is tuple:
             if _ATOMS.issuperset(map(type, a)):  # sizes, dims: no tensors
                 parts.append(tuple(a) if i >= static_argnum else tuple(map(type, a)))
                 continue
             plain = _collect(a, dtensors) or plain
             parts.append(_key_part(a) if i >= static_argnum else tuple(map(_loose_part, a)))
+        elif isinstance(a, DTensor):
+            dtensors.append(a)
+            parts.append(a._spec)
+        elif isinstance(a, torch.Tensor):
+            plain = plain or a.ndim > 0
+            parts.append(_key_part(a) if i >= static_argnum else a.dtype)
         else:
             parts.append(_key_part(a) if i >= static_argnum else t)
     if kwargs:
@@ -492,17 +520,7 @@ def _fill_meta(spec: DTensorSpec | None, meta_out: Any, local_out: Any) -> DTens
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """The DTensor ``__torch_dispatch__`` entry point (hooks, then sharded execution)."""
-    op = _OPS.get(id(func))
-    if op is None:
-        op = _op_entry(func)
-    if op.hooked:
-        if op.bypass is not None:
-            return op.bypass(func, args, kwargs)
-        if op.pre is not None:
-            args, kwargs = op.pre(func, args, kwargs)
-        result = _dispatch(op, func, args, kwargs)
-        return result if op.post is None else op.post(func, result, args, kwargs)
-    return _dispatch(op, func, args, kwargs)
+    return _torch_dispatch(DTensor, func, (), args, kwargs)
 
 
 SMALL_CONSTANT_NUMEL = 16
@@ -595,42 +613,75 @@ def _replicate_plain(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> 
     return _place(args, kwargs, tuple(where), pieces)
 
 
-def _dispatch(op: _Op, func: Any, args: tuple, kwargs: dict) -> Any:
+def _torch_dispatch(
+    cls: type, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None
+) -> Any:
+    """``DTensor.__torch_dispatch__`` itself (``set_dispatch_handler``), one frame for a
+    cached decision: the op's entry by identity, its hooks, the key of the arguments, the
+    decision, then one kernel call and the wrapper on one device, or the general route."""
+    op = _OPS.get(id(func))
+    if op is None:
+        op = _op_entry(func)
+    if kwargs is None:
+        kwargs = {}
+    if op.hooked:
+        if op.bypass is not None:
+            return op.bypass(func, args, kwargs)
+        args, kwargs = op.pre(func, args, kwargs)
+    given = args, kwargs
     key, dtensors, plain = _scan(args, kwargs, op.static_argnum)
     if plain:
         args, kwargs = _replicate_plain(func, args, kwargs, dtensors[0]._spec.mesh)
         key, dtensors, _ = _scan(args, kwargs, op.static_argnum)
     entry = op.decisions.get(key)
     if entry is None:  # this thread decides, fills in and publishes its own entry
-        return _dispatch_cold(op, func, args, kwargs, key, dtensors)
+        return _dispatch_cold(op, func, args, kwargs, key, dtensors, given)
     if op.inplace:
         _check_write_reaches_base(
             func, dtensors[0], entry.moved_self, entry.decision.input_placements[0]
         )
     if entry.direct:  # one kernel call on the components as they are
         a = list(args)
+        call = entry.call
         for pos, d in zip(entry.top, dtensors, strict=True):
-            a[pos] = d._components[0]
-        results = [op.call(*a, **kwargs) if kwargs else op.call(*a)]
-        components = None
+            c = a[pos] = d._components[0]
+            if type(c) is not _Tensor:  # a tensor subclass: the boxed call, as checked
+                call = None
+        if call is None or _function_mode():
+            call = op.call
+        result = call(*a, **kwargs) if kwargs else call(*a)
+        spec = entry.single
+        if spec is not None and isinstance(result, _Tensor):
+            meta = spec.tensor_meta
+            out = _make_wrapper(
+                DTensor, meta.shape, meta.stride, None, None, meta.dtype, _strided, result.device
+            )
+            out._spec = spec
+            out._components = [result]
+            if op.view:
+                out._view_orphan = entry.moved_self or dtensors[0].__dict__.get(
+                    "_view_orphan", False
+                )
+            return out
+        return _finish(op, func, entry, [result], dtensors, None)
+    if entry.moves:
+        components = _moved(func, dtensors, entry.moves, entry.communicates)
     else:
-        if entry.moves:
-            components = _moved(func, dtensors, entry.moves, entry.communicates)
-        else:
-            components = [d._components for d in dtensors]
-        results = _run_local(op, func, args, kwargs, entry, components)
+        components = [d._components for d in dtensors]
+    results = _run_local(op, func, args, kwargs, entry, components)
     spec = entry.single
-    if spec is not None and isinstance(results[0], torch.Tensor):
+    if spec is not None and isinstance(results[0], _Tensor):
         out = _new_dtensor(results, spec)
         if op.view:
-            out._is_view_of_dtensor = True
-            out._orphan_view = entry.moved_self or dtensors[0].__dict__.get("_orphan_view", False)
-        return out
-    return _finish(op, func, entry, results, dtensors, components)
+            out._view_orphan = entry.moved_self or dtensors[0].__dict__.get("_view_orphan", False)
+    else:
+        out = _finish(op, func, entry, results, dtensors, components)
+    return out if entry.post is None else entry.post(func, out, *given)
 
 
 def _dispatch_cold(
-    op: _Op, func: Any, args: tuple, kwargs: dict, key: tuple, dtensors: list[DTensor]
+    op: _Op, func: Any, args: tuple, kwargs: dict, key: tuple, dtensors: list[DTensor],
+    given: tuple[tuple, dict],
 ) -> Any:
     specs = [d._spec for d in dtensors]
     mesh = specs[0].mesh
@@ -651,23 +702,29 @@ def _dispatch_cold(
     components = _moved(func, dtensors, entry.moves, entry.communicates) if entry.moves else [
         d._components for d in dtensors
     ]
-    results = _run_local(op, func, args, kwargs, entry, components)
+    results = _run_local(op, func, args, kwargs, entry, components, check=True)
     entry.complete(op, _complete(func, args, kwargs, entry, decision, results[0]))
     with _publish:
         if _generation[0] == generation:
             op.decisions[key] = entry
-    return _finish(op, func, entry, results, dtensors, components)
+    out = _finish(op, func, entry, results, dtensors, components)
+    return out if entry.post is None else entry.post(func, out, *given)
 
 
 
 def _run_local(
-    op: _Op, func: Any, args: tuple, kwargs: dict, entry: _Entry, components: list
+    op: _Op, func: Any, args: tuple, kwargs: dict, entry: _Entry, components: list,
+    check: bool = False,
 ) -> list:
-    """The op run once per local device on that device's components."""
+    """The op run once per local device on that device's components; ``check``: the first
+    device's call tries the op's binding (``fast_call``) and the entry keeps it if it held."""
     results = []
     top = entry.top
-    local_args = op.local_args
+    local_args = entry.local_args
     widen = entry.decision.widen
+    call = entry.call
+    if call is None or _function_mode() or any(type(c[0]) is not _Tensor for c in components):
+        call = op.call  # the boxed call, as checked (components of one input share a type)
     for k, device in enumerate(entry.devices):
         if top is not None:
             a = list(args)
@@ -682,7 +739,14 @@ def _run_local(
             a, kw = local_args(
                 tuple(a), kw, entry.moved_specs, entry.decision.output_specs, device
             )
-        results.append(op.call(*a, **kw))
+        if check:
+            check = False
+            result, bound = checked_call(op.func, op.binding, tuple(a), kw)
+            if bound:
+                entry.call = op.binding
+            results.append(result)
+            continue
+        results.append(call(*a, **kw))
     return results
 
 
@@ -701,11 +765,10 @@ def _finish(
     result = _wrap(func, decision, results, dtensors, op.inplace)
     if op.view:
         # a view of a moved input aliases a temporary copy, not the input: writes would be lost
-        orphan = entry.moved_self or dtensors[0].__dict__.get("_orphan_view", False)
+        orphan = entry.moved_self or dtensors[0].__dict__.get("_view_orphan", False)
         for out in result if isinstance(result, (tuple, list)) else (result,):
             if isinstance(out, DTensor):
-                out._is_view_of_dtensor = True
-                out._orphan_view = orphan
+                out._view_orphan = orphan  # present: a view; True: of a temporary copy
     return result
 
 
@@ -767,8 +830,8 @@ def _check_write_reaches_base(
 ) -> None:
     """An in-place write into a view must reach the viewed DTensor: refuse it when the view
     aliases a moved copy, or when the view itself would have to move first."""
-    marks = target.__dict__
-    if marks.get("_orphan_view", False) or (moved and marks.get("_is_view_of_dtensor", False)):
+    orphan = target.__dict__.get("_view_orphan")  # None: not a view
+    if orphan or (moved and orphan is not None):
         raise UnsupportedOpError(
             f"in-place {func} writes into a view (shape {list(target.shape)}, placements "
             f"{list(target.placements)}) of a DTensor that had to be redistributed for the view "
@@ -833,14 +896,17 @@ def _wrap_one(spec: DTensorSpec | None, components: list) -> Any:
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_Tensor = torch.Tensor
+_strided = torch.strided
+_function_mode = torch._C._is_torch_function_mode_enabled  # bindings would call into it
 
 
 def _new_dtensor(components: list[torch.Tensor], spec: DTensorSpec) -> DTensor:
     """``DTensor(components, spec)`` for a fresh list of output components and a cached
     output spec whose Partials were checked (``_Entry.complete``): the wrapper made directly."""
     meta = spec.tensor_meta
-    out = _make_wrapper(
-        DTensor, meta.shape, strides=meta.stride, dtype=meta.dtype, device=components[0].device
+    out = _make_wrapper(  # positionally: size, strides, offset, format, dtype, layout, device
+        DTensor, meta.shape, meta.stride, None, None, meta.dtype, _strided, components[0].device
     )
     out._spec = spec
     out._components = components
@@ -866,7 +932,7 @@ def _is_inplace(func: Any) -> bool:
     return name.endswith("_") and schema.arguments and schema.arguments[0].alias_info is not None
 
 
-set_dispatch_handler(dispatch)
+set_dispatch_handler(_torch_dispatch)
 
 __all__ = [
     "implicit_replication",

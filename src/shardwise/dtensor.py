@@ -29,13 +29,13 @@ from .spec import (
 )
 from .tracing import dynamo_opaque
 
-DispatchHandler = Callable[[Any, tuple, dict], Any]
-_dispatch_handler: list[DispatchHandler] = []
+DispatchHandler = Callable[..., Any]  # (cls, func, types, args=(), kwargs=None)
 
 
 def set_dispatch_handler(handler: DispatchHandler) -> None:
-    """Install the ``__torch_dispatch__`` implementation (the ``dispatch`` layer does this)."""
-    _dispatch_handler[:] = [handler]
+    """Install the ``__torch_dispatch__`` implementation (the ``dispatch`` layer does this):
+    the handler becomes the classmethod itself, so an op pays no extra Python frame."""
+    DTensor.__torch_dispatch__ = classmethod(handler)
 
 
 def check_partials(spec: DTensorSpec) -> None:
@@ -89,11 +89,10 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if not _dispatch_handler:
-            from .errors import UnsupportedOpError
+        # replaced by ``set_dispatch_handler`` when the dispatch layer is imported
+        from .errors import UnsupportedOpError
 
-            raise UnsupportedOpError(f"{func} on a DTensor: import shardwise to enable ops")
-        return _dispatch_handler[0](func, args, kwargs or {})
+        raise UnsupportedOpError(f"{func} on a DTensor: import shardwise to enable ops")
 
     # ----- tracing (torch.compile sees a DTensor as its components plus a constant spec) -----
     def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:

@@ -109,8 +109,17 @@ def _embedding_post_patch(_op: Any, result: DTensor, _args: tuple, _kwargs: dict
     return result
 
 
-register_local_args(aten.embedding.default, _embedding_local_args)
-register_post_patch(aten.embedding.default, _embedding_post_patch)
+def _vocab_sharded(specs: list[DTensorSpec], _out: Any) -> bool:
+    """The hooks apply only when the weight's vocabulary is split over more than one device."""
+    weight = specs[0]
+    return any(
+        isinstance(p, Shard) and p.dim == 0 and n > 1
+        for p, n in zip(weight.placements, weight.mesh.shape, strict=True)
+    )
+
+
+register_local_args(aten.embedding.default, _embedding_local_args, applies=_vocab_sharded)
+register_post_patch(aten.embedding.default, _embedding_post_patch, applies=_vocab_sharded)
 
 
 @register_op_strategy(aten.embedding_dense_backward.default, schema_info=RuntimeSchemaInfo(2))

@@ -154,6 +154,10 @@ POST_PATCH: dict[OpOverload, Callable[[OpOverload, Any, tuple, dict], Any]] = {}
 BYPASS_PROPAGATION: set[OpOverload] = set()
 LocalArgsHook = Callable[[tuple, dict, list[DTensorSpec], Any, int], tuple[tuple, dict]]
 LOCAL_ARGS: dict[OpOverload, LocalArgsHook] = {}
+# (input specs after moves, output spec(s)) -> whether a hook applies to that sharding decision
+HookApplies = Callable[[list[DTensorSpec], OutputSpecs], bool]
+LOCAL_ARGS_APPLIES: dict[OpOverload, HookApplies] = {}
+POST_PATCH_APPLIES: dict[OpOverload, HookApplies] = {}
 _listeners: list[Callable[[], None]] = []
 
 
@@ -225,12 +229,24 @@ def register_pre_patch(
 
 
 def register_post_patch(
-    ops: OpOverload | Iterable[OpOverload], patch: Callable[[OpOverload, Any, tuple, dict], Any]
+    ops: OpOverload | Iterable[OpOverload],
+    patch: Callable[[OpOverload, Any, tuple, dict], Any],
+    applies: HookApplies | None = None,
 ) -> None:
-    """Run ``patch(op, result, args, kwargs) -> result`` after dispatching ``ops``."""
+    """Run ``patch(op, result, args, kwargs) -> result`` after dispatching ``ops``; with
+    ``applies``, only for sharding decisions where ``applies(input_specs, output_specs)``
+    (asked once per cached decision, so other calls pay nothing)."""
     for op in _overloads(ops):
         POST_PATCH[op] = patch
+        _set_applies(POST_PATCH_APPLIES, op, applies)
     _changed()
+
+
+def _set_applies(table: dict, op: OpOverload, applies: HookApplies | None) -> None:
+    if applies is None:
+        table.pop(op, None)
+    else:
+        table[op] = applies
 
 
 def bypass_sharding_propagation(ops: OpOverload | Iterable[OpOverload]) -> None:
@@ -240,13 +256,18 @@ def bypass_sharding_propagation(ops: OpOverload | Iterable[OpOverload]) -> None:
     _changed()
 
 
-def register_local_args(ops: OpOverload | Iterable[OpOverload], hook: LocalArgsHook) -> None:
+def register_local_args(
+    ops: OpOverload | Iterable[OpOverload], hook: LocalArgsHook, applies: HookApplies | None = None
+) -> None:
     """Rewrite the non-tensor arguments per component before the local op runs:
     ``hook(args, kwargs, input_specs, output_specs, device_id) -> (args, kwargs)``, where args
     already hold the device's components and ``input_specs`` are the specs the inputs were
-    moved to (e.g. a view's global size becomes the local one)."""
+    moved to (e.g. a view's global size becomes the local one). With ``applies``, only for
+    sharding decisions where ``applies(input_specs, output_specs)`` (asked once per cached
+    decision)."""
     for op in _overloads(ops):
         LOCAL_ARGS[op] = hook
+        _set_applies(LOCAL_ARGS_APPLIES, op, applies)
     _changed()
 
 
@@ -263,6 +284,7 @@ def remove_hooks(ops: OpOverload | Iterable[OpOverload]) -> None:
         BYPASS_DISPATCH.pop(op, None)
         PRE_PATCH.pop(op, None)
         POST_PATCH.pop(op, None)
+        POST_PATCH_APPLIES.pop(op, None)
         BYPASS_PROPAGATION.discard(op)
     _changed()
 

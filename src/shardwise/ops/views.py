@@ -10,6 +10,7 @@ among equally cheap ones dispatch keeps the inputs as they are.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from math import prod
 
@@ -250,31 +251,49 @@ def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:
     return [int(s) for s in args[1]]
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_local_size(
+    global_size: Callable[[tuple, DTensorSpec], list[int]], size: tuple, spec: DTensorSpec,
+    out_spec: DTensorSpec, device: int,
+) -> tuple[int, ...]:
+    shape = global_size((None, size), spec)
+    return tuple(_local_shape(spec.mesh, out_spec.placements, shape, device))
+
+
+def _local_size(
+    global_size: Callable[[tuple, DTensorSpec], list[int]], args: tuple, spec: DTensorSpec,
+    out_spec: DTensorSpec, device: int,
+) -> Sequence[int]:
+    """The device's output shape for the global size argument ``args[1]`` (cached by specs,
+    whose hashes are cached: a size hook runs once per device and call)."""
+    try:
+        return _cached_local_size(global_size, tuple(args[1]), spec, out_spec, device)
+    except TypeError:  # symbolic sizes do not hash
+        return _local_shape(spec.mesh, out_spec.placements, global_size(args, spec), device)
+
+
 def _size_hook(global_size: Callable[[tuple, DTensorSpec], list[int]]):
     """A local-args hook replacing the global size (argument 1) by the device's output shape."""
 
     def hook(args: tuple, kwargs: dict, in_specs: list[DTensorSpec], out_spec, device: int):
-        shape = global_size(args, in_specs[0])
-        local = _local_shape(in_specs[0].mesh, out_spec.placements, shape, device)
+        local = _local_size(global_size, args, in_specs[0], out_spec, device)
         return (args[0], local, *args[2:]), kwargs
 
     return hook
-
-
-_view_size_hook = _size_hook(_view_global)
 
 
 def _view_hook(args: tuple, kwargs: dict, in_specs: list[DTensorSpec], out_spec, device: int):
     """The local view size; a component whose strides cannot take the view (a shard cut out of
     a larger tensor, say) is made contiguous first, as the global tensor's layout allows it
     (a contiguous component takes every view: no trial view)."""
-    (component, local, *rest), kwargs = _view_size_hook(args, kwargs, in_specs, out_spec, device)
+    component = args[0]
+    local = _local_size(_view_global, args, in_specs[0], out_spec, device)
     if not component.is_contiguous():
         try:
             component.view(local)
         except RuntimeError:
             component = component.contiguous()
-    return (component, local, *rest), kwargs
+    return (component, local, *args[2:]), kwargs
 
 
 register_local_args([aten.view.default, aten._unsafe_view.default], _view_hook)
