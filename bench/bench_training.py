@@ -169,7 +169,7 @@ def _state_bytes(module: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def _peak_bytes(module: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                target: torch.Tensor, repeats: int = 3) -> int:
+                target: torch.Tensor, repeats: int = 5) -> int:
     """Peak of the running sum of CPU allocator events during one step: the median of
     ``repeats`` steps after one more that is dropped (the first profiled step cannot see the
     frees of the gradients allocated before profiling began, so it counted them twice)."""
