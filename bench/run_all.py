@@ -194,8 +194,19 @@ REASONS = {
                     "(page faults) where the raw collective reuses its output, the copy that "
                     "packs Shard -> Shard's strided pieces, and a clone before the in-place "
                     "all_reduce (DTensor pays the last three too)",
-    "training": "a step is many small ops, each paying the dispatch gap above, plus the "
-                "redistribution gap",
+    "training": "measured per phase: the backward is below DTensor's (q, k and v share one "
+                "input DTensor, so its gradient is reduced once, not three times); the "
+                "optimizer misses the dispatch cache every step, because AdamW's "
+                "addcdiv_(value=-step_size) changes its scalar each step and keyword scalars "
+                "are keyed by value (about 0.3 ms per parameter spec: 4 per MLP step, 7 per "
+                "block step, and the cache grows by as many entries; keyed by type, the "
+                "optimizer is at or below DTensor's); the forward's row-parallel all-reduces "
+                "pay the header round and, over more than 2 processes, an all_to_all, a "
+                "combine and an all_gather where DTensor runs one gloo all_reduce. Peak memory "
+                "over 4 processes is set inside such an all-reduce: its receive buffer, "
+                "result and gloo's flat all_gather copy (3.25x the reduced activation, "
+                "counted by torch's allocator) against DTensor's one clone (gloo's all_reduce "
+                "buffers are not counted)",
     "compile": "the compiled forward and backward match hand-written code on one process; the "
                "rest is the optimizer update, which runs eagerly through dispatch on DTensor "
                "parameters, and across processes each redistribution's header round and collective "

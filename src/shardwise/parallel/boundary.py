@@ -8,10 +8,12 @@ redistribution needs them reduced (the all-gather before a block reduce-scatters
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 
+from .. import settings
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import ParallelPlanError
 from ..mesh import DeviceMesh
@@ -53,12 +55,74 @@ def on_tp_dim(
 def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
     """A module input as a DTensor. A DTensor passes unchanged. A plain tensor is this
     process's shard when it owns one device of the mesh (PyTorch's ``from_local``), and the
-    global value when it owns several (embedded mode: there is no single local shard)."""
+    global value when it owns several (embedded mode: there is no single local shard).
+
+    Modules that receive the same plain tensor (q, k and v projections of one normed input)
+    get the same DTensor while it is alive, so their input gradients add up as pending sums
+    and the backward reduces them once instead of once per module."""
     if isinstance(x, DTensor):
         return x
+    key = _wrap_key(x, mesh, placements)
+    if key is not None:
+        made = _WRAPPED.get(key)
+        if made is not None and made.source() is x and made.version == x._version:
+            dtensor = made.dtensor()
+            if dtensor is not None:
+                return dtensor
     if mesh.num_local_devices() == 1:
-        return DTensor.from_local(x, mesh, placements)
-    return distribute_tensor(x, mesh, placements)
+        dtensor = DTensor.from_local(x, mesh, placements)
+    elif x.requires_grad and torch.is_grad_enabled():
+        dtensor = _Distribute.apply(x, mesh, tuple(placements))
+    else:
+        dtensor = distribute_tensor(x, mesh, placements)
+    if key is not None:
+        _WRAPPED[key] = _Wrapped(x, dtensor, key)
+    return dtensor
+
+
+class _Distribute(torch.autograd.Function):
+    """``distribute_tensor`` of a global value that passes its gradient back (the global
+    gradient), where ``distribute_tensor`` itself makes a leaf."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:  # noqa: ANN001
+        return distribute_tensor(x.detach(), mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple:  # noqa: ANN001
+        return grad.full_tensor(), None, None
+
+
+class _Wrapped:
+    """A plain tensor and the DTensor ``as_dtensor`` made of it, both held weakly: the entry
+    lives as long as the DTensor (saved for backward, it lives until the backward used it)."""
+
+    __slots__ = ("source", "dtensor", "version")
+
+    def __init__(self, source: torch.Tensor, dtensor: DTensor, key: tuple) -> None:
+        self.source = weakref.ref(source)
+        self.version = source._version
+        self.dtensor = weakref.ref(dtensor, lambda ref: _forget(key, ref))
+
+
+_WRAPPED: dict[tuple, _Wrapped] = {}
+
+
+def _forget(key: tuple, ref: weakref.ref) -> None:
+    made = _WRAPPED.get(key)
+    if made is not None and made.dtensor is ref:
+        del _WRAPPED[key]
+
+
+def _wrap_key(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple | None:
+    """What makes two wrappings of ``x`` interchangeable; None where sharing is not safe:
+    tensors being traced (fake or functional subclasses) and the per-replica view, whose
+    threads merge their pieces in ``from_local``."""
+    if type(x) is not torch.Tensor or settings.REPLICA_THREAD.get() is not None:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    return (id(x), mesh, tuple(placements), x.requires_grad, torch.is_grad_enabled())
 
 
 def to_layout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
