@@ -164,3 +164,35 @@ def test_concurrent_warm_and_cold_dispatch_from_threads() -> None:
     for t in threads:
         t.join(60)
     assert not errors, errors
+
+
+def test_numbers_in_keyword_arguments_that_do_not_shard_share_a_decision(
+    decisions: list,
+) -> None:
+    """AdamW passes ``value=-step_size``, a new number every step: the steps after the first
+    reuse its decisions, and the parameters equal plain torch's."""
+    weight = torch.randn(6, 4)
+    plain = weight.clone().requires_grad_()
+    sharded = torch.nn.Parameter(sw.distribute_tensor(weight, MESH2, [Shard(0)]))
+    opts = [torch.optim.AdamW([plain], lr=0.1), torch.optim.AdamW([sharded], lr=0.1)]
+    missed = []
+    for step in range(4):
+        grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+        plain.grad = grad.clone()
+        sharded.grad = sw.distribute_tensor(grad, MESH2, [Shard(0)])
+        for opt in opts:
+            opt.step()
+        missed.append(len(decisions))
+    assert torch.equal(sharded.detach().full_tensor(), plain.detach())
+    assert missed[3] == missed[2] == missed[1], missed
+
+
+def test_keyword_numbers_that_shard_are_still_keys() -> None:
+    """``alpha`` decides whether ``add`` keeps a Partial (0 makes it constant): by value."""
+    x = torch.randn(4, 3)
+    p = sw.distribute_tensor(x, MESH2, [Partial()])
+    y = torch.randn(4, 3)
+    r = sw.distribute_tensor(y, MESH2, [Replicate()])
+    for alpha in (0.0, 2.0, -1.5):
+        got = torch.add(r, p, alpha=alpha).full_tensor()
+        assert torch.equal(got, torch.add(y, x, alpha=alpha))

@@ -89,7 +89,7 @@ class _Op:
     input specs and static arguments)."""
 
     __slots__ = ("func", "bypass", "pre", "post", "hooked", "local_args", "static_argnum",
-                 "inplace", "view", "call", "binding", "decisions")
+                 "static_kwargs", "inplace", "view", "call", "binding", "decisions")
 
     def __init__(self, func: Any) -> None:
         self.func = func  # keeps ``id(func)``, the key of ``_OPS``, from being reused
@@ -101,6 +101,10 @@ class _Op:
         reg = registry.registration(func)
         info = reg.schema_info if reg is not None else None
         self.static_argnum = info.static_argnum if info is not None else 100
+        # keyword arguments keyed by value (None: all of them); the rest by type, so that
+        # AdamW's ``addcdiv_(value=-step_size)`` reuses one decision across steps
+        self.static_kwargs = (frozenset(info.static_kwargkey)
+                              if info is not None and info.static_kwargkey is not None else None)
         self.inplace = _is_inplace(func)
         self.view = _is_view(func)
         # the kernel without OpOverload.__call__'s Python frame
@@ -257,9 +261,12 @@ def _loose_part(value: Any) -> Any:
 _SEQUENCES = (list, tuple)
 
 
-def _scan(args: tuple, kwargs: dict, static_argnum: int) -> tuple[tuple, list, bool]:
+def _scan(
+    args: tuple, kwargs: dict, static_argnum: int, static_kwargs: frozenset | None = None
+) -> tuple[tuple, list, bool]:
     """One flat pass over the arguments: the cache key (DTensors by spec, arguments from
-    ``static_argnum`` on and keyword arguments by value, the others by type), the DTensors in
+    ``static_argnum`` on and keyword arguments in ``static_kwargs`` (all when None) by value,
+    the others by type), the DTensors in
     argument order (list elements, then keyword arguments), and whether a plain tensor that
     is not a scalar is among them (it must be replicated first). Types are tested before
     ``isinstance`` (slow on torch.Tensor for numbers)."""
@@ -297,7 +304,8 @@ def _scan(args: tuple, kwargs: dict, static_argnum: int) -> tuple[tuple, list, b
                 plain = plain or v.ndim > 0
             elif type(v) in _SEQUENCES:
                 plain = _collect(v, dtensors) or plain
-            parts.append((k, _key_part(v)))
+            static = static_kwargs is None or k in static_kwargs
+            parts.append((k, _key_part(v) if static else _loose_part(v)))
     return tuple(parts), dtensors, plain
 
 
@@ -629,10 +637,10 @@ def _torch_dispatch(
             return op.bypass(func, args, kwargs)
         args, kwargs = op.pre(func, args, kwargs)
     given = args, kwargs
-    key, dtensors, plain = _scan(args, kwargs, op.static_argnum)
+    key, dtensors, plain = _scan(args, kwargs, op.static_argnum, op.static_kwargs)
     if plain:
         args, kwargs = _replicate_plain(func, args, kwargs, dtensors[0]._spec.mesh)
-        key, dtensors, _ = _scan(args, kwargs, op.static_argnum)
+        key, dtensors, _ = _scan(args, kwargs, op.static_argnum, op.static_kwargs)
     entry = op.decisions.get(key)
     if entry is None:  # this thread decides, fills in and publishes its own entry
         return _dispatch_cold(op, func, args, kwargs, key, dtensors, given)
