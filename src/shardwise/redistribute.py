@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -162,32 +163,34 @@ class _Pricer:
 
     def lacking(self, state: State, target: State) -> int:
         """Bytes the rest of any plan from ``state`` to the Partial-free ``target`` moves at
-        least (A*'s heuristic), from the per-element bound of ``lower_bound_bytes``: with
-        ``k`` Partial terms and ``m`` devices that need an element (the product of the mesh
-        dims ``target`` replicates), of which ``l`` hold no term, it is ``l`` for one term,
-        else ``k + m - 1 - a >= max(k + m - 2, k - 1 + l)`` (``a`` is 1 when a needer holds
-        a term, so ``l <= m - a``). Priced at the declared itemsize: float32 pieces of a
-        pending half sum cost more, so the guess stays below the true cost, as A* needs."""
+        least (A*'s heuristic): ``lower_bound_bytes``, counted per distinct pair of pieces a
+        device holds and needs. With ``k`` Partial terms and ``m`` devices that need an
+        element (the product of the mesh dims ``target`` replicates) it takes ``k + m - 2``
+        transfers where a needer holds a term, else ``k + m - 1``; distinct pieces of a
+        layout never overlap, so the elements some needer holds are the sum of the distinct
+        pairs' overlaps. Priced at the declared itemsize: float32 pieces of a pending half sum
+        cost more, so the guess stays below the true cost, as A* needs."""
         held = self.layout(state)[0]
         wanted, _, numels = self.layout(target)
-        lacked = 0
-        for numel, old, new in zip(numels, held, wanted, strict=True):
-            kept = 1
+        pairs = Counter(zip(held, wanted, strict=True))
+        kept = covered = 0
+        for (old, new), count in pairs.items():
+            common = 1
             for a, b in zip(old, new, strict=True):
                 if len(a) == 1 == len(b):  # one run each (no interleave, no nesting): inline
                     (a0, a1), (b0, b1) = a[0], b[0]
-                    common = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
-                    kept *= common if common > 0 else 0
+                    span = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
+                    common *= span if span > 0 else 0
                 else:
-                    kept *= _overlap(a, b)
-            lacked += numel - kept
+                    common *= _overlap(a, b)
+            kept += count * common
+            covered += common
         terms = prod(n for n, p in zip(self.mesh.shape, state, strict=True) if p.is_partial())
         if terms == 1:
-            return lacked * self.itemsize
+            return (sum(numels) - kept) * self.itemsize
         needers = prod(n for n, p in zip(self.mesh.shape, target, strict=True)
                        if not isinstance(p, Shard))
-        numel = prod(self.shape)
-        return max(lacked + (terms - 1) * numel, (terms + needers - 2) * numel) * self.itemsize
+        return ((terms + needers - 1) * prod(self.shape) - covered) * self.itemsize
 
     def size_of(self, state: State) -> int:
         """Bytes per element of the components held in ``state``."""
@@ -327,22 +330,23 @@ def _plan(
 
     best: dict[State, Cost] = {source: (0, 0, 0, 0)}
     back: dict[State, tuple[State, Step]] = {}
-    heap: list[tuple[Cost, int, Cost, State]] = []
-    order = itertools.count(1)  # ties pop first queued first
+    heap: list[tuple[Cost, Cost, int, Cost, State]] = []
+    order = itertools.count(1)  # equal guesses pop the furthest along first, then first queued
 
     def push(state: State, cost: Cost, step: tuple[State, Step]) -> None:
         if state not in best or cost < best[state]:
             best[state] = cost
             back[state] = step
-            heapq.heappush(heap, (guess(state, cost), next(order), cost, state))
+            ahead = (-cost[0], -cost[1], -cost[2], -cost[3])
+            heapq.heappush(heap, (guess(state, cost), ahead, next(order), cost, state))
 
-    heapq.heappush(heap, (guess(source, (0, 0, 0, 0)), 0, (0, 0, 0, 0), source))
+    heapq.heappush(heap, (guess(source, (0, 0, 0, 0)), (0, 0, 0, 0), 0, (0, 0, 0, 0), source))
     direct = _exchange_step(pricer, source, settled)
     limit = None if direct is None else direct.global_bytes
     if direct is not None:
         push(settled, (direct.global_bytes, 1, 1, 1), (source, direct))
     while heap:
-        _, _, cost, state = heapq.heappop(heap)
+        *_, cost, state = heapq.heappop(heap)
         if state == target:
             break
         if cost != best[state]:
@@ -361,6 +365,10 @@ def _plan(
                 ):
                     continue
                 nxt = state[:m] + (b,) + state[m + 1 :]
+                known = best.get(nxt)
+                if known is not None and known <= (cost[0], cost[1], cost[2] + (kind != "local"),
+                                                   cost[3] + 1):
+                    continue  # reached as cheaply already, whatever this step moves
                 try:
                     local_bytes, global_bytes = pricer.price(kind, state, nxt, m)
                     moved = cost[0] + global_bytes
