@@ -393,13 +393,8 @@ def _plan(
     def layout(state: tuple[int, ...]) -> Geometry:
         found = geometry.get(state)
         if found is None:
-            found = geometry[state] = pricer.layout(decode(state))
+            found = geometry[state] = _layout(mesh, shape, decode(state))
         return found
-
-    def blocked(state: tuple[int, ...], m: int, dim: int | None) -> bool:
-        """True if a later mesh dim also shards tensor dim ``dim``: the nested split then
-        forbids changing mesh dim ``m`` directly (the lower mesh dim splits first)."""
-        return dim is not None and any(shard[k][state[k]] == dim for k in range(m + 1, ndim))
 
     def out_of_order(state: tuple[int, ...], m: int) -> bool:
         """True if resolving a Partial on mesh dim ``m`` would precede a lower mesh dim still
@@ -430,9 +425,10 @@ def _plan(
     needers = prod(n for n, p in zip(sizes, target, strict=True) if not isinstance(p, Shard))
     replicate = [[p.is_replicate() for p in o] for o in options]
     partial = [[p.is_partial() for p in o] for o in options]
+    pending = [[p.is_partial() and p.reduce_op in ("sum", "avg") for p in o] for o in options]
     guesses: dict[tuple[int, ...], Cost] = {}
 
-    def guess(state: tuple[int, ...], cost: Cost) -> Cost:
+    def heuristic(state: tuple[int, ...]) -> Cost:
         h = guesses.get(state)
         if h is None:
             moved = 0
@@ -442,11 +438,11 @@ def _plan(
             changed = [m for m in range(ndim) if state[m] != goal[m]]
             collectives = sum(sizes[m] > 1 and not replicate[m][state[m]] for m in changed)
             h = guesses[state] = (moved, 0, collectives, len(changed))
-        return (cost[0] + h[0], cost[1], cost[2] + h[2], cost[3] + h[3])
+        return h
 
     best: dict[tuple[int, ...], Cost] = {start: (0, 0, 0, 0)}
     # how each state was reached: (previous state, mesh dim, collective, bytes here, bytes
-    # everywhere), or (previous state, exchange)
+    # everywhere), or (previous state, exchange or None for the direct one built last)
     back: dict[tuple[int, ...], tuple] = {}
     heap: list[tuple[Cost, Cost, int, Cost, tuple[int, ...]]] = []
     order = itertools.count(1)
@@ -455,10 +451,13 @@ def _plan(
         if state not in best or cost < best[state]:
             best[state] = cost
             back[state] = how
-            ahead = (-cost[0], -cost[1], -cost[2], -cost[3])
-            heapq.heappush(heap, (guess(state, cost), ahead, next(order), cost, state))
+            h = heuristic(state)
+            heapq.heappush(heap, ((cost[0] + h[0], cost[1], cost[2] + h[2], cost[3] + h[3]),
+                                  (-cost[0], -cost[1], -cost[2], -cost[3]), next(order), cost,
+                                  state))
 
-    heapq.heappush(heap, (guess(start, (0, 0, 0, 0)), (0, 0, 0, 0), 0, (0, 0, 0, 0), start))
+    h = heuristic(start)
+    heapq.heappush(heap, (h, (0, 0, 0, 0), 0, (0, 0, 0, 0), start))
     ops = {p.reduce_op for p, n in zip(source, sizes, strict=True)
            if isinstance(p, Partial) and n > 1}
     direct: Step | None = None
@@ -466,7 +465,7 @@ def _plan(
     if guided and plain and len(ops) <= 1 and source != settled_placements:
         # the exchange moves exactly the lower bound, the guess at the start (see
         # ``_exchange_cost``): its step is built only if the plan takes it
-        limit = guess(start, (0, 0, 0, 0))[0] // itemsize * pricer.size_of(source)
+        limit = h[0] // itemsize * pricer.size_of(source)
     else:
         direct = _exchange_step(pricer, source, settled_placements)
         limit = None if direct is None else direct.global_bytes
@@ -478,34 +477,48 @@ def _plan(
             break
         if cost != best[state]:
             continue  # a cheaper way here was queued later
-        size = None
+        try:
+            here = layout(state)
+        except InvalidPlacementError:
+            continue  # a state only an exchange reaches may hold no valid pieces
+        size = pricer.pending_itemsize if any(
+            o[i] for o, i in zip(pending, state, strict=True)
+        ) else itemsize
+        # a mesh dim whose tensor dim a later mesh dim also shards cannot change directly:
+        # the nested split forbids it (the lower mesh dim splits first)
+        sharding = [shard[m][i] for m, i in enumerate(state)]
         for m in range(ndim):
             a = state[m]
+            nested = sharding[m + 1:] if sizes[m] > 1 else ()
+            if (sharding[m] is not None and sharding[m] in nested) or out_of_order(state, m):
+                continue
             for b, kind in moves[m][a]:
-                if sizes[m] > 1 and (
-                    blocked(state, m, shard[m][a])
-                    or blocked(state, m, shard[m][b])
-                    or out_of_order(state, m)
-                ):
+                dim = shard[m][b]
+                if dim is not None and dim in nested:
                     continue
                 nxt = state[:m] + (b,) + state[m + 1 :]
-                rest = (cost[1], cost[2] + (kind != "local"), cost[3] + 1)
+                collective = kind != "local"
                 known = best.get(nxt)
-                if known is not None and known <= (cost[0], *rest):
+                if known is not None and known <= (cost[0], cost[1], cost[2] + collective,
+                                                   cost[3] + 1):
                     continue  # reached as cheaply already, whatever this step moves
-                if size is None:
-                    size = pricer.size_of(decode(state))
                 try:
                     local_bytes, global_bytes = pricer.price_from(
-                        kind, layout(state), layout(nxt), m, size, shard[m][b]
+                        kind, here, layout(nxt), m, size, dim
                     )
-                    moved = cost[0] + global_bytes
-                    bound = guess(nxt, (moved, 0, 0, 0))[0]  # measures nxt's shards too
+                    h = heuristic(nxt)  # measures nxt's shards too
                 except InvalidPlacementError:
                     continue  # an interleave that does not divide at this nesting level
-                if limit is not None and bound > limit:
+                moved = cost[0] + global_bytes
+                if limit is not None and moved + h[0] > limit:
                     continue
-                push(nxt, (moved, *rest), (state, m, kind, local_bytes, global_bytes))
+                new = (moved, cost[1], cost[2] + collective, cost[3] + 1)
+                if known is None or new < known:
+                    best[nxt] = new
+                    back[nxt] = (state, m, kind, local_bytes, global_bytes)
+                    heapq.heappush(heap, ((moved + h[0], new[1], new[2] + h[2], new[3] + h[3]),
+                                          (-moved, -new[1], -new[2], -new[3]), next(order), new,
+                                          nxt))
         later = None if limit is not None else _exchange_step(
             pricer, decode(state), settled_placements
         )
