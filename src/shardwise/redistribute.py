@@ -102,29 +102,56 @@ def _step_kind(a: Placement, b: Placement, mesh_size: int) -> str | None:
     return None
 
 
-# every device's segments, local shape and element count under one state, and, where every
-# piece is one box (at most one run per tensor dim), each device's piece as an id (equal ids,
-# equal pieces) and as its (start, stop) per tensor dim
+# every device's segments, local shape, element count, per tensor dim the elements of its
+# piece per index along that dim, and, where every piece is one box (at most one run per tensor
+# dim), each device's piece as an id (equal ids, equal boxes: ``_box_ids``) and as its (start,
+# stop) per tensor dim
 Boxes = tuple[tuple[int, ...], tuple[tuple[tuple[int, int], ...], ...]]
-Geometry = tuple[tuple[tuple, ...], tuple[tuple[int, ...], ...], tuple[int, ...], Boxes | None]
+Geometry = tuple[
+    tuple[tuple, ...],
+    tuple[tuple[int, ...], ...],
+    tuple[int, ...],
+    tuple[tuple[int, ...], ...],
+    Boxes | None,
+]
+
+
+@lru_cache(maxsize=256)
+def _box_ids(shape: tuple[int, ...]) -> tuple[dict[tuple, int], Iterator[int]]:
+    """The ids given to the boxes of a tensor of ``shape`` so far, and the next ids."""
+    return {}, itertools.count()
 
 
 @lru_cache(maxsize=65536)
 def _layout(mesh: DeviceMesh, shape: tuple[int, ...], state: State) -> Geometry:
-    """Every device's segments, local shape, element count and box (if any) under ``state``,
-    in ``mesh.device_ids`` order (geometry, shared by every plan on that mesh and shape)."""
+    """Every device's segments, local shape, element count, slice sizes and box (if any)
+    under ``state``, in ``mesh.device_ids`` order (geometry, shared by every plan on that mesh
+    and shape)."""
     segments = tuple(
         shard_segments(shape, mesh.shape, state, mesh.coordinate_of(d)) for d in mesh.device_ids
     )
     shapes = tuple(tuple(sum(b - a for a, b in runs) for runs in s) for s in segments)
+    slices = tuple(tuple(prod(s[:d] + s[d + 1:]) for s in shapes) for d in range(len(shape)))
     boxes = None
     if all(len(runs) <= 1 for s in segments for runs in s):
-        ids: dict[tuple, int] = {}
+        ids, fresh = _box_ids(shape)
+        corners = tuple(tuple(runs[0] if runs else (0, 0) for runs in s) for s in segments)
         boxes = (
-            tuple(ids.setdefault(s, len(ids)) for s in segments),
-            tuple(tuple(runs[0] if runs else (0, 0) for runs in s) for s in segments),
+            tuple(ids.get(c) if c in ids else ids.setdefault(c, next(fresh)) for c in corners),
+            corners,
         )
-    return segments, shapes, tuple(prod(s) for s in shapes), boxes
+    return segments, shapes, tuple(prod(s) for s in shapes), slices, boxes
+
+
+def _box_overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> int:
+    """How many elements two boxes share."""
+    common = 1
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+        span = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
+        if span <= 0:
+            return 0
+        common *= span
+    return common
 
 
 @lru_cache(maxsize=256)
@@ -158,6 +185,7 @@ class _Pricer:
         self.all_local = len(self.local_positions) == len(self.is_local)
         self.groups, self.member = _group_positions(mesh)
         self._layouts: dict[State, Geometry] = {}
+        self._overlaps: dict[tuple[int, int], int] = {}  # per pair of box ids
 
     def layout(self, state: State) -> Geometry:
         """``_layout`` of ``state``, remembered for this search."""
@@ -183,26 +211,24 @@ class _Pricer:
         sum of the distinct pairs' overlaps. Priced at the declared itemsize: float32 pieces
         of a pending half sum cost more, so the guess stays below the true cost, as A*
         needs."""
-        if held[3] is not None and wanted[3] is not None:  # boxes: one product per pair
-            (held_ids, held_boxes), (wanted_ids, wanted_boxes) = held[3], wanted[3]
-            overlaps: dict[tuple[int, int], int] = {}
-            kept = 0
-            for pair, old, new in zip(zip(held_ids, wanted_ids, strict=True), held_boxes,
-                                      wanted_boxes, strict=True):
+        if held[4] is not None and wanted[4] is not None:  # boxes: overlaps kept per id pair
+            (held_ids, held_boxes), (wanted_ids, wanted_boxes) = held[4], wanted[4]
+            overlaps = self._overlaps
+            if terms == 1:
+                kept = 0
+                for i, pair in enumerate(zip(held_ids, wanted_ids, strict=True)):
+                    common = overlaps.get(pair)
+                    if common is None:
+                        common = overlaps[pair] = _box_overlap(held_boxes[i], wanted_boxes[i])
+                    kept += common
+                return (sum(wanted[2]) - kept) * self.itemsize
+            covered = 0
+            pairs = zip(held_ids, wanted_ids, strict=True)
+            for pair, i in dict(zip(pairs, range(len(held_ids)), strict=False)).items():
                 common = overlaps.get(pair)
                 if common is None:
-                    common = 1
-                    for (a0, a1), (b0, b1) in zip(old, new, strict=True):
-                        span = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
-                        if span <= 0:
-                            common = 0
-                            break
-                        common *= span
-                    overlaps[pair] = common
-                kept += common
-            if terms == 1:
-                return (sum(wanted[2]) - kept) * self.itemsize
-            covered = sum(overlaps.values())
+                    common = overlaps[pair] = _box_overlap(held_boxes[i], wanted_boxes[i])
+                covered += common
             return ((terms + needers - 1) * prod(self.shape) - covered) * self.itemsize
         pairs = Counter(zip(held[0], wanted[0], strict=True))
         kept = covered = 0
@@ -239,18 +265,16 @@ class _Pricer:
         groups = self.groups[mesh_dim]
         n = len(groups[0])
         if kind == "all_to_all":
-            shapes, numels, spans = old[1], old[2], new[1]
-            rest = [c // s[dim] if s[dim] else prod(s[:dim] + s[dim + 1:])
-                    for s, c in zip(shapes, numels, strict=True)]
-            received = [0] * len(rest)
+            rest, spans = old[3][dim], new[1]
+            received = {}
             for group in groups:
-                total = sum(rest[j] for j in group)
+                total = sum(map(rest.__getitem__, group))
                 for i in group:
-                    received[i] = spans[i][dim] * (total - rest[i]) * size
-            everyone = sum(received)
+                    received[i] = spans[i][dim] * (total - rest[i])
+            everyone = sum(received.values()) * size
             if self.all_local:
                 return everyone, everyone
-            return sum(received[i] for i in self.local_positions), everyone
+            return sum(map(received.__getitem__, self.local_positions)) * size, everyone
         numels = new[2] if kind == "reduce_scatter" else old[2]
         if kind == "all_reduce":
             everyone = 2 * (n - 1) * sum(numels[g[0]] for g in groups) * size
@@ -427,6 +451,16 @@ def _plan(
     partial = [[p.is_partial() for p in o] for o in options]
     pending = [[p.is_partial() and p.reduce_op in ("sum", "avg") for p in o] for o in options]
     guesses: dict[tuple[int, ...], Cost] = {}
+    remaining: dict[tuple[int, ...], tuple[int, int]] = {}
+
+    def steps_left(state: tuple[int, ...]) -> tuple[int, int]:
+        """The collectives and steps still needed without an exchange."""
+        left = remaining.get(state)
+        if left is None:
+            changed = [m for m in range(ndim) if state[m] != goal[m]]
+            collectives = sum(sizes[m] > 1 and not replicate[m][state[m]] for m in changed)
+            left = remaining[state] = (collectives, len(changed))
+        return left
 
     def heuristic(state: tuple[int, ...]) -> Cost:
         h = guesses.get(state)
@@ -435,16 +469,16 @@ def _plan(
             if guided:
                 terms = prod(n for n, o, i in zip(sizes, partial, state, strict=True) if o[i])
                 moved = pricer.lacking_from(layout(state), wanted, terms, needers)
-            changed = [m for m in range(ndim) if state[m] != goal[m]]
-            collectives = sum(sizes[m] > 1 and not replicate[m][state[m]] for m in changed)
-            h = guesses[state] = (moved, 0, collectives, len(changed))
+            h = guesses[state] = (moved, 0, *steps_left(state))
         return h
 
     best: dict[tuple[int, ...], Cost] = {start: (0, 0, 0, 0)}
     # how each state was reached: (previous state, mesh dim, collective, bytes here, bytes
     # everywhere), or (previous state, exchange or None for the direct one built last)
     back: dict[tuple[int, ...], tuple] = {}
-    heap: list[tuple[Cost, Cost, int, Cost, tuple[int, ...]]] = []
+    # (guess, minus the cost so far, queue number, cost so far, state, whether the guess is
+    # the heuristic's or only a bound below it)
+    heap: list[tuple[Cost, Cost, int, Cost, tuple[int, ...], bool]] = []
     order = itertools.count(1)
 
     def push(state: tuple[int, ...], cost: Cost, how: tuple) -> None:
@@ -454,10 +488,10 @@ def _plan(
             h = heuristic(state)
             heapq.heappush(heap, ((cost[0] + h[0], cost[1], cost[2] + h[2], cost[3] + h[3]),
                                   (-cost[0], -cost[1], -cost[2], -cost[3]), next(order), cost,
-                                  state))
+                                  state, True))
 
     h = heuristic(start)
-    heapq.heappush(heap, (h, (0, 0, 0, 0), 0, (0, 0, 0, 0), start))
+    heapq.heappush(heap, (h, (0, 0, 0, 0), 0, (0, 0, 0, 0), start, True))
     ops = {p.reduce_op for p, n in zip(source, sizes, strict=True)
            if isinstance(p, Partial) and n > 1}
     direct: Step | None = None
@@ -472,18 +506,32 @@ def _plan(
     if limit is not None:
         push(settled, (limit, 1, 1, 1), (start, direct))
     while heap:
-        *_, cost, state = heapq.heappop(heap)
+        guessed, ahead, number, cost, state, exact = heapq.heappop(heap)
+        if not exact:
+            # queued with a bound below its guess: the guess is worked out now, and the state
+            # queued again in the place the guess gives it (most never get here)
+            if cost != best[state]:
+                continue
+            try:
+                h = heuristic(state)
+            except InvalidPlacementError:
+                continue  # an interleave that does not divide at this nesting level
+            if limit is not None and cost[0] + h[0] > limit:
+                continue
+            heapq.heappush(heap, ((cost[0] + h[0], *guessed[1:]), ahead, number, cost, state,
+                                  True))
+            continue
         if state == goal:
             break
         if cost != best[state]:
             continue  # a cheaper way here was queued later
-        try:
-            here = layout(state)
-        except InvalidPlacementError:
-            continue  # a state only an exchange reaches may hold no valid pieces
+        here = None  # the state's geometry, measured for the first step that moves data
         size = pricer.pending_itemsize if any(
             o[i] for o, i in zip(pending, state, strict=True)
         ) else itemsize
+        # a step never lowers the bytes guessed (the lower bound is consistent): its guess is
+        # at least this one's
+        floor = guessed[0]
         # a mesh dim whose tensor dim a later mesh dim also shards cannot change directly:
         # the nested split forbids it (the lower mesh dim splits first)
         sharding = [shard[m][i] for m, i in enumerate(state)]
@@ -502,23 +550,31 @@ def _plan(
                 if known is not None and known <= (cost[0], cost[1], cost[2] + collective,
                                                    cost[3] + 1):
                     continue  # reached as cheaply already, whatever this step moves
-                try:
-                    local_bytes, global_bytes = pricer.price_from(
-                        kind, here, layout(nxt), m, size, dim
-                    )
-                    h = heuristic(nxt)  # measures nxt's shards too
-                except InvalidPlacementError:
-                    continue  # an interleave that does not divide at this nesting level
+                if collective:
+                    try:
+                        here = here or layout(state)
+                        local_bytes, global_bytes = pricer.price_from(
+                            kind, here, layout(nxt), m, size, dim
+                        )
+                    except InvalidPlacementError:
+                        continue  # an interleave that does not divide at this nesting level
+                else:
+                    local_bytes = global_bytes = 0
                 moved = cost[0] + global_bytes
-                if limit is not None and moved + h[0] > limit:
-                    continue
                 new = (moved, cost[1], cost[2] + collective, cost[3] + 1)
+                h = guesses.get(nxt)
+                if h is None:  # queued on a bound, its guess worked out if it comes first
+                    left = steps_left(nxt)
+                    key = (max(moved, floor), new[1], new[2] + left[0], new[3] + left[1])
+                elif limit is not None and moved + h[0] > limit:
+                    continue
+                else:
+                    key = (moved + h[0], new[1], new[2] + h[2], new[3] + h[3])
                 if known is None or new < known:
                     best[nxt] = new
                     back[nxt] = (state, m, kind, local_bytes, global_bytes)
-                    heapq.heappush(heap, ((moved + h[0], new[1], new[2] + h[2], new[3] + h[3]),
-                                          (-moved, -new[1], -new[2], -new[3]), next(order), new,
-                                          nxt))
+                    heapq.heappush(heap, (key, (-moved, -new[1], -new[2], -new[3]),
+                                          next(order), new, nxt, h is not None))
         later = None if limit is not None else _exchange_step(
             pricer, decode(state), settled_placements
         )
