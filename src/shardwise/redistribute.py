@@ -316,12 +316,12 @@ def _candidates(source: State, target: State, shape: tuple[int, ...]) -> list[li
 def _moves(
     options: tuple[Placement, ...], mesh_size: int
 ) -> tuple[tuple[tuple[int, str], ...], ...]:
-    """Per placement of ``options``, the (index in ``options``, collective) of every other one a
-    single step on a mesh dim of ``mesh_size`` reaches (a table of ``_step_kind``)."""
+    """Per placement of ``options`` (distinct), the (index in ``options``, collective) of every
+    other one a single step on a mesh dim of ``mesh_size`` reaches (a table of ``_step_kind``)."""
     return tuple(
         tuple((j, kind) for j, b in enumerate(options)
-              if a != b and (kind := _step_kind(a, b, mesh_size)) is not None)
-        for a in options
+              if i != j and (kind := _step_kind(a, b, mesh_size)) is not None)
+        for i, a in enumerate(options)
     )
 
 
