@@ -254,12 +254,12 @@ class _Pricer:
     def price_from(
         self, kind: str, old: Geometry, new: Geometry, mesh_dim: int, size: int, dim: int | None
     ) -> tuple[int, int]:
-        """``price`` from the geometry of both ends, the element size and the tensor dim the
-        step shards. Summed in closed form over the members of a group: an all_gather or a
-        reduce_scatter member receives the group's pieces but its own, all_reduce members
-        hold equal pieces whose ring chunks add up to the piece, and an all_to_all member
-        receives, from every other member, that member's piece cut to its own span of
-        ``dim``."""
+        """``price`` from the geometry of both ends (an all_gather or all_reduce reads only
+        ``old``), the element size and the tensor dim the step shards. Summed in closed form
+        over the members of a group: an all_gather or a reduce_scatter member receives the
+        group's pieces but its own, all_reduce members hold equal pieces whose ring chunks add
+        up to the piece, and an all_to_all member receives, from every other member, that
+        member's piece cut to its own span of ``dim``."""
         if kind == "local":
             return 0, 0
         groups = self.groups[mesh_dim]
@@ -298,6 +298,10 @@ class _Pricer:
         local_total = sum(n for n, here in zip(received, self.is_local, strict=True) if here)
         size = self.size_of(before)
         return local_total * size, sum(received) * size, rounds
+
+
+# the collectives priced from the pieces they make as well as those they start from
+_RESHAPING = frozenset(("reduce_scatter", "all_to_all"))
 
 
 def _candidates(source: State, target: State, shape: tuple[int, ...]) -> list[list[Placement]]:
@@ -554,7 +558,7 @@ def _plan(
                     try:
                         here = here or layout(state)
                         local_bytes, global_bytes = pricer.price_from(
-                            kind, here, layout(nxt), m, size, dim
+                            kind, here, layout(nxt) if kind in _RESHAPING else here, m, size, dim
                         )
                     except InvalidPlacementError:
                         continue  # an interleave that does not divide at this nesting level
