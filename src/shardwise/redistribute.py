@@ -443,7 +443,7 @@ def _plan(
     # dim leaves a placement other than Replicate only by a collective on it). An exchange
     # straight from the source already moves the fewest bytes any schedule can (see
     # ``_exchange_cost``), so it bounds the search: states that cannot beat it are never
-    # queued, and no later exchange can do better. Only mixed reduce ops, which it cannot
+    # expanded, and no later exchange can do better. Only mixed reduce ops, which it cannot
     # resolve, need exchanges from states past the source.
     guided = not any(p.is_partial() and n > 1 for p, n in zip(target, sizes, strict=True))
     try:
