@@ -2,7 +2,10 @@
 torch.distributed.tensor's planners in the same run.
 
 Every transition between placement tuples of Shard(0), Shard(1), Shard(2), Replicate and
-Partial on meshes (4,), (2, 2) and (2, 2, 2) is planned by both libraries for one tensor.
+Partial on meshes (4,), (2, 2) and (2, 2, 2) is planned by both libraries for one tensor, and
+on (2, 2, 2) again for a tensor whose shards are uneven (some empty). Planning time is cold
+(the plan caches cleared, shard and mesh geometry kept): per transition the median of 5 plans,
+timed in rounds over the whole sweep.
 Bytes are those all devices receive under the ring model of DESIGN.md; DTensor's steps are
 priced by the same model (its flattened steps move what the per-dim steps they merge move, so
 they are priced unflattened). The bound is ``shardwise.redistribute.lower_bound_bytes``.
@@ -31,6 +34,7 @@ import shardwise as sw
 from shardwise.redistribute import (
     _PLANS,
     _exchange_cost,
+    _moves,
     _plan,
     _Pricer,
     _step_kind,
@@ -40,6 +44,7 @@ from shardwise.redistribute import (
 from shardwise.spec import DTensorSpec, contiguous_meta
 
 SHAPE = (16, 12, 8)
+UNEVEN = (5, 3, 7)  # swept on the 2x2x2 mesh too
 ITEMSIZE = 4
 MESHES = [(4,), (2, 2), (2, 2, 2)]
 NAMED = [  # the transitions of issue 13, on the 2x2x2 mesh
@@ -62,9 +67,9 @@ def _theirs(code: str):
     )
 
 
-def _their_bytes(mesh: sw.DeviceMesh, infos, source: tuple) -> int:
+def _their_bytes(mesh: sw.DeviceMesh, infos, source: tuple, shape: tuple[int, ...]) -> int:
     """DTensor's steps priced by shardwise's ring model, tracking the placements."""
-    pricer = _Pricer(mesh, SHAPE, ITEMSIZE)
+    pricer = _Pricer(mesh, shape, ITEMSIZE)
     state, total = source, 0
     for info in infos:
         m = info.mesh_dim
@@ -84,34 +89,58 @@ def _code(p) -> str:
     return f"S{p.dim}"
 
 
-def _time_ms(fn, repeat: int = 3) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+ROUNDS = 5  # cold plans timed per transition, in rounds over all of a sweep's transitions
+
+
+def _time_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _time_rounds(rows: list[dict], timers: list[dict]) -> None:
+    """Each row's ``*_ms`` entries: the median of ``ROUNDS`` timings of its functions, taken
+    one transition after another, round after round (a burst of load on a shared machine then
+    hits one round of many transitions, not every timing of one)."""
+    times: list[dict[str, list[float]]] = [{k: [] for k in t} for t in timers]
+    for _ in range(ROUNDS):
+        for fns, spent in zip(timers, times, strict=True):
+            for key, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                spent[key].append(time.perf_counter() - start)
+    for row, spent in zip(rows, times, strict=True):
+        row.update({key: statistics.median(t) * 1e3 for key, t in spent.items()})
 
 
 def run(meshes: list[tuple[int, ...]] = MESHES) -> dict:
     results: dict = {"meshes": {}, "named": []}
-    for mesh_shape in meshes:
+    sweeps = [(m, SHAPE, str(m)) for m in meshes]
+    if (2, 2, 2) in meshes:
+        sweeps.append(((2, 2, 2), UNEVEN, f"(2, 2, 2) uneven {'x'.join(map(str, UNEVEN))}"))
+    for mesh_shape, shape, name in sweeps:
         ids = torch.arange(int(torch.tensor(mesh_shape).prod())).reshape(mesh_shape)
         ours_mesh = sw.DeviceMesh("meta", ids)
         their_mesh = torch_dt.DeviceMesh("cpu", ids)
         codes = ["S0", "S1", "S2", "R", "P"]
         states = list(itertools.product(codes, repeat=len(mesh_shape)))
-        rows = []
+        rows, timers = [], []
         for src, dst in itertools.product(states, states):
             if "P" in dst:
                 continue  # targets are Partial-free: a Partial target is a free local step
-            rows.append(_compare(ours_mesh, their_mesh, src, dst, graph=False))
-        results["meshes"][str(mesh_shape)] = _summary(rows)
+            row, fns = _compare(ours_mesh, their_mesh, src, dst, graph=False, shape=shape)
+            rows.append(row)
+            timers.append(fns)
+        _time_rounds(rows, timers)
+        results["meshes"][name] = _summary(rows)
     cube = sw.DeviceMesh("meta", torch.arange(8).reshape(2, 2, 2))
     their_cube = torch_dt.DeviceMesh("cpu", torch.arange(8).reshape(2, 2, 2))
+    timers = []
     for src, dst in NAMED:
-        row = _compare(cube, their_cube, tuple(src.split(",")), tuple(dst.split(",")), True)
+        row, fns = _compare(cube, their_cube, tuple(src.split(",")), tuple(dst.split(",")), True)
         results["named"].append(row)
+        timers.append(fns)
+    _time_rounds(results["named"], timers)
     spec = DTensorSpec(cube, (sw.Shard(0), sw.Shard(1), sw.Shard(2)),
                        contiguous_meta(SHAPE, torch.float32))
     target = (sw.Shard(2), sw.Shard(0), sw.Shard(1))
@@ -124,40 +153,46 @@ def run(meshes: list[tuple[int, ...]] = MESHES) -> dict:
     return results
 
 
-def _compare(mesh, their_mesh, src: tuple, dst: tuple, graph: bool) -> dict:
+def _compare(
+    mesh, their_mesh, src: tuple, dst: tuple, graph: bool, shape: tuple[int, ...] = SHAPE
+) -> tuple[dict, dict]:
+    """The bytes of both planners against the bound, and the functions whose cold planning
+    time goes in the row (DTensor's graph planner, much slower, is timed once here)."""
     source = tuple(_ours(c) for c in src)
     target = tuple(_ours(c) for c in dst)
-    bound = lower_bound_bytes(mesh, SHAPE, ITEMSIZE, source, target)
+    bound = lower_bound_bytes(mesh, shape, ITEMSIZE, source, target)
 
-    def plan_ours():  # cold: the plan caches cleared (shard geometry stays cached)
+    def plan_ours():  # cold: the plan caches cleared (shard and mesh geometry stay cached)
         _plan.cache_clear()
         _exchange_cost.cache_clear()
+        _moves.cache_clear()
         _PLANS.clear()
-        return _plan(mesh, SHAPE, ITEMSIZE, source, target)
+        return _plan(mesh, shape, ITEMSIZE, source, target)
 
     ours = plan_ours().global_bytes
-    meta = TorchMeta(torch.Size(SHAPE), (SHAPE[1] * SHAPE[2], SHAPE[2], 1), torch.float32)
+    meta = TorchMeta(torch.Size(shape), (shape[1] * shape[2], shape[2], 1), torch.float32)
     tsrc = TorchSpec(their_mesh, tuple(_theirs(c) for c in src), meta)
     tdst = TorchSpec(their_mesh, tuple(_theirs(c) for c in dst), meta)
     row = {
         "transition": f"({','.join(src)})->({','.join(dst)})",
         "bound": bound,
         "shardwise": ours,
-        "shardwise_ms": _time_ms(plan_ours),
     }
     greedy = _gen_transform_infos_non_cached(tsrc, tdst, use_graph_based_transform=False)
-    row["dtensor_greedy"] = _their_bytes(mesh, greedy, source)
-    row["dtensor_greedy_ms"] = _time_ms(
-        lambda: _gen_transform_infos_non_cached(tsrc, tdst, use_graph_based_transform=False)
-    )
+    row["dtensor_greedy"] = _their_bytes(mesh, greedy, source, shape)
+    timers = {
+        "shardwise_ms": plan_ours,
+        "dtensor_greedy_ms": lambda: _gen_transform_infos_non_cached(
+            tsrc, tdst, use_graph_based_transform=False
+        ),
+    }
     if graph:
         infos = _gen_transform_infos_non_cached(tsrc, tdst, use_graph_based_transform=True)
-        row["dtensor_graph"] = _their_bytes(mesh, infos, source)
+        row["dtensor_graph"] = _their_bytes(mesh, infos, source, shape)
         row["dtensor_graph_ms"] = _time_ms(
-            lambda: _gen_transform_infos_non_cached(tsrc, tdst, use_graph_based_transform=True),
-            repeat=1,
+            lambda: _gen_transform_infos_non_cached(tsrc, tdst, use_graph_based_transform=True)
         )
-    return row
+    return row, timers
 
 
 def _ratio(value: int, bound: int) -> float:
@@ -176,6 +211,8 @@ def _summary(rows: list[dict]) -> dict:
         }
     out["shardwise_plan_ms_median"] = statistics.median(r["shardwise_ms"] for r in rows)
     out["shardwise_plan_ms_max"] = max(r["shardwise_ms"] for r in rows)
+    slowest = sorted(rows, key=lambda r: r["shardwise_ms"])[-3:]
+    out["shardwise_slowest"] = {r["transition"]: r["shardwise_ms"] for r in reversed(slowest)}
     out["dtensor_greedy_ms_median"] = statistics.median(r["dtensor_greedy_ms"] for r in rows)
     return out
 
@@ -190,14 +227,18 @@ def main() -> None:
         results = run(MESHES[:2] if args.quick else MESHES)
     finally:
         dist.destroy_process_group()
-    print(f"Planner, tensor {list(SHAPE)} float32: bytes over all devices / lower bound")
-    print(f"{'mesh':<11}{'pairs':>6}{'sw at bound':>13}{'sw worst':>10}{'DT at bound':>13}"
-          f"{'DT worst':>10}{'sw ms':>8}{'DT ms':>8}")
+    print(f"Planner, tensor {list(SHAPE)} float32 (uneven: {list(UNEVEN)}): bytes over all "
+          "devices / lower bound, cold planning ms")
+    print(f"{'mesh':<24}{'pairs':>6}{'sw at bound':>13}{'sw worst':>10}{'DT at bound':>13}"
+          f"{'DT worst':>10}{'sw ms':>8}{'sw max':>8}{'DT ms':>8}")
     for mesh, s in results["meshes"].items():
-        print(f"{mesh:<11}{s['transitions']:>6}{s['shardwise']['at_bound']:>13}"
+        print(f"{mesh:<24}{s['transitions']:>6}{s['shardwise']['at_bound']:>13}"
               f"{s['shardwise']['worst_ratio']:>10.2f}{s['dtensor_greedy']['at_bound']:>13}"
               f"{s['dtensor_greedy']['worst_ratio']:>10.2f}{s['shardwise_plan_ms_median']:>8.2f}"
-              f"{s['dtensor_greedy_ms_median']:>8.2f}")
+              f"{s['shardwise_plan_ms_max']:>8.2f}{s['dtensor_greedy_ms_median']:>8.2f}")
+    for mesh, s in results["meshes"].items():
+        print(f"slowest cold plans on {mesh}: "
+              + ", ".join(f"{t} {ms:.2f} ms" for t, ms in s["shardwise_slowest"].items()))
     print(f"\n{'2x2x2 transition':<26}{'sw':>7}{'DT greedy':>11}{'DT graph':>10}{'sw ms':>8}"
           f"{'graph ms':>10}")
     for r in results["named"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -101,34 +102,68 @@ def _step_kind(a: Placement, b: Placement, mesh_size: int) -> str | None:
     return None
 
 
-def _blocked(state: State, mesh_dim: int, p: Placement) -> bool:
-    """True if a later mesh dim also shards ``p``'s tensor dim: the nested split then forbids
-    changing this mesh dim directly (the lower mesh dim splits first)."""
-    dim = _shard_dim(p)
-    return dim is not None and any(_shard_dim(q) == dim for q in state[mesh_dim + 1 :])
+# every device's segments, local shape, element count, per tensor dim the elements of its
+# piece per index along that dim, and, where every piece is one box (at most one run per tensor
+# dim), each device's piece as an id (equal ids, equal boxes: ``_box_ids``) and as its (start,
+# stop) per tensor dim
+Boxes = tuple[tuple[int, ...], tuple[tuple[tuple[int, int], ...], ...]]
+Geometry = tuple[
+    tuple[tuple, ...],
+    tuple[tuple[int, ...], ...],
+    tuple[int, ...],
+    tuple[tuple[int, ...], ...],
+    Boxes | None,
+]
 
 
-def _out_of_order(state: State, mesh_dim: int, a: Placement, mesh_shape: tuple[int, ...]) -> bool:
-    """True if resolving Partial ``a`` on ``mesh_dim`` would precede a lower mesh dim still
-    Partial with another reduce op: mixed Partials reduce the lowest mesh dim first (PyTorch's
-    order), since another order could change the value (or, for sum and avg, its rounding)."""
-    return isinstance(a, Partial) and any(
-        isinstance(q, Partial) and q.reduce_op != a.reduce_op and mesh_shape[k] > 1
-        for k, q in enumerate(state[:mesh_dim])
-    )
+@lru_cache(maxsize=256)
+def _box_ids(shape: tuple[int, ...]) -> tuple[dict[tuple, int], Iterator[int]]:
+    """The ids given to the boxes of a tensor of ``shape`` so far, and the next ids."""
+    return {}, itertools.count()
 
 
 @lru_cache(maxsize=65536)
-def _layout(
-    mesh: DeviceMesh, shape: tuple[int, ...], state: State
-) -> tuple[tuple[tuple, ...], tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """Every device's segments, local shape and element count under ``state``, in
-    ``mesh.device_ids`` order (geometry, shared by every plan on that mesh and shape)."""
+def _layout(mesh: DeviceMesh, shape: tuple[int, ...], state: State) -> Geometry:
+    """Every device's segments, local shape, element count, slice sizes and box (if any)
+    under ``state``, in ``mesh.device_ids`` order (geometry, shared by every plan on that mesh
+    and shape)."""
     segments = tuple(
         shard_segments(shape, mesh.shape, state, mesh.coordinate_of(d)) for d in mesh.device_ids
     )
     shapes = tuple(tuple(sum(b - a for a, b in runs) for runs in s) for s in segments)
-    return segments, shapes, tuple(prod(s) for s in shapes)
+    slices = tuple(tuple(prod(s[:d] + s[d + 1:]) for s in shapes) for d in range(len(shape)))
+    boxes = None
+    if all(len(runs) <= 1 for s in segments for runs in s):
+        ids, fresh = _box_ids(shape)
+        corners = tuple(tuple(runs[0] if runs else (0, 0) for runs in s) for s in segments)
+        boxes = (
+            tuple(ids.get(c) if c in ids else ids.setdefault(c, next(fresh)) for c in corners),
+            corners,
+        )
+    return segments, shapes, tuple(prod(s) for s in shapes), slices, boxes
+
+
+def _box_overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> int:
+    """How many elements two boxes share."""
+    common = 1
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+        span = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
+        if span <= 0:
+            return 0
+        common *= span
+    return common
+
+
+@lru_cache(maxsize=256)
+def _group_positions(
+    mesh: DeviceMesh,
+) -> tuple[tuple[tuple[int, ...], ...], tuple[dict[int, tuple[tuple[int, ...], int]], ...]]:
+    """Per mesh dim, its groups as positions in ``mesh.device_ids``, and per position its
+    group and its index there (geometry of the mesh)."""
+    position = {d: i for i, d in enumerate(mesh.device_ids)}
+    groups = tuple(tuple(tuple(position[d] for d in g) for g in mesh.groups(m))
+                   for m in range(mesh.ndim))
+    return groups, tuple({i: (g, k) for g in dim for k, i in enumerate(g)} for dim in groups)
 
 
 class _Pricer:
@@ -146,14 +181,13 @@ class _Pricer:
         self.pending_itemsize = pending_itemsize or itemsize
         local = set(mesh.local_device_ids)
         self.is_local = [d in local for d in mesh.device_ids]
-        position = {d: i for i, d in enumerate(mesh.device_ids)}
-        # per mesh dim, its groups as positions in ``mesh.device_ids``
-        self.groups = [[[position[d] for d in g] for g in mesh.groups(m)] for m in
-                       range(mesh.ndim)]
-        self._layouts: dict[State, tuple] = {}
+        self.local_positions = [i for i, here in enumerate(self.is_local) if here]
+        self.all_local = len(self.local_positions) == len(self.is_local)
+        self.groups, self.member = _group_positions(mesh)
+        self._layouts: dict[State, Geometry] = {}
+        self._overlaps: dict[tuple[int, int], int] = {}  # per pair of box ids
 
-    def layout(self, state: State) -> tuple[tuple[tuple, ...], tuple[tuple[int, ...], ...],
-                                             tuple[int, ...]]:
+    def layout(self, state: State) -> Geometry:
         """``_layout`` of ``state``, remembered for this search."""
         layout = self._layouts.get(state)
         if layout is None:
@@ -162,32 +196,51 @@ class _Pricer:
 
     def lacking(self, state: State, target: State) -> int:
         """Bytes the rest of any plan from ``state`` to the Partial-free ``target`` moves at
-        least (A*'s heuristic), from the per-element bound of ``lower_bound_bytes``: with
-        ``k`` Partial terms and ``m`` devices that need an element (the product of the mesh
-        dims ``target`` replicates), of which ``l`` hold no term, it is ``l`` for one term,
-        else ``k + m - 1 - a >= max(k + m - 2, k - 1 + l)`` (``a`` is 1 when a needer holds
-        a term, so ``l <= m - a``). Priced at the declared itemsize: float32 pieces of a
-        pending half sum cost more, so the guess stays below the true cost, as A* needs."""
-        held = self.layout(state)[0]
-        wanted, _, numels = self.layout(target)
-        lacked = 0
-        for numel, old, new in zip(numels, held, wanted, strict=True):
-            kept = 1
+        least (A*'s heuristic): ``lower_bound_bytes`` (see ``lacking_from``)."""
+        shape = self.mesh.shape
+        terms = prod(n for n, p in zip(shape, state, strict=True) if p.is_partial())
+        needers = prod(n for n, p in zip(shape, target, strict=True) if not isinstance(p, Shard))
+        return self.lacking_from(self.layout(state), self.layout(target), terms, needers)
+
+    def lacking_from(self, held: Geometry, wanted: Geometry, terms: int, needers: int) -> int:
+        """``lacking`` from the geometry of both ends, counted per distinct pair of pieces a
+        device holds and needs. With ``terms`` Partial terms and ``needers`` devices that need
+        an element (the product of the mesh dims the target replicates) it takes
+        ``terms + needers - 2`` transfers where a needer holds a term, else one more;
+        distinct pieces of a layout never overlap, so the elements some needer holds are the
+        sum of the distinct pairs' overlaps. Priced at the declared itemsize: float32 pieces
+        of a pending half sum cost more, so the guess stays below the true cost, as A*
+        needs."""
+        if held[4] is not None and wanted[4] is not None:  # boxes: overlaps kept per id pair
+            (held_ids, held_boxes), (wanted_ids, wanted_boxes) = held[4], wanted[4]
+            overlaps = self._overlaps
+            if terms == 1:
+                kept = 0
+                for i, pair in enumerate(zip(held_ids, wanted_ids, strict=True)):
+                    common = overlaps.get(pair)
+                    if common is None:
+                        common = overlaps[pair] = _box_overlap(held_boxes[i], wanted_boxes[i])
+                    kept += common
+                return (sum(wanted[2]) - kept) * self.itemsize
+            covered = 0
+            pairs = zip(held_ids, wanted_ids, strict=True)
+            for pair, i in dict(zip(pairs, range(len(held_ids)), strict=False)).items():
+                common = overlaps.get(pair)
+                if common is None:
+                    common = overlaps[pair] = _box_overlap(held_boxes[i], wanted_boxes[i])
+                covered += common
+            return ((terms + needers - 1) * prod(self.shape) - covered) * self.itemsize
+        pairs = Counter(zip(held[0], wanted[0], strict=True))
+        kept = covered = 0
+        for (old, new), count in pairs.items():
+            common = 1
             for a, b in zip(old, new, strict=True):
-                if len(a) == 1 == len(b):  # one run each (no interleave, no nesting): inline
-                    (a0, a1), (b0, b1) = a[0], b[0]
-                    common = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
-                    kept *= common if common > 0 else 0
-                else:
-                    kept *= _overlap(a, b)
-            lacked += numel - kept
-        terms = prod(n for n, p in zip(self.mesh.shape, state, strict=True) if p.is_partial())
+                common *= _overlap(a, b)
+            kept += count * common
+            covered += common
         if terms == 1:
-            return lacked * self.itemsize
-        needers = prod(n for n, p in zip(self.mesh.shape, target, strict=True)
-                       if not isinstance(p, Shard))
-        numel = prod(self.shape)
-        return max(lacked + (terms - 1) * numel, (terms + needers - 2) * numel) * self.itemsize
+            return (sum(wanted[2]) - kept) * self.itemsize
+        return ((terms + needers - 1) * prod(self.shape) - covered) * self.itemsize
 
     def size_of(self, state: State) -> int:
         """Bytes per element of the components held in ``state``."""
@@ -195,35 +248,48 @@ class _Pricer:
 
     def price(self, kind: str, before: State, after: State, mesh_dim: int) -> tuple[int, int]:
         """(bytes for this process's devices, bytes for all devices)."""
+        return self.price_from(kind, self.layout(before), self.layout(after), mesh_dim,
+                               self.size_of(before), _shard_dim(after[mesh_dim]))
+
+    def price_from(
+        self, kind: str, old: Geometry, new: Geometry, mesh_dim: int, size: int, dim: int | None
+    ) -> tuple[int, int]:
+        """``price`` from the geometry of both ends (an all_gather or all_reduce reads only
+        ``old``), the element size and the tensor dim the step shards. Summed in closed form
+        over the members of a group: an all_gather or a reduce_scatter member receives the
+        group's pieces but its own, all_reduce members hold equal pieces whose ring chunks add
+        up to the piece, and an all_to_all member receives, from every other member, that
+        member's piece cut to its own span of ``dim``."""
         if kind == "local":
             return 0, 0
-        size = self.size_of(before)
-        _, old, numels = self.layout(before)
-        _, new, after_numels = self.layout(after)
-        if kind == "reduce_scatter":
-            numels = after_numels
-        local_total = global_total = 0
-        for group in self.groups[mesh_dim]:
-            n = len(group)
-            pieces = [numels[i] * size for i in group]
-            for k, i in enumerate(group):
-                if kind == "all_gather":
-                    got = accounting.all_gather_received(pieces, k)
-                elif kind == "reduce_scatter":
-                    got = accounting.reduce_scatter_received(pieces, k)
-                elif kind == "all_reduce":
-                    got = accounting.all_reduce_received(numels[i], size, n, k)
-                else:  # all_to_all: member j sends k the block of j's old piece in k's new one
-                    e = after[mesh_dim].dim
-                    incoming = [
-                        prod(new[i][e] if d == e else x for d, x in enumerate(old[j])) * size
-                        for j in group
-                    ]
-                    got = accounting.all_to_all_received(incoming, k)
-                global_total += got
-                if self.is_local[i]:
-                    local_total += got
-        return local_total, global_total
+        groups = self.groups[mesh_dim]
+        n = len(groups[0])
+        if kind == "all_to_all":
+            rest, spans = old[3][dim], new[1]
+            received = {}
+            for group in groups:
+                total = sum(map(rest.__getitem__, group))
+                for i in group:
+                    received[i] = spans[i][dim] * (total - rest[i])
+            everyone = sum(received.values()) * size
+            if self.all_local:
+                return everyone, everyone
+            return sum(map(received.__getitem__, self.local_positions)) * size, everyone
+        numels = new[2] if kind == "reduce_scatter" else old[2]
+        if kind == "all_reduce":
+            everyone = 2 * (n - 1) * sum(numels[g[0]] for g in groups) * size
+        else:
+            everyone = (n - 1) * sum(numels) * size
+        if self.all_local:
+            return everyone, everyone
+        here = 0
+        for i in self.local_positions:
+            group, k = self.member[mesh_dim][i]
+            if kind == "all_reduce":
+                here += accounting.all_reduce_received(numels[i], size, n, k)
+            else:
+                here += accounting.all_gather_received([numels[j] * size for j in group], k)
+        return here, everyone
 
     def exchange_price(self, before: State, after: State) -> tuple[int, int, int]:
         """(bytes for this process's devices, bytes for all devices, rounds) of an exchange
@@ -234,18 +300,33 @@ class _Pricer:
         return local_total * size, sum(received) * size, rounds
 
 
-def _candidates(
-    source: State, target: State, mesh_dim: int, shape: tuple[int, ...]
-) -> list[Placement]:
-    """Placements worth visiting on ``mesh_dim``: the two ends, Replicate, the tensor dims
+# the collectives priced from the pieces they make as well as those they start from
+_RESHAPING = frozenset(("reduce_scatter", "all_to_all"))
+
+
+def _candidates(source: State, target: State, shape: tuple[int, ...]) -> list[list[Placement]]:
+    """Per mesh dim, the placements worth visiting: the two ends, Replicate, the tensor dims
     either end shards, and, when a Partial must be resolved, the largest tensor dim (reducing
     by reduce_scatter then all_gather halves what successive all_reduces move)."""
     shard_dims = {p.dim for p in source + target if isinstance(p, Shard)}
     if any(p.is_partial() for p in source) and shape:
         shard_dims.add(max(range(len(shape)), key=lambda d: (shape[d], -d)))
-    shard_dims = sorted(shard_dims)
-    options = [source[mesh_dim], target[mesh_dim], Replicate(), *(Shard(d) for d in shard_dims)]
-    return list(dict.fromkeys(options))
+    shards = [Shard(d) for d in sorted(shard_dims)]
+    return [list(dict.fromkeys([a, b, Replicate(), *shards]))
+            for a, b in zip(source, target, strict=True)]
+
+
+@lru_cache(maxsize=1024)
+def _moves(
+    options: tuple[Placement, ...], mesh_size: int
+) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """Per placement of ``options`` (distinct), the (index in ``options``, collective) of every
+    other one a single step on a mesh dim of ``mesh_size`` reaches (a table of ``_step_kind``)."""
+    return tuple(
+        tuple((j, kind) for j, b in enumerate(options)
+              if i != j and (kind := _step_kind(a, b, mesh_size)) is not None)
+        for i, a in enumerate(options)
+    )
 
 
 def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> int:
@@ -277,6 +358,23 @@ def _exchange_step(pricer: _Pricer, state: State, settled: State) -> Step | None
     )
 
 
+def _direct_exchange(pricer: _Pricer, source: State, settled: State, moved: int) -> Step:
+    """``_exchange_step`` from ``source`` (plain placements, one reduce op) when it is known to
+    move ``moved`` bytes over all devices, the lower bound: with every device in this process
+    that is what they receive, in two rounds when several Partial terms reach several needers
+    (see ``_exchange_cost``); otherwise each device's share is worked out."""
+    step = None if pricer.all_local else _exchange_step(pricer, source, settled)
+    if step is not None:
+        return step
+    sizes = pricer.mesh.shape
+    dims = tuple(m for m, (p, q) in enumerate(zip(source, settled, strict=True)) if p != q)
+    terms = prod(n for n, p in zip(sizes, source, strict=True) if p.is_partial())
+    needers = prod(n for n, p in zip(sizes, settled, strict=True) if not isinstance(p, Shard))
+    rounds = 2 if terms > 1 and needers > 1 and prod(pricer.shape) else 1
+    return Step(dims, tuple(source[m] for m in dims), tuple(settled[m] for m in dims), "exchange",
+                moved, moved, rounds)
+
+
 def _apply(state: State, step: Step) -> State:
     """The placements after ``step``."""
     if step.collective == "exchange":
@@ -297,94 +395,212 @@ def _plan(
     pending_itemsize: int | None = None,
 ) -> RedistributePlan:
     pricer = _Pricer(mesh, shape, itemsize, pending_itemsize)
-    options = [_candidates(source, target, m, shape) for m in range(mesh.ndim)]
-    settled = tuple(Replicate() if p.is_partial() else p for p in target)
+    sizes = mesh.shape
+    ndim = len(sizes)
+    # a state is searched as the indices of its placements in ``options`` (ints hash and
+    # compare in C, placements in Python); the source is all zeros
+    options = _candidates(source, target, shape)
+    settled_placements = tuple(Replicate() if p.is_partial() else p for p in target)
+    start = (0,) * ndim
+    goal = tuple(o.index(p) for o, p in zip(options, target, strict=True))
+    settled = tuple(o.index(p) for o, p in zip(options, settled_placements, strict=True))
+    shard = [[_shard_dim(p) for p in o] for o in options]
+    # the reduce op of a Partial that needs reducing (mesh dim size > 1), else None
+    op = [[p.reduce_op if isinstance(p, Partial) and n > 1 else None for p in o]
+          for o, n in zip(options, sizes, strict=True)]
+    moves = [_moves(tuple(o), n) for o, n in zip(options, sizes, strict=True)]
+    placements: dict[tuple[int, ...], State] = {}
+    geometry: dict[tuple[int, ...], Geometry] = {}
+
+    def decode(state: tuple[int, ...]) -> State:
+        found = placements.get(state)
+        if found is None:
+            found = placements[state] = tuple(o[i] for o, i in zip(options, state, strict=True))
+        return found
+
+    def layout(state: tuple[int, ...]) -> Geometry:
+        found = geometry.get(state)
+        if found is None:
+            found = geometry[state] = _layout(mesh, shape, decode(state))
+        return found
+
+    def out_of_order(state: tuple[int, ...], m: int) -> bool:
+        """True if resolving a Partial on mesh dim ``m`` would precede a lower mesh dim still
+        Partial with another reduce op: mixed Partials reduce the lowest mesh dim first
+        (PyTorch's order), since another order could change the value (or, for sum and avg,
+        its rounding)."""
+        mine = op[m][state[m]]
+        return mine is not None and any(
+            op[k][state[k]] not in (None, mine) for k in range(m)
+        )
+
     # A* on (global bytes, exchanges, collectives, steps): an exchange is taken only when it
-    # moves fewer bytes than the named collectives; ties keep the first found. The bytes each
-    # device still lacks (``_Pricer.lacking``) never exceed what the rest of a plan moves, so
-    # they guide the search (not towards a Partial target: zeros or the identity of max and
-    # min would do there); so do the collectives and steps still needed without an exchange
-    # (a mesh dim leaves a placement other than Replicate only by a collective on it). An
-    # exchange straight from the source already moves the fewest bytes any schedule can (see
+    # moves fewer bytes than the named collectives; equal guesses pop the furthest along
+    # first (it stops at the first of many equally cheap orders), then the first queued. The
+    # bytes any plan from a state still moves (``_Pricer.lacking``, the lower bound) guide
+    # the search (not towards a Partial target: zeros or the identity of max and min would
+    # do there); so do the collectives and steps still needed without an exchange (a mesh
+    # dim leaves a placement other than Replicate only by a collective on it). An exchange
+    # straight from the source already moves the fewest bytes any schedule can (see
     # ``_exchange_cost``), so it bounds the search: states that cannot beat it are never
-    # queued, and no later exchange can do better. Only mixed reduce ops, which it cannot
+    # expanded, and no later exchange can do better. Only mixed reduce ops, which it cannot
     # resolve, need exchanges from states past the source.
-    guided = not any(p.is_partial() and n > 1 for p, n in zip(target, mesh.shape, strict=True))
+    guided = not any(p.is_partial() and n > 1 for p, n in zip(target, sizes, strict=True))
     try:
-        pricer.layout(target)
+        wanted = pricer.layout(target)
     except InvalidPlacementError:
         guided = False  # an interleave the target cannot hold: planned as before, unguided
-    guesses: dict[State, Cost] = {}
+    needers = prod(n for n, p in zip(sizes, target, strict=True) if not isinstance(p, Shard))
+    replicate = [[p.is_replicate() for p in o] for o in options]
+    partial = [[p.is_partial() for p in o] for o in options]
+    pending = [[p.is_partial() and p.reduce_op in ("sum", "avg") for p in o] for o in options]
+    guesses: dict[tuple[int, ...], Cost] = {}
+    remaining: dict[tuple[int, ...], tuple[int, int]] = {}
 
-    def guess(state: State, cost: Cost) -> Cost:
+    def steps_left(state: tuple[int, ...]) -> tuple[int, int]:
+        """The collectives and steps still needed without an exchange."""
+        left = remaining.get(state)
+        if left is None:
+            changed = [m for m in range(ndim) if state[m] != goal[m]]
+            collectives = sum(sizes[m] > 1 and not replicate[m][state[m]] for m in changed)
+            left = remaining[state] = (collectives, len(changed))
+        return left
+
+    def heuristic(state: tuple[int, ...]) -> Cost:
         h = guesses.get(state)
         if h is None:
-            moved = pricer.lacking(state, target) if guided else 0
-            changed = [m for m, (p, q) in enumerate(zip(state, target, strict=True)) if p != q]
-            collectives = sum(mesh.shape[m] > 1 and not state[m].is_replicate() for m in changed)
-            h = guesses[state] = (moved, 0, collectives, len(changed))
-        return (cost[0] + h[0], cost[1], cost[2] + h[2], cost[3] + h[3])
+            moved = 0
+            if guided:
+                terms = prod(n for n, o, i in zip(sizes, partial, state, strict=True) if o[i])
+                moved = pricer.lacking_from(layout(state), wanted, terms, needers)
+            h = guesses[state] = (moved, 0, *steps_left(state))
+        return h
 
-    best: dict[State, Cost] = {source: (0, 0, 0, 0)}
-    back: dict[State, tuple[State, Step]] = {}
-    heap: list[tuple[Cost, int, Cost, State]] = []
-    order = itertools.count(1)  # ties pop first queued first
+    best: dict[tuple[int, ...], Cost] = {start: (0, 0, 0, 0)}
+    # how each state was reached: (previous state, mesh dim, collective, bytes here, bytes
+    # everywhere), or (previous state, exchange or None for the direct one built last)
+    back: dict[tuple[int, ...], tuple] = {}
+    # (guess, minus the cost so far, queue number, cost so far, state, whether the guess is
+    # the heuristic's or only a bound below it)
+    heap: list[tuple[Cost, Cost, int, Cost, tuple[int, ...], bool]] = []
+    order = itertools.count(1)
 
-    def push(state: State, cost: Cost, step: tuple[State, Step]) -> None:
+    def push(state: tuple[int, ...], cost: Cost, how: tuple) -> None:
         if state not in best or cost < best[state]:
             best[state] = cost
-            back[state] = step
-            heapq.heappush(heap, (guess(state, cost), next(order), cost, state))
+            back[state] = how
+            h = heuristic(state)
+            heapq.heappush(heap, ((cost[0] + h[0], cost[1], cost[2] + h[2], cost[3] + h[3]),
+                                  (-cost[0], -cost[1], -cost[2], -cost[3]), next(order), cost,
+                                  state, True))
 
-    heapq.heappush(heap, (guess(source, (0, 0, 0, 0)), 0, (0, 0, 0, 0), source))
-    direct = _exchange_step(pricer, source, settled)
-    limit = None if direct is None else direct.global_bytes
-    if direct is not None:
-        push(settled, (direct.global_bytes, 1, 1, 1), (source, direct))
+    h = heuristic(start)
+    heapq.heappush(heap, (h, (0, 0, 0, 0), 0, (0, 0, 0, 0), start, True))
+    ops = {p.reduce_op for p, n in zip(source, sizes, strict=True)
+           if isinstance(p, Partial) and n > 1}
+    direct: Step | None = None
+    plain = all(type(p) in (Shard, Replicate, Partial) for p in source + target)
+    if guided and plain and len(ops) <= 1 and source != settled_placements:
+        # the exchange moves exactly the lower bound, the guess at the start (see
+        # ``_exchange_cost``): its step is built only if the plan takes it
+        limit = h[0] // itemsize * pricer.size_of(source)
+    else:
+        direct = _exchange_step(pricer, source, settled_placements)
+        limit = None if direct is None else direct.global_bytes
+    if limit is not None:
+        push(settled, (limit, 1, 1, 1), (start, direct))
     while heap:
-        _, _, cost, state = heapq.heappop(heap)
-        if state == target:
+        guessed, ahead, number, cost, state, exact = heapq.heappop(heap)
+        if not exact:
+            # queued with a bound below its guess: the guess is worked out now, and the state
+            # queued again in the place the guess gives it (most never get here)
+            if cost != best[state]:
+                continue
+            try:
+                h = heuristic(state)
+            except InvalidPlacementError:
+                continue  # an interleave that does not divide at this nesting level
+            if limit is not None and cost[0] + h[0] > limit:
+                continue
+            heapq.heappush(heap, ((cost[0] + h[0], *guessed[1:]), ahead, number, cost, state,
+                                  True))
+            continue
+        if state == goal:
             break
         if cost != best[state]:
             continue  # a cheaper way here was queued later
-        for m in range(mesh.ndim):
+        here = None  # the state's geometry, measured for the first step that moves data
+        size = pricer.pending_itemsize if any(
+            o[i] for o, i in zip(pending, state, strict=True)
+        ) else itemsize
+        # a step never lowers the bytes guessed (the lower bound is consistent): its guess is
+        # at least this one's
+        floor = guessed[0]
+        # a mesh dim whose tensor dim a later mesh dim also shards cannot change directly:
+        # the nested split forbids it (the lower mesh dim splits first)
+        sharding = [shard[m][i] for m, i in enumerate(state)]
+        for m in range(ndim):
             a = state[m]
-            for b in options[m]:
-                kind = None if a == b else _step_kind(a, b, mesh.shape[m])
-                if kind is None or (
-                    mesh.shape[m] > 1
-                    and (
-                        _blocked(state, m, a)
-                        or _blocked(state, m, b)
-                        or _out_of_order(state, m, a, mesh.shape)
-                    )
-                ):
+            nested = sharding[m + 1:] if sizes[m] > 1 else ()
+            if (sharding[m] is not None and sharding[m] in nested) or out_of_order(state, m):
+                continue
+            for b, kind in moves[m][a]:
+                dim = shard[m][b]
+                if dim is not None and dim in nested:
                     continue
                 nxt = state[:m] + (b,) + state[m + 1 :]
-                try:
-                    local_bytes, global_bytes = pricer.price(kind, state, nxt, m)
-                    moved = cost[0] + global_bytes
-                    bound = guess(nxt, (moved, 0, 0, 0))[0]  # measures nxt's shards too
-                except InvalidPlacementError:
-                    continue  # an interleave that does not divide at this nesting level
-                if limit is not None and bound > limit:
+                collective = kind != "local"
+                known = best.get(nxt)
+                if known is not None and known <= (cost[0], cost[1], cost[2] + collective,
+                                                   cost[3] + 1):
+                    continue  # reached as cheaply already, whatever this step moves
+                if collective:
+                    try:
+                        here = here or layout(state)
+                        local_bytes, global_bytes = pricer.price_from(
+                            kind, here, layout(nxt) if kind in _RESHAPING else here, m, size, dim
+                        )
+                    except InvalidPlacementError:
+                        continue  # an interleave that does not divide at this nesting level
+                else:
+                    local_bytes = global_bytes = 0
+                moved = cost[0] + global_bytes
+                new = (moved, cost[1], cost[2] + collective, cost[3] + 1)
+                h = guesses.get(nxt)
+                if h is None:  # queued on a bound, its guess worked out if it comes first
+                    left = steps_left(nxt)
+                    key = (max(moved, floor), new[1], new[2] + left[0], new[3] + left[1])
+                elif limit is not None and moved + h[0] > limit:
                     continue
-                new_cost = (moved, cost[1], cost[2] + (kind != "local"), cost[3] + 1)
-                push(nxt, new_cost, (state, Step(m, a, b, kind, local_bytes, global_bytes)))
-        later = None if limit is not None else _exchange_step(pricer, state, settled)
+                else:
+                    key = (moved + h[0], new[1], new[2] + h[2], new[3] + h[3])
+                if known is None or new < known:
+                    best[nxt] = new
+                    back[nxt] = (state, m, kind, local_bytes, global_bytes)
+                    heapq.heappush(heap, (key, (-moved, -new[1], -new[2], -new[3]),
+                                          next(order), new, nxt, h is not None))
+        later = None if limit is not None else _exchange_step(
+            pricer, decode(state), settled_placements
+        )
         if later is not None:
             new_cost = (cost[0] + later.global_bytes, cost[1] + 1, cost[2] + 1, cost[3] + 1)
             push(settled, new_cost, (state, later))
-    if target not in best:
+    if goal not in best:
         raise InvalidPlacementError(
             f"no redistribution from {list(source)} to {list(target)} for shape {list(shape)} "
             f"on {mesh}"
         )
     steps: list[Step] = []
-    state = target
-    while state != source:
-        state, step = back[state]
-        steps.append(step)
+    state = goal
+    while state != start:
+        previous, *how = back[state]
+        if len(how) == 1:
+            steps.append(how[0] or _direct_exchange(pricer, source, settled_placements, limit))
+        else:
+            m, kind, local_bytes, global_bytes = how
+            steps.append(Step(m, options[m][previous[m]], options[m][state[m]], kind,
+                              local_bytes, global_bytes))
+        state = previous
     return RedistributePlan(source, target, tuple(reversed(steps)), shape)
 
 

@@ -1,0 +1,143 @@
+"""The planner's A* search: its guess is the lower bound (exact, and never lowered by a step,
+which lets states be queued before their guess is worked out), the exchange it builds last
+moves that bound, and its plans cost what an uninformed search over the same steps finds."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import Partial, Replicate, Shard
+from shardwise.redistribute import (
+    _candidates,
+    _direct_exchange,
+    _exchange_cost,
+    _exchange_step,
+    _plan,
+    _Pricer,
+    _step_kind,
+    lower_bound_bytes,
+)
+
+SRP = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
+SETTLED = [Shard(0), Shard(1), Shard(2), Replicate()]
+SHAPES = [(8, 4, 4), (5, 3, 7)]
+
+
+def _cube() -> sw.DeviceMesh:
+    return sw.DeviceMesh("meta", torch.arange(8).reshape(2, 2, 2))
+
+
+def _pairs(count: int, seed: int, sources: list = SRP) -> list[tuple[tuple, tuple]]:
+    pairs = list(itertools.product(itertools.product(sources, repeat=3),
+                                   itertools.product(SETTLED, repeat=3)))
+    return random.Random(seed).sample(pairs, count)
+
+
+def _nested(state: tuple, m: int, p) -> bool:
+    """A later mesh dim shards ``p``'s tensor dim too: no direct step on mesh dim ``m``."""
+    return isinstance(p, Shard) and any(
+        isinstance(q, Shard) and q.dim == p.dim for q in state[m + 1:]
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_guess_is_the_bound_and_the_direct_exchange_moves_it(shape) -> None:
+    """For plain placements and a Partial-free target the guess equals ``lower_bound_bytes``,
+    and so do the bytes of the exchange straight from the source (sum or max Partials), which
+    the planner therefore builds only when its plan takes it: same step, same rounds."""
+    mesh = _cube()
+    pricer = _Pricer(mesh, shape, 2, 4)  # a half-precision sum moves float32 pieces
+    sources = [*SRP, Partial("max")]
+    for source, target in _pairs(120, 3, sources):
+        if len({p.reduce_op for p in source if isinstance(p, Partial)}) > 1:
+            continue
+        bound = lower_bound_bytes(mesh, shape, 2, source, target)
+        assert pricer.lacking(source, target) == bound, (source, target)
+        if source == target:
+            continue
+        received, _ = _exchange_cost(mesh, shape, source, target)
+        assert 2 * sum(received) == bound, (source, target)
+        moved = bound // 2 * pricer.size_of(source)
+        assert _direct_exchange(pricer, source, target, moved) == _exchange_step(
+            pricer, source, target
+        ), (source, target)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_step_never_lowers_the_guess(shape) -> None:
+    """Consistency: the guess before a step is at most the step's bytes plus the guess after
+    it, for every step the planner may take (so a state's guess is at least its parent's)."""
+    mesh = _cube()
+    pricer = _Pricer(mesh, shape, 4)
+    states = list(itertools.product(SRP, repeat=3))
+    for target in random.Random(5).sample(list(itertools.product(SETTLED, repeat=3)), 12):
+        guess = {s: pricer.lacking(s, target) for s in states}
+        for state in states:
+            for m, b in itertools.product(range(3), SRP):
+                a = state[m]
+                kind = None if a == b else _step_kind(a, b, mesh.shape[m])
+                if kind is None or _nested(state, m, a) or _nested(state, m, b):
+                    continue
+                after = state[:m] + (b,) + state[m + 1:]
+                moved = pricer.price(kind, state, after, m)[1]
+                assert guess[state] <= moved + guess[after], (state, after, target)
+
+
+def _cheapest(mesh: sw.DeviceMesh, shape: tuple, source: tuple, target: tuple) -> tuple:
+    """(bytes, exchanges, collectives, steps) of the cheapest plan by Dijkstra without a
+    guess, over the planner's placements per mesh dim, its steps and the exchange straight
+    from the source (one reduce op)."""
+    pricer = _Pricer(mesh, shape, 4)
+    options = _candidates(source, target, shape)
+    best = {source: (0, 0, 0, 0)}
+    order = itertools.count()
+    queue = [((0, 0, 0, 0), next(order), source)]
+    exchange = _exchange_step(pricer, source, target)
+    if exchange is not None:
+        best[target] = (exchange.global_bytes, 1, 1, 1)
+        heapq.heappush(queue, (best[target], next(order), target))
+    while queue:
+        cost, _, state = heapq.heappop(queue)
+        if state == target:
+            return cost
+        if cost != best[state]:
+            continue
+        for m in range(mesh.ndim):
+            for b in options[m]:
+                a = state[m]
+                kind = None if a == b else _step_kind(a, b, mesh.shape[m])
+                if kind is None or _nested(state, m, a) or _nested(state, m, b):
+                    continue
+                after = state[:m] + (b,) + state[m + 1:]
+                try:
+                    moved = pricer.price(kind, state, after, m)[1]
+                except sw.InvalidPlacementError:
+                    continue
+                new = (cost[0] + moved, cost[1], cost[2] + (kind != "local"), cost[3] + 1)
+                if after not in best or new < best[after]:
+                    best[after] = new
+                    heapq.heappush(queue, (new, next(order), after))
+    raise AssertionError(f"no plan from {source} to {target}")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_plans_cost_what_an_uninformed_search_finds(shape) -> None:
+    """A* with its guess, queued bounds and furthest-first ties finds plans exactly as cheap
+    (bytes, then exchanges, collectives and steps) as Dijkstra over the same steps."""
+    mesh = _cube()
+    for source, target in _pairs(60, 11):
+        _plan.cache_clear()
+        plan = _plan(mesh, shape, 4, source, target)
+        found = (
+            plan.global_bytes,
+            sum(s.collective == "exchange" for s in plan.steps),
+            sum(s.collective != "local" for s in plan.steps),
+            len(plan.steps),
+        )
+        assert found == _cheapest(mesh, shape, source, target), (source, target, plan)
