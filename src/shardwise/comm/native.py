@@ -1,26 +1,29 @@
 """Collectives on ``torch.distributed``'s own operations, for device groups with one device per
-process (classic SPMD, the common case): one native collective moves the data, received into
-one fresh buffer whose views are the results (no per-piece clone or cat; ``join`` even turns
-pieces received side by side into one tensor without a copy).
+process (classic SPMD, the common case), received into fresh buffers whose views are the
+results (``join`` even turns pieces received side by side into one tensor without a copy).
 
-Before the data, the processes of a group exchange one fixed-size header (collective, sequence
-number, dtype, reduce op, debug-check fingerprint, and the shapes of the pieces each will send),
-so a divergent program raises ``CollectiveMismatchError`` on every rank before gloo sees
-messages of the wrong size (it aborts the process on those); the shapes in the header also size
-the receive buffers. A training loop repeats its collectives, so each set of processes learns
-which collective follows which (``_Forecast``): once a successor has repeated, the header's
-message is sized to carry its pieces too, and a repeated collective takes one round trip
-instead of two. The forecast comes from headers every process agreed on, so the first message
-has the same size in every process even when their programs diverge; a wrong forecast only
-costs the padding, and the data follows as without one.
+First the processes of a group swap one fixed-size header, point to point (collective,
+sequence number, dtype, reduce op, debug-check fingerprint, and the shapes of the pieces each
+will send), so a divergent program raises ``CollectiveMismatchError`` on every rank before gloo
+sees messages of the wrong size (it aborts the process on those); the shapes in the header also
+size the receive buffers. A training loop repeats its collectives, so each set of processes
+learns which collective follows which (``_Forecast``): once a successor has repeated, its
+pieces (up to ``_INLINE_MAX`` bytes) follow the header at once, small ones in the header's
+message, large ones as a message of their own received in place, and a repeated collective
+takes one round trip instead of two. The forecast comes from headers every process agreed on,
+so every message has the same size in every process even when their programs diverge; a wrong
+forecast only costs the padding, and the data follows as without one.
 
-Reductions stay bit-identical to the embedded transport, which combines terms in coordinate
-order (``reduction.combine``): an all_to_all brings member k chunk k of every term, which it
-combines in that order, and all_reduce all-gathers the reduced chunks (the bytes of a ring
-all_reduce); reduce_scatter is the first half. Only a sum of two terms of a dtype the backend
-adds exactly as torch does (one addition per element, which commutes) uses the backend's own
-all_reduce. Pieces of uneven sizes, which all_gather cannot take, go point to point, straight
-into the result buffer."""
+The data, when it did not come with the header: all_gather by the backend's all_gather for
+small pieces, point to point into the result for large or uneven ones (gloo's all_gather copies
+through a flat buffer of the whole result); all_to_all by ``all_to_all_single`` with the
+pieces' split sizes; broadcast by the backend's broadcast. Reductions stay bit-identical to the
+embedded transport, which combines terms in coordinate order (``reduction.combine``): an
+all_to_all brings member k chunk k of every term, which it combines in that order, and
+all_reduce all-gathers the reduced chunks (the bytes of a ring all_reduce), the terms landing
+in the result's own memory; reduce_scatter is the first half. Two processes exchange whole
+components (the same bytes) when forecast, and otherwise sum two terms of a dtype the backend
+adds exactly as torch does (one addition per element, which commutes) by its own all_reduce."""
 
 from __future__ import annotations
 
@@ -50,9 +53,9 @@ from .reduction import combine, finish
 
 MAX_NDIM = 8  # shapes in the fixed-size header; tensors of more dims go point to point
 _FIXED = 8  # header fields before the shapes
-# A piece of at most this many bytes may ride in the first message with the header (copied in
-# and out: past this size a round trip costs less than the copies)
-_INLINE_MAX = 2 << 20
+# A piece of at most this many bytes may be forecast to follow the header at once; it bounds
+# what a wrong forecast wastes (one message of this size per peer)
+_INLINE_MAX = 8 << 20
 # the native messages' own tag: a process on the point-to-point transport of distributed.py
 # (another header size) never takes one of them for its own, which would abort gloo
 _TAG = TAG + 1
