@@ -18,8 +18,8 @@ step, in time order; the peak of the running sum, plus the bytes of parameters, 
 optimizer state alive before the step, is the peak tensor memory of the rank. Allocations gloo
 makes outside torch's allocator are not counted: gloo's all_reduce works in its own buffers
 (DTensor's and the hand-written steps' collectives), while its all_gather_into_tensor copies
-through a flat buffer from torch's allocator (counted; shardwise's all_reduce over more than 2
-processes is an all_to_all, a combine and that all_gather).
+through a flat buffer from torch's allocator (counted; shardwise receives point to point, in
+place, so its all_reduce's buffers are all counted: the result and a combine accumulator).
 
 Run: python -m shardwise.launch --nproc 2 bench/bench_training.py [--json FILE] [--quick]
 """
