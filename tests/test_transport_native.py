@@ -11,7 +11,7 @@ import torch.distributed as dist
 import shardwise as sw
 from mp_harness import run_in_processes
 from shardwise import CollectiveMismatchError, comm
-from shardwise.comm import native
+from shardwise.comm import distributed, native
 
 GATHER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
                  torch.complex64]
@@ -223,6 +223,9 @@ def forecast_job(order: list[int]) -> dict:
     except CollectiveMismatchError as err:
         out["diverged"] = str(err)
     out["after"] = torch.cat(comm.all_gather(mesh, 0, [piece])[0])
+    # destroy_process_group must free the world's group: a group kept alive to the interpreter's
+    # finalization lets gloo's threads release tensors then, and the process aborts at exit
+    out["world kept"] = tuple(range(len(order))) in distributed._process_groups
     return out
 
 
@@ -230,6 +233,7 @@ def _check_forecast(order: list[int], per_rank: list[dict]) -> None:
     n = len(order)
     embedded = sw.DeviceMesh("cpu", torch.tensor(order))
     for result in per_rank:
+        assert not result["world kept"]
         assert "all_gather" in result["diverged"] and "reduce_scatter" in result["diverged"]
         want = torch.cat([torch.full((3, 4), float(r)) for r in sorted(range(n),
                                                                         key=order.index)])

@@ -15,6 +15,7 @@ order."""
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -65,23 +66,26 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     pg = _process_groups.get(ranks)
     if pg is not None:
         return pg
+    if len(ranks) == dist.get_world_size():
+        # not kept here: destroy_process_group must be able to free it (a process group that
+        # outlives the interpreter lets gloo's threads release tensors after finalization)
+        return dist.group.WORLD
     with _group_lock:
         pg = _process_groups.get(ranks)
         if pg is None:
-            if len(ranks) == dist.get_world_size():
-                pg = dist.group.WORLD
-            else:
-                try:
-                    pg = dist.new_group(
-                        list(ranks),
-                        timeout=timedelta(seconds=safety.get_collective_timeout()),
-                        use_local_synchronization=True,
-                    )
-                except RuntimeError as err:
-                    raise CollectiveError(
-                        f"creating the process group of ranks {list(ranks)} failed on rank "
-                        f"{dist.get_rank()}: {err}"
-                    ) from err
+            if not _process_groups:
+                atexit.register(_process_groups.clear)  # before finalization, for the same reason
+            try:
+                pg = dist.new_group(
+                    list(ranks),
+                    timeout=timedelta(seconds=safety.get_collective_timeout()),
+                    use_local_synchronization=True,
+                )
+            except RuntimeError as err:
+                raise CollectiveError(
+                    f"creating the process group of ranks {list(ranks)} failed on rank "
+                    f"{dist.get_rank()}: {err}"
+                ) from err
             _process_groups[ranks] = pg
     return pg
 
