@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 import torch.distributed as dist
@@ -90,10 +90,20 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     return pg
 
 
+@cache
+def _pause_at_exit() -> None:
+    """Before the interpreter finalizes, give the backend's worker threads the GIL once: a
+    worker that finished the last collective still drops its tensors, which takes the GIL, and
+    one that gets it only during finalization aborts the process ("terminate called without an
+    active exception", about one run in six of a program ending right after an all_reduce)."""
+    atexit.register(time.sleep, 0.02)
+
+
 @lru_cache(maxsize=1024)
 def group_ranks(mesh: DeviceMesh, mesh_dim: int) -> dict[tuple[int, ...], tuple[int, ...]]:
     """For each cross-process device group along ``mesh_dim`` holding a device of this process,
     the ranks of the processes that own its members. Creates their process groups, in mesh order."""
+    _pause_at_exit()
     me = dist.get_rank()
     result: dict[tuple[int, ...], tuple[int, ...]] = {}
     for members in mesh.groups(mesh_dim):
