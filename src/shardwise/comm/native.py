@@ -14,9 +14,9 @@ takes one round trip instead of two. The forecast comes from headers every proce
 so every message has the same size in every process even when their programs diverge; a wrong
 forecast only costs the padding, and the data follows as without one.
 
-The data, when it did not come with the header: all_gather by the backend's all_gather for
-small pieces, point to point into the result for large or uneven ones (gloo's all_gather copies
-through a flat buffer of the whole result); all_to_all by ``all_to_all_single`` with the
+The data, when it did not come with the header: all_gather point to point into the result
+(gloo's all_gather copies through a flat buffer of the whole result, and measured slower at
+every size); all_to_all by ``all_to_all_single`` with the
 pieces' split sizes; broadcast by the backend's broadcast. Reductions stay bit-identical to the
 embedded transport, which combines terms in coordinate order (``reduction.combine``): an
 all_to_all brings member k chunk k of every term, which it combines in that order, and
@@ -432,8 +432,8 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 def all_gather(
     mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor]
 ) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
-    """Every member's piece: inline with the headers when forecast, else as views of one
-    buffer filled by one all_gather after them."""
+    """Every member's piece: with the headers when forecast, else as views of one buffer
+    filled point to point after them."""
     sample = components[0]
     call = _Call("all_gather", mesh, mesh_dim, groups, sample)
     call.check(lambda group: {"ndim": sample.ndim})
