@@ -211,9 +211,8 @@ class _Native:
 
         self.run(start)
         call.rounds = max(call.rounds, 1)  # the debug comparison needs no point-to-point header
-        by_member = [(header if j == self.k else inbox[j][:hb]).view(torch.int64).tolist()
-                     for j in range(self.n)]
-        rows = [by_member[self.member_at[r]] for r in range(self.n)]
+        rows = [(header if j == self.k else inbox[j][:hb]).view(torch.int64).tolist()
+                for j in range(self.n)]  # per member: the same order in every process
         announced = self._check(rows, header.view(torch.int64).tolist(), len(shapes))
         needs = [sent(shapes) for shapes in announced]  # per member
         largest = max((b for row in needs for b in row), default=0)
@@ -263,27 +262,25 @@ class _Native:
                             device=call.sample.device).view(torch.uint8)
 
     def _check(self, rows: list[list[int]], fixed: list[int], count: int) -> list[list[list[int]]]:
-        """Raise on a header that differs from this process's; return, per member, the
-        shapes it announced."""
+        """Raise on a header (``rows``: per member) that differs from this process's
+        (``fixed``); return, per member, the shapes it announced."""
         call = self.call
         differ = set()
-        for r, row in enumerate(rows):
+        for j, row in enumerate(rows):
             if row[:3] + row[4:_FIXED] != fixed[:3] + fixed[4:_FIXED]:
-                self.mismatch(fixed, r, row)
+                self.mismatch(fixed, self.owners[j], row)
             if row[3] != fixed[3]:
-                differ.add((self.ranks, self.ranks[r]))
+                differ.add((self.ranks, self.owners[j]))
         if differ:
             call.compare(differ)
         ndim = call.sample.ndim
-        return [
-            [row[_FIXED + m * ndim : _FIXED + (m + 1) * ndim] for m in range(count)]
-            for row in (rows[self.slot[j]] for j in range(self.n))
-        ]
+        return [[row[_FIXED + m * ndim : _FIXED + (m + 1) * ndim] for m in range(count)]
+                for row in rows]
 
-    def mismatch(self, mine: list[int], r: int, theirs: list[int]) -> None:
+    def mismatch(self, mine: list[int], rank: int, theirs: list[int]) -> None:
         raise CollectiveMismatchError(
             f"processes entered different collectives: {self.call.what()}. Rank "
-            f"{self.call.me}: {_describe(mine)}; rank {self.ranks[r]}: {_describe(theirs)}. "
+            f"{self.call.me}: {_describe(mine)}; rank {rank}: {_describe(theirs)}. "
             f"Every process must run the same collectives in the same order on tensors of the "
             f"same shapes; set_debug_checks(True) names the call sites"
         )
@@ -318,13 +315,12 @@ class _Native:
         into: torch.Tensor | None = None,
     ) -> list:
         """Member k gets ``send[k]``; returns the byte views of what each member sent here,
-        ``receive[j]`` bytes from member j, received into ``into`` (bytes) if given."""
+        ``receive[j]`` bytes from member j, received into ``into`` (bytes) if large enough."""
         outgoing = [send[self.member_at[r]] for r in range(self.n)]
         buffer = _packed(outgoing)
         in_splits = [t.numel() * t.element_size() for t in outgoing]
         out_splits = [receive[self.member_at[r]] for r in range(self.n)]
-        out = into if into is not None else torch.empty(sum(out_splits), dtype=torch.uint8,
-                                                        device=buffer.device)
+        out = self._buffer(sum(out_splits), into)
         # every process calls it, even with nothing to move here (its peers may have)
         self.run(lambda: dist.all_to_all_single(out, buffer, out_splits, in_splits,
                                                 group=self.pg, async_op=True))
@@ -598,9 +594,7 @@ def all_reduce(
             g.same_shapes(announced)
         start, stop = bounds[g.k]
         if terms is None:
-            size = (stop - start) * item
-            into = raw[: size * g.n] if size * g.n <= raw.numel() else None
-            terms = g.all_to_all(chunks, [size] * g.n, into)
+            terms = g.all_to_all(chunks, [(stop - start) * item] * g.n, raw)
         else:
             g.count_arrived(terms)
         reduced = finish(
