@@ -77,7 +77,7 @@ def test_static_numbers_of_other_types_are_other_keys() -> None:
 
 def test_warm_in_place_write_into_view_of_moved_input_still_raises() -> None:
     x = torch.randn(4, 6)
-    for _ in range(2):  # the second round is served from the cache
+    for _ in range(2):  # the first round decides, the second is served from the cache
         dx = sw.distribute_tensor(x, MESH2, [Shard(0)])
         column = dx.select(1, 2)  # rows stay sharded: the view aliases dx's pieces
         column.fill_(1.0)
