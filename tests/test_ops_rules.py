@@ -190,19 +190,3 @@ def test_validation_failures_name_the_mesh_and_placements() -> None:
     finally:
         registry.unregister([op])
     assert report.failures and all("mesh (2,)" in f for f in report.failures)
-
-
-def test_writes_through_views_reach_the_viewed_dtensor_or_are_refused() -> None:
-    mesh = sw.init_device_mesh("cpu", (2,))
-    x = torch.randn(4, 6)
-    dx = sw.distribute_tensor(x, mesh, [Shard(0)])
-    column = dx.select(1, 2)  # rows stay sharded: the view aliases dx's pieces
-    column.fill_(1.0)
-    expected = x.clone()
-    expected[:, 2] = 1.0
-    assert torch.equal(dx.full_tensor(), expected)
-    with sw.allow_implicit_redistribute():
-        row = dx.select(0, 1)  # a sharded dim: the view is of a gathered copy
-        with pytest.raises(sw.UnsupportedOpError, match="would not see the write"):
-            row.fill_(2.0)
-    assert torch.equal(dx.full_tensor(), expected)
