@@ -320,19 +320,35 @@ class DeviceMesh:
         remaining = [d for d in range(self.ndim) if d in keep]
         sub = sub.permute([remaining.index(d) for d in keep]) if len(keep) > 1 else sub
         names = None if self.mesh_dim_names is None else [self.mesh_dim_names[d] for d in keep]
-        return DeviceMesh(
+        result = DeviceMesh(
             self.device_type,
             sub,
             mesh_dim_names=names,
             _devices_per_process=self._devices_per_process,
             _rank=self._rank,
         )
+        root, root_dims = self.root_mesh, self.root_dims
+        result._root = (root, tuple(root_dims[d] for d in keep))
+        return result
+
+    # ----- where a sub-mesh comes from ----------------------------------------------------------
+    _root: tuple[DeviceMesh, tuple[int, ...]] | None = None
+
+    @property
+    def root_mesh(self) -> DeviceMesh:
+        """The mesh this one was indexed from (``mesh["tp"]`` remembers ``mesh``), else itself."""
+        return self if self._root is None else self._root[0]
+
+    @property
+    def root_dims(self) -> tuple[int, ...]:
+        """The dims of ``root_mesh`` this mesh's dims are, in order."""
+        return tuple(range(self.ndim)) if self._root is None else self._root[1]
 
     # ----- pickling (torch.save / torch.load with weights_only) -----------------------------
     def __getstate__(self) -> dict[str, Any]:
         """Only the defining fields: cached tables are rebuilt on use."""
         keep = ("device_type", "mesh", "mesh_dim_names", "_devices_per_process", "_rank", "_ids",
-                "mesh_name")
+                "mesh_name", "_root")
         return {k: self.__dict__[k] for k in keep if k in self.__dict__}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
