@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     model = deferred_init(Model)  # no memory yet
     parallelize_module(model, mesh, PLAN)  # tensor parallel on "tp": each device's shard
     for layer in model.layers:
-        fully_shard(layer, mesh["dp"])  # then Shard(0) over "dp", gathered per layer
-    fully_shard(model, mesh["dp"])
+        fully_shard(layer, mesh=mesh["dp"])  # then Shard(0) over "dp", gathered per layer
+    fully_shard(model, mesh=mesh["dp"])
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)

@@ -80,13 +80,13 @@ def test_materialized_shards_equal_the_normal_build_without_a_full_model_allocat
 
 def test_fully_shard_and_replicate_materialize_a_meta_model() -> None:
     mesh = sw.init_device_mesh("cpu", (3,))
-    for shard in (fully_shard, replicate):
+    for shard in (lambda m: fully_shard(m, mesh=mesh), lambda m: replicate(m, mesh)):
         sw.manual_seed(3)
         reference = Net()
         sw.manual_seed(3)
         with torch.device("meta"):
             model = Net()
-        shard(model, mesh)
+        shard(model)
         assert not is_deferred(model)
         for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
             assert torch.equal(p.full_tensor(), ref.detach())
@@ -98,9 +98,9 @@ def test_deferred_root_materializes_after_inner_units_in_construction_order() ->
     model = deferred_init(Net)
     mesh = sw.init_device_mesh("cpu", (2,))
     sw.manual_seed(5)
-    fully_shard(model.down, mesh)
+    fully_shard(model.down, mesh=mesh)
     assert is_deferred(model)  # an inner unit of a deferred_init tree waits for the root
-    fully_shard(model, mesh)
+    fully_shard(model, mesh=mesh)
     for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.placements == (Shard(0),)
         assert torch.equal(p.full_tensor(), ref.detach())
@@ -144,7 +144,7 @@ def test_tensor_parallel_children_then_fully_shard_root_materialize_into_2d_shar
     parallelize_module(model[2], mesh, RowwiseParallel())
     assert is_deferred(model)
     with track_allocations() as stats:
-        fully_shard(model, mesh["dp"])  # the root: materializes the final 2-D shards
+        fully_shard(model, mesh=mesh["dp"])  # the root: materializes the final 2-D shards
     assert model[0].weight.placements == (Shard(0), Shard(0))
     assert model[2].weight.placements == (Shard(0), Shard(1))
     for p, ref in zip(model.parameters(), reference.parameters(), strict=True):

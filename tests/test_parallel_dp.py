@@ -97,8 +97,8 @@ def test_fully_shard_keeps_params_and_optimizer_state_sharded(reshard: bool) -> 
     ref_losses, ref = _reference(model, batches)
     mesh = sw.init_device_mesh("cpu", (3,))
     fs_model = copy.deepcopy(model)
-    fully_shard(fs_model.up, mesh, reshard_after_forward=reshard)
-    fully_shard(fs_model, mesh, reshard_after_forward=reshard)
+    fully_shard(fs_model.up, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(fs_model, mesh=mesh, reshard_after_forward=reshard)
     params = list(fs_model.parameters())
     assert all(p.placements == (Shard(0),) for p in params)
     opt_losses, counters = _train(fs_model, params, batches, [Shard(0)], mesh)
@@ -116,8 +116,8 @@ def test_fully_shard_rejects_a_sharded_data_dim() -> None:
     model.up.weight = nn.Parameter(sw.distribute_tensor(model.up.weight.detach(), mesh,
                                                         [Shard(1), Shard(0)]))
     with pytest.raises(DataParallelError, match=r"mesh dim 0 \(data parallel\) must be Replicate"):
-        fully_shard(model, mesh["dp"])
-    with pytest.raises(DataParallelError, match="pass that mesh"):
+        fully_shard(model, mesh=mesh["dp"])
+    with pytest.raises(DataParallelError, match="not a disjoint sibling"):
         replicate(model, sw.init_device_mesh("cpu", (2,)))
 
 
@@ -144,8 +144,8 @@ def test_data_parallel_composes_with_tensor_parallel_on_2d_mesh(data_parallel: s
     if data_parallel == "replicate":
         replicate(model2d, mesh["dp"])
     else:
-        fully_shard(model2d.up, mesh["dp"])
-        fully_shard(model2d, mesh["dp"])
+        fully_shard(model2d.up, mesh=mesh["dp"])
+        fully_shard(model2d, mesh=mesh["dp"])
     dp_placement = Replicate() if data_parallel == "replicate" else Shard(0)
     for name, p in model2d.named_parameters():
         assert p.placements == (dp_placement, TP_PLAN.get(name, Replicate())), name

@@ -290,8 +290,8 @@ BAD_INPUT = [
     (lambda: sw.set_collective_timeout(float("nan")), sw.InvalidArgumentError, "nan"),
     (lambda: MESH22[0], sw.ShardwiseTypeError, "mesh dim names"),
     (lambda: MESH22.groups("pp"), sw.MeshError, "'pp'"),
-    (lambda: sw.distribute_tensor(torch.ones(4), MESH4, [Shard(0)], src_data_rank=1),
-     sw.InvalidArgumentError, "src_data_rank=1"),
+    (lambda: sw.distribute_tensor(torch.ones(4), MESH4, [Shard(0)], src_data_rank=4),
+     sw.InvalidArgumentError, "src_data_rank=4"),
     (lambda: sw.distribute_tensor([1.0, 2.0], MESH4, [Shard(0)]), sw.InvalidArgumentError,
      "list"),
 ]

@@ -276,8 +276,8 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
             parallelize_module(model, mesh, plan)  # the root: materializes the tp shards
         if args.fsdp:
             for block in model.blocks:
-                fully_shard(block, mesh["dp"])
-            fully_shard(model, mesh["dp"])
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
         else:
             replicate(model, mesh["dp"])
     materialized = _local_bytes(model)
@@ -304,7 +304,8 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
         opt_single.step()
         losses_single.append(loss.item())
         with allow_implicit_redistribute(), loss_parallel(), CommCounter() as counter:
-            logits = model(ids)
+            # the global batch as a DTensor: one meaning in one process and across processes
+            logits = model(distribute_tensor(ids, mesh, batch_placements))
             dtargets = distribute_tensor(targets, mesh, batch_placements)
             dloss = F.cross_entropy(logits.transpose(1, 2), dtargets)
             opt.zero_grad()

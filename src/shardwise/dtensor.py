@@ -454,7 +454,9 @@ def distribute_tensor(
 
     Across processes, every process passes a tensor of the same shape and dtype (checked: a
     difference raises ``CollectiveMismatchError`` on every process) and the values are those of
-    process ``src_data_rank``, which sends each process its devices' pieces. With
+    the process owning the device at index ``src_data_rank`` of every mesh dim (PyTorch: the
+    group rank on each dim, so ``mesh["tp"]`` of any rank works), which sends each process
+    its devices' pieces. With
     ``src_data_rank=None`` every process must already hold the same tensor and nothing moves
     (shapes are then compared only under debug checks). In one process nothing moves either way.
     """
@@ -482,29 +484,33 @@ def distribute_tensor(
     if src_data_rank is not None and (
         isinstance(src_data_rank, bool)
         or not isinstance(src_data_rank, int)
-        or src_data_rank not in owners
+        or not 0 <= src_data_rank < min(device_mesh.shape)
     ):
         raise InvalidArgumentError(
-            f"distribute_tensor: src_data_rank={src_data_rank!r} must be None or the rank of a "
-            f"process that owns devices of {device_mesh} (ranks {owners}); tensor shape "
+            f"distribute_tensor: src_data_rank={src_data_rank!r} must be None or a rank within "
+            f"each mesh dim of {device_mesh} (0..{min(device_mesh.shape) - 1}, as in PyTorch: "
+            f"the values come from the device at that index of every dim); tensor shape "
             f"{list(tensor.shape)}, placements {list(normalized)}"
         )
+    source = None  # the process whose values every device gets
+    if src_data_rank is not None:
+        source = device_mesh.owner_of(int(device_mesh.mesh[(src_data_rank,) * device_mesh.ndim]))
     if data.is_meta:  # deferred init: meta pieces, materialized later without communication
         return DTensor(
             [_component_of(data, spec, d) for d in local], spec, requires_grad=tensor.requires_grad
         )
-    if len(owners) > 1 and (src_data_rank is not None or comm.debug_checks_enabled()):
+    if len(owners) > 1 and (source is not None or comm.debug_checks_enabled()):
         fields = {"shape": list(tensor.shape), "dtype": str(tensor.dtype),
                   "placements": repr(list(normalized)), "src_data_rank": src_data_rank}
         with comm.moving(lambda: f"distribute_tensor of {spec}"):
             comm.agree(device_mesh, "distribute_tensor", fields, data)
-    if src_data_rank is None or len(owners) == 1:
+    if source is None or len(owners) == 1:
         components = [_component_of(data, spec, d).to(device_mesh.device_of(d)) for d in local]
     else:
-        with comm.moving(lambda: f"distribute_tensor of {spec} from rank {src_data_rank}"):
+        with comm.moving(lambda: f"distribute_tensor of {spec} from rank {source}"):
             components = comm.scatter_from(
                 device_mesh,
-                src_data_rank,
+                source,
                 lambda d: _component_of(data, spec, d),
                 [spec.local_shape(d) for d in local],
                 data,

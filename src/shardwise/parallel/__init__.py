@@ -29,7 +29,17 @@ __all__ = [
 ]
 
 # data parallel (composable with the styles above on a 2-D mesh)
-from .fully_shard import fully_shard  # noqa: E402
+from .data_parallel import DataParallelMeshDims  # noqa: E402
+from .fully_shard import FSDPModule, fully_shard  # noqa: E402
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
 from .replicate import replicate  # noqa: E402
 
-__all__ += ["fully_shard", "replicate"]
+__all__ += [
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "fully_shard",
+    "replicate",
+]

@@ -18,6 +18,7 @@ from ..dtensor import DTensor, distribute_tensor
 from ..errors import ParallelPlanError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
+from ..plain_tensors import plain_is_local
 from ..tracing import dynamo_opaque
 
 
@@ -69,7 +70,7 @@ def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement
             dtensor = made.dtensor()
             if dtensor is not None:
                 return dtensor
-    if mesh.num_local_devices() == 1:
+    if plain_is_local(mesh, f"a plain module input of shape {list(x.shape)}"):
         dtensor = DTensor.from_local(x, mesh, placements)
     elif x.requires_grad and torch.is_grad_enabled():
         dtensor = _Distribute.apply(x, mesh, tuple(placements))
@@ -138,8 +139,13 @@ def on_tp(x: DTensor, tp_dim: int, placement: Placement) -> DTensor:
 
 @dynamo_opaque
 def local_output(x: object, use_local_output: bool) -> object:
-    """PyTorch's ``use_local_output``: the local tensor when the process owns one device of the
-    mesh; with several there is no single local tensor, so the DTensor is kept."""
-    if use_local_output and isinstance(x, DTensor) and x.device_mesh.num_local_devices() == 1:
+    """PyTorch's ``use_local_output``: a plain tensor wherever every device this process acts
+    for holds the same value: the local tensor per rank (one device), the value of a
+    Replicate output in the global view; otherwise the DTensor is kept."""
+    if not (use_local_output and isinstance(x, DTensor)):
+        return x
+    if plain_is_local(x.device_mesh, "a module output"):
         return x.to_local()
+    if all(p.is_replicate() for p in x.placements):
+        return x.full_tensor()
     return x

@@ -1,68 +1,226 @@
-"""What ``replicate`` and ``fully_shard`` share: which mesh dim is the data-parallel one, the
-placements of a parameter on it, and the hook that shards a plain input batch over it."""
+"""What ``replicate`` and ``fully_shard`` share: which mesh and dims are data parallel, how a
+stored parameter becomes the tensor a forward computes with, and how gradients are reduced.
+
+Two views (DESIGN.md, plain tensors at the program's edge):
+
+- **per rank** (this process, or rank thread, acts for one device of the mesh; PyTorch's FSDP2
+  and DDP): inputs are never touched, each rank computes on its own batch, and the
+  data-parallel dims stay outside the activations: a parameter is gathered over them into a
+  DTensor on the sub-mesh of the remaining dims (the tensor-parallel mesh), or a plain tensor
+  when no dim remains. Its gradient is this rank's contribution, a pending average over the
+  data-parallel dims.
+- **global** (a process acting for several devices, or DTensor inputs that carry the
+  data-parallel dims): parameters are gathered into DTensors on the whole mesh, Replicate on
+  the data-parallel dims; plain tensors entering the outermost data-parallel module are the
+  global batch, sharded on dim 0 over those dims (side inputs of inner modules are left alone).
+
+Either way the gradient accumulates in ``param.grad`` as a pending reduction over the
+data-parallel dims, and is reduced to the stored placements once per backward (after the
+parameter's last accumulation), unless gradient sync is off.
+"""
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import DataParallelError
-from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate, Shard
+from ..mesh import DeviceMesh, init_device_mesh
+from ..placements import Partial, Placement, Replicate, Shard
+from ..plain_tensors import plain_is_local
+from ..spec import DTensorSpec, TensorMeta
+
+MANAGED = "_shardwise_data_parallel"  # set on parameters a data-parallel call manages
 
 
-def dp_mesh_dim(
-    module: nn.Module, device_mesh: DeviceMesh, mesh_dim: int | str | None, what: str
-) -> tuple[DeviceMesh, int]:
-    """(the mesh the parameters live on, the data-parallel dim of it).
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which dims of a full mesh are data parallel (PyTorch 2.13's name): ``shard`` dims hold
+    parameters sharded (FSDP), ``replicate`` dims replicated (DDP, or HSDP beside ``shard``).
+    A tuple of names acts as those dims flattened."""
 
-    ``device_mesh`` is either that mesh (its dim ``mesh_dim``, default 0, is data parallel) or
-    its named 1-D sub-mesh (``mesh["dp"]``) when the parameters already are DTensors on the
-    full mesh (tensor parallelism applied first).
-    """
-    meshes = {p.device_mesh for p in module.parameters() if isinstance(p, DTensor)}
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise DataParallelError("DataParallelMeshDims needs shard or replicate dims (or both)")
+
+    @staticmethod
+    def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+        return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return self._names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return self._names(self.replicate)
+
+
+@dataclass(frozen=True)
+class DataParallelDims:
+    """The mesh parameters live on and its data-parallel dims (indices into ``mesh``)."""
+
+    mesh: DeviceMesh
+    shard: tuple[int, ...]
+    replicate: tuple[int, ...]
+    plain: DataParallelDims | None = None  # where plain parameters go, when not on ``mesh``
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return tuple(sorted(self.shard + self.replicate))
+
+    def for_param(self, param: torch.Tensor) -> DataParallelDims:
+        """The mesh and dims of ``param``: beside tensor parallelism on a sibling sub-mesh, a
+        plain parameter stays on the data-parallel mesh alone (as in FSDP2 + TP)."""
+        return self if isinstance(param, DTensor) or self.plain is None else self.plain
+
+
+def resolve_dims(
+    module: nn.Module,
+    mesh: DeviceMesh | None,
+    dp_mesh_dims: DataParallelMeshDims | None,
+    what: str,
+    *,
+    replicate_only: bool = False,
+) -> DataParallelDims:
+    """The data-parallel mesh and dims of ``what`` applied to ``module`` with ``mesh``.
+
+    ``mesh`` is the data-parallel mesh (1-D: data parallel; 2-D: HSDP, replicate over dim 0 and
+    shard over dim 1), or, with ``dp_mesh_dims``, the full mesh whose named dims are data
+    parallel. When tensor parallelism put the parameters on a sibling sub-mesh of the same root
+    (``mesh["tp"]`` beside ``mesh["dp"]``), the parameters move to the root's sub-mesh over
+    both (PyTorch's FSDP2 + TP recipe)."""
+    meshes = {
+        p.device_mesh for p in module.parameters()
+        if isinstance(p, DTensor) and not getattr(p, MANAGED, False)
+    }
     if len(meshes) > 1:
         raise DataParallelError(
             f"{what} of {type(module).__name__}: its parameters live on several meshes "
             f"{sorted(map(str, meshes))}; put them on one"
         )
-    parent = next(iter(meshes)) if meshes else device_mesh
-    if parent == device_mesh:
-        return parent, parent.dim_index(mesh_dim if mesh_dim is not None else 0)
-    names = device_mesh.mesh_dim_names or ()
-    parent_names = parent.mesh_dim_names or ()
-    if device_mesh.ndim == 1 and names and names[0] in parent_names and mesh_dim is None:
-        return parent, parent.dim_index(names[0])
-    raise DataParallelError(
-        f"{what} of {type(module).__name__} on {device_mesh}: its parameters are DTensors on "
-        f"{parent}; pass that mesh (with mesh_dim=) or its 1-D sub-mesh by name"
-    )
+    if mesh is None:
+        mesh = next(iter(meshes)) if dp_mesh_dims is not None and meshes else _default_mesh()
+    if dp_mesh_dims is not None:
+        shard = tuple(mesh.dim_index(n) for n in dp_mesh_dims.shard_names)
+        rep = tuple(mesh.dim_index(n) for n in dp_mesh_dims.replicate_names)
+        if meshes and next(iter(meshes)) != mesh:
+            raise DataParallelError(
+                f"{what} of {type(module).__name__} with dp_mesh_dims on {mesh}: its parameters "
+                f"are DTensors on {next(iter(meshes))}; dp_mesh_dims names dims of the mesh the "
+                f"parameters live on"
+            )
+        return _checked(DataParallelDims(mesh, shard, rep), replicate_only, what)
+    parent = next(iter(meshes)) if meshes else None
+    root = mesh.root_mesh
+    if parent is None and root is not mesh and not plain_is_local(root, what):
+        parent = root  # the global view: data parallelism over these dims of the whole mesh
+    if parent is None or parent == mesh:
+        if mesh.ndim > 2 or (parent is not None and mesh.ndim > 1):
+            raise DataParallelError(
+                f"{what} of {type(module).__name__} on the {mesh.ndim}-D {mesh}"
+                + (" where its parameters already live" if parent is not None else "")
+                + ": pass the data-parallel sub-mesh (mesh['dp']), or the full mesh with "
+                "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
+            )
+        if mesh.ndim == 2:  # HSDP: replicate over dim 0, shard over dim 1
+            return _checked(DataParallelDims(mesh, (1,), (0,)), replicate_only, what)
+        return _checked(DataParallelDims(mesh, (0,), ()), replicate_only, what)
+    if parent.root_mesh == mesh.root_mesh and set(mesh.root_dims) <= set(parent.root_dims):
+        # the parameters' mesh holds the data-parallel dims (tensor parallelism on the root)
+        dims = tuple(parent.root_dims.index(d) for d in mesh.root_dims)
+        split = (dims[1:], dims[:1]) if len(dims) == 2 else (dims, ())
+        return _checked(DataParallelDims(parent, *split), replicate_only, what)
+    return _checked(_compose(module, mesh, parent, what), replicate_only, what)
 
 
-def dp_placements(
-    param: torch.Tensor, mesh: DeviceMesh, dp: int, name: str, what: str
-) -> list[Placement]:
-    """The parameter's placements before data parallelism (Replicate on the dp dim)."""
-    if not isinstance(param, DTensor):
-        return [Replicate()] * mesh.ndim
-    placements = list(param.placements)
-    if not placements[dp].is_replicate():
+def _default_mesh() -> DeviceMesh:
+    """PyTorch's default data-parallel mesh: one dim over every process of the world."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return init_device_mesh("cpu", (world,))
+
+
+def _compose(
+    module: nn.Module, dp_mesh: DeviceMesh, parent: DeviceMesh, what: str
+) -> DataParallelDims:
+    """Parameters on ``parent`` (say mesh["tp"]) and data parallelism on ``dp_mesh`` (say
+    mesh["dp"]), two sub-meshes of one root: the root's sub-mesh over both."""
+    root = dp_mesh.root_mesh
+    if parent.root_mesh != root or set(dp_mesh.root_dims) & set(parent.root_dims):
         raise DataParallelError(
-            f"{what}: parameter {name!r} of shape {list(param.shape)} has placements "
-            f"{placements} on {mesh}, but mesh dim {dp} (data parallel) must be Replicate "
-            f"before data parallelism shards or replicates it"
+            f"{what} of {type(module).__name__} on {dp_mesh}: its parameters are DTensors on "
+            f"{parent}, which is not a disjoint sibling of it in one mesh; index both from the "
+            f"same mesh (parallelize_module(model, mesh['tp'], plan), then {what} on "
+            f"mesh['dp']), or pass the parameters' mesh with dp_mesh_dims"
         )
+    if not plain_is_local(root, f"{what} of {type(module).__name__}"):
+        raise DataParallelError(
+            f"{what} of {type(module).__name__} on {dp_mesh} beside parameters on {parent}: this "
+            f"process acts for {root.num_local_devices()} devices of {root} (the embedded global "
+            f"view), where a sub-mesh is one group of devices, not this rank's; apply tensor "
+            f"parallelism on the whole mesh (parallelize_module(model, mesh, plan, "
+            f"tp_mesh_dim=...)) and pass {what} mesh['dp']"
+        )
+    dims = sorted(dp_mesh.root_dims + parent.root_dims)
+    names = root.mesh_dim_names
+    combined = root if len(dims) == root.ndim else root[tuple(names[d] for d in dims)]
+    dp = tuple(dims.index(d) for d in dp_mesh.root_dims)
+    plain = resolve_dims(nn.Module(), dp_mesh, None, what)
+    if len(dp) == 2:
+        return DataParallelDims(combined, (dp[1],), (dp[0],), plain)
+    return DataParallelDims(combined, dp, (), plain)
+
+
+def _checked(dims: DataParallelDims, replicate_only: bool, what: str) -> DataParallelDims:
+    if replicate_only:
+        plain = None if dims.plain is None else _checked(dims.plain, True, what)
+        return DataParallelDims(dims.mesh, (), dims.dims, plain)
+    if not dims.shard and what == "fully_shard":
+        raise DataParallelError(f"fully_shard on {dims.mesh} needs a shard dim")
+    return dims
+
+
+def compute_placements(
+    param: torch.Tensor, dp: DataParallelDims, name: str, what: str
+) -> list[Placement]:
+    """The parameter's placements before data parallelism (Replicate on the dp dims)."""
+    if not isinstance(param, DTensor):
+        return [Replicate()] * dp.mesh.ndim
+    if param.device_mesh != dp.mesh:  # a sibling sub-mesh: its placements on the other dims
+        sub = [d for d in range(dp.mesh.ndim) if d not in dp.dims]
+        placements: list[Placement] = [Replicate()] * dp.mesh.ndim
+        for d, p in zip(sub, param.placements, strict=True):
+            placements[d] = p
+        return placements
+    placements = list(param.placements)
+    for d in dp.dims:
+        if not placements[d].is_replicate():
+            raise DataParallelError(
+                f"{what}: parameter {name!r} of shape {list(param.shape)} has placements "
+                f"{placements} on {dp.mesh}, but mesh dim {d} (data parallel) must be "
+                f"Replicate before data parallelism shards or replicates it"
+            )
     return placements
 
 
-def owned_parameters(module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
-    """(owning module, attribute name, parameter) for each distinct parameter, in order."""
-    seen: set[int] = set()
+def owned_parameters(
+    module: nn.Module, ignored: set[int] = frozenset()  # type: ignore[assignment]
+) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """(owning module, attribute name, parameter) for each distinct parameter, in order,
+    without those whose id is in ``ignored``."""
+    seen: set[int] = set(ignored)
     for owner in module.modules():
         for name, param in list(owner._parameters.items()):
             if param is not None and id(param) not in seen:
@@ -81,18 +239,138 @@ def place_parameter(root: nn.Module, param: torch.Tensor, value: torch.Tensor) -
     return new
 
 
-def shard_inputs(module: nn.Module, mesh: DeviceMesh, dp: int) -> None:
-    """Plain tensors passed to ``module`` are the global batch: shard them over the dp dim
-    (Shard(0)), replicated over the other dims. DTensor inputs pass unchanged."""
-    placements = [Replicate()] * mesh.ndim
-    placements[dp] = Shard(0)
+def stored_value(param: torch.Tensor, dp: DataParallelDims, storage: list[Placement]) -> DTensor:
+    """``param`` (plain, on ``dp.mesh``, or on a sibling sub-mesh) as a DTensor on ``dp.mesh``
+    with ``storage`` placements. A sibling sub-mesh's pieces are already this rank's pieces;
+    meta parameters stay meta."""
+    from ..deferred_init import is_meta, placed_meta
+
+    if isinstance(param, DTensor) and param.device_mesh != dp.mesh:
+        compute = compute_placements(param, dp, "", "")
+        meta = param._spec.tensor_meta
+        on_root = DTensor(list(param.detach()._components), DTensorSpec(dp.mesh, tuple(compute),
+                                                                        meta))
+        param = on_root
+    if isinstance(param, DTensor) and is_meta(param):
+        return placed_meta(param, storage)
+    if isinstance(param, DTensor):
+        return param.detach().redistribute(placements=storage)
+    return distribute_tensor(param.detach(), dp.mesh, storage, src_data_rank=0)
+
+
+# ----- which view a forward runs in -----------------------------------------------------------
+
+_OUTERMOST: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "shardwise_data_parallel_view", default=None
+)
+
+
+def choose_view(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[str, bool]:
+    """("local" or "global", whether this is the outermost data-parallel forward). Inner
+    modules run in the view their outermost module chose; DTensor inputs that carry the
+    data-parallel dims choose the global view; otherwise the plain-tensor rule decides."""
+    outer = _OUTERMOST.get()
+    if outer is not None:
+        return outer, False
+    root, dp_root_dims = dp.mesh.root_mesh, {dp.mesh.root_dims[d] for d in dp.dims}
+    for x in tree_flatten((args, kwargs))[0]:
+        if isinstance(x, DTensor):
+            m = x.device_mesh
+            if m.root_mesh == root and dp_root_dims <= set(m.root_dims):
+                return "global", True
+    return ("local" if plain_is_local(dp.mesh) else "global"), True
+
+
+def enter_view(view: str) -> contextvars.Token:
+    return _OUTERMOST.set(view)
+
+
+def leave_view(token: contextvars.Token) -> None:
+    _OUTERMOST.reset(token)
+
+
+def shard_batch(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Global view, outermost module: plain tensors are the global batch, sharded on dim 0
+    over the data-parallel dims (Replicate elsewhere). DTensors pass unchanged."""
+    placements: list[Placement] = [Replicate()] * dp.mesh.ndim
+    for d in dp.dims:
+        placements[d] = Shard(0)
 
     def place(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > 0:
-            return distribute_tensor(x, mesh, placements)
+            return distribute_tensor(x, dp.mesh, placements)
         return x
 
-    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return tree_map(place, args), tree_map(place, kwargs)
+    return tree_map(place, args), tree_map(place, kwargs)
 
-    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+# ----- the tensor a forward computes with -----------------------------------------------------
+
+
+def local_sub_mesh(dp: DataParallelDims) -> DeviceMesh | None:
+    """The sub-mesh of the non-data-parallel dims through this rank's device (None: no dim)."""
+    rest = [d for d in range(dp.mesh.ndim) if d not in dp.dims]
+    if not rest:
+        return None
+    names = dp.mesh.mesh_dim_names
+    if names is None:
+        raise DataParallelError(
+            f"data parallelism beside other dims of {dp.mesh} needs named mesh dims"
+        )
+    return dp.mesh[tuple(names[d] for d in rest)]
+
+
+class GatheredView(torch.autograd.Function):
+    """A stored parameter as the tensor a forward computes with: gathered over the
+    data-parallel dims (cast to ``dtype``), on the whole mesh (global view) or, per rank, on
+    the sub-mesh of the other dims (``sub``, a plain tensor when there is none). Backward
+    hands the gradient back as a pending reduction over the data-parallel dims, in
+    ``reduce_dtype``: per rank a pending average (each rank's own batch), globally as it came
+    (the batch was sharded over those dims)."""
+
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx, stored: DTensor, compute: tuple, dp: DataParallelDims, view: str, sub: Any,
+        dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+    ):
+        ctx.dp, ctx.view, ctx.reduce_dtype = dp, view, reduce_dtype
+        ctx.stored_dtype = stored.dtype
+        source = stored if dtype is None or dtype == stored.dtype else stored.to(dtype)
+        gathered = source.redistribute(placements=compute)
+        if view == "global":
+            return gathered
+        piece = gathered._components[0]
+        if sub is None:
+            return piece
+        placements = tuple(p for d, p in enumerate(compute) if d not in dp.dims)
+        meta = gathered._spec.tensor_meta
+        return DTensor([piece], DTensorSpec(sub, placements, meta))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN205
+        dp: DataParallelDims = ctx.dp
+        dtype = ctx.reduce_dtype or grad.dtype
+        if ctx.view == "global":
+            return grad.to(dtype), None, None, None, None, None, None
+        if isinstance(grad, DTensor):
+            piece, rest = grad._components[0], list(grad.placements)
+        else:
+            piece, rest = grad, []
+        placements: list[Placement] = []
+        for d in range(dp.mesh.ndim):
+            placements.append(Partial("avg") if d in dp.dims else rest.pop(0))
+        meta = TensorMeta(piece.shape if not isinstance(grad, DTensor) else grad.shape,
+                          tuple(grad.stride()), dtype)
+        spec = DTensorSpec(dp.mesh, tuple(placements), meta)
+        return DTensor([piece.to(dtype)], spec), None, None, None, None, None, None
+
+
+def reduce_gradient(param: DTensor, storage: tuple[Placement, ...]) -> None:
+    """``param.grad`` (pending over the data-parallel dims) reduced to the stored placements,
+    in the parameter's dtype."""
+    grad = param.grad
+    if not isinstance(grad, DTensor) or grad.placements == storage:
+        return
+    target = [Replicate() if p.is_partial() else p for p in storage]
+    reduced = grad.redistribute(placements=target)
+    param.grad = reduced if reduced.dtype == param.dtype else reduced.to(param.dtype)

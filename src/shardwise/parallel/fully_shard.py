@@ -1,133 +1,189 @@
-"""``fully_shard``: fully sharded data parallelism (PyTorch's FSDP2) on a shardwise mesh.
+"""``fully_shard``: fully sharded data parallelism with PyTorch FSDP2's signature and methods.
 
-Each parameter, and hence the optimizer state built from it, is stored Shard(0) on the
-data-parallel mesh dim (other dims keep their tensor parallel placements). Before the module's
-forward its parameters are all-gathered over that dim (a differentiable redistribution, so
-backward reduce-scatters each gradient back to Shard(0)); after it the module holds the
-sharded parameters again. With ``reshard_after_forward`` the gathered parameters are not kept
-for backward either: what autograd saves of them is re-gathered when backward needs it.
-Applied per submodule, each call manages the parameters not managed by an earlier call.
+Each parameter, and hence the optimizer state built from it, is stored sharded (Shard(0), or
+what ``shard_placement_fn`` says) on the data-parallel mesh dims, tensor-parallel dims keeping
+their placements. Before the module's forward its parameters are gathered (``data_parallel``:
+per rank into plain tensors or DTensors on the tensor-parallel sub-mesh, as FSDP2; in the
+embedded global view into DTensors on the whole mesh); after it the module holds the stored
+parameters again. With ``reshard_after_forward`` what autograd saves of them is re-gathered
+when backward needs it. Gradients are reduce-scattered to the stored placements once each
+parameter's gradient is complete. Applied per submodule, each call manages the parameters not
+managed by an earlier call: apply it to the inner blocks first, then to the root.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, overload
 
-import torch
 from torch import nn
 
-from ..deferred_init import is_meta, materialize_if_root, placed_meta
-from ..dtensor import DTensor, distribute_tensor
+from ..deferred_init import materialize_if_root
+from ..errors import DataParallelError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Shard
 from .data_parallel import (
-    dp_mesh_dim,
-    dp_placements,
+    MANAGED,
+    DataParallelMeshDims,
+    compute_placements,
     owned_parameters,
     place_parameter,
-    shard_inputs,
+    resolve_dims,
+    stored_value,
 )
+from .dp_unit import DataParallelUnit, Slot
+from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import guard_loading
 
-_MANAGED = "_shardwise_fully_sharded"
+
+class FSDPModule:
+    """What ``fully_shard`` makes of a module (its class becomes ``FSDP<Class>``): FSDP2's
+    methods over the parameters that call manages."""
+
+    _shardwise_unit: DataParallelUnit
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the parameters now; the next forwards use them until ``reshard`` (or until
+        the optimizer changes them). The gather is synchronous: ``async_op`` returns None."""
+        self._shardwise_unit.unshard()
+
+    def reshard(self) -> None:
+        """Free the gathered parameters ``unshard`` (or ``set_reshard_after_backward``) kept."""
+        self._shardwise_unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True
+                                   ) -> None:
+        """Whether backward reduces gradients over the data-parallel dims. Off, each rank's
+        gradient accumulates as a pending average (``Partial("avg")``) that the next synced
+        backward reduces with its own (gradient accumulation without communication)."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward also all-reduces over the replicate dim (off: only the
+        reduce-scatter over the shard dim runs; the replicate dim stays pending)."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the gathered parameters are freed after forward (re-gathered in backward)."""
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True
+                                   ) -> None:
+        """False keeps the gathered parameters after forward and backward, so the next forward
+        gathers nothing while they are unchanged (gradient accumulation)."""
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+            if reshard_after_backward:
+                unit.reshard()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2 waits for its asynchronous reductions after the last backward; shardwise's
+        reductions finish inside each backward, so this only records the flag."""
+        for unit in self._units(True):
+            unit.is_last_backward = is_last_backward
+
+    def _units(self, recurse: bool) -> list[DataParallelUnit]:
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        return [m._shardwise_unit for m in modules if isinstance(m, FSDPModule)]
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _as_fsdp_module(module: nn.Module, unit: DataParallelUnit) -> None:
+    cls = type(module)
+    if not issubclass(cls, FSDPModule):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        module.__class__ = _CLASSES[cls]
+    module._shardwise_unit = unit
+
+
+ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module: ...
+@overload
+def fully_shard(module: Sequence[nn.Module], **kwargs: Any) -> list[nn.Module]: ...
 
 
 def fully_shard(
-    module: nn.Module,
-    device_mesh: DeviceMesh,
+    module: nn.Module | Sequence[nn.Module],
     *,
-    reshard_after_forward: bool = True,
-    mesh_dim: int | str | None = None,
-) -> nn.Module:
-    """Shard ``module``'s parameters Shard(0) over the data-parallel dim of ``device_mesh``,
-    gather them for its forward (and backward), reduce-scatter their gradients.
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: ShardPlacementFn | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module``'s parameters over the data-parallel ``mesh`` (PyTorch FSDP2).
 
-    ``device_mesh``: a 1-D mesh, a mesh whose dim ``mesh_dim`` (default 0) is data parallel,
-    or the named 1-D sub-mesh of the mesh tensor parallelism put the parameters on. Apply it to
-    the inner blocks first, then to the root. Returns ``module`` (build the optimizer after).
+    ``mesh``: 1-D data parallel; 2-D HSDP (replicate over dim 0, shard over dim 1); the
+    ``mesh["dp"]`` sibling of the ``mesh["tp"]`` tensor parallelism used (parameters become
+    2-D DTensors on the root's sub-mesh over both); or, with ``dp_mesh_dims``, the full mesh
+    the parameters live on. Default: one dim over every process. ``reshard_after_forward``:
+    None frees gathered parameters after forward except in the outermost module.
+    ``shard_placement_fn(param)`` may return a ``Shard(dim)`` to shard on instead of dim 0.
+    A list of modules is one group (FSDP2's ``fully_shard([a, b])``). Returns the module(s),
+    now instances of ``FSDPModule``; build the optimizer after.
     """
-    mesh, dp = dp_mesh_dim(module, device_mesh, mesh_dim, "fully_shard")
-    slots: list[tuple[nn.Module, str, tuple[Placement, ...]]] = []
-    for owner, name, param in list(owned_parameters(module)):
-        if getattr(param, _MANAGED, False):
-            continue  # an inner fully_shard() manages it
-        compute = dp_placements(param, mesh, dp, name, "fully_shard")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise DataParallelError(
+            f"fully_shard(reshard_after_forward={reshard_after_forward}): resharding to a "
+            f"smaller world size after forward is not supported; use True, False or None"
+        )
+    modules = list(module) if isinstance(module, Sequence) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise DataParallelError(
+            f"fully_shard expects an nn.Module or a list of them, got {module!r}"
+        )
+    group = nn.ModuleList(modules) if len(modules) > 1 else modules[0]
+    dp = resolve_dims(group, mesh, dp_mesh_dims, "fully_shard")
+    ignored = {id(p) for p in ignored_params or ()}
+    slots: list[Slot] = []
+    for owner, name, param in list(owned_parameters(group, ignored)):
+        if getattr(param, MANAGED, False):
+            continue  # an inner fully_shard() or replicate() manages it
+        pdp = dp.for_param(param)
+        compute = compute_placements(param, pdp, name, "fully_shard")
         storage = list(compute)
-        if param.ndim > 0:
-            storage[dp] = Shard(0)
-        if isinstance(param, DTensor) and is_meta(param):
-            value = placed_meta(param, storage)  # deferred: materialized in its final shards
-        elif isinstance(param, DTensor):
-            value = param.detach().redistribute(placements=storage)
-        else:
-            value = distribute_tensor(param.detach(), mesh, storage)
-        place_parameter(module, param, value)
-        slots.append((owner, name, tuple(compute)))
-    shard_inputs(module, mesh, dp)
-    for owner, name, _compute in slots:
-        setattr(owner._parameters[name], _MANAGED, True)
-    materialize_if_root(module)  # after sharding: each device allocates only its shard
-    guard_loading(module)
-    unit = _Unit(slots, reshard_after_forward)
-    module.register_forward_pre_hook(unit.before_forward)
-    module.register_forward_hook(unit.after_forward)
-    return module
+        shard = shard_placement_fn(param) if shard_placement_fn is not None else None
+        if shard is not None and not isinstance(shard, Shard):
+            raise DataParallelError(
+                f"fully_shard: shard_placement_fn returned {shard!r} for parameter {name!r} of "
+                f"shape {list(param.shape)}; it must return a Shard(dim) or None"
+            )
+        for d in pdp.shard:
+            storage[d] = _shard_on(param, shard, name) if param.ndim > 0 else compute[d]
+        value = stored_value(param, pdp, storage)
+        new = place_parameter(group, param, value)
+        setattr(new, MANAGED, True)
+        slots.append(Slot(owner, name, pdp, tuple(compute), tuple(storage)))
+    materialize_if_root(group)  # after sharding: each device allocates only its shard
+    unit = DataParallelUnit(
+        dp, slots, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        offload_policy=offload_policy, bucket_cap=None,
+    )
+    for m in modules:
+        guard_loading(m)
+        m.register_forward_pre_hook(unit.before_forward, with_kwargs=True)
+        m.register_forward_hook(unit.after_forward, with_kwargs=True, always_call=True)
+        _as_fsdp_module(m, unit)
+    return modules if isinstance(module, Sequence) else modules[0]
 
 
-class _Unit:
-    """The parameters one ``fully_shard`` call manages (looked up at each forward: a deferred
-    module's are replaced when its root materializes), and its forward hooks."""
-
-    def __init__(self, slots: list, reshard_after_forward: bool) -> None:
-        self.slots: list[tuple[nn.Module, str, tuple[Placement, ...]]] = slots
-        self.reshard = reshard_after_forward
-        self.sharded: list[DTensor] = []  # the stored parameters during a forward
-        self.saving: Any = None
-        self.storages: dict[int, int] = {}  # storage of a gathered piece -> slot index
-
-    def gather(self, k: int) -> DTensor:
-        return self.sharded[k].redistribute(placements=self.slots[k][2])
-
-    def before_forward(self, _module: nn.Module, _args: tuple) -> None:
-        self.storages.clear()
-        self.sharded = [owner._parameters[name] for owner, name, _ in self.slots]
-        for k, (owner, name, _compute) in enumerate(self.slots):
-            gathered = self.gather(k)
-            owner._parameters[name] = gathered  # the forward computes with the full value
-            for c in gathered._components:
-                self.storages[c.untyped_storage().data_ptr()] = k
-        if self.reshard and torch.is_grad_enabled():
-            self.saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self.saving.__enter__()
-
-    def after_forward(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
-        if self.saving is not None:
-            self.saving.__exit__(None, None, None)
-            self.saving = None
-        for (owner, name, _compute), param in zip(self.slots, self.sharded, strict=True):
-            owner._parameters[name] = param
-        self.storages.clear()
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        """What autograd saves: a gathered parameter (or a view of it) is replaced by how to
-        rebuild it from the shards."""
-        if not isinstance(tensor, DTensor) or not tensor._components:
-            return tensor
-        k = self.storages.get(tensor._components[0].untyped_storage().data_ptr())
-        if k is None:
-            return tensor
-        views = [(c.shape, c.stride(), c.storage_offset()) for c in tensor._components]
-        return (k, tensor._spec, views, tensor.requires_grad)
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        k, spec, views, _requires_grad = packed
-        with torch.no_grad():
-            gathered = self.gather(k)
-        components = [
-            c.as_strided(shape, stride, offset)
-            for c, (shape, stride, offset) in zip(gathered._components, views, strict=True)
-        ]
-        return DTensor(components, spec)
-
+def _shard_on(param: Any, shard: Shard | None, name: str) -> Placement:
+    if shard is None:
+        return Shard(0)
+    if not -param.ndim <= shard.dim < param.ndim:
+        raise DataParallelError(
+            f"fully_shard: shard_placement_fn returned {shard!r} for parameter {name!r} of "
+            f"shape {list(param.shape)}, out of range"
+        )
+    return Shard(shard.dim % param.ndim)

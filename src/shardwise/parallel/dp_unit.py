@@ -1,0 +1,310 @@
+"""One ``fully_shard`` or ``replicate`` call's parameters: the forward hooks that swap each
+stored parameter for the tensor the forward computes with (``data_parallel.GatheredView``),
+re-gathering what backward needs when they were freed after forward, and the reduction of
+their gradients once per backward (see ``data_parallel`` for the two views)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .. import comm
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..placements import Partial, Placement, Replicate
+from .data_parallel import (
+    DataParallelDims,
+    GatheredView,
+    choose_view,
+    enter_view,
+    leave_view,
+    local_sub_mesh,
+    reduce_gradient,
+    shard_batch,
+)
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+
+@dataclass
+class Slot:
+    """Where one managed parameter lives and how: placements to compute with and to store."""
+
+    owner: nn.Module
+    name: str
+    dp: DataParallelDims
+    compute: tuple[Placement, ...]
+    storage: tuple[Placement, ...]
+
+    @functools.cached_property
+    def sub(self) -> DeviceMesh | None:
+        return local_sub_mesh(self.dp)
+
+    @property
+    def stored(self) -> DTensor:
+        return self.owner._parameters[self.name]
+
+
+class DataParallelUnit:
+    """The parameters one data-parallel call manages and the state its ``FSDPModule``
+    methods set."""
+
+    def __init__(
+        self,
+        dp: DataParallelDims,
+        slots: list[Slot],
+        *,
+        reshard_after_forward: bool | None,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+        bucket_cap: int | None,
+    ) -> None:
+        self.dp, self.slots = dp, slots
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.is_last_backward = True
+        self.mp, self.offload = mp_policy, offload_policy
+        self.held: dict[int, tuple[str, torch.Tensor, Any]] = {}  # k -> (view, tensor, version)
+        self.storages: dict[int, int] = {}  # storage of a view's piece -> slot index
+        self.active: list[tuple] = []  # per forward: (view token, saving, view, stored params)
+        self.reducer = _Buckets(self, bucket_cap) if bucket_cap is not None else None
+        for k, slot in enumerate(slots):
+            if slot.stored.requires_grad:
+                slot.stored.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_grad, k)
+                )
+
+    # ----- views -----------------------------------------------------------------------------
+    def _version(self, k: int) -> tuple:
+        stored = self.slots[k].stored
+        return (id(stored), tuple(c._version for c in stored._components))
+
+    def view_of(self, k: int, view: str) -> torch.Tensor:
+        """Slot ``k``'s parameter as the forward computes with it (held ones reused while the
+        stored parameter is unchanged)."""
+        held = self.held.get(k)
+        if held is not None and held[0] == view and held[2] == self._version(k):
+            return held[1]
+        slot = self.slots[k]
+        stored = slot.stored
+        if isinstance(self.offload, CPUOffloadPolicy) and self.dp.mesh.device_type != "cpu":
+            stored = stored.to(self.dp.mesh.device_type)
+        tensor = GatheredView.apply(
+            stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
+            self.mp.reduce_dtype,
+        )
+        for piece in _pieces(tensor):
+            self.storages[piece.untyped_storage().data_ptr()] = k
+        return tensor
+
+    def unshard(self) -> None:
+        """Gather every parameter now and hold it until ``reshard`` (or a change to it)."""
+        from ..plain_tensors import plain_is_local
+
+        view = "local" if plain_is_local(self.dp.mesh) else "global"
+        for k in range(len(self.slots)):
+            self.held[k] = (view, self.view_of(k, view), self._version(k))
+
+    def reshard(self) -> None:
+        """Free the held gathered parameters."""
+        self.held.clear()
+
+    # ----- forward hooks ---------------------------------------------------------------------
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        view, outermost = choose_view(self.dp, args, kwargs)
+        token = enter_view(view) if outermost else None
+        if view == "global" and outermost:
+            args, kwargs = shard_batch(self.dp, args, kwargs)
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
+        stored = {}
+        for k, slot in enumerate(self.slots):
+            if _inside(slot.owner, module):
+                stored[k] = slot.stored
+                slot.owner._parameters[slot.name] = self.view_of(k, view)
+        reshard = self.reshard_after_forward
+        if reshard is None:
+            reshard = not outermost  # PyTorch: the root keeps its parameters for backward
+        saving = None
+        if reshard and torch.is_grad_enabled():
+            saving = torch.autograd.graph.saved_tensors_hooks(
+                self._pack, functools.partial(self._unpack, view)
+            )
+            saving.__enter__()
+        self.active.append((token, saving, view, stored))
+        return args, kwargs
+
+    def after_forward(self, module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> Any:
+        token, saving, view, stored = self.active.pop()
+        if saving is not None:
+            saving.__exit__(None, None, None)
+        for k, param in stored.items():
+            slot = self.slots[k]
+            viewed = slot.owner._parameters[slot.name]
+            slot.owner._parameters[slot.name] = param
+            if not self.reshard_after_backward and k not in self.held:
+                self.held[k] = (view, viewed, self._version(k))
+        if token is not None:
+            leave_view(token)
+        if not self.active:
+            self.storages.clear()
+        if self.mp.output_dtype is not None:
+            output = _cast_floating(output, self.mp.output_dtype)
+        return output
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        """What autograd saves: a gathered parameter (or a view of it) is replaced by how to
+        rebuild it from the stored shards."""
+        pieces = _pieces(tensor)
+        if not pieces:
+            return tensor
+        k = self.storages.get(pieces[0].untyped_storage().data_ptr())
+        if k is None or k in self.held:
+            return tensor
+        views = [(p.shape, p.stride(), p.storage_offset()) for p in pieces]
+        spec = tensor._spec if isinstance(tensor, DTensor) else None
+        return (k, spec, views)
+
+    def _unpack(self, view: str, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        k, spec, views = packed
+        slot = self.slots[k]
+        with torch.no_grad():
+            fresh = GatheredView.apply(
+                slot.stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
+                self.mp.reduce_dtype,
+            )
+        pieces = [
+            p.as_strided(shape, stride, offset)
+            for p, (shape, stride, offset) in zip(_pieces(fresh), views, strict=True)
+        ]
+        return DTensor(pieces, spec) if spec is not None else pieces[0]
+
+    # ----- gradients -------------------------------------------------------------------------
+    def _on_grad(self, k: int, param: torch.Tensor) -> None:
+        if not self.requires_gradient_sync:
+            return  # accumulate the pending reduction; a later synced backward reduces it
+        if self.reducer is not None:
+            self.reducer.ready(k, param)
+        else:
+            self.reduce(param, self.slots[k].storage)
+
+    def _dims_of(self, param: torch.Tensor) -> DataParallelDims:
+        return next(s.dp for s in self.slots if s.stored is param)
+
+    def reduce(self, param: torch.Tensor, storage: tuple[Placement, ...]) -> None:
+        if self.requires_all_reduce:
+            reduce_gradient(param, storage)
+            return
+        # HSDP without the all-reduce: reduce over the shard dims only, keep the rest pending
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            target = list(grad.placements)
+            for d in self._dims_of(param).shard:
+                target[d] = storage[d]
+            param.grad = grad.redistribute(placements=target)
+
+
+def _inside(owner: nn.Module, module: nn.Module) -> bool:
+    return owner is module or any(m is owner for m in module.modules())
+
+
+def _pieces(tensor: Any) -> list[torch.Tensor]:
+    if isinstance(tensor, DTensor):
+        return list(tensor._components)
+    if isinstance(tensor, torch.Tensor):
+        return [tensor]
+    return []
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+class _Buckets:
+    """``replicate``'s gradient reduction: when every parameter of a bucket has its gradient,
+    one all-reduce per data-parallel dim, reduce op and dtype sums their flattened pieces.
+    Buckets are filled in reverse parameter order (roughly the order backward produces
+    gradients); those left at the end of backward are reduced then."""
+
+    def __init__(self, unit: DataParallelUnit, cap: int) -> None:
+        self.unit = unit
+        self.buckets: list[list[int]] = []
+        size = cap
+        for k in reversed(range(len(unit.slots))):
+            param = unit.slots[k].stored
+            if not param.requires_grad:
+                continue
+            nbytes = param._components[0].numel() * param.element_size()  # one device's piece
+            if size + nbytes > cap and (not self.buckets or self.buckets[-1]):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(k)
+            size += nbytes
+        self.bucket_of = {k: b for b, ks in enumerate(self.buckets) for k in ks}
+        self.waiting: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.buckets]
+        self.pending = False
+
+    def ready(self, k: int, param: torch.Tensor) -> None:
+        if not self.pending:
+            self.pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b = self.bucket_of[k]
+        self.waiting[b].append((k, param))
+        if len(self.waiting[b]) == len(self.buckets[b]):
+            self._flush(b)
+
+    def _finish(self) -> None:
+        for b in range(len(self.buckets)):
+            if self.waiting[b]:
+                self._flush(b)
+        self.pending = False
+
+    def _flush(self, b: int) -> None:
+        entries, self.waiting[b] = self.waiting[b], []
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for k, p in entries:
+            grad, dp = p.grad, self.unit.slots[k].dp
+            if isinstance(grad, DTensor):
+                ops = tuple(grad.placements[d] for d in dp.dims)
+                if all(isinstance(q, Partial) for q in ops) and len(set(ops)) == 1:
+                    key = (dp.mesh, dp.dims, ops[0].reduce_op, grad.dtype)
+                    groups.setdefault(key, []).append(p)
+        for (mesh, dims, op, _dtype), members in groups.items():
+            self._all_reduce(members, mesh, dims, op)
+        for k, p in entries:
+            self.unit.reduce(p, self.unit.slots[k].storage)
+
+    def _all_reduce(
+        self, params: list[torch.Tensor], mesh: DeviceMesh, dims: tuple[int, ...], op: str
+    ) -> None:
+        """One all-reduce per data-parallel dim of the flattened gradients of ``params``."""
+        grads: list[DTensor] = [p.grad for p in params]
+        n_local = len(mesh.local_device_ids)
+        flats = [torch.cat([g._components[i].reshape(-1) for g in grads]) for i in range(n_local)]
+        with comm.moving(lambda: f"replicate's gradient bucket of {len(grads)} tensors"):
+            for d in dims:
+                flats = comm.all_reduce(mesh, d, flats, op)
+        for k, (p, g) in enumerate(zip(params, grads, strict=True)):
+            pieces = []
+            for i in range(n_local):
+                offset = sum(grads[j]._components[i].numel() for j in range(k))
+                local = g._components[i]
+                pieces.append(flats[i][offset : offset + local.numel()].view_as(local))
+            placements = list(g.placements)
+            for d in dims:
+                placements[d] = Replicate()
+            p.grad = DTensor(pieces, g._spec.with_placements(placements))
+
