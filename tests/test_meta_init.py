@@ -290,3 +290,71 @@ def test_meta_model_sharded_to_empty_and_init_weights_trains_like_one_device(
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+
+
+def test_parallelize_module_keeps_even_a_resettable_meta_model_on_meta() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    assert all(p._components[0].is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    assert model[0].weight.placements == (Shard(0),)
+    assert model[2].weight.placements == (Shard(1),)
+    assert [c.shape for c in sw.unpack(model[2].weight)] == [torch.Size([8, 8])] * 2
+
+
+class Scale(nn.Module):
+    """A parameter without reset_parameters."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_replicate_on_meta_then_to_empty_still_reduces_gradients_once_per_bucket() -> None:
+    """replicate's gradient hooks sit on the meta parameters; to_empty swaps in the real ones
+    and the hooks must follow them."""
+    from shardwise.parallel import replicate
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 8), Scale(8), nn.Tanh(), nn.Linear(8, 2))
+
+    def init(model: nn.Module) -> None:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.uniform_(m.weight, -0.5, 0.5)
+                    nn.init.zeros_(m.bias)
+            nn.init.normal_(model[1].weight)
+
+    reference = build()
+    sw.manual_seed(5)
+    init(reference)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    with torch.device("meta"):
+        model = build()
+    replicate(model, mesh)
+    assert is_deferred(model)  # Scale cannot be reset: left to to_empty and the user's init
+    model.to_empty(device="cpu")
+    sw.manual_seed(5)
+    init(model)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    reference(x).square().sum().backward()
+    with sw.CommCounter() as counter:
+        model(x).square().sum().backward()
+    assert counter.counts["all_reduce"] == 1  # the one bucket, reduced by replicate's hooks
+    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad.placements == (Replicate(),)
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad)
+
+
+def test_empty_like_refuses_a_device_the_mesh_does_not_have() -> None:
+    mesh = sw.init_device_mesh("meta", (2,))
+    w = sw.distribute_tensor(torch.empty(4, 3, device="meta"), mesh, [Shard(0)])
+    assert torch.empty_like(w, device="meta")._components[0].is_meta
+    with pytest.raises(sw.errors.InvalidArgumentError, match=r"\[4, 3\].*Shard.*'meta'"):
+        torch.empty_like(w, device="cpu")
