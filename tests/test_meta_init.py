@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from mp_harness import run_in_processes
 from shardwise import Placement, Replicate, Shard
 from shardwise.deferred_init import is_deferred
 from shardwise.memory import track_allocations
@@ -144,12 +145,13 @@ class Transformer(nn.Module):
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
-def apply_tp(model: Transformer, tp_mesh: sw.DeviceMesh) -> None:
+def apply_tp(model: Transformer, tp_mesh: sw.DeviceMesh, *, per_rank: bool = False) -> None:
     """torchtitan's tensor + sequence parallel plan (loss_parallel off). The blocks' second
-    input, the RoPE table, is declared Replicate: in one process holding several devices the
-    attention sees DTensors (the global view), and shardwise mixes a plain tensor with them
-    only when told how it is laid out (per rank, with local activations, torchtitan's None
-    works as in PyTorch)."""
+    input, the RoPE table, is declared Replicate in one process holding several devices: there
+    the attention sees DTensors (the global view), and shardwise mixes a plain tensor with them
+    only when told how it is laid out. Per rank the attention computes on local tensors and
+    torchtitan's ``None`` (left plain) works as in PyTorch."""
+    freqs_layout = None if per_rank else Replicate()
     parallelize_module(
         model,
         tp_mesh,
@@ -166,8 +168,8 @@ def apply_tp(model: Transformer, tp_mesh: sw.DeviceMesh) -> None:
             {
                 "attention_norm": SequenceParallel(),
                 "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), Replicate()),
-                    desired_input_layouts=(Replicate(), Replicate()),
+                    input_layouts=(Shard(1), freqs_layout),
+                    desired_input_layouts=(Replicate(), freqs_layout),
                 ),
                 "attention.wq": ColwiseParallel(),
                 "attention.wk": ColwiseParallel(),
@@ -358,3 +360,38 @@ def test_empty_like_refuses_a_device_the_mesh_does_not_have() -> None:
     assert torch.empty_like(w, device="meta")._components[0].is_meta
     with pytest.raises(sw.errors.InvalidArgumentError, match=r"\[4, 3\].*Shard.*'meta'"):
         torch.empty_like(w, device="cpu")
+
+
+def _per_rank_job() -> list[float]:
+    """One rank of torchtitan's flow, word for word (the RoPE table left plain)."""
+    reference = Transformer()
+    sw.manual_seed(11)
+    reference.init_weights()
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with torch.device("meta"):
+        model = Transformer()
+    apply_tp(model, mesh, per_rank=True)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        sw.manual_seed(11)
+        model.init_weights()
+    tokens = torch.randint(0, VOCAB, (2, MAX_SEQ), generator=torch.Generator().manual_seed(3))
+    targets = torch.randint(0, VOCAB, (2, MAX_SEQ), generator=torch.Generator().manual_seed(4))
+    losses = []
+    for m in (model, reference):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        for _ in range(2):
+            out = m(tokens)
+            assert not sw.is_dtensor(out)  # use_local_output: the rank's local (replicated) logits
+            loss = F.cross_entropy(out.flatten(0, 1), targets.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def test_per_rank_program_matches_one_device_across_two_processes() -> None:
+    for losses in run_in_processes(_per_rank_job, 2, timeout=240):
+        got, want = losses[:2], losses[2:]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
