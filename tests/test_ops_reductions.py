@@ -104,6 +104,8 @@ def test_sharded_reduction_placements_without_communication() -> None:
             "var1": (d.var(1), x.var(1), (Shard(0), Shard(1))),
             "cumsum1": (d.cumsum(1), x.cumsum(1), (Shard(0), Shard(2))),
             "argmax1": (d.argmax(1), x.argmax(1), (Shard(0), Shard(1))),
+            "any0": ((d > 0).any(0), (x > 0).any(0), (Partial("max"), Shard(1))),
+            "all_all": ((d > -1).all(), (x > -1).all(), (Partial("min"), Partial("min"))),
         }
     assert counter.counts == {}
     for name, (got, want, placements) in cases.items():

@@ -8,10 +8,17 @@ registration order: the order a normal construction runs them in. Random initial
 DTensors draw the global values from torch's generator as on one device (``ops/random.py``),
 so after ``shardwise.manual_seed(s)`` the values equal the module built normally after the same
 seed, and the transient peak is one full parameter on top of the sharded model.
+
+PyTorch's own flow works too: a module built under ``torch.device("meta")`` keeps its meta
+DTensors through the sharding calls, ``module.to_empty(device=...)`` allocates each device's
+piece, and the model's own init (``nn.init.*``, buffers it recomputes) fills them. The sharding
+calls keep what they attached to a parameter (gradient hooks, shardwise's attributes) across
+``Module._apply``, which ``to_empty`` (and ``to``, ``cuda``, ``half``) swaps DTensors through.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -73,27 +80,80 @@ def placed_meta(tensor: DTensor, placements: Sequence[Placement]) -> DTensor:
     return DTensor(components, spec, requires_grad=tensor.requires_grad)
 
 
-def materialize_if_root(module: nn.Module) -> None:
+def materialize_if_root(module: nn.Module, *, keep_plain_meta: bool = False) -> None:
     """What the sharding calls (``parallelize_module``, ``replicate``, ``fully_shard``) run
-    last: materialize ``module`` unless it is a submodule of a tree built by
-    ``deferred_init``, whose root call initializes everything in construction order."""
-    inner = getattr(module, _TREE_FLAG, False) and not getattr(module, _ROOT_FLAG, False)
-    if is_deferred(module) and not inner:
+    last. A tree built by ``deferred_init`` is materialized when the call reaches its root
+    (calls on its submodules wait: the root initializes everything in construction order).
+    A module built under plain ``torch.device("meta")`` stays meta for PyTorch's flow
+    (``to_empty``, then the model's own init) with ``keep_plain_meta`` (``parallelize_module``)
+    or when some meta tensor has no owner with ``reset_parameters`` to fill it; otherwise it
+    is materialized. Either way ``module`` keeps its parameters' hooks across ``to_empty``."""
+    keep_hooks_across_apply(module)
+    if not is_deferred(module):
+        return
+    if getattr(module, _TREE_FLAG, False):
+        if getattr(module, _ROOT_FLAG, False):
+            materialize_module(module)
+        return
+    if not keep_plain_meta and not _unresettable(module):
         materialize_module(module)
+
+
+def _unresettable(module: nn.Module) -> list[nn.Module]:
+    """The modules of ``module`` holding meta tensors with no ``reset_parameters`` to fill
+    them."""
+    return [
+        m for m in _post_order(module)
+        if any(is_meta(t) for t in _own_tensors(m))
+        and not callable(getattr(m, "reset_parameters", None))
+    ]
+
+
+def keep_hooks_across_apply(module: nn.Module) -> None:
+    """Make ``module._apply`` (behind ``to_empty``, ``to``, ``cuda``...) keep what sharding
+    attached to its DTensor parameters and buffers. ``_apply`` swaps a DTensor parameter's
+    contents with the converted one (``torch.utils.swap_tensors``): the Python object stays
+    but its autograd hooks stay behind on the old tensor and its attributes are exchanged.
+    Idempotent; an ancestor's ``_apply`` reaches it through the children's."""
+    if "_apply" not in module.__dict__:
+        module._apply = types.MethodType(_apply, module)
+
+
+def _apply(
+    self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+) -> nn.Module:
+    """``Module._apply`` of ``self``'s class, then each converted DTensor gets back the hooks
+    and shardwise attributes its predecessor carried (named ``_apply``: a pickled module
+    finds it again by that name)."""
+    subs = self.modules() if recurse else [self]
+    held = [
+        (table, name, t, t.__dict__.get("_components"), _kept(t))
+        for sub in subs
+        for table in (sub._parameters, sub._buffers)
+        for name, t in table.items()
+        if isinstance(t, DTensor)
+    ]
+    type(self)._apply(self, fn, recurse)
+    for table, name, old, components, kept in held:
+        new = table.get(name)
+        swapped = new is not old or new.__dict__.get("_components") is not components
+        if new is not None and swapped:
+            _restore(new, kept)
+    return self
 
 
 def materialize_module(module: M, device: torch.device | str = "cpu") -> M:
     """Allocate every meta parameter and buffer of ``module`` (DTensors: each device's piece
     only; plain tensors: on ``device``) and run ``reset_parameters`` to fill them."""
+    for owner in _unresettable(module):
+        names = [n for n, t in _own_named_tensors(owner) if is_meta(t)]
+        raise DeferredInitError(
+            f"cannot materialize {type(owner).__name__} (meta tensors {names}, shapes "
+            f"{[list(t.shape) for _, t in _own_named_tensors(owner) if is_meta(t)]}): it "
+            f"has no reset_parameters() to initialize them; give it one (or call "
+            f"module.to_empty(device=...) and initialize it yourself)"
+        )
     owners = [m for m in _post_order(module) if any(is_meta(t) for t in _own_tensors(m))]
-    for owner in owners:
-        if not callable(getattr(owner, "reset_parameters", None)):
-            names = [n for n, t in _own_named_tensors(owner) if is_meta(t)]
-            raise DeferredInitError(
-                f"cannot materialize {type(owner).__name__} (meta tensors {names}, shapes "
-                f"{[list(t.shape) for _, t in _own_named_tensors(owner) if is_meta(t)]}): it "
-                f"has no reset_parameters() to initialize them; give it one"
-            )
     resetting = {id(m) for m in owners}
     allocated: dict[int, torch.Tensor] = {}  # a tied parameter is allocated once
     for m in _post_order(module):
@@ -161,15 +221,29 @@ def _allocate(module: nn.Module, device: torch.device, allocated: dict[int, torc
 def _carry_over(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """What sharding attached to a meta tensor stays with its real replacement: gradient
     hooks (a style's gradient placement) and shardwise's bookkeeping attributes."""
-    if old._backward_hooks:
-        new._backward_hooks = old._backward_hooks
-    post = getattr(old, "_post_accumulate_grad_hooks", None)
-    if post:
-        new._post_accumulate_grad_hooks = post
-    for key, value in vars(old).items():
-        if key.startswith("_shardwise"):
-            setattr(new, key, value)
+    _restore(new, _kept(old))
     return new
+
+
+_Kept = tuple[Any, Any, dict[str, Any]]
+
+
+def _kept(tensor: torch.Tensor) -> _Kept:
+    """A tensor's gradient hooks and ``_shardwise*`` attributes."""
+    attrs = {k: v for k, v in vars(tensor).items() if k.startswith("_shardwise")}
+    return tensor._backward_hooks, getattr(tensor, "_post_accumulate_grad_hooks", None), attrs
+
+
+def _restore(tensor: torch.Tensor, kept: _Kept) -> None:
+    """Give ``tensor`` the hooks and attributes ``_kept`` took; assigning the hook dicts
+    registers them with this tensor's autograd node."""
+    hooks, post, attrs = kept
+    if hooks:
+        tensor._backward_hooks = hooks
+    if post:
+        tensor._post_accumulate_grad_hooks = post
+    for key, value in attrs.items():
+        setattr(tensor, key, value)
 
 
 def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

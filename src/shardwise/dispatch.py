@@ -504,6 +504,8 @@ def _meta_outputs(func: Any, args: tuple, kwargs: dict, where: tuple, specs) -> 
     args, kwargs = _place(args, kwargs, where, metas)
     args = tuple(_to_meta(a) for a in args)
     kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+    if kwargs.get("device") is not None:  # a factory's target device (to_empty's empty_like)
+        kwargs["device"] = "meta"
     return func(*args, **kwargs)
 
 

@@ -3,14 +3,14 @@ vector norms, any/all, logsumexp, cumsum/cumprod, and Python values (``.item()``
 
 Over a dim that is not sharded a reduction keeps the placements (shard dims shift down when
 ``keepdim=False``). Over a sharded dim the local reductions are combined by a pending
-reduction where one exists: ``sum`` gives Partial("sum"), ``amax``/``max`` Partial("max"),
-``amin``/``min`` Partial("min"), 1-norms Partial("sum"), inf-norms Partial("max"). ``mean``
-runs as a sum (Partial("sum") over sharded dims) divided by the global count, which is exact
-for uneven shards. Everything else (prod, var, std, 2-norms, argmax, max/min with indices,
-logsumexp, any/all, scans along the scanned dim) needs the reduced dims whole: its strategies
-only list Replicate there, so dispatch gathers them. Partial inputs pass through only the
-reductions that are linear (sum of Partial("sum"/"avg")) or of the same kind (amax of
-Partial("max")).
+reduction where one exists: ``sum`` gives Partial("sum"), ``amax``/``max`` and ``any``
+Partial("max"), ``amin``/``min`` and ``all`` Partial("min"), 1-norms Partial("sum"), inf-norms
+Partial("max"). ``mean`` runs as a sum (Partial("sum") over sharded dims) divided by the
+global count, which is exact for uneven shards. Everything else (prod, var, std, 2-norms,
+argmax, max/min with indices, logsumexp, scans along the scanned dim) needs the reduced dims
+whole: its strategies only list Replicate there, so dispatch gathers them. Partial inputs pass
+through only the reductions that are linear (sum of Partial("sum"/"avg")) or of the same kind
+(amax of Partial("max")).
 """
 
 from __future__ import annotations
@@ -271,10 +271,17 @@ def _register_all() -> None:
             aten.prod.default, aten.prod.dim_int, aten.argmax.default, aten.argmin.default,
             aten.var.correction, aten.var.dim, aten.var.default,
             aten.std.correction, aten.std.dim, aten.std.default,
-            aten.logsumexp.default, aten.any.default, aten.any.dim, aten.any.dims,
-            aten.all.default, aten.all.dim, aten.all.dims,
+            aten.logsumexp.default,
         ],
         WHOLE,
+    )
+    # over booleans "any" is a max and "all" a min (nn.init.trunc_normal_'s rejection loop
+    # asks ``mask.any()`` of a sharded parameter's mask)
+    register_reduction(
+        [aten.any.default, aten.any.dim, aten.any.dims], ReductionKind(over_shard="max")
+    )
+    register_reduction(
+        [aten.all.default, aten.all.dim, aten.all.dims], ReductionKind(over_shard="min")
     )
     register_op_strategy([aten.linalg_vector_norm.default], schema_info=REDUCTION_INFO)(
         _norm_strategy

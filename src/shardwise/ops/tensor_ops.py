@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..comm.reduction import cast_keeps_partial
+from ..errors import InvalidArgumentError
 from ..factories import keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
@@ -58,6 +59,35 @@ def value_like_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     placements = input_strategies(schema)[0].output_spec.placements
     out = tuple(Replicate() if p.is_partial() else p for p in placements)
     return OpStrategy([strategy(mesh, [placements], out)])
+
+
+def _like_on_mesh_devices(
+    args: tuple, kwargs: dict, inputs: list[DTensorSpec], output: DTensorSpec, device: int
+) -> tuple[tuple, dict]:
+    """``empty_like(x, device=...)`` (``Module.to_empty``'s call): where the process holds
+    several devices of the mesh, a device without an index ("cuda") means each piece's own
+    mesh device; a device type other than the mesh's (or "meta") would leave pieces where the
+    mesh's collectives cannot reach them, so it is refused."""
+    requested = kwargs.get("device")
+    if requested is None:
+        return args, kwargs
+    requested = torch.device(requested)
+    mesh = output.mesh
+    if requested.type == "meta":
+        return args, kwargs
+    if requested.type != mesh.device_type:
+        raise InvalidArgumentError(
+            f"empty_like(device={str(requested)!r}) of a DTensor of shape "
+            f"{list(inputs[0].tensor_meta.shape)} with placements {list(output.placements)} on "
+            f"{mesh}: its pieces live on the mesh's {mesh.device_type!r} devices; pass a "
+            f"device of type {sorted({mesh.device_type, 'meta'})}"
+        )
+    if requested.index is None and mesh.num_local_devices() > 1:
+        kwargs = {**kwargs, "device": mesh.device_of(device)}
+    return args, kwargs
+
+
+register_local_args(aten.empty_like.default, _like_on_mesh_devices)
 
 
 @register_op_strategy(aten._to_copy.default, schema_info=META_KWARGS)

@@ -63,7 +63,9 @@ def parallelize_module(
     last), every other mesh dim is Replicate, so a 2-D (data x tensor) mesh works as is."""
     _apply_plan(module, device_mesh, parallelize_plan, tp_mesh_dim)
     guard_loading(module)
-    materialize_if_root(module)  # a meta-built module: each device allocates only its shards
+    # a deferred_init tree materializes at its root; a torch.device("meta") module stays meta
+    # (PyTorch's flow: module.to_empty(device=...), then the model's own init)
+    materialize_if_root(module, keep_plain_meta=True)
     return module
 
 
