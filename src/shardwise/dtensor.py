@@ -494,7 +494,10 @@ def distribute_tensor(
         )
     source = None  # the process whose values every device gets
     if src_data_rank is not None:
-        source = device_mesh.owner_of(int(device_mesh.mesh[(src_data_rank,) * device_mesh.ndim]))
+        flat = 0
+        for size in device_mesh.shape:  # row-major index of coordinate (k, k, ..., k)
+            flat = flat * size + src_data_rank
+        source = device_mesh.owner_of(device_mesh.device_ids[flat])
     if data.is_meta:  # deferred init: meta pieces, materialized later without communication
         return DTensor(
             [_component_of(data, spec, d) for d in local], spec, requires_grad=tensor.requires_grad

@@ -1,0 +1,111 @@
+"""FSDP2's surface on shardwise's ``fully_shard``: the module methods, grouping, shard
+placements, gradient accumulation without sync, and ``use_local_output`` of a Replicate
+output in one process. Single-device PyTorch is the oracle."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise import Replicate, Shard
+from shardwise.errors import DataParallelError
+from shardwise.parallel import (
+    FSDPModule,
+    RowwiseParallel,
+    fully_shard,
+    parallelize_module,
+)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+
+
+def _data(steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g))
+            for _ in range(steps)]
+
+
+def test_gradient_accumulation_without_sync_equals_the_summed_batches() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = _model(), _model()
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    (x0, y0), (x1, y1) = _data()
+    dy0, dy1 = (sw.distribute_tensor(y, mesh, [Shard(0)]) for y in (y0, y1))
+    model.set_requires_gradient_sync(False)
+    with sw.CommCounter() as quiet:
+        F.mse_loss(model(x0), dy0).backward()
+    assert "reduce_scatter" not in quiet.counts and "all_reduce" not in quiet.counts
+    assert all(p.grad.placements == (sw.Partial(),) for p in model.parameters())
+    model.set_requires_gradient_sync(True)
+    with sw.allow_implicit_redistribute():
+        F.mse_loss(model(x1), dy1).backward()
+    (F.mse_loss(ref(x0), y0) + F.mse_loss(ref(x1), y1)).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.grad.placements == p.placements
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_unshard_gathers_once_and_reshard_frees() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = _model(), _model()
+    fully_shard(model, mesh=mesh)
+    assert isinstance(model, FSDPModule) and isinstance(model, nn.Sequential)
+    assert type(model).__name__ == "FSDPSequential"
+    x, _ = _data()[0]
+    model.unshard()
+    with sw.CommCounter() as counter:
+        out = model(x)
+    assert "all_gather" not in counter.counts  # the held parameters were used
+    torch.testing.assert_close(out.full_tensor(), ref(x), atol=1e-6, rtol=1e-5)
+    model.reshard()
+    with sw.CommCounter() as counter:
+        model(x)
+    assert counter.counts["all_gather"] > 0
+
+
+def test_a_group_of_modules_and_shard_placement_fn() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = _model(), _model()
+    first, last = fully_shard([model[0], model[2]], mesh=mesh,
+                              shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    assert first is model[0] and isinstance(last, FSDPModule)
+    assert model[0].weight.placements == (Shard(1),) and model[2].bias.placements == (Shard(0),)
+    x, y = _data()[0]
+    with sw.allow_implicit_redistribute():
+        loss = F.mse_loss(model(sw.distribute_tensor(x, mesh, [Shard(0)])),
+                          sw.distribute_tensor(y, mesh, [Shard(0)]))
+        loss.backward()
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.full_tensor(), ref_loss.detach())
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-5)
+    with pytest.raises(DataParallelError, match="Shard"):
+        fully_shard(_model(), mesh=mesh, shard_placement_fn=lambda p: Replicate())
+    with pytest.raises(DataParallelError, match="smaller world size"):
+        fully_shard(_model(), mesh=mesh, reshard_after_forward=2)
+
+
+def test_use_local_output_of_a_replicate_output_is_plain_in_one_process() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref = _model()
+    model = copy.deepcopy(ref)
+    parallelize_module(model[2], mesh, RowwiseParallel(input_layouts=Replicate()))
+    x, _ = _data()[0]
+    out = model(x)
+    assert type(out) is torch.Tensor  # every device holds the same value
+    want = ref(x)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(model[2].weight.grad.full_tensor(), ref[2].weight.grad,
+                               atol=1e-6, rtol=1e-5)
