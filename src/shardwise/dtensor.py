@@ -546,7 +546,7 @@ def _component_of(tensor: torch.Tensor, spec: DTensorSpec, device: int) -> torch
     piece = extract_local(tensor, spec.local_segments(device))
     coord = spec.mesh.coordinate_of(device)
     for m, p in enumerate(spec.placements):
-        if isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0:
+        if isinstance(p, Partial) and p.zeros_elsewhere and coord[m] != 0:
             return torch.zeros_like(piece)
     return piece.clone(memory_format=torch.contiguous_format)
 

@@ -4,10 +4,11 @@ vector norms, any/all, logsumexp, cumsum/cumprod, and Python values (``.item()``
 Over a dim that is not sharded a reduction keeps the placements (shard dims shift down when
 ``keepdim=False``). Over a sharded dim the local reductions are combined by a pending
 reduction where one exists: ``sum`` gives Partial("sum"), ``amax``/``max`` Partial("max"),
-``amin``/``min`` Partial("min"), 1-norms Partial("sum"), inf-norms Partial("max"). ``mean``
+``amin``/``min`` Partial("min"), p-norms Partial("norm<p>") (PyTorch's ``_NormPartial``),
+inf-norms Partial("max"). ``mean``
 gives Partial("avg") of the local means, as PyTorch's DTensor does, where every device holds
 as many of the reduced elements, and Partial("sum") of local sums over the global count on
-uneven shards (exact, no communication). Everything else (prod, var, std, 2-norms, argmax, max/min with indices,
+uneven shards (exact, no communication). Everything else (prod, var, std, negative-order norms, argmax, max/min with indices,
 logsumexp, any/all, scans along the scanned dim) needs the reduced dims whole: its strategies
 only list Replicate there, so dispatch gathers them. Partial inputs pass through only the
 reductions that are linear (sum of Partial("sum"/"avg")) or of the same kind (amax of
@@ -27,7 +28,15 @@ import torch
 from ..comm.reduction import cast_keeps_partial
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from ..placements import (
+    InterleavedShard,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    norm_order,
+    norm_partial,
+)
 from ..redistribute import execute_plan, plan_redistribute
 from ..spec import DTensorSpec
 from .common import DimOption, bind_schema, product_strategy
@@ -191,14 +200,19 @@ def register_reduction(
 
 
 def _norm_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
-    """``linalg_vector_norm``: local 1-norms and 0-"norms" (counts) add up, inf-norms take the
-    max, -inf-norms the min; other orders need the reduced dims whole."""
+    """``linalg_vector_norm`` of order p over a sharded dim is its pending norm, PyTorch's
+    ``_NormPartial``: local p-norms make ``Partial("norm<p>")`` for finite p > 0 (reduced as
+    (sum x^p)^(1/p)), ``Partial("max")`` for inf, ``Partial("min")`` for -inf, ``Partial("sum")``
+    for 0 (counts); negative orders need the reduced dims whole. A pending p-norm input stays
+    pending under a norm of the same order (the norm of pending norms is the pending norm of
+    the local norms): ``clip_grad_norm_`` stacks the per-tensor norms and reduces once."""
     args = bind_schema(schema)
     source = schema.args_schema[0]
-    order = float(args.get("ord", 2))
-    over_shard = {1.0: "sum", 0.0: "sum", math.inf: "max", -math.inf: "min"}.get(order)
+    pending = norm_partial(float(args.get("ord", 2)))
     dims = reduced_dims(args.get("dim"), source.ndim)
-    kind = ReductionKind(over_shard=over_shard)
+    op = None if pending is None else pending.reduce_op
+    keeps = (op,) if op is not None and norm_order(op) is not None else ()
+    kind = ReductionKind(over_shard=op, keeps=keeps)
     return reduction_strategy(mesh, source, dims, bool(args.get("keepdim", False)), kind)
 
 
