@@ -138,7 +138,7 @@ def reduction_strategy(
             return True
         return made == {kind.over_shard if _evenly_reduced(spec, ins, dims) else kind.uneven}
 
-    needs_rows = kind.over_shard in ("max", "min")
+    needs_rows = kind.over_shard in ("max", "min", "norminf")  # no identity for empty pieces
     checked = needs_rows or kind.uneven is not None
     return product_strategy(mesh, options, multi=kind.outputs > 1, valid=valid if checked else None)
 
