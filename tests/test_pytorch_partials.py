@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from mp_harness import run_in_processes
 from torch import nn
 
 import shardwise as sw
+from mp_harness import run_in_processes
 from shardwise import Partial, Replicate, Shard
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from shardwise.placements import norm_partial
@@ -177,7 +177,8 @@ def test_pending_norm_semantics_and_redistribution() -> None:
         scattered = d.redistribute(placements=[Shard(0)])
         torch.testing.assert_close(torch.cat(sw.unpack(scattered)), want)
         # Replicate -> pending norm moves nothing and keeps the value
-        back = scattered.redistribute(placements=[Replicate()]).redistribute(placements=[Partial(op)])
+        whole = scattered.redistribute(placements=[Replicate()])
+        back = whole.redistribute(placements=[Partial(op)])
         torch.testing.assert_close(back.full_tensor(), want)
     with pytest.raises(sw.InvalidPlacementError, match="floating"):
         sw.DTensor.from_local([torch.tensor([1]), torch.tensor([2])], mesh, [Partial("norm2")])
