@@ -100,7 +100,7 @@ def test_sharded_reduction_placements_without_communication() -> None:
             "amax0": (d.amax(0), x.amax(0), (Partial("max"), Shard(1))),
             "amin_all": (d.amin((0, 1, 2)), x.amin(), (Partial("min"), Partial("min"))),
             "norm1": (torch.linalg.vector_norm(d, 1), torch.linalg.vector_norm(x, 1),
-                      (Partial(), Partial())),
+                      (Partial("norm1"), Partial("norm1"))),
             "var1": (d.var(1), x.var(1), (Shard(0), Shard(1))),
             "cumsum1": (d.cumsum(1), x.cumsum(1), (Shard(0), Shard(2))),
             "argmax1": (d.argmax(1), x.argmax(1), (Shard(0), Shard(1))),

@@ -397,6 +397,9 @@ def _spec_from_components(
     if stride is not None:
         _check_stride(shape, stride, mesh, normalized)
         meta = TensorMeta(meta.shape, tuple(stride), meta.dtype)
+    else:
+        meta = TensorMeta(meta.shape, _global_stride(components[0], mesh, normalized, shape),
+                          meta.dtype)
     spec = DTensorSpec(mesh, normalized, meta)
     for c, d in zip(components, mesh.local_device_ids, strict=True):
         if c.shape != spec.local_shape(d):
@@ -407,6 +410,31 @@ def _spec_from_components(
                 f"{[list(x.shape) for x in components]})"
             )
     return spec
+
+
+def _global_stride(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The global stride ``from_local`` gives, PyTorch's rule: the local tensor's stride, where
+    each mesh dim of size n that shards tensor dim d multiplies by n every other stride at
+    least as large as d's (a permuted local tensor gives a permuted global one). Where that
+    does not lay the global shape out densely (a local tensor with gaps, or uneven shards of a
+    given shape), the global stride is the dense one in the local tensor's dim order."""
+    stride = list(local.stride())
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n = mesh.shape[m]
+            stride = [s * n if i != p.dim and s >= stride[p.dim] else s
+                      for i, s in enumerate(stride)]
+    try:
+        _check_stride(shape, stride, mesh, placements)
+    except PackError:
+        order = sorted(range(len(shape)), key=lambda d: (local.stride(d), local.shape[d]))
+        stride, acc = [0] * len(shape), 1
+        for d in order:
+            stride[d] = acc
+            acc *= max(shape[d], 1)
+    return tuple(stride)
 
 
 def _check_stride(
@@ -527,7 +555,7 @@ def _component_of(tensor: torch.Tensor, spec: DTensorSpec, device: int) -> torch
     piece = extract_local(tensor, spec.local_segments(device))
     coord = spec.mesh.coordinate_of(device)
     for m, p in enumerate(spec.placements):
-        if isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0:
+        if isinstance(p, Partial) and p.zeros_elsewhere and coord[m] != 0:
             return torch.zeros_like(piece)
     return piece.clone(memory_format=torch.contiguous_format)
 

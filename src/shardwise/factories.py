@@ -32,7 +32,7 @@ def keeps_value(spec: DTensorSpec, device: int) -> bool:
     each Partial("sum") mesh dim): where a constant is written once, not once per device."""
     coord = spec.mesh.coordinate_of(device)
     return not any(
-        isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0
+        isinstance(p, Partial) and p.zeros_elsewhere and coord[m] != 0
         for m, p in enumerate(spec.placements)
     )
 

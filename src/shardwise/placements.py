@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -9,6 +10,35 @@ from .errors import InvalidPlacementError
 
 ReduceOp = Literal["sum", "avg", "max", "min"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+NORM = "norm"  # a pending p-norm is Partial("norm<p>"), e.g. Partial("norm2")
+
+
+def norm_order(reduce_op: str) -> float | None:
+    """The order p of a pending p-norm reduce op (``"norm2"`` -> 2.0), None for other ops."""
+    if not reduce_op.startswith(NORM):
+        return None
+    try:
+        p = float(reduce_op[len(NORM):])
+    except ValueError:
+        return None
+    return p if p > 0 else None  # (0, inf]: "norminf" is the max of |x|
+
+
+def norm_partial(p: float) -> Partial | None:
+    """How local p-norms of the pieces of a sharded tensor combine into its p-norm, as a
+    Partial: ``Partial("norm<p>")`` for p > 0 (the pieces' values v_i stand for
+    (sum |v_i|^p)^(1/p): |x|^p, summed, then the p-th root; p = 1 sums |v_i|; p = inf,
+    ``"norminf"``, takes max |v_i|), ``Partial("min")`` for p = -inf, ``Partial("sum")`` for
+    p = 0 (counts); None where local norms do not combine (p < 0). Unlike ``Partial("max")``,
+    a pending inf-norm stays pending under a further inf-norm (PyTorch gives Partial("max"))."""
+    p = float(p)
+    special = {-math.inf: "min", 0.0: "sum"}
+    if p in special:
+        return Partial(special[p])
+    if p < 0:
+        return None
+    short = f"{p:g}"  # "inf" for p = inf
+    return Partial(f"{NORM}{short if float(short) == p else repr(p)}")
 
 
 class Placement:
@@ -74,18 +104,26 @@ class Replicate(Placement):
 
 @dataclass(frozen=True)
 class Partial(Placement):
-    """Devices of the mesh dim hold values whose reduction (sum, avg, max, min) is the tensor."""
+    """Devices of the mesh dim hold values whose reduction (sum, avg, max, min, or a p-norm
+    ``"norm<p>"``, 0 < p <= inf: see ``norm_partial``) is the tensor."""
 
     reduce_op: str = "sum"
 
     def __post_init__(self) -> None:
-        if self.reduce_op not in REDUCE_OPS:
+        if self.reduce_op not in REDUCE_OPS and norm_order(self.reduce_op) is None:
             raise InvalidPlacementError(
                 f"Partial(reduce_op={self.reduce_op!r}) is not supported; use one of {REDUCE_OPS}"
+                f" or a p-norm 'norm<p>' with 0 < p <= inf (e.g. 'norm2', 'norminf')"
             )
 
     def is_partial(self) -> bool:
         return True
+
+    @property
+    def zeros_elsewhere(self) -> bool:
+        """Whether a whole value may sit on one device of the mesh dim with zeros on the others
+        (a sum or a p-norm of (v, 0, ...) is v; avg, max and min need v everywhere)."""
+        return self.reduce_op == "sum" or norm_order(self.reduce_op) is not None
 
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op!r})" if self.reduce_op != "sum" else "Partial()"

@@ -668,9 +668,10 @@ def _merge_interleaved(pieces: Sequence[torch.Tensor], placement: InterleavedSha
 
 
 def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Tensor:
-    """Replicate -> Partial without moving data: for sum the first device keeps the value and
-    the others hold zeros (exact for every dtype); avg, max and min keep the value everywhere."""
-    if placement.reduce_op == "sum" and coordinate != 0:
+    """Replicate -> Partial without moving data: for sum and p-norms the first device keeps the
+    value and the others hold zeros (exact for every dtype); avg, max and min keep the value
+    everywhere."""
+    if placement.zeros_elsewhere and coordinate != 0:
         return torch.zeros_like(t)
     return t
 
@@ -1016,7 +1017,7 @@ def lower_bound_bytes(
     ]
     summed = [
         m for m, p in enumerate(target)
-        if isinstance(p, Partial) and p.reduce_op == "sum" and m not in kept
+        if isinstance(p, Partial) and p.zeros_elsewhere and m not in kept
     ]
     src = [shard_segments(shape, mesh.shape, source, c) for c in coords]
     dst = [shard_segments(shape, mesh.shape, target, c) for c in coords]

@@ -18,7 +18,7 @@ import torch
 
 from ..mesh import DeviceMesh
 from . import accounting, background, distributed, native
-from .reduction import reduce_terms
+from .reduction import norm_terms, reduce_terms
 
 
 @lru_cache(maxsize=4096)
@@ -92,7 +92,13 @@ def _per_piece_received(
 def all_reduce(
     mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor], op: str = "sum"
 ) -> list[torch.Tensor]:
-    """Every device gets the reduction (sum, avg, max, min) of its group's components."""
+    """Every device gets the reduction (sum, avg, max, min, or a p-norm ``"norm<p>"``: a sum
+    of powers between two transforms) of its group's components."""
+    norm = norm_terms(op)
+    if norm is not None:
+        base, before, after = norm
+        reduced = all_reduce(mesh, mesh_dim, [before(c) for c in components], base)
+        return [after(r, c.dtype) for r, c in zip(reduced, components, strict=True)]
     out: list[torch.Tensor] = list(components)
     inside, across = _split_groups(mesh, mesh_dim)
     for members, indices in inside:
@@ -155,7 +161,12 @@ def reduce_scatter(
     mesh: DeviceMesh, mesh_dim: int, pieces: Sequence[Sequence[torch.Tensor]], op: str = "sum"
 ) -> list[torch.Tensor]:
     """``pieces[i][k]`` is local device i's contribution to group member k; member k gets the
-    reduction of what every member addressed to it."""
+    reduction of what every member addressed to it (a p-norm as in ``all_reduce``)."""
+    norm = norm_terms(op)
+    if norm is not None:
+        base, before, after = norm
+        reduced = reduce_scatter(mesh, mesh_dim, [[before(t) for t in p] for p in pieces], base)
+        return [after(r, p[0].dtype) for r, p in zip(reduced, pieces, strict=True)]
     out: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
     inside, across = _split_groups(mesh, mesh_dim)
     for members, indices in inside:

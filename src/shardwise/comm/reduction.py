@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..errors import ShardwiseError
+from ..placements import norm_order
 from ..spec import LOW_PRECISION
 
 
@@ -32,6 +34,8 @@ def reduce_op_problem(op: str, dtype: torch.dtype) -> str | None:
         )
     if op in ("max", "min") and dtype.is_complex:
         return f"Partial({op!r}) needs an ordered dtype, but complex {dtype} values have no order"
+    if norm_order(op) is not None and not dtype.is_floating_point:
+        return f"Partial({op!r}) holds pending norms, which need a real floating dtype, not {dtype}"
     return None
 
 
@@ -92,7 +96,7 @@ def cast_keeps_partial(op: str, src: torch.dtype, dst: torch.dtype) -> bool:
         return True
     if reduce_op_problem(op, dst) is not None:
         return False
-    if op in ("sum", "avg"):
+    if op in ("sum", "avg") or norm_order(op) is not None:
         return _widens_exactly(src, dst)
     if src.is_complex or dst.is_complex or torch.bool in (src, dst):
         return False
@@ -102,5 +106,30 @@ def cast_keeps_partial(op: str, src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def reduce_terms(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """The finished reduction of ``tensors`` in the order given."""
+    """The finished reduction of ``tensors`` in the order given (a p-norm: ``norm_terms``)."""
+    norm = norm_terms(op)
+    if norm is not None:
+        base, before, after = norm
+        return after(reduce_terms([before(t) for t in tensors], base), tensors[0].dtype)
     return finish(combine(tensors, op), op, len(tensors), tensors[0].dtype)
+
+
+def norm_terms(op: str) -> tuple[str, Callable, Callable] | None:
+    """For a pending p-norm reduce op (``"norm<p>"``), the plain reduce op its pieces go
+    through and the transforms around it: |x|^p in float32 or wider before, the p-th root
+    (and the pieces' dtype) after; None for other ops. p = 1 needs only the sum of |x|, p = inf
+    the max of |x|."""
+    p = norm_order(op)
+    if p is None:
+        return None
+    if p == math.inf:
+        return "max", torch.abs, lambda t, dtype: t.to(dtype)
+
+    def before(t: torch.Tensor) -> torch.Tensor:
+        wide = t.abs().to(torch.promote_types(t.dtype, torch.float32))
+        return wide if p == 1 else wide.pow_(p)
+
+    def after(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (t if p == 1 else t.pow(1 / p)).to(dtype)
+
+    return "sum", before, after

@@ -7,28 +7,34 @@ with the target's. Per reduction, with a sharded batch:
 
 - ``none``: the per-element loss is sharded like the batch;
 - ``sum``: local sums are ``Partial("sum")``, and so is ``total_weight``;
-- ``mean``: the mean of uneven shards is not the mean of local means, and with ``ignore_index``
-  or class weights the divisor is data-dependent, so each device sums locally (a local-args hook
-  turns the reduction into ``sum``), then a post-patch all-reduces ``total_weight`` (one scalar,
-  counted like any collective) and divides: the loss stays ``Partial("sum")`` and
-  ``total_weight`` becomes replicated, which is what the backward needs.
+- ``mean``: the loss is ``Partial("avg")``, PyTorch's encoding, whose pieces are the local
+  means when every device holds as much weight. PyTorch takes the local means as they are, which
+  is wrong on uneven shards (it refuses them) and wherever ``ignore_index`` or class weights
+  leave the devices different weights (it does not notice). shardwise keeps the value exact: each
+  device sums locally (a local-args hook turns the reduction into ``sum``), then a post-patch
+  all-reduces ``total_weight`` (one scalar, counted like any collective) and makes each piece
+  ``local sum * D / total weight`` (``D`` devices averaged over), which is the local mean in
+  PyTorch's case. ``total_weight`` comes out replicated (PyTorch leaves it ``Partial("sum")``):
+  the backward needs it whole, so it is not reduced twice.
 
 The loss is linear in its input, so a Partial input with replicated target gives a Partial loss.
 
 The elementwise losses (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``) shard like pointwise
-ops; with ``mean`` over a sharded input each device sums and divides by the global element count
-(static), so they need no communication at all.
+ops; ``mean`` over a sharded input is ``Partial("avg")`` of the local means on even shards (as in
+PyTorch) and, on uneven ones, each device sums and divides by the global element count (static,
+``Partial("sum")``), so they need no communication at all.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .common import DimOption, P, R, input_strategies, product_strategy
 from .registry import (
@@ -41,6 +47,7 @@ from .registry import (
 )
 
 aten = torch.ops.aten
+AVG = Partial("avg")
 
 MEAN, SUM = 1, 2  # at::Reduction
 REDUCTION_ARG = 3  # position of ``reduction`` in both forward ops
@@ -66,7 +73,7 @@ def nll_loss_forward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     extra = (R,) * (len(inputs) - 2)  # the class weight, if any, is replicated
     options: list[DimOption] = [((R, R) + extra, (R, R))]
     for d, t in _batch_dims(inputs[0].ndim):
-        loss = Shard(t) if reduction not in (MEAN, SUM) else P
+        loss = {MEAN: AVG, SUM: P}.get(reduction, Shard(t))
         total = P if reduction in (MEAN, SUM) else R
         options.append(((Shard(d), Shard(t)) + extra, (loss, total)))
     options.append(((P, R) + extra, (P, R)))
@@ -85,14 +92,19 @@ def _nll_forward_local_args(
 def _nll_forward_post_patch(
     _op: Any, result: tuple[DTensor, DTensor], args: tuple, _kwargs: dict
 ) -> tuple[DTensor, DTensor]:
-    """Finish a batch-sharded ``mean``: all-reduce ``total_weight``, divide the local sums."""
+    """Finish a batch-sharded ``mean``: all-reduce ``total_weight`` (one scalar) and make each
+    device's loss ``local sum * D / global weight``, ``D`` the devices averaged over: the
+    ``Partial("avg")`` pieces then average to the exact weighted mean, and each is the local
+    mean whenever the devices' weights are equal (PyTorch's case)."""
     loss, total = result
     if args[REDUCTION_ARG] != MEAN or not any(p.is_partial() for p in total.placements):
         return result
     placements: list[Placement] = [Replicate() if p.is_partial() else p for p in total.placements]
     total = total.redistribute(placements=placements)
-    divided = [s / w for s, w in zip(loss._components, total._components, strict=True)]
-    return DTensor(divided, loss._spec), total
+    mesh = loss.device_mesh
+    averaged = math.prod(mesh.shape[m] for m, p in enumerate(loss.placements) if p == AVG)
+    scaled = [s * averaged / w for s, w in zip(loss._components, total._components, strict=True)]
+    return DTensor(scaled, loss._spec), total
 
 
 for _op in FORWARD_OPS:
@@ -144,24 +156,48 @@ def _reduction(args: tuple, kwargs: dict, at: int) -> int:
 @register_op_strategy(ELEMENTWISE_OPS, schema_info=RuntimeSchemaInfo(2))
 def elementwise_loss_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """``mse_loss(input, target, reduction, ...)``: input and target sharded alike on any dim give
-    a sharded loss (``none``) or a Partial one (``sum``; ``mean`` sums locally and divides by
-    the global element count, so uneven shards need no communication)."""
+    a sharded loss (``none``) or a pending one: ``sum`` is ``Partial("sum")`` of local sums;
+    ``mean`` is ``Partial("avg")`` of the local means, as in PyTorch's DTensor, where every
+    device holds as many elements, and on uneven shards (where PyTorch gathers) ``Partial("sum")``
+    of local sums over the global element count: exact, and no communication either way."""
     inputs, target = input_strategies(schema)
     reduction = _reduction(schema.args_schema, schema.kwargs_schema, 2)
     options: list[DimOption] = [((R, R), (R,))]
     if inputs.shape == target.shape:
         for d in range(inputs.ndim):
-            loss = Shard(d) if reduction not in (MEAN, SUM) else P
-            options.append(((Shard(d), Shard(d)), (loss,)))
-    return product_strategy(mesh, options)
+            if reduction not in (MEAN, SUM):
+                options.append(((Shard(d), Shard(d)), (Shard(d),)))
+            else:
+                options.append(((Shard(d), Shard(d)), (P,)))
+            if reduction == MEAN:
+                options.append(((Shard(d), Shard(d)), (AVG,)))
+    if reduction != MEAN:
+        return product_strategy(mesh, options)
+    spec = inputs.output_spec
+
+    def valid(combo: tuple[DimOption, ...]) -> bool:
+        made = {c[1][0].reduce_op for c in combo if isinstance(c[1][0], Partial)}
+        if not made:
+            return True
+        ins = spec.with_placements(tuple(c[0][0] for c in combo))
+        even = len({math.prod(ins.local_shape(d)) for d in mesh.device_ids}) == 1
+        return made == {"avg" if even else "sum"}
+
+    return product_strategy(mesh, options, valid=valid)
+
+
+def _sums_locally(specs: list[DTensorSpec], output: Any) -> bool:
+    """A sharded ``mean`` left as ``Partial("sum")`` (uneven shards): sum, then divide."""
+    return any(isinstance(p, Shard) for p in specs[0].placements) and any(
+        isinstance(q, Partial) and q.reduce_op == "sum" for q in output.placements
+    )
 
 
 def _elementwise_local_args(
     args: tuple, kwargs: dict, specs: list[DTensorSpec], _out: Any, _device: int
 ) -> tuple[tuple, dict]:
-    """A sharded ``mean``: sum locally (the post-patch divides by the global count)."""
-    sharded = any(isinstance(p, Shard) for p in specs[0].placements)
-    if _reduction(args, kwargs, 2) == MEAN and sharded:
+    """A ``mean`` over uneven shards: sum locally (the post-patch divides by the global count)."""
+    if _reduction(args, kwargs, 2) == MEAN:
         if len(args) > 2:
             return (*args[:2], SUM, *args[3:]), kwargs
         return args, {**kwargs, "reduction": SUM}
@@ -169,16 +205,16 @@ def _elementwise_local_args(
 
 
 def _elementwise_post_patch(_op: Any, result: DTensor, args: tuple, kwargs: dict) -> DTensor:
-    """Finish a sharded ``mean``: divide the Partial local sums by the global element count."""
-    if _reduction(args, kwargs, 2) != MEAN or not any(p.is_partial() for p in result.placements):
+    """Finish a ``mean`` over uneven shards: divide the local sums by the global element count."""
+    if _reduction(args, kwargs, 2) != MEAN:
         return result
     count = args[0].numel()
     return DTensor([c / count for c in result._components], result._spec)
 
 
 for _op in ELEMENTWISE_OPS:
-    register_local_args(_op, _elementwise_local_args)
-    register_post_patch(_op, _elementwise_post_patch)
+    register_local_args(_op, _elementwise_local_args, applies=_sums_locally)
+    register_post_patch(_op, _elementwise_post_patch, applies=_sums_locally)
 
 
 @register_op_strategy(ELEMENTWISE_BACKWARD_OPS, schema_info=RuntimeSchemaInfo(3))

@@ -4,13 +4,15 @@ vector norms, any/all, logsumexp, cumsum/cumprod, and Python values (``.item()``
 Over a dim that is not sharded a reduction keeps the placements (shard dims shift down when
 ``keepdim=False``). Over a sharded dim the local reductions are combined by a pending
 reduction where one exists: ``sum`` gives Partial("sum"), ``amax``/``max`` and ``any``
-Partial("max"), ``amin``/``min`` and ``all`` Partial("min"), 1-norms Partial("sum"), inf-norms
-Partial("max"). ``mean`` runs as a sum (Partial("sum") over sharded dims) divided by the
-global count, which is exact for uneven shards. Everything else (prod, var, std, 2-norms,
-argmax, max/min with indices, logsumexp, scans along the scanned dim) needs the reduced dims
-whole: its strategies only list Replicate there, so dispatch gathers them. Partial inputs pass
-through only the reductions that are linear (sum of Partial("sum"/"avg")) or of the same kind
-(amax of Partial("max")).
+Partial("max"), ``amin``/``min`` and ``all`` Partial("min"), p-norms Partial("norm<p>")
+(PyTorch's ``_NormPartial``, with p = inf as "norminf"). ``mean`` gives Partial("avg") of the local means, as PyTorch's DTensor
+does, where every device holds as many of the reduced elements, and Partial("sum") of local
+sums over the global count on uneven shards (exact, no communication). Everything else (prod,
+var, std, negative-order norms, argmax, max/min with indices, logsumexp, scans along
+the scanned dim) needs the reduced dims whole: its strategies only list Replicate there, so
+dispatch gathers them. Partial inputs pass through only the reductions that are linear (sum
+and mean of Partial("sum"/"avg")) or of the same kind (amax of Partial("max"), a p-norm of
+Partial("norm<p>")).
 """
 
 from __future__ import annotations
@@ -23,19 +25,27 @@ from typing import Any
 
 import torch
 
-from ..comm.reduction import LOW_PRECISION, cast_keeps_partial
+from ..comm.reduction import cast_keeps_partial
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from ..placements import (
+    InterleavedShard,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    norm_order,
+    norm_partial,
+)
 from ..redistribute import execute_plan, plan_redistribute
 from ..spec import DTensorSpec
 from .common import DimOption, bind_schema, product_strategy
-from .low_precision import held_as
 from .registry import (
     OpSchema,
     OpStrategy,
     RuntimeSchemaInfo,
     bypass_dispatch,
+    register_local_args,
     register_op_strategy,
 )
 
@@ -60,6 +70,9 @@ class ReductionKind:
     over_shard: str | None = None
     keeps: tuple[str, ...] = ()
     outputs: int = 1
+    # the Partial reduce op instead of ``over_shard`` when devices hold different numbers of
+    # the reduced elements (the average of local means is then not the mean)
+    uneven: str | None = None
 
 
 WHOLE = ReductionKind()
@@ -104,19 +117,42 @@ def reduction_strategy(
             pairs.append((p, _moved(p, dim_map)))
         elif kind.over_shard is not None:
             pairs.append((p, Partial(kind.over_shard)))
+            if kind.uneven is not None:
+                pairs.append((p, Partial(kind.uneven)))
     pairs += [(Partial(op), Partial(op)) for op in kind.keeps]
     if kind.outputs > 1:  # values and indices: an index is not a partial value
         pairs = [(p, q) for p, q in pairs if not isinstance(q, Partial)]
     options: list[DimOption] = [((p,), (q,) * kind.outputs) for p, q in pairs]
 
+    spec = input_strategy.output_spec
+
     def valid(combo: Sequence[DimOption]) -> bool:
         ins = tuple(c[0][0] for c in combo)
-        return not _some_shard_empty(input_strategy.output_spec, ins, dims)
+        if needs_rows and _some_shard_empty(spec, ins, dims):
+            return False
+        if kind.uneven is None:
+            return True
+        made = {q.reduce_op for c in combo for p, q in [(c[0][0], c[1][0])]
+                if isinstance(p, Shard) and isinstance(q, Partial)}
+        if not made:
+            return True
+        return made == {kind.over_shard if _evenly_reduced(spec, ins, dims) else kind.uneven}
 
-    needs_rows = kind.over_shard in ("max", "min")
-    return product_strategy(
-        mesh, options, multi=kind.outputs > 1, valid=valid if needs_rows else None
-    )
+    needs_rows = kind.over_shard in ("max", "min", "norminf")  # no identity for empty pieces
+    checked = needs_rows or kind.uneven is not None
+    return product_strategy(mesh, options, multi=kind.outputs > 1, valid=valid if checked else None)
+
+
+def _evenly_reduced(
+    spec: DTensorSpec, placements: tuple[Placement, ...], dims: Sequence[int]
+) -> bool:
+    """True if every device holds the same number of the reduced elements under
+    ``placements`` (then the average of the local means over any mesh dims is the mean)."""
+    moved = spec.with_placements(placements)
+    counts = {
+        math.prod(moved.local_shape(device)[d] for d in dims) for device in spec.mesh.device_ids
+    }
+    return len(counts) == 1
 
 
 def _some_shard_empty(
@@ -164,14 +200,19 @@ def register_reduction(
 
 
 def _norm_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
-    """``linalg_vector_norm``: local 1-norms and 0-"norms" (counts) add up, inf-norms take the
-    max, -inf-norms the min; other orders need the reduced dims whole."""
+    """``linalg_vector_norm`` of order p over a sharded dim is its pending norm, PyTorch's
+    ``_NormPartial``: local p-norms make ``Partial("norm<p>")`` for finite p > 0 (reduced as
+    (sum x^p)^(1/p)), ``Partial("max")`` for inf, ``Partial("min")`` for -inf, ``Partial("sum")``
+    for 0 (counts); negative orders need the reduced dims whole. A pending p-norm input stays
+    pending under a norm of the same order (the norm of pending norms is the pending norm of
+    the local norms): ``clip_grad_norm_`` stacks the per-tensor norms and reduces once."""
     args = bind_schema(schema)
     source = schema.args_schema[0]
-    order = float(args.get("ord", 2))
-    over_shard = {1.0: "sum", 0.0: "sum", math.inf: "max", -math.inf: "min"}.get(order)
+    pending = norm_partial(float(args.get("ord", 2)))
     dims = reduced_dims(args.get("dim"), source.ndim)
-    kind = ReductionKind(over_shard=over_shard)
+    op = None if pending is None else pending.reduce_op
+    keeps = (op,) if op is not None and norm_order(op) is not None else ()
+    kind = ReductionKind(over_shard=op, keeps=keeps)
     return reduction_strategy(mesh, source, dims, bool(args.get("keepdim", False)), kind)
 
 
@@ -196,30 +237,53 @@ def _scan_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     return product_strategy(mesh, options, multi=outputs > 1)
 
 
-# ----- mean: a sum divided by the global count -------------------------------------------------
+# ----- mean: Partial("avg") of local means ----------------------------------------------------
+
+MEAN = ReductionKind(over_shard="avg", keeps=("sum", "avg"), uneven="sum")
 
 
-def _mean(op: Any, args: tuple, kwargs: dict) -> DTensor:
-    """``mean`` as ``sum`` then division by the number of reduced elements: over a sharded dim
-    the sum is Partial("sum") and the division is linear, so no data moves and the result is
-    exact for uneven shards (the average of local means would not be)."""
+def _mean_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """``mean`` over a sharded dim is ``Partial("avg")`` of the local means, as in PyTorch's
+    DTensor, when every device holds the same number of the reduced elements (the average of
+    the local means is then the mean). On uneven shards it is not: PyTorch then gathers the
+    reduced dims (a Replicate result, the whole tensor moved); shardwise instead keeps the
+    global value exact without communication as ``Partial("sum")`` of each device's local sum
+    divided by the global count (``_mean_local_args``). Mean is linear, so a Partial("sum") or
+    Partial("avg") input stays so (dtype permitting)."""
+    args = bind_schema(schema)
+    source = schema.args_schema[0]
+    dims = reduced_dims(args.get("dim"), source.ndim)
+    kind = _keeps_for_dtype(MEAN, source, args.get("dtype"))
+    return reduction_strategy(mesh, source, dims, bool(args.get("keepdim", False)), kind)
+
+
+def _from_uneven_shards(specs: list[DTensorSpec], output: Any) -> bool:
+    """The decision turns a shard of reduced elements into ``Partial("sum")`` (uneven shards)."""
+    return any(
+        isinstance(p, Shard) and isinstance(q, Partial) and q.reduce_op == "sum"
+        for p, q in zip(specs[0].placements, output.placements, strict=True)
+    )
+
+
+def _mean_local_args(
+    args: tuple, kwargs: dict, specs: list[DTensorSpec], _out: Any, _device: int
+) -> tuple[tuple, dict]:
+    """Uneven shards: each device's mean must be its local sum over the global count, so its
+    piece is scaled by (local count / global count) before the local mean; an empty piece
+    becomes one zero per output element (its share is 0, where its mean would be NaN)."""
     x = args[0]
-    meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    rest = args[1:]
-    op(meta, *rest, **kwargs)  # raises aten's own error for invalid dtypes or dims
-    # float16/bfloat16 sum in float32 and divide before rounding, as torch.mean does
-    low = kwargs.get("dtype") is None and x.dtype in LOW_PRECISION
-    kwargs = {**kwargs, "dtype": torch.float32} if low else kwargs
-    if op is aten.mean.default:
-        total = aten.sum.default(x, **kwargs)
-        count = x.numel()
+    spec = specs[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    dims = reduced_dims(dim, spec.ndim)
+    local = math.prod(x.shape[d] for d in dims)
+    total = math.prod(spec.shape[d] for d in dims)
+    dtype = kwargs.get("dtype") or x.dtype
+    if local == 0:
+        shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
+        x = torch.zeros(shape, dtype=dtype, device=x.device)
     else:
-        dims = reduced_dims(rest[0] if rest else kwargs.get("dim"), x.ndim)
-        keepdim = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
-        total = aten.sum.dim_IntList(x, dims, keepdim, dtype=kwargs.get("dtype"))
-        count = math.prod(x.shape[d] for d in dims)
-    mean = aten.div.Scalar(total, count)
-    return held_as(mean, x.dtype) if low else mean
+        x = x.to(dtype) * (local / total)
+    return (x, *args[1:]), kwargs
 
 
 # ----- Python values ---------------------------------------------------------------------------
@@ -294,7 +358,12 @@ def _register_all() -> None:
         ],
         schema_info=RuntimeSchemaInfo(1),
     )(_scan_strategy)
-    bypass_dispatch([aten.mean.default, aten.mean.dim], _mean)
+    register_op_strategy([aten.mean.default, aten.mean.dim], schema_info=REDUCTION_INFO)(
+        _mean_strategy
+    )
+    register_local_args(
+        [aten.mean.default, aten.mean.dim], _mean_local_args, applies=_from_uneven_shards
+    )
     bypass_dispatch([aten._local_scalar_dense.default], _local_scalar_dense)
 
 

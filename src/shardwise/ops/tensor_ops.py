@@ -230,7 +230,7 @@ def _copy_local(
     dst, src = inputs
     coord = dst.mesh.coordinate_of(device)
     zero = any(
-        isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0 and q.is_replicate()
+        isinstance(p, Partial) and p.zeros_elsewhere and coord[m] != 0 and q.is_replicate()
         for m, (p, q) in enumerate(zip(dst.placements, src.placements, strict=True))
     )
     if not zero:

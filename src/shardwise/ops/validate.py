@@ -26,7 +26,7 @@ from ..dispatch import allow_implicit_redistribute
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import InvalidArgumentError, InvalidPlacementError, StrategyValidationError
 from ..mesh import DeviceMesh, init_device_mesh
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard, norm_order
 from ..spec import DTensorSpec, make_tensor_meta, validate_placements
 from . import registry
 from .registry import OpStrategy, PlacementStrategy, Registration
@@ -122,7 +122,15 @@ def _split(piece: torch.Tensor, n: int, kind: str, gen: torch.Generator) -> list
     if kind == "avg":
         mean = sum(noise, torch.zeros_like(piece)) / n
         return [piece + x - mean for x in noise]
+    order = norm_order(kind)
+    if order is not None and order != math.inf:  # nonnegative pieces whose p-norm is |piece|
+        weights = [x.abs() + 0.1 for x in noise]
+        scale = sum((w ** order for w in weights), torch.zeros_like(piece)) ** (1 / order)
+        return [piece.abs() * w / scale for w in weights]
     keeper = torch.randint(0, n, piece.shape, generator=gen)
+    if order is not None:  # inf: one device holds |piece|, the others less
+        return [torch.where(keeper == k, piece.abs(), piece.abs() * torch.rand(
+            piece.shape, generator=gen, dtype=torch.float64).to(piece.dtype)) for k in range(n)]
     sign = -1 if kind == "max" else 1
     return [torch.where(keeper == k, piece, piece + sign * noise[k]) for k in range(n)]
 
@@ -323,6 +331,13 @@ def _run_candidate(
     ins = candidate.input_specs
     if ins is None or len(ins) != len(tensor_at):
         return f"declares {0 if ins is None else len(ins)} input specs for {len(tensor_at)} inputs"
+    held = [i for i, spec in zip(tensor_at, ins, strict=True)
+            if any(isinstance(p, Partial) and norm_order(p.reduce_op) is not None
+                   for p in spec.placements)]
+    if held:  # a pending norm holds |value|: the oracle runs on that
+        flat = [f.abs() if i in held else f for i, f in enumerate(flat)]
+        plain_args, plain_kwargs = pytree.tree_unflatten(flat, tree)
+        expected = op(*plain_args, **plain_kwargs)
     dflat = list(flat)
     for i, spec in zip(tensor_at, ins, strict=True):
         t = flat[i].detach().clone()
