@@ -5,14 +5,14 @@ Over a dim that is not sharded a reduction keeps the placements (shard dims shif
 ``keepdim=False``). Over a sharded dim the local reductions are combined by a pending
 reduction where one exists: ``sum`` gives Partial("sum"), ``amax``/``max`` and ``any``
 Partial("max"), ``amin``/``min`` and ``all`` Partial("min"), p-norms Partial("norm<p>")
-(PyTorch's ``_NormPartial``, with p = inf as "norminf"). ``mean`` gives Partial("avg") of the local means, as PyTorch's DTensor
-does, where every device holds as many of the reduced elements, and Partial("sum") of local
-sums over the global count on uneven shards (exact, no communication). Everything else (prod,
-var, std, negative-order norms, argmax, max/min with indices, logsumexp, scans along
-the scanned dim) needs the reduced dims whole: its strategies only list Replicate there, so
-dispatch gathers them. Partial inputs pass through only the reductions that are linear (sum
-and mean of Partial("sum"/"avg")) or of the same kind (amax of Partial("max"), a p-norm of
-Partial("norm<p>")).
+(PyTorch's ``_NormPartial``, with p = inf as "norminf"). ``mean`` gives Partial("avg") of the
+local means, as PyTorch's DTensor does, where every device holds as many of the reduced
+elements, and Partial("sum") of local sums over the global count on uneven shards (exact, no
+communication). Everything else (prod, var, std, negative-order norms, argmax, max/min with
+indices, logsumexp, scans along the scanned dim) needs the reduced dims whole: its strategies
+only list Replicate there, so dispatch gathers them. Partial inputs pass through only the
+reductions that are linear (sum and mean of Partial("sum"/"avg")) or of the same kind (amax of
+Partial("max"), a p-norm of Partial("norm<p>")).
 """
 
 from __future__ import annotations
