@@ -217,8 +217,8 @@ def build_on_meta(mesh_shape: tuple[int, ...], fsdp: bool) -> tuple[nn.Module, d
         # inner units, then the root (a whole block is left out: fully_shard takes a plain
         # input of its module as the global batch, and would split the RoPE table over dp)
         for block in model.layers.values():
-            fully_shard(block.feed_forward, mesh["dp"])
-        fully_shard(model, mesh["dp"])
+            fully_shard(block.feed_forward, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     expected = {
         name: (Shard(0), plan_placement(name)) if fsdp else (plan_placement(name),)
         for name, _ in model.named_parameters()

@@ -1,10 +1,7 @@
 """FSDP2's surface on shardwise's ``fully_shard``: the module methods, grouping, shard
-placements, gradient accumulation without sync, and ``use_local_output`` of a Replicate
-output in one process. Single-device PyTorch is the oracle."""
+placements and gradient accumulation without sync. Single-device PyTorch is the oracle."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -14,12 +11,7 @@ from torch import nn
 import shardwise as sw
 from shardwise import Replicate, Shard
 from shardwise.errors import DataParallelError
-from shardwise.parallel import (
-    FSDPModule,
-    RowwiseParallel,
-    fully_shard,
-    parallelize_module,
-)
+from shardwise.parallel import FSDPModule, fully_shard
 
 
 def _model() -> nn.Sequential:
@@ -94,18 +86,3 @@ def test_a_group_of_modules_and_shard_placement_fn() -> None:
     with pytest.raises(DataParallelError, match="smaller world size"):
         fully_shard(_model(), mesh=mesh, reshard_after_forward=2)
 
-
-def test_use_local_output_of_a_replicate_output_is_plain_in_one_process() -> None:
-    mesh = sw.init_device_mesh("cpu", (2,))
-    ref = _model()
-    model = copy.deepcopy(ref)
-    parallelize_module(model[2], mesh, RowwiseParallel(input_layouts=Replicate()))
-    x, _ = _data()[0]
-    out = model(x)
-    assert type(out) is torch.Tensor  # every device holds the same value
-    want = ref(x)
-    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
-    out.sum().backward()
-    want.sum().backward()
-    torch.testing.assert_close(model[2].weight.grad.full_tensor(), ref[2].weight.grad,
-                               atol=1e-6, rtol=1e-5)
