@@ -33,7 +33,12 @@ import torch.utils._pytree as pytree
 
 from . import settings
 from .dtensor import DTensor, check_partials, distribute_tensor, set_dispatch_handler
-from .errors import ImplicitRedistributeError, MeshError, UnsupportedOpError
+from .errors import (
+    DTensorCollectiveError,
+    ImplicitRedistributeError,
+    MeshError,
+    UnsupportedOpError,
+)
 from .fast_call import binding as _binding
 from .fast_call import checked_call
 from .mesh import DeviceMesh
@@ -364,6 +369,8 @@ def _decide(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -> D
     reg = registry.registration(func)
     if func in registry.BYPASS_PROPAGATION:
         return Decision(tuple(s.placements for s in specs), specs[0], False)
+    if reg is None and _is_collective(func):
+        raise _collective_error(func, specs)
     if reg is None:
         raise UnsupportedOpError(
             f"{func} has no sharding rule or strategy for DTensor inputs "
@@ -393,6 +400,45 @@ def _decide(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -> D
         )
     schema_returns = getattr(getattr(func, "_schema", None), "returns", [])
     return Decision(tuple(tuple(s.placements) for s in inputs), outputs, len(schema_returns) > 1)
+
+
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+# What a DTensor program writes instead of each kind of collective (matched in the op's name)
+_INSTEAD = (
+    ("reduce_scatter", "reduce-scatter a Partial DTensor with dt.redistribute(placements="
+                       "[Shard(d)])"),
+    ("allreduce", "sum a Partial DTensor with dt.redistribute(placements=[Replicate()]) or "
+                  "dt.full_tensor()"),
+    ("all_reduce", "sum a Partial DTensor with dt.redistribute(placements=[Replicate()]) or "
+                   "dt.full_tensor()"),
+    ("gather", "gather a sharded DTensor with dt.full_tensor() or dt.redistribute(placements="
+               "[Replicate()])"),
+    ("broadcast", "a Replicate DTensor already holds one value on every rank "
+                  "(DTensor.from_local(..., run_check=True) broadcasts it from the first)"),
+    ("alltoall", "move a shard to another tensor dim with dt.redistribute(placements="
+                 "[Shard(j)])"),
+    ("all_to_all", "move a shard to another tensor dim with dt.redistribute(placements="
+                   "[Shard(j)])"),
+)
+
+
+def _is_collective(func: Any) -> bool:
+    """Whether ``func`` is a torch.distributed collective or point-to-point op."""
+    return getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES
+
+
+def _collective_error(func: Any, specs: list[DTensorSpec]) -> DTensorCollectiveError:
+    """What to do instead of calling a torch.distributed collective on DTensors."""
+    name = func.name().split("::")[-1].split(".")[0]
+    instead = next((text for key, text in _INSTEAD if key in name), None)
+    tensors = "; ".join(f"shape {list(s.shape)}, placements {list(s.placements)}" for s in specs)
+    return DTensorCollectiveError(
+        f"torch.distributed op {func} was called on a DTensor ({tensors}, on {specs[0].mesh}). "
+        f"A DTensor is one global tensor whose pieces shardwise moves itself"
+        + (f": {instead}" if instead else "")
+        + "; to run the collective on this rank's piece as a plain tensor, call it on "
+        "dt.to_local() (and rebuild a DTensor with DTensor.from_local if needed)"
+    )
 
 
 def _move_cost(spec: DTensorSpec, target: Sequence[Placement]) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import torch
 from . import comm, settings
 from .comm.reduction import reduce_op_problem
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
-from .mesh import DeviceMesh, IdTuple
+from .mesh import DeviceMesh, IdTuple, mesh_or_current
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import execute_plan, plan_redistribute
 from .spec import (
@@ -130,8 +130,8 @@ class DTensor(torch.Tensor):
     @dynamo_opaque
     def from_local(
         local: torch.Tensor | Sequence[torch.Tensor],
-        device_mesh: DeviceMesh,
-        placements: Sequence[Placement],
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
         *,
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
@@ -143,8 +143,12 @@ class DTensor(torch.Tensor):
         Components must follow chunk geometry; the global shape is inferred from them unless
         ``shape`` is given. ``run_check`` broadcasts Replicate components from coordinate 0.
         ``async_op``: return at once; pending components and the broadcast finish in the
-        background (see ``async_tensor``).
+        background (see ``async_tensor``). As in PyTorch, the mesh defaults to the current one
+        (``with mesh:``) and the placements to Replicate on every mesh dim.
         """
+        device_mesh = mesh_or_current(device_mesh, "DTensor.from_local")
+        if placements is None:
+            placements = [Replicate()] * device_mesh.ndim
         replica = settings.REPLICA_THREAD.get()
         if (
             replica is not None

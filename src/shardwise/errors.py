@@ -35,6 +35,12 @@ class UnsupportedOpError(ShardwiseError, NotImplementedError):
     """An aten op has no sharding rule or strategy registered."""
 
 
+class DTensorCollectiveError(UnsupportedOpError):
+    """A ``torch.distributed`` collective (a c10d op) was called on a DTensor: a DTensor is one
+    global tensor whose pieces shardwise moves itself (``redistribute``, ``full_tensor``); a
+    rank's own piece is ``to_local()``."""
+
+
 class ImplicitRedistributeError(ShardwiseError, RuntimeError):
     """An op needs its inputs redistributed while implicit redistribution is off."""
 

@@ -18,11 +18,10 @@ import torch
 
 from . import comm
 from .dtensor import DTensor, distribute_tensor
-from .errors import InvalidArgumentError, MeshError
-from .mesh import DeviceMesh
+from .errors import InvalidArgumentError
+from .mesh import DeviceMesh, mesh_or_current
 from .placements import Partial, Placement, Replicate
 from .spec import DTensorSpec, contiguous_meta, validate_placements
-from .tf_dtensor import get_default_mesh
 
 LocalMaker = Callable[[torch.Size, torch.device, bool], torch.Tensor]
 
@@ -60,12 +59,7 @@ def _mesh_and_spec(
         raise InvalidArgumentError(
             f"shardwise.{what}: only the torch.strided layout is supported, not {layout}"
         )
-    mesh = device_mesh if device_mesh is not None else get_default_mesh()
-    if mesh is None:
-        raise MeshError(
-            f"shardwise.{what}({list(shape)}) needs device_mesh= (or a shardwise.default_mesh "
-            f"block)"
-        )
+    mesh = mesh_or_current(device_mesh, f"shardwise.{what}({list(shape)})")
     placements = placements if placements is not None else [Replicate()] * mesh.ndim
     normalized = validate_placements(shape, mesh, placements)
     return DTensorSpec(mesh, normalized, contiguous_meta(shape, dtype))

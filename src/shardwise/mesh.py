@@ -41,6 +41,48 @@ def _process_info() -> tuple[int, int]:
     return 0, 1
 
 
+def current_mesh() -> DeviceMesh | None:
+    """The mesh of the innermost ``with mesh:`` (or ``default_mesh``) block of this thread,
+    None outside any."""
+    meshes = settings.MESHES.get()
+    return meshes[-1] if meshes else None
+
+
+def mesh_or_current(device_mesh: DeviceMesh | None, what: str) -> DeviceMesh:
+    """``device_mesh``, or when it is None the current mesh (PyTorch's default for ``what``);
+    ``MeshError`` when there is none."""
+    if device_mesh is not None:
+        return device_mesh
+    mesh = current_mesh()
+    if mesh is None:
+        raise MeshError(
+            f"{what} got no device_mesh and no mesh is current: pass device_mesh=, or call it "
+            f"inside a 'with mesh:' block"
+        )
+    return mesh
+
+
+def _devices_per_process_of(ids: Sequence[int], world: int) -> int:
+    """How many devices of a mesh over ``ids`` each of ``world`` processes owns: several when
+    the ids are ``0..N-1`` with N a multiple of W above W, else one (the ids are ranks)."""
+    n = len(ids)
+    if n > world and sorted(ids) == list(range(n)):
+        if n % world:
+            raise MeshError(
+                f"a mesh of {n} devices cannot be split over {world} processes: the mesh size "
+                f"must be a multiple of the world size (or at most {world}, one device per "
+                f"process with the ranks as ids)"
+            )
+        return n // world
+    if max(ids) >= world:
+        raise MeshError(
+            f"across {world} processes the device ids of a mesh are either global ranks "
+            f"(each below {world}, one device per process) or 0..N-1 with N a multiple of "
+            f"{world} (N/{world} devices per process); got {list(ids)}"
+        )
+    return 1
+
+
 def _mesh_ids(mesh: Any) -> torch.Tensor:
     """The device ids of ``mesh`` (nested lists or a tensor of ints) as an int64 tensor."""
     try:
@@ -59,10 +101,13 @@ def _mesh_ids(mesh: Any) -> torch.Tensor:
 
 
 class DeviceMesh:
-    """An n-D array of device ids ``0..N-1`` with optional dim names (PyTorch ``DeviceMesh``).
+    """An n-D array of device ids with optional dim names (PyTorch ``DeviceMesh``).
 
-    With ``torch.distributed`` not initialized this process owns every device; with world size
-    W > 1, rank r owns ids ``r*N/W .. (r+1)*N/W - 1`` (DESIGN.md, execution model).
+    With ``torch.distributed`` not initialized this process owns every device. With world size
+    W > 1, a mesh of ids ``0..N-1`` with N a multiple of W and N > W gives rank r the ids
+    ``r*N/W .. (r+1)*N/W - 1`` (DESIGN.md, execution model); any other mesh of ids below W is
+    PyTorch's: one device per process, its id the global rank, and processes outside the mesh
+    own none of it. A mesh is a context manager: ``with mesh:`` makes it the current mesh.
     """
 
     def __init__(
@@ -104,19 +149,7 @@ class DeviceMesh:
         if _devices_per_process is None and world == 1:
             _devices_per_process = max(flat) + 1  # the only process owns every id
         elif _devices_per_process is None:
-            if sorted(flat) != list(range(len(flat))):
-                raise MeshError(
-                    f"across {world} processes the device ids of a mesh must be "
-                    f"0..{len(flat) - 1} (process r owns a run of them), got {flat}; build "
-                    f"sub-meshes with mesh[...] or mesh.submeshes(...), or use "
-                    f"DeviceMesh.from_group"
-                )
-            if ids.numel() % world:
-                raise MeshError(
-                    f"a mesh of {ids.numel()} devices cannot be split over {world} processes: "
-                    f"the mesh size must be a multiple of the world size"
-                )
-            _devices_per_process = ids.numel() // world
+            _devices_per_process = _devices_per_process_of(flat, world)
         self._devices_per_process = _devices_per_process
         self._rank = rank if _rank is None else _rank
         self._ids = tuple(flat)
@@ -331,6 +364,17 @@ class DeviceMesh:
         result._root = (root, tuple(root_dims[d] for d in keep))
         return result
 
+    # ----- the current mesh (PyTorch's ``with mesh:``) ------------------------------------------
+    def __enter__(self) -> DeviceMesh:
+        """Make this the current mesh of this thread (or task) until the block ends: the APIs
+        that PyTorch lets default their mesh to it (``DTensor.from_local``, the factories,
+        ``distribute_module``, ``parallelize_module``) use it when given none."""
+        settings.MESHES.push(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        settings.MESHES.pop()
+
     # ----- where a sub-mesh comes from ----------------------------------------------------------
     _root: tuple[DeviceMesh, tuple[int, ...]] | None = None
 
@@ -364,24 +408,39 @@ class DeviceMesh:
         """The ``torch.distributed`` process group of this process's group along ``mesh_dim``
         (PyTorch's ``get_group``), for code that calls ``torch.distributed`` itself.
 
-        Only a dim whose groups span processes has one: along a dim that lives inside this
-        process shardwise's own collectives (``redistribute``, ``shardwise.comm``) are the way
-        to communicate, and asking for its group raises ``MeshError``.
+        A dim of size 1 has the group of this process alone (as in PyTorch). A dim of several
+        devices that lives inside this process has none: shardwise's own collectives
+        (``redistribute``, ``shardwise.comm``) are the way to communicate there, and asking
+        for its group raises ``MeshError``, as does a dim of size 1 while torch.distributed is
+        not initialized.
         """
         if mesh_dim is None:
             if self.ndim != 1:
                 raise MeshError(f"get_group needs a mesh_dim on the {self.ndim}-D {self}")
             mesh_dim = 0
         dim = self.dim_index(mesh_dim)
+        if not self.local_device_ids:
+            raise MeshError(
+                f"process {self._rank} owns no device of {self}, so it is in no group along "
+                f"mesh dim {mesh_dim!r}"
+            )
         rank_sets = {
             tuple(sorted({self.owner_of(m) for m in self.group_of(d, dim)}))
             for d in self.local_device_ids
         }
-        if not rank_sets or all(len(ranks) == 1 for ranks in rank_sets):
+        if self.mesh.shape[dim] > 1 and all(len(ranks) == 1 for ranks in rank_sets):
             raise MeshError(
                 f"mesh dim {mesh_dim!r} of {self} lives inside process {self._rank} (its devices "
                 f"{list(self.local_device_ids)} are all local), so it has no torch.distributed "
                 f"process group; communicate with DTensor.redistribute or shardwise.comm"
+            )
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise MeshError(
+                f"mesh dim {mesh_dim!r} of size 1 of {self} has no process group here: "
+                f"torch.distributed is not initialized (one process owns every device); "
+                f"initialize it (torchrun, shardwise.launch) for a group of this process alone"
             )
         if len(rank_sets) > 1:
             raise MeshError(
@@ -403,20 +462,72 @@ class DeviceMesh:
         ``_flatten``): sharding over it splits a tensor dim over all of this mesh's dims.
 
         The name defaults to the dim names joined by ``_``. Take it from a sub-mesh to flatten
-        some dims only: ``mesh["dp", "cp"].flatten()``.
+        some dims only: ``mesh["dp", "cp"].flatten()``. Flattening a 1-D mesh keeps its
+        ``root_mesh``; a flattened dim of several dims is no dim of the root, so the result
+        of flattening several dims is a root mesh itself.
         """
         name = mesh_dim_name
         if name is None and self.mesh_dim_names is not None:
             name = "_".join(self.mesh_dim_names)
         if name is not None and not isinstance(name, str):
             raise MeshError(f"flatten needs a str mesh_dim_name, got {name!r} for {self}")
-        return DeviceMesh(
+        names = None if name is None else (name,)
+        return self._reshaped(self.mesh.flatten(), names, self.ndim == 1)
+
+    def _unflatten(
+        self,
+        dim: int | str,
+        mesh_sizes: Sequence[int],
+        mesh_dim_names: Sequence[str],
+        backend_override: Any = None,
+    ) -> DeviceMesh:
+        """This mesh with dim ``dim`` split into dims of ``mesh_sizes`` called
+        ``mesh_dim_names`` (PyTorch's ``_unflatten``): ``DeviceMesh("cpu", range(8),
+        mesh_dim_names=("world",))._unflatten(0, (2, 2, 2), ("dp", "cp", "tp"))`` is the
+        2x2x2 mesh of the same ids in the same order. The split dims are no dims of this
+        mesh's root, so the result is a root mesh itself (its sub-meshes remember it)."""
+        if backend_override is not None:
+            raise MeshError(
+                f"_unflatten of {self}: backend_override={backend_override!r} is not supported; "
+                f"shardwise picks the transport of each group itself"
+            )
+        if self.mesh_dim_names is None:
+            raise MeshError(f"_unflatten needs a mesh with mesh_dim_names, got {self}")
+        d = self.dim_index(dim)
+        sizes, names = tuple(mesh_sizes), tuple(mesh_dim_names)
+        if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+            raise MeshError(
+                f"_unflatten of {self}: mesh_sizes must be positive ints, got {mesh_sizes!r}"
+            )
+        if math.prod(sizes) != self.mesh.shape[d]:
+            raise MeshError(
+                f"_unflatten of {self}: mesh_sizes {sizes} multiply to {math.prod(sizes)}, but "
+                f"dim {dim!r} has {self.mesh.shape[d]} devices"
+            )
+        if len(names) != len(sizes):
+            raise MeshError(
+                f"_unflatten of {self}: {len(sizes)} mesh_sizes {sizes} need as many "
+                f"mesh_dim_names, got {names}"
+            )
+        shape = (*self.mesh.shape[:d], *sizes, *self.mesh.shape[d + 1 :])
+        all_names = (*self.mesh_dim_names[:d], *names, *self.mesh_dim_names[d + 1 :])
+        return self._reshaped(self.mesh.reshape(shape), all_names, len(sizes) == 1)
+
+    def _reshaped(
+        self, ids: torch.Tensor, names: tuple[str, ...] | None, same_dims: bool
+    ) -> DeviceMesh:
+        """A mesh over this one's devices laid out as ``ids``, owned as here; ``same_dims``:
+        its dims are this mesh's (renamed), so it keeps this mesh's root."""
+        result = DeviceMesh(
             self.device_type,
-            self.mesh.flatten(),
-            mesh_dim_names=None if name is None else (name,),
+            ids,
+            mesh_dim_names=names,
             _devices_per_process=self._devices_per_process,
             _rank=self._rank,
         )
+        if same_dims:
+            result._root = (self.root_mesh, self.root_dims)
+        return result
 
     _flatten = flatten
 

@@ -40,6 +40,17 @@ class Setting(Generic[T]):
         """Change the process-wide value (seen by every thread without an override)."""
         self._default = value
 
+    def push(self, item: Any) -> None:
+        """For a tuple-valued setting: ``item`` appended in this context until ``pop`` (for a
+        context manager whose ``__enter__`` and ``__exit__`` are separate calls)."""
+        self._override.set((*self.get(), item))
+
+    def pop(self) -> Any:
+        """Remove and return the last item ``push`` appended in this context."""
+        stack = self.get()
+        self._override.set(stack[:-1])
+        return stack[-1]
+
     @contextmanager
     def override(self, value: T) -> Iterator[None]:
         """Within the block, in this context only, the setting is ``value``."""
@@ -81,6 +92,9 @@ COLLECTIVE_TIMEOUT: Setting[float] = Setting(
 DEBUG_CHECKS: Setting[bool] = Setting("debug_checks", _env_flag("SHARDWISE_DEBUG_CHECKS"))
 # What the collectives inside ``comm.moving`` blocks are moving (innermost last), for errors.
 MOVING: Setting[tuple] = Setting("moving", ())
+# The meshes of the ``with mesh:`` and ``default_mesh(mesh)`` blocks of this context, innermost
+# last: PyTorch's current mesh and TF DTensor's default mesh are the last one.
+MESHES: Setting[tuple] = Setting("meshes", ())
 # The ``CommCounter``s entered in this context (innermost last).
 COMM_COUNTERS: Setting[tuple] = Setting("comm_counters", ())
 

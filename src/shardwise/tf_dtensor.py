@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
@@ -30,12 +29,9 @@ from .errors import (
     ShardwiseTypeError,
 )
 from .layout import MATCH, UNSHARDED, Layout
-from .mesh import DeviceMesh, Mesh, init_device_mesh, tf_device_type
+from .mesh import DeviceMesh, Mesh, current_mesh, init_device_mesh, tf_device_type
 from .placements import Placement, Replicate, Shard
 from .spec import DTensorSpec, TensorMeta
-
-_DEFAULT_MESH: ContextVar[DeviceMesh | None] = ContextVar("shardwise_default_mesh", default=None)
-
 
 # ----- pack / unpack -------------------------------------------------------------------------
 
@@ -209,19 +205,18 @@ def call_with_layout(
 
 @contextmanager
 def default_mesh(mesh: DeviceMesh) -> Iterator[DeviceMesh]:
-    """Make ``mesh`` the default mesh inside the block; nested blocks restore the outer one."""
+    """Make ``mesh`` the default mesh inside the block (``with mesh:``, PyTorch's name for the
+    same); nested blocks restore the outer one."""
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(f"default_mesh needs a shardwise.DeviceMesh, got {_describe(mesh)}")
-    token = _DEFAULT_MESH.set(mesh)
-    try:
+    with mesh:
         yield mesh
-    finally:
-        _DEFAULT_MESH.reset(token)
 
 
 def get_default_mesh() -> DeviceMesh | None:
-    """The mesh of the innermost ``default_mesh`` block, or None outside any."""
-    return _DEFAULT_MESH.get()
+    """The mesh of the innermost ``default_mesh`` (or ``with mesh:``) block, or None outside
+    any."""
+    return current_mesh()
 
 
 def is_dtensor(value: Any) -> bool:

@@ -29,6 +29,7 @@ from functools import cache, lru_cache
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
@@ -60,8 +61,11 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     """The process group over ``ranks`` (global ranks, ascending), created on first use.
 
-    Only its members create it (``use_local_synchronization``); they all reach the creation in
-    the same order because they run the same program and create a mesh dim's groups together.
+    Only its members create it, and its name (where they meet in the store) is made of its
+    ranks alone (``_new_group``), so processes that made different groups before (a mesh over
+    ranks 0 and 2 on those two, one over ranks 1 and 3 on the others) still meet. A mesh dim's
+    groups are created together, in mesh order, and collectives run in one order in every
+    process, so members reach a creation in the same order.
     """
     pg = _process_groups.get(ranks)
     if pg is not None:
@@ -76,17 +80,39 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
             if not _process_groups:
                 atexit.register(_process_groups.clear)  # before finalization, for the same reason
             try:
-                pg = dist.new_group(
-                    list(ranks),
-                    timeout=timedelta(seconds=safety.get_collective_timeout()),
-                    use_local_synchronization=True,
-                )
+                pg = _new_group(ranks)
             except RuntimeError as err:
                 raise CollectiveError(
                     f"creating the process group of ranks {list(ranks)} failed on rank "
                     f"{dist.get_rank()}: {err}"
                 ) from err
             _process_groups[ranks] = pg
+    return pg
+
+
+def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A process group over ``ranks`` made by its members only, named by its ranks alone.
+
+    ``dist.new_group(use_local_synchronization=True)`` would name it by its ranks and the
+    number of process groups this process has made so far: processes whose programs made
+    different groups before name it differently and each waits for the others under its own
+    name forever. So the group is made as ``new_group`` makes it, with the name given (each set
+    of ranks is made once per process, so the name is unique)."""
+    default = c10d._get_default_group()
+    backend, store = c10d._world.pg_map[default]
+    name = "shardwise_ranks_" + "_".join(map(str, ranks))
+    pg, _ = c10d._new_process_group_helper(
+        len(ranks),
+        ranks.index(dist.get_rank()),
+        list(ranks),
+        dist.Backend(backend),
+        store,
+        name,
+        timeout=timedelta(seconds=safety.get_collective_timeout()),
+        device_id=default.bound_device_id,
+        group_desc=f"shardwise ranks {list(ranks)}",
+    )
+    c10d._world.pg_group_ranks[pg] = {rank: i for i, rank in enumerate(ranks)}
     return pg
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..deferred_init import materialize_if_root
 from ..errors import ParallelPlanError
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, mesh_or_current
 from .boundary import resolve_tp_dim
 from .params import replicate_rest
 from .plan import PlanKey, key_text, match_modules
@@ -25,15 +25,17 @@ Plan = ParallelStyle | Mapping[PlanKey, ParallelStyle] | Mapping[str, Mapping]
 
 def distribute_module(
     module: nn.Module,
-    device_mesh: DeviceMesh,
+    device_mesh: DeviceMesh | None = None,
     partition_fn: PartitionFn | None = None,
     input_fn: InputFn | None = None,
     output_fn: OutputFn | None = None,
 ) -> nn.Module:
-    """Make ``module``'s parameters DTensors on ``device_mesh``: ``partition_fn(name, submodule,
-    mesh)`` runs on every submodule and may distribute its parameters; every parameter and
-    buffer it leaves alone is replicated. ``input_fn(module, inputs, mesh)`` and
-    ``output_fn(module, outputs, mesh)`` run around each forward call."""
+    """Make ``module``'s parameters DTensors on ``device_mesh`` (default: the current mesh,
+    ``with mesh:``): ``partition_fn(name, submodule, mesh)`` runs on every submodule and may
+    distribute its parameters; every parameter and buffer it leaves alone is replicated.
+    ``input_fn(module, inputs, mesh)`` and ``output_fn(module, outputs, mesh)`` run around each
+    forward call."""
+    device_mesh = mesh_or_current(device_mesh, "distribute_module")
     if partition_fn is not None:
         for name, sub in list(module.named_modules()):
             partition_fn(name, sub, device_mesh)
@@ -50,8 +52,8 @@ def distribute_module(
 
 def parallelize_module(
     module: nn.Module,
-    device_mesh: DeviceMesh,
-    parallelize_plan: Plan,
+    device_mesh: DeviceMesh | None = None,
+    parallelize_plan: Plan | None = None,
     *,
     tp_mesh_dim: int | str | None = None,
 ) -> nn.Module:
@@ -60,7 +62,9 @@ def parallelize_module(
     in order; or a veScale dict plan (``{"parameter": ..., "forward": ...}``).
 
     Styles shard on one mesh dim (``tp_mesh_dim``; default the dim named ``"tp"``, else the
-    last), every other mesh dim is Replicate, so a 2-D (data x tensor) mesh works as is."""
+    last), every other mesh dim is Replicate, so a 2-D (data x tensor) mesh works as is. The
+    mesh defaults to the current one (``with mesh:``), as in PyTorch."""
+    device_mesh = mesh_or_current(device_mesh, "parallelize_module")
     _apply_plan(module, device_mesh, parallelize_plan, tp_mesh_dim)
     guard_loading(module)
     # a deferred_init tree materializes at its root; a torch.device("meta") module stays meta

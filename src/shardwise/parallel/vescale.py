@@ -92,13 +92,7 @@ def _check_fits(key: str, name: str, param: torch.Tensor, mesh: DeviceMesh, plac
 def _install_forward(
     module: nn.Module, mesh: DeviceMesh, key: str, layouts: Any, tp_dim: int
 ) -> None:
-    target, _, side = key.rpartition(".")
-    if key in ("input", "output"):
-        target, side = "", key
-    if side not in ("input", "output"):
-        raise ParallelPlanError(
-            f"forward plan entry {key!r} must end in '.input' or '.output' (veScale's format)"
-        )
+    target, side = _split_forward_key(key)
     for name, sub in match_modules(module, target, regex=True):
         entry = f"{key} ({name or 'root'})"
         if side == "input":
@@ -107,6 +101,24 @@ def _install_forward(
             )
         else:
             sub.register_forward_hook(_output_hook(mesh, tp_dim, layouts, entry))
+
+
+def _split_forward_key(key: str) -> tuple[str, str]:
+    """A forward key's module regex and side: ``"mlp.fc1.input"`` and veScale's escaped
+    ``r"mlp\\.fc1\\.input"`` are ``("mlp.fc1", "input")`` and ``(r"mlp\\.fc1", "input")``;
+    ``"input"`` alone is the root module's."""
+    for side in ("input", "output"):
+        if key == side:
+            return "", side
+        head = key[: -len(side)] if key.endswith(side) else ""
+        if head.endswith("."):
+            target = head[:-1]
+            escapes = len(target) - len(target.rstrip("\\"))
+            return (target[:-1] if escapes % 2 else target), side  # drop the dot's escape
+    raise ParallelPlanError(
+        f"forward plan entry {key!r} must end in '.input' or '.output' (veScale's format, the "
+        f"dot escaped or not)"
+    )
 
 
 def _place(x: Any, mesh: DeviceMesh, tp_dim: int, placements: Any, entry: str) -> Any:
