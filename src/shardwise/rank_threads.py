@@ -171,7 +171,8 @@ class _RankRandom(TorchFunctionMode):
     """In a rank thread, a random torch function on plain tensors runs with the thread's
     generator state in torch's default generator (swapped in and out under a lock); other calls
     pass through. A torch function mode, not a dispatch mode: shardwise takes a dispatch mode
-    for a tracer."""
+    for a tracer. Calls inside a torch function do not come here, hence ``torch.nn.init``'s
+    functions count as random ones."""
 
     def __init__(self, generators: _Generator) -> None:
         super().__init__()
@@ -179,7 +180,10 @@ class _RankRandom(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in _RANDOM or any(
+        random = getattr(func, "__name__", None) in _RANDOM or (
+            getattr(func, "__module__", None) == "torch.nn.init"  # calls Tensor.uniform_ inside
+        )
+        if not random or any(
             t is not torch.Tensor and t is not torch.nn.Parameter for t in types
         ):
             return func(*args, **kwargs)
