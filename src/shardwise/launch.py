@@ -5,8 +5,8 @@ give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTE
 ``MASTER_PORT`` on 127.0.0.1 and a free port), so ``init_device_mesh`` joins the processes
 into one world (``--threads``: N rank threads of one process instead, see
 ``shardwise.rank_threads``). Every line a process prints comes out prefixed with its rank
-(``[0] ...``, as torchrun's ``--tee``/``--role`` output). If one process fails the others are stopped and its
-exit code is returned.
+(``[0] ...``, as torchrun's ``--tee``/``--role`` output). If one process fails the others are
+stopped and its exit code is returned.
 
 The launcher uses the standard library only and the package runs it before importing torch,
 so the processes start at once; it returns as soon as they have all exited.
