@@ -4,9 +4,7 @@ import sys as _sys
 
 if "shardwise.launch" in _sys.orig_argv[1:] and _sys.orig_argv[
     _sys.orig_argv.index("shardwise.launch") - 1
-] == "-m" and "--threads" not in _sys.orig_argv:  # ``python -m shardwise.launch``: run the
-    # launcher now, without importing torch (--threads: once the package is imported, as rank
-    # threads import it)
+] == "-m":  # ``python -m shardwise.launch``: run the launcher now, without importing torch
     from .launch import main as _launch_main
 
     _sys.exit(_launch_main())

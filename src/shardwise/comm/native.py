@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from math import prod
 
 import torch
 import torch.distributed as dist
 
-from .. import settings
 from ..errors import CollectiveError, CollectiveMismatchError
 from ..mesh import DeviceMesh
 from .distributed import (
@@ -114,13 +113,9 @@ class _Forecast:
             self.last = digest
 
 
-_forecasts: settings.ProcessLocal[dict[tuple[int, ...], _Forecast]] = settings.ProcessLocal(dict)
-
-
+@cache
 def _forecast(ranks: tuple[int, ...]) -> _Forecast:
-    """The forecast of this process's collectives with processes ``ranks``."""
-    forecasts = _forecasts.get()
-    return forecasts.get(ranks) or forecasts.setdefault(ranks, _Forecast())
+    return _Forecast()
 
 
 class _Native:
