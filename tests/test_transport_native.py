@@ -225,7 +225,7 @@ def forecast_job(order: list[int]) -> dict:
     out["after"] = torch.cat(comm.all_gather(mesh, 0, [piece])[0])
     # destroy_process_group must free the world's group: a group kept alive to the interpreter's
     # finalization lets gloo's threads release tensors then, and the process aborts at exit
-    out["world kept"] = tuple(range(len(order))) in distributed._process_groups
+    out["world kept"] = tuple(range(len(order))) in distributed._process_groups.get()
     return out
 
 

@@ -4,7 +4,9 @@ import sys as _sys
 
 if "shardwise.launch" in _sys.orig_argv[1:] and _sys.orig_argv[
     _sys.orig_argv.index("shardwise.launch") - 1
-] == "-m":  # ``python -m shardwise.launch``: run the launcher now, without importing torch
+] == "-m" and "--threads" not in _sys.orig_argv:  # ``python -m shardwise.launch``: run the
+    # launcher now, without importing torch (--threads: once the package is imported, as rank
+    # threads import it)
     from .launch import main as _launch_main
 
     _sys.exit(_launch_main())

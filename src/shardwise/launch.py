@@ -3,9 +3,10 @@
 For people without ``torchrun`` habits: each process gets the environment ``torchrun`` would
 give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` on 127.0.0.1 and a free port), so ``init_device_mesh`` joins the processes
-into one world. Every line a process prints comes out prefixed with its rank (``[0] ...``, as
-torchrun's ``--tee``/``--role`` output). If one process fails the others are stopped and its
-exit code is returned.
+into one world (``--threads``: N rank threads of one process instead, see
+``shardwise.rank_threads``). Every line a process prints comes out prefixed with its rank
+(``[0] ...``, as torchrun's ``--tee``/``--role`` output). If one process fails the others are
+stopped and its exit code is returned.
 
 The launcher uses the standard library only and the package runs it before importing torch,
 so the processes start at once; it returns as soon as they have all exited.
@@ -44,6 +45,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="number of processes to start",
     )
     parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (0: free)")
+    parser.add_argument(
+        "--threads", action="store_true",
+        help="run the N ranks as threads of this one process instead (each rank thread sees its "
+             "own RANK/WORLD_SIZE environment, torch.distributed world on gloo and default "
+             "random generator; same results as N processes). A failing rank's traceback is "
+             "printed and the exit code is 1",
+    )
     parser.add_argument("-m", dest="module", action="store_true", help="run script as a module")
     parser.add_argument("script", help="the script (or module, with -m) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -169,6 +177,10 @@ def _drain(pumps: list[threading.Thread]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parse(argv)
+    if ns.threads:
+        from .rank_threads import launch_threads  # imports torch: only in threads mode
+
+        return launch_threads(ns.script, ns.args, nproc=ns.nproc, module=ns.module)
     return launch(
         ns.script, ns.args, nproc=ns.nproc, master_port=ns.master_port, module=ns.module
     )

@@ -590,7 +590,9 @@ class DeviceMesh:
     # ----- identity -----------------------------------------------------------------------
     @cached_property
     def _key(self) -> tuple:
-        return (self.device_type, tuple(self.mesh.shape), tuple(self._ids), self.mesh_dim_names)
+        # the rank: two ranks' meshes own different devices (rank threads share one process)
+        return (self.device_type, tuple(self.mesh.shape), tuple(self._ids), self.mesh_dim_names,
+                self._rank)
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)

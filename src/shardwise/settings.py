@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
@@ -123,3 +123,40 @@ REPLICA_TIMEOUT: Setting[float] = Setting(
 # Replica-context reads of sync-on-read variables aggregate (tf.distribute's internal
 # variable_sync_on_read_context).
 SYNC_ON_READ_AGGREGATES: Setting[bool] = Setting("sync_on_read_aggregates", False)
+
+
+class RankThread:
+    """What a rank thread of the launcher's threads mode (``shardwise.rank_threads``) is: its
+    ``rank`` among ``world_size`` ranks, its view of the environment ``env`` (the torchrun
+    variables), its ``torch.distributed`` state ``world`` and ``state``, the per-process state
+    of ``ProcessLocal``s, which each rank thread holds for itself."""
+
+    def __init__(self, rank: int, world_size: int, env: dict[str, str], world: Any) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.env = env
+        self.world = world
+        self.state: dict[int, Any] = {}
+
+
+# The rank this thread runs as in the launcher's threads mode (None: this process's own rank).
+RANK_THREAD: Setting[RankThread | None] = Setting("rank_thread", None)
+
+
+class ProcessLocal(Generic[T]):
+    """State a process holds once (process groups, collective sequence numbers, the background
+    collective worker): made by ``factory`` on first use, and once per rank thread in the
+    launcher's threads mode, where every thread acts as a process of its own."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._value: T = factory()
+
+    def get(self) -> T:
+        rank = RANK_THREAD.get()
+        if rank is None:
+            return self._value
+        value = rank.state.get(id(self), _UNSET)
+        if value is _UNSET:
+            value = rank.state[id(self)] = self._factory()
+        return value

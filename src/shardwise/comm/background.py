@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from .. import settings
 from ..errors import CollectiveError, ShardwiseError
 from .safety import moving
 
@@ -62,40 +63,46 @@ class Work(Generic[T]):
             return fn()
 
 
-_jobs: queue.Queue = queue.Queue()
-_state: dict[str, Any] = {"thread": None, "pending": 0}
-_lock = threading.Condition()
+class _Worker:
+    """The worker thread of one process (of one rank thread in the launcher's threads mode)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.pending = 0
+        self.lock = threading.Condition()
+
+    def loop(self) -> None:
+        while True:
+            work, fn, context = self.jobs.get()
+            work._run(fn, context)
+            with self.lock:
+                self.pending -= 1
+                self.lock.notify_all()
 
 
-def _worker_thread() -> threading.Thread | None:
-    return _state["thread"]
-
-
-def _loop() -> None:
-    while True:
-        work, fn, context = _jobs.get()
-        work._run(fn, context)
-        with _lock:
-            _state["pending"] -= 1
-            _lock.notify_all()
+_worker: settings.ProcessLocal[_Worker] = settings.ProcessLocal(_Worker)
 
 
 def submit(fn: Callable[[], T], description: str) -> Work[T]:
     """Run ``fn`` on the worker thread after every job submitted before it."""
     work: Work[T] = Work(description)
-    with _lock:
-        if _state["thread"] is None:
-            thread = threading.Thread(target=_loop, name="shardwise-collectives", daemon=True)
-            _state["thread"] = thread
-            thread.start()
-        _state["pending"] += 1
-    _jobs.put((work, fn, contextvars.copy_context()))
+    worker = _worker.get()
+    with worker.lock:
+        if worker.thread is None:
+            worker.thread = threading.Thread(
+                target=worker.loop, name="shardwise-collectives", daemon=True
+            )
+            worker.thread.start()
+        worker.pending += 1
+    worker.jobs.put((work, fn, contextvars.copy_context()))
     return work
 
 
 def drain() -> None:
     """Wait until the worker ran every submitted job (a no-op on the worker itself)."""
-    if threading.current_thread() is _worker_thread():
+    worker = _worker.get()
+    if threading.current_thread() is worker.thread:
         return
-    with _lock:
-        _lock.wait_for(lambda: _state["pending"] == 0)
+    with worker.lock:
+        worker.lock.wait_for(lambda: worker.pending == 0)

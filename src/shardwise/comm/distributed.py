@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .. import settings
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
 from . import safety
@@ -40,11 +41,14 @@ from .reduction import accumulation_dtype, combine, finish
 TAG = 0x5357
 Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local index of each or None
 
-_process_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# per process (per rank thread in the launcher's threads mode, settings.ProcessLocal)
+_process_groups: settings.ProcessLocal[dict[tuple[int, ...], dist.ProcessGroup]] = (
+    settings.ProcessLocal(dict)
+)
 _group_lock = threading.Lock()
 # Collectives so far per set of processes: the n-th collective between the same processes must be
 # the same one in each of them (the header and the debug checks compare it).
-_sequence: dict[tuple[int, ...], int] = {}
+_sequence: settings.ProcessLocal[dict[tuple[int, ...], int]] = settings.ProcessLocal(dict)
 _sequence_lock = threading.Lock()
 KIND_CODES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "broadcast", "scatter",
               "agree", "exchange")
@@ -67,7 +71,8 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     groups are created together, in mesh order, and collectives run in one order in every
     process, so members reach a creation in the same order.
     """
-    pg = _process_groups.get(ranks)
+    process_groups = _process_groups.get()
+    pg = process_groups.get(ranks)
     if pg is not None:
         return pg
     if len(ranks) == dist.get_world_size():
@@ -75,10 +80,10 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
         # outlives the interpreter lets gloo's threads release tensors after finalization)
         return dist.group.WORLD
     with _group_lock:
-        pg = _process_groups.get(ranks)
+        pg = process_groups.get(ranks)
         if pg is None:
-            if not _process_groups:
-                atexit.register(_process_groups.clear)  # before finalization, for the same reason
+            if not process_groups:
+                atexit.register(process_groups.clear)  # before finalization, for the same reason
             try:
                 pg = _new_group(ranks)
             except RuntimeError as err:
@@ -86,7 +91,7 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
                     f"creating the process group of ranks {list(ranks)} failed on rank "
                     f"{dist.get_rank()}: {err}"
                 ) from err
-            _process_groups[ranks] = pg
+            process_groups[ranks] = pg
     return pg
 
 
@@ -170,11 +175,12 @@ class _Call:
         self.rounds = 0
         self.fields: Callable[[Group], dict[str, object]] | None = None
         self.fingerprints: dict[tuple[int, ...], int] = {}
+        sequence = _sequence.get()
         with _sequence_lock:
             self.seq = {}
             for key in dict.fromkeys(self.ranks.values()):  # the process sets this call spans
-                self.seq[key] = _sequence.get(key, 0)
-                _sequence[key] = self.seq[key] + 1
+                self.seq[key] = sequence.get(key, 0)
+                sequence[key] = self.seq[key] + 1
 
     def what(self) -> str:
         moving = safety.current_description() or "local components"

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from functools import cache, lru_cache
+from functools import lru_cache
 from math import prod
 
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from ..errors import CollectiveError, CollectiveMismatchError
 from ..mesh import DeviceMesh
 from .distributed import (
@@ -113,9 +114,13 @@ class _Forecast:
             self.last = digest
 
 
-@cache
+_forecasts: settings.ProcessLocal[dict[tuple[int, ...], _Forecast]] = settings.ProcessLocal(dict)
+
+
 def _forecast(ranks: tuple[int, ...]) -> _Forecast:
-    return _Forecast()
+    """The forecast of this process's collectives with processes ``ranks``."""
+    forecasts = _forecasts.get()
+    return forecasts.get(ranks) or forecasts.setdefault(ranks, _Forecast())
 
 
 class _Native:

@@ -1,0 +1,137 @@
+"""Threads mode: per-step time of one tensor-parallel MLP training step (ColwiseParallel then
+RowwiseParallel on a 1-D mesh, SGD) with N ranks as threads of one process
+(``shardwise.rank_threads``), as N gloo processes, and under PyTorch's ``LocalTensorMode``
+running the same program with ``torch.distributed.tensor``, in the same run.
+
+Run: python bench/bench_rank_threads.py [--nproc 2,4,8] [--steps 20] [--quick] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HIDDEN = 256
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.ReLU(), nn.Linear(4 * HIDDEN, HIDDEN))
+
+
+def _steps(parallelize, mesh, steps: int) -> float:
+    """Median seconds per step after two warm-up steps."""
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchCol
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRow
+
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel
+
+    torch_api = parallelize.__module__.startswith("torch")
+    col, row = (TorchCol, TorchRow) if torch_api else (ColwiseParallel, RowwiseParallel)
+    model = parallelize(_model(), mesh, {"0": col(), "2": row()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, HIDDEN, generator=g), torch.randn(32, HIDDEN, generator=g)
+    times = []
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def shardwise_step(n: int, steps: int) -> float:
+    """The per-rank program: join the world, build the mesh, time the steps."""
+    import shardwise
+    from shardwise.parallel import parallelize_module
+
+    mesh = shardwise.init_device_mesh("cpu", (n,))
+    return _steps(parallelize_module, mesh, steps)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _process(rank: int, n: int, port: int, steps: int, out: mp.Queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    out.put((rank, shardwise_step(n, steps)))
+
+
+def in_processes(n: int, steps: int) -> float:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_process, args=(r, n, port, steps, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    times = dict(out.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return times[0]
+
+
+def in_threads(n: int, steps: int) -> float:
+    from shardwise.rank_threads import run_threads
+
+    return run_threads(shardwise_step, n, n, steps, timeout=600)[0]
+
+
+def local_tensor_mode(n: int, steps: int) -> float:
+    """torch.distributed.tensor under LocalTensorMode (one thread simulates every rank)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    try:
+        with LocalTensorMode(n):
+            mesh = init_device_mesh("cpu", (n,))
+            return _steps(parallelize_module, mesh, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--nproc", default="2,4,8", help="comma-separated rank counts")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="N=2 only, 3 steps")
+    parser.add_argument("--json", help="write the results to this file")
+    ns = parser.parse_args()
+    counts = [2] if ns.quick else [int(n) for n in ns.nproc.split(",")]
+    steps = 3 if ns.quick else ns.steps
+    rows = []
+    for n in counts:
+        row = {"nproc": n}
+        for name, fn in (("threads", in_threads), ("processes", in_processes),
+                         ("local_tensor_mode", local_tensor_mode)):
+            row[f"{name}_ms"] = fn(n, steps) * 1e3
+        rows.append(row)
+        print(f"N={n}: threads {row['threads_ms']:.2f} ms/step, processes "
+              f"{row['processes_ms']:.2f} ms/step, torch LocalTensorMode "
+              f"{row['local_tensor_mode_ms']:.2f} ms/step", flush=True)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"hidden": HIDDEN, "batch": 32, "steps": steps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""N ranks as threads of one process: ``run_threads(fn, nproc)`` and the launcher's ``--threads``.
+
+Each rank thread acts as one process of a gloo world of ``nproc`` ranks, so a per-rank PyTorch
+program runs unchanged and gives the bits it gives in ``nproc`` processes (the same transport
+moves the same bytes and reduces in the same order):
+
+- ``torch.distributed`` state is per rank thread: ``init_process_group``, ``get_rank``,
+  ``new_group``... act on the thread's own world (c10d's ``_world`` extension point), and each
+  rank's process groups are real gloo groups over loopback TCP.
+- ``os.environ`` shows each rank thread its torchrun variables (``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``MASTER_ADDR``...); what a rank thread sets there stays its own.
+- torch's default CPU generator is per rank thread: ``torch.manual_seed``, ``get_rng_state``,
+  ``set_rng_state`` and every random op on plain tensors use the thread's own state (a random op
+  runs with that state swapped in under a lock), so a rank draws the numbers it draws alone.
+- shardwise's per-process state (process groups, collective sequence numbers, the background
+  collective worker) is per rank thread (``settings.ProcessLocal``).
+
+The process must not be part of a multi-process world itself: threads mode replaces processes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.overrides import TorchFunctionMode
+
+from . import settings
+from .errors import CollectiveError, CollectiveTimeoutError, InvalidArgumentError
+
+T = TypeVar("T")
+_GRACE_S = 5.0  # after a rank fails, how long the others get to fail or finish
+
+
+def _rank() -> settings.RankThread | None:
+    return settings.RANK_THREAD.get()
+
+
+class _RankWorld(c10d._World):
+    """One rank thread's ``torch.distributed`` state (c10d keeps its maps in module globals)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._maps: dict[str, dict] = {
+            name: {} for name in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config",
+                                  "tags_to_pg", "pg_to_tag")
+        }
+        self._group_count = 0
+
+    pg_map = property(lambda self: self._maps["pg_map"])
+    pg_names = property(lambda self: self._maps["pg_names"])
+    pg_group_ranks = property(lambda self: self._maps["pg_group_ranks"])
+    pg_backend_config = property(lambda self: self._maps["pg_backend_config"])
+    tags_to_pg = property(lambda self: self._maps["tags_to_pg"])
+    pg_to_tag = property(lambda self: self._maps["pg_to_tag"])
+
+    @property
+    def group_count(self) -> int:
+        return self._group_count
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._group_count = value
+
+
+class _WorldSwitch:
+    """Stands in for c10d's ``_world``: the rank thread's world, else the process's."""
+
+    def __init__(self, base: Any) -> None:
+        object.__setattr__(self, "_base", base)
+
+    def _current(self) -> Any:
+        rank = _rank()
+        return self._base if rank is None else rank.world
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._current(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._current(), name, value)
+
+
+class _Environ(MutableMapping):
+    """Stands in for ``os.environ``: a rank thread sees its own variables over the process's."""
+
+    def __init__(self, base: MutableMapping[str, str]) -> None:
+        self._base = base
+
+    def _mine(self) -> dict[str, str] | None:
+        rank = _rank()
+        return None if rank is None else rank.env
+
+    def __getitem__(self, key: str) -> str:
+        mine = self._mine()
+        if mine is not None and key in mine:
+            return mine[key]
+        return self._base[key]
+
+    def __setitem__(self, key: str, value: str) -> None:
+        mine = self._mine()
+        if mine is None:
+            self._base[key] = value
+        else:
+            mine[key] = str(value)
+
+    def __delitem__(self, key: str) -> None:
+        mine = self._mine()
+        if mine is None or key not in mine:
+            self._base.__delitem__(key)
+        else:
+            del mine[key]
+
+    def __iter__(self) -> Iterator[str]:
+        mine = self._mine() or {}
+        yield from mine
+        yield from (k for k in self._base if k not in mine)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def copy(self) -> dict[str, str]:
+        return dict(self)
+
+
+class _Generator:
+    """Stands in for ``torch.random.default_generator`` (what ``torch.manual_seed``,
+    ``torch.seed``, ``get_rng_state`` and ``set_rng_state`` use): a rank thread's own."""
+
+    def __init__(self, base: torch.Generator) -> None:
+        self._base = base
+        self._own: dict[int, torch.Generator] = {}  # by rank
+
+    def current(self) -> torch.Generator:
+        rank = _rank()
+        if rank is None:
+            return self._base
+        gen = self._own.get(rank.rank)
+        if gen is None:
+            gen = self._own[rank.rank] = torch.Generator()
+            gen.set_state(self._base.get_state())  # as a fresh process: the default seed
+        return gen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current(), name)
+
+
+_swap_lock = threading.Lock()
+
+
+# torch functions and Tensor methods that draw from the default generator
+_RANDOM = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
+    "bernoulli", "multinomial", "poisson", "dropout", "dropout_", "alpha_dropout",
+    "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "rrelu", "rrelu_",
+    "uniform_", "normal_", "bernoulli_", "random_", "exponential_", "cauchy_", "log_normal_",
+    "geometric_",
+})
+
+
+class _RankRandom(TorchFunctionMode):
+    """In a rank thread, a random torch function on plain tensors runs with the thread's
+    generator state in torch's default generator (swapped in and out under a lock); other calls
+    pass through. A torch function mode, not a dispatch mode: shardwise takes a dispatch mode
+    for a tracer. Calls inside a torch function do not come here, hence ``torch.nn.init``'s
+    functions count as random ones."""
+
+    def __init__(self, generators: _Generator) -> None:
+        super().__init__()
+        self._generators = generators
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        random = getattr(func, "__name__", None) in _RANDOM or (
+            getattr(func, "__module__", None) == "torch.nn.init"  # calls Tensor.uniform_ inside
+        )
+        if not random or any(
+            t is not torch.Tensor and t is not torch.nn.Parameter for t in types
+        ):
+            return func(*args, **kwargs)
+        mine = self._generators.current()
+        base = self._generators._base
+        with _swap_lock:
+            saved = base.get_state()
+            base.set_state(mine.get_state())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                mine.set_state(base.get_state())
+                base.set_state(saved)
+
+
+_installed_lock = threading.Lock()
+
+
+@contextmanager
+def _installed() -> Iterator[_Generator]:
+    """Per-rank-thread ``torch.distributed``, environment and generator, while ranks run."""
+    if not _installed_lock.acquire(blocking=False):
+        raise InvalidArgumentError(
+            "run_threads is already running in this process; rank threads cannot start rank "
+            "threads of their own"
+        )
+    world, environ = c10d._world, os.environ
+    generator = torch.random.default_generator
+    switch = _Generator(generator)
+    c10d._world = _WorldSwitch(world)
+    os.environ = _Environ(environ)  # type: ignore[assignment]  # noqa: B003 - a view, not a reset
+    torch.random.default_generator = switch  # type: ignore[assignment]
+    # process groups are registered by name (the same names in every rank): one registry per
+    # thread
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    try:
+        yield switch
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        torch.random.default_generator = generator
+        os.environ = environ  # type: ignore[assignment]  # noqa: B003
+        c10d._world = world
+        _installed_lock.release()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """The torchrun variables of ``rank`` of ``nproc`` ranks meeting at 127.0.0.1:``port``."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    }
+
+
+def _check_alone(nproc: int) -> None:
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise InvalidArgumentError(f"nproc must be a positive int, got {nproc!r}")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise InvalidArgumentError(
+            f"threads mode runs {nproc} ranks in this process, but this process is already rank "
+            f"{dist.get_rank()} of a torch.distributed world of {dist.get_world_size()} "
+            f"processes; threads mode does not combine with several processes (gloo cannot run "
+            f"two threads' collectives on one group)"
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise InvalidArgumentError(
+            f"threads mode runs {nproc} ranks in this process, but this process was started as "
+            f"rank {os.environ.get('RANK')} of WORLD_SIZE={os.environ['WORLD_SIZE']} processes; "
+            f"threads mode does not combine with several processes: start one process"
+        )
+
+
+def _run_rank(
+    rank: settings.RankThread, generators: _Generator, fn: Callable[..., T], args: tuple,
+    kwargs: dict, done: queue.Queue,
+) -> None:
+    with settings.RANK_THREAD.override(rank):
+        try:
+            with _RankRandom(generators):
+                result = fn(*args, **kwargs)
+        except SystemExit as err:
+            if err.code not in (None, 0):
+                done.put((rank.rank, False, err, "", time.monotonic()))
+            else:
+                done.put((rank.rank, True, None, "", time.monotonic()))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            done.put((rank.rank, False, err, traceback.format_exc(), time.monotonic()))
+        else:
+            done.put((rank.rank, True, result, "", time.monotonic()))
+        finally:  # closing this rank's sockets makes peers waiting on it fail at once
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class RankFailedError(CollectiveError):
+    """A rank of ``run_threads`` raised; the original error is its ``__cause__``."""
+
+    def __init__(self, rank: int, nproc: int, error: BaseException, trace: str) -> None:
+        super().__init__(
+            f"rank {rank} of {nproc} rank threads failed with "
+            f"{type(error).__name__}: {error}\n{trace}"
+        )
+        self.rank = rank
+        self.error = error
+
+
+def run_threads(
+    fn: Callable[..., T], nproc: int, *args: Any, timeout: float = 300.0, **kwargs: Any
+) -> list[T]:
+    """Run ``fn(*args, **kwargs)`` as ranks ``0..nproc-1`` of a gloo world, one thread each, in
+    this process; return each rank's result, in rank order.
+
+    Inside ``fn`` everything is as in ``nproc`` processes started by ``torchrun``: the
+    environment, ``torch.distributed`` (``init_process_group("gloo")`` or
+    ``shardwise.init_device_mesh`` set it up), torch's default CPU generator. If a rank raises,
+    ``RankFailedError`` names the first one (its error is the ``__cause__``); if the ranks have
+    not all finished after ``timeout`` seconds, ``CollectiveTimeoutError`` names those still
+    running (their threads are left behind, as daemons).
+    """
+    _check_alone(nproc)
+    port = _free_port()
+    done: queue.Queue = queue.Queue()
+    with _installed() as generators:
+        threads = []
+        for r in range(nproc):
+            rank = settings.RankThread(r, nproc, rank_env(r, nproc, port), _RankWorld())
+            threads.append(threading.Thread(
+                target=_run_rank, args=(rank, generators, fn, args, kwargs, done),
+                name=f"shardwise-rank-{r}", daemon=True,
+            ))
+        for t in threads:
+            t.start()
+        results: dict[int, Any] = {}
+        failures: list[tuple[float, int, BaseException, str]] = []
+        deadline = time.monotonic() + timeout
+        while len(results) + len(failures) < nproc:
+            left = deadline - time.monotonic()
+            if failures:
+                left = min(left, failures[0][0] + _GRACE_S - time.monotonic())
+            try:
+                r, ok, value, trace, when = done.get(timeout=max(left, 0.0))
+            except queue.Empty:
+                break
+            if ok:
+                results[r] = value
+            else:
+                failures.append((when, r, value, trace))
+        if failures:
+            _, r, err, trace = min(failures, key=lambda f: f[0])
+            raise RankFailedError(r, nproc, err, trace) from err
+        if len(results) < nproc:
+            running = [r for r in range(nproc) if r not in results]
+            raise CollectiveTimeoutError(
+                f"rank threads {running} of {nproc} were still running after {timeout:g} s "
+                f"(a collective that not every rank reached, or a rank stuck); ranks "
+                f"{sorted(results)} finished"
+            )
+        for t in threads:
+            t.join()
+    return [results[r] for r in range(nproc)]
+
+
+def launch_threads(script: str, args: Sequence[str] = (), *, nproc: int, module: bool = False,
+                   timeout: float = 1e9) -> int:
+    """``python -m shardwise.launch --threads``: run ``script`` (a module with ``module``) as
+    ``nproc`` rank threads of this process; 0 if all succeed, else 1 with the first failing
+    rank's traceback on stderr (a rank's ``sys.exit(code)`` returns ``code``)."""
+    import runpy
+    import sys
+
+    sys.argv = [script, *args]
+
+    def main() -> None:
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=False)
+        else:
+            runpy.run_path(script, run_name="__main__")
+
+    try:
+        run_threads(main, nproc, timeout=timeout)
+    except RankFailedError as err:
+        if isinstance(err.error, SystemExit):
+            code = err.error.code
+            if code is None or isinstance(code, int):
+                return code or 0
+        print(f"shardwise.launch --threads: {err}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,201 @@
+"""Threads mode: the same per-rank program as N rank threads of one process and as N gloo
+processes gives the same bits; single-device PyTorch is the oracle for the training loss."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise
+from mp_harness import run_in_processes
+from shardwise import Replicate, Shard
+from shardwise.errors import CollectiveTimeoutError, InvalidArgumentError
+from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from shardwise.rank_threads import RankFailedError, run_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 120.0
+
+
+def _init() -> int:
+    """What a per-rank program does first: join the world (mp_harness has already)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank()
+
+
+def program_collectives(n: int) -> dict:
+    rank = _init()
+    assert int(os.environ["RANK"]) == rank and int(os.environ["WORLD_SIZE"]) == n
+    assert dist.get_world_size() == n and dist.is_initialized()
+    torch.manual_seed(100 + rank)  # each rank its own stream, as in processes
+    mine = torch.randn(5, 7)
+    summed = mine.clone()
+    dist.all_reduce(summed)
+    dist.barrier()
+    mesh = shardwise.init_device_mesh("cpu", (n,))
+    assert mesh.num_local_devices() == 1 and mesh.get_rank() == rank
+    assert mesh.get_coordinate() == (rank,)
+    d = shardwise.DTensor.from_local(mine, mesh, [Shard(0)])
+    rounds = [d.redistribute(mesh, [Shard(1)]), d.redistribute(mesh, [Replicate()])]
+    partial = shardwise.DTensor.from_local(mine, mesh, [shardwise.Partial()])
+    rounds.append(partial.redistribute(mesh, [Shard(0)]))
+    return {
+        "drawn": mine, "all_reduce": summed,
+        "rounds": [r.to_local() for r in rounds], "full": rounds[1].to_local(),
+    }
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)) for _ in range(3)]
+
+
+def program_mlp(n: int) -> dict:
+    _init()
+    mesh = shardwise.init_device_mesh("cpu", (n,))
+    model = parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in _batches():
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return {"losses": losses, "weights": [p.to_local().detach() for p in model.parameters()]}
+
+
+def _single_device_losses() -> list[float]:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in _batches():
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _same_bits(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same_bits(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same_bits(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collectives_and_redistribute_match_processes(n):
+    threads = run_threads(program_collectives, n, n, timeout=TIMEOUT)
+    procs = run_in_processes(program_collectives, n, n, timeout=TIMEOUT)
+    _same_bits(threads, procs)
+    # the oracle: each rank drew torch.manual_seed(100 + r); torch.randn(5, 7)
+    drawn = [torch.Generator().manual_seed(100 + r) for r in range(n)]
+    expected = [torch.randn(5, 7, generator=g) for g in drawn]
+    for r in range(n):
+        assert torch.equal(threads[r]["drawn"], expected[r])
+        assert torch.allclose(threads[r]["all_reduce"], sum(expected))
+        assert torch.equal(threads[r]["full"], torch.cat(expected))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_tensor_parallel_mlp_matches_processes_and_single_device(n):
+    threads = run_threads(program_mlp, n, n, timeout=TIMEOUT)
+    procs = run_in_processes(program_mlp, n, n, timeout=TIMEOUT)
+    _same_bits(threads, procs)
+    reference = _single_device_losses()
+    for r in range(n):
+        got = [float(v) for v in threads[r]["losses"]]
+        assert got == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
+def _fails_on_rank_one(n: int) -> int:
+    rank = _init()
+    if rank == 1:
+        raise ValueError("rank one broke")
+    t = torch.ones(2)
+    dist.all_reduce(t)  # rank 1 never comes: its closed group makes this fail, not hang
+    return rank
+
+
+def test_a_failing_rank_raises_in_the_caller():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 of 3") as info:
+        run_threads(_fails_on_rank_one, 3, 3, timeout=TIMEOUT)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert time.monotonic() - start < 60
+
+
+def _hangs(n: int) -> None:
+    rank = _init()
+    if rank == 0:
+        time.sleep(30)
+
+
+def test_a_hang_times_out_naming_the_ranks():
+    with pytest.raises(CollectiveTimeoutError, match=r"rank threads \[0\] of 2"):
+        run_threads(_hangs, 2, 2, timeout=3)
+
+
+def test_threads_mode_refuses_a_multiprocess_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(InvalidArgumentError, match="does not combine with several processes"):
+        run_threads(_init, 2)
+
+
+def test_rank_threads_leave_the_process_as_it_was():
+    before = torch.get_rng_state()
+    run_threads(program_collectives, 2, 2, timeout=TIMEOUT)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert not dist.is_initialized() and "RANK" not in os.environ
+
+
+def test_launcher_threads_flag_runs_a_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "import shardwise\n"
+        "mesh = shardwise.init_device_mesh('cpu', (int(os.environ['WORLD_SIZE']),))\n"
+        "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+        "dist.all_reduce(t)\n"
+        "print(f'rank {dist.get_rank()} sum {t.item():g} local {mesh.num_local_devices()}')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "shardwise.launch", "--nproc", "3", "--threads", str(script)],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
+    )
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stdout.splitlines()) == [f"rank {r} sum 6 local 1" for r in range(3)]
+    failing = tmp_path / "fail.py"
+    failing.write_text("import os\nif os.environ['RANK'] == '2':\n    raise KeyError('boom')\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "shardwise.launch", "--nproc", "3", "--threads", str(failing)],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
+    )
+    assert run.returncode == 1 and "rank 2 of 3" in run.stderr and "boom" in run.stderr
