@@ -590,9 +590,10 @@ class DeviceMesh:
     # ----- identity -----------------------------------------------------------------------
     @cached_property
     def _key(self) -> tuple:
-        # the rank: two ranks' meshes own different devices (rank threads share one process)
+        # who owns what: two ranks' meshes own different devices (rank threads share one
+        # process), and an embedded mesh owns all the devices a rank thread's mesh owns one of
         return (self.device_type, tuple(self.mesh.shape), tuple(self._ids), self.mesh_dim_names,
-                self._rank)
+                self._rank, tuple(self.local_device_ids))
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)

@@ -368,6 +368,8 @@ def launch_threads(script: str, args: Sequence[str] = (), *, nproc: int, module:
         else:
             runpy.run_path(script, run_name="__main__")
 
+    out, err_stream = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Lines(out), _Lines(err_stream)  # type: ignore[assignment]
     try:
         run_threads(main, nproc, timeout=timeout)
     except RankFailedError as err:
@@ -377,4 +379,39 @@ def launch_threads(script: str, args: Sequence[str] = (), *, nproc: int, module:
                 return code or 0
         print(f"shardwise.launch --threads: {err}", file=sys.stderr)
         return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = out, err_stream
     return 0
+
+
+class _Lines:
+    """A text stream shared by rank threads that writes whole lines only, as the process
+    launcher's pumps do: each thread's partial line waits for its newline (or a flush)."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+        self.lock = threading.Lock()
+        self.pending: dict[int, str] = {}
+
+    def write(self, text: str) -> int:
+        ident = threading.get_ident()
+        with self.lock:
+            held = self.pending.pop(ident, "") + text
+            cut = held.rfind("\n") + 1
+            if cut:
+                self.base.write(held[:cut])
+            if held[cut:]:
+                self.pending[ident] = held[cut:]
+        return len(text)
+
+    def flush(self) -> None:
+        with self.lock:
+            rest = self.pending.pop(threading.get_ident(), "")
+            if rest:
+                self.base.write(rest)
+            self.base.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
