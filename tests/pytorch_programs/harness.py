@@ -1,0 +1,178 @@
+"""Run PyTorch's tensor-parallel examples as torch wrote them and as ported to shardwise.
+
+``python tests/pytorch_programs/harness.py PROGRAM NPROC`` runs one program (a name in
+``PROGRAMS``) under ``python -m shardwise.launch --nproc NPROC`` twice: the original on
+``torch.distributed.tensor``, then ``port.py``'s shardwise version, and prints both runs' losses
+(every rank, every step) and how the final parameters and gradients compare.
+
+Both runs get the same CPU substitution (``CPU``), the only lines changed beyond the imports:
+the examples pick ``torch.accelerator.current_accelerator().type`` as device type and exit
+unless ``log_utils.verify_min_gpu_count`` finds GPUs; here they run on CPU over gloo. The torch
+run of fsdp_tp_example also needs ``ORACLE_ENV`` (torch has no DTensor rule for the CPU
+attention kernel). ``record.py`` runs each rank and reports its losses and final parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+HELPERS = ("log_utils.py", "llama2_model.py")
+
+# the examples' own iteration counts (fixed in their code)
+PROGRAMS: dict[str, int] = {
+    "tensor_parallel_example": 10,
+    "sequence_parallel_example": 10,
+    "fsdp_tp_example": 10,
+}
+# torch.distributed.tensor has no sharding strategy for the CPU attention kernel
+# (aten._scaled_dot_product_flash_attention_for_cpu): the torch run takes SDPA's math backend,
+# whose causal mask is a plain tensor added to DTensors, so it also needs implicit replication
+# (record.py reads these; the shardwise run keeps the default kernel and its own rules)
+ORACLE_ENV: dict[str, dict[str, str]] = {
+    "fsdp_tp_example": {"PROGRAM_SDPA": "math", "PROGRAM_IMPLICIT_REPLICATION": "1"},
+}
+
+_DEVICE = "device_type = torch.accelerator.current_accelerator().type"
+CPU: dict[str, dict[str, str]] = {
+    "tensor_parallel_example.py": {_DEVICE: 'device_type = "cpu"'},
+    "sequence_parallel_example.py": {_DEVICE: 'device_type = "cpu"'},
+    "fsdp_tp_example.py": {_DEVICE: 'device_type = "cpu"'},
+    "log_utils.py": {"    return has_gpu and gpu_count >= min_gpus": "    return True"},
+}
+
+
+@dataclass
+class Run:
+    variant: str
+    returncode: int
+    output: str
+    losses: dict[int, list[float]] = field(default_factory=dict)  # rank -> per-step loss
+    record: Path | None = None  # final parameters and gradients (rank 0 writes them)
+
+
+def on_cpu(name: str, source: str) -> str:
+    """The CPU substitution: each line in ``CPU[name]`` replaced, each found exactly once."""
+    lines = source.splitlines(keepends=True)
+    for old, new in CPU.get(name, {}).items():
+        hits = [i for i, line in enumerate(lines) if line.rstrip("\n") == old]
+        if len(hits) != 1:
+            raise ValueError(f"{name}: expected the line {old!r} once, found it {len(hits)} times")
+        lines[hits[0]] = new + "\n"
+    return "".join(lines)
+
+
+def prepare(program: str, variant: str, dest: Path) -> tuple[Path, int]:
+    """Write ``program`` and its helpers into ``dest`` for ``variant`` ("torch" or "shardwise");
+    return the program's path and the lines changed beyond imports by the port (0 for torch)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        from port import port
+    finally:
+        sys.path.remove(str(HERE))
+    dest.mkdir(parents=True, exist_ok=True)
+    beyond_imports = 0
+    for name in (f"{program}.py", *HELPERS):
+        source = on_cpu(name, (HERE / name).read_text())
+        if variant == "shardwise":
+            ported = port(source)
+            source = ported.source
+            beyond_imports += ported.other_lines_changed
+        (dest / name).write_text(source)
+    return dest / f"{program}.py", beyond_imports
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run(program: str, variant: str, nproc: int, workdir: Path, timeout: float = 600) -> Run:
+    """Run one variant of ``program`` under the launcher; parse its per-rank losses."""
+    path, _ = prepare(program, variant, workdir / variant)
+    record = workdir / f"{variant}.pt"
+    env = dict(os.environ, PROGRAM_RECORD=str(record))
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    for name in ("SHARDWISE_IMPLICIT_REDISTRIBUTE", "PROGRAM_SDPA", "PROGRAM_IMPLICIT_REPLICATION"):
+        env.pop(name, None)
+    if variant == "torch":
+        env.update(ORACLE_ENV.get(program, {}))
+    command = [sys.executable, "-m", "shardwise.launch", "--nproc", str(nproc),
+               str(HERE / "record.py"), str(path)]
+    proc = subprocess.Popen(command, cwd=path.parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        output, _ = proc.communicate()
+        output += f"\nharness: killed after {timeout} s"
+    result = Run(variant, proc.returncode, output, record=record if record.exists() else None)
+    for line in output.splitlines():
+        head, _, rest = line.partition("] LOSS ")
+        if rest and head.startswith("["):
+            rank = int(head[1:])
+            step, value = rest.split()
+            losses = result.losses.setdefault(rank, [])
+            if int(step) != len(losses):
+                raise ValueError(f"rank {rank}: loss of step {step} after {len(losses)} steps")
+            losses.append(float(value))
+    return result
+
+
+def largest_difference(a: Path, b: Path) -> dict[str, float]:
+    """Largest relative difference of the recorded parameters and of the gradients."""
+    ra, rb = torch.load(a), torch.load(b)
+    out = {}
+    for key in ("params", "grads"):
+        if len(ra[key]) != len(rb[key]):
+            raise ValueError(f"{key}: {len(ra[key])} tensors against {len(rb[key])}")
+        worst = 0.0
+        for x, y in zip(ra[key], rb[key], strict=True):
+            if (x is None) != (y is None):
+                return {**out, key: float("inf")}
+            if x is None:
+                continue
+            if x.shape != y.shape:
+                raise ValueError(f"{key}: shapes {tuple(x.shape)} and {tuple(y.shape)}")
+            scale = x.abs().max().clamp_min(1e-12)
+            worst = max(worst, ((x - y).abs().max() / scale).item())
+        out[key] = worst
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import tempfile
+
+    if len(argv) != 2 or argv[0] not in PROGRAMS:
+        print(f"usage: harness.py {{{','.join(PROGRAMS)}}} NPROC", file=sys.stderr)
+        return 2
+    program, nproc = argv[0], int(argv[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [run(program, v, nproc, Path(tmp)) for v in ("torch", "shardwise")]
+        _, beyond = prepare(program, "shardwise", Path(tmp) / "count")
+        print(f"{program} --nproc {nproc}: port changed {beyond} lines beyond imports")
+        for r in runs:
+            print(f"{r.variant}: exit {r.returncode}")
+            for rank, losses in sorted(r.losses.items()):
+                print(f"  rank {rank}: " + " ".join(f"{v:.7g}" for v in losses))
+            if r.returncode:
+                print("\n".join("    " + ln for ln in r.output.splitlines()[-30:]))
+        if all(r.record for r in runs):
+            print("final largest relative difference:",
+                  largest_difference(runs[0].record, runs[1].record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,105 @@
+"""One rank of a PyTorch program, observed: ``python record.py PROGRAM.py [ARGS]``.
+
+Runs the program as ``python PROGRAM.py ARGS`` would (its folder first on ``sys.path``, run as
+``__main__``) and changes nothing in it. Before, it seeds torch's generator with ``SEED + RANK``:
+torch seeds it from the OS at start-up here, and the examples draw their initial weights (and
+the sequence-parallel one its inputs) from it, so each rank draws differently, as it would, but
+the same in every run. It prints ``LOSS <step> <value>`` for every scalar the program calls
+``backward()`` on (its global value, repr-exact), and when the program destroys its process
+group, rank 0 saves the full value of every parameter its optimizers stepped, and of their
+gradients, to the file ``PROGRAM_RECORD`` names. ``PROGRAM_SDPA=math`` runs the program under
+SDPA's math backend and ``PROGRAM_IMPLICIT_REPLICATION=1`` under torch's implicit_replication
+(see ``harness.ORACLE_ENV``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+SEED = 1234
+
+_optimizers: list[torch.optim.Optimizer] = []
+_steps = [0]
+_recorded = [False]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The global value of a (torch or shardwise) DTensor; a plain tensor as it is."""
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().clone()
+
+
+def _backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if self.numel() == 1:
+        with torch.no_grad():
+            value = _full(self).item()
+        print(f"LOSS {_steps[0]} {value!r}", flush=True)
+        _steps[0] += 1
+    return _original_backward(self, *args, **kwargs)
+
+
+def _remember(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not any(o is optimizer for o in _optimizers):
+        _optimizers.append(optimizer)
+
+
+def _record() -> None:
+    """Every rank takes part (the full values are gathered); rank 0 writes the file."""
+    if _recorded[0]:
+        return
+    _recorded[0] = True
+    params = [p for o in _optimizers for g in o.param_groups for p in g["params"]]
+    with torch.no_grad():
+        values = [_full(p) for p in params]
+        grads = [None if p.grad is None else _full(p.grad) for p in params]
+    if dist.get_rank() == 0 and "PROGRAM_RECORD" in os.environ:
+        torch.save({"params": values, "grads": grads}, os.environ["PROGRAM_RECORD"])
+    # gloo's worker thread drops a finished gather's tensors a moment after the wait returns;
+    # when that falls into interpreter finalization (the program ends right after this) the
+    # drop takes the GIL and std::terminate aborts the process (about 1 run in 15 seen here)
+    time.sleep(0.05)
+
+
+def _destroy(group: Any = None) -> None:
+    if group is None and dist.is_initialized():
+        _record()
+    _original_destroy(group)
+
+
+_original_backward = torch.Tensor.backward
+_original_destroy = dist.destroy_process_group
+
+
+def main() -> None:
+    program = Path(sys.argv[1]).resolve()
+    sys.argv = [str(program), *sys.argv[2:]]
+    sys.path[0] = str(program.parent)  # as `python PROGRAM.py`: its helpers import from there
+    torch.Tensor.backward = _backward  # type: ignore[method-assign]
+    dist.destroy_process_group = _destroy
+    register_optimizer_step_post_hook(_remember)
+    torch.manual_seed(SEED + int(os.environ["RANK"]))
+    with contextlib.ExitStack() as stack:
+        if os.environ.get("PROGRAM_SDPA") == "math":
+            stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        if os.environ.get("PROGRAM_IMPLICIT_REPLICATION") == "1":
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            stack.enter_context(implicit_replication())
+        runpy.run_path(str(program), run_name="__main__")
+    if dist.is_initialized():  # a program that leaves its process group alone
+        _record()
+
+
+if __name__ == "__main__":
+    main()
