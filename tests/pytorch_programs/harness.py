@@ -1,7 +1,7 @@
 """Run PyTorch's tensor-parallel examples as torch wrote them and as ported to shardwise.
 
-``python tests/pytorch_programs/harness.py PROGRAM NPROC`` runs one program (a name in
-``PROGRAMS``) under ``python -m shardwise.launch --nproc NPROC`` twice: the original on
+``python tests/pytorch_programs/harness.py PROGRAM NPROC [--same-seed]`` runs one program (a
+name in ``PROGRAMS``) under ``python -m shardwise.launch --nproc NPROC`` twice: the original on
 ``torch.distributed.tensor``, then ``port.py``'s shardwise version, and prints both runs' losses
 (every rank, every step) and how the final parameters and gradients compare.
 
@@ -97,11 +97,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run(program: str, variant: str, nproc: int, workdir: Path, timeout: float = 600) -> Run:
-    """Run one variant of ``program`` under the launcher; parse its per-rank losses."""
+def run(
+    program: str, variant: str, nproc: int, workdir: Path, timeout: float = 600,
+    same_seed: bool = False,
+) -> Run:
+    """Run one variant of ``program`` under the launcher; parse its per-rank losses.
+    ``same_seed``: every rank starts from the same seed (record.py), not its own."""
     path, _ = prepare(program, variant, workdir / variant)
     record = workdir / f"{variant}.pt"
     env = dict(os.environ, PROGRAM_RECORD=str(record))
+    env["PROGRAM_SEED"] = "same" if same_seed else "per-rank"
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     for name in ("SHARDWISE_IMPLICIT_REDISTRIBUTE", "PROGRAM_SDPA", "PROGRAM_IMPLICIT_REPLICATION"):
         env.pop(name, None)
@@ -154,12 +159,15 @@ def largest_difference(a: Path, b: Path) -> dict[str, float]:
 def main(argv: list[str]) -> int:
     import tempfile
 
+    same_seed = "--same-seed" in argv
+    argv = [a for a in argv if a != "--same-seed"]
     if len(argv) != 2 or argv[0] not in PROGRAMS:
-        print(f"usage: harness.py {{{','.join(PROGRAMS)}}} NPROC", file=sys.stderr)
+        print(f"usage: harness.py {{{','.join(PROGRAMS)}}} NPROC [--same-seed]", file=sys.stderr)
         return 2
     program, nproc = argv[0], int(argv[1])
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run(program, v, nproc, Path(tmp)) for v in ("torch", "shardwise")]
+        runs = [run(program, v, nproc, Path(tmp), same_seed=same_seed)
+                for v in ("torch", "shardwise")]
         _, beyond = prepare(program, "shardwise", Path(tmp) / "count")
         print(f"{program} --nproc {nproc}: port changed {beyond} lines beyond imports")
         for r in runs:
@@ -168,7 +176,7 @@ def main(argv: list[str]) -> int:
                 print(f"  rank {rank}: " + " ".join(f"{v:.7g}" for v in losses))
             if r.returncode:
                 print("\n".join("    " + ln for ln in r.output.splitlines()[-30:]))
-        if all(r.record for r in runs):
+        if all(r.returncode == 0 and r.record for r in runs):
             print("final largest relative difference:",
                   largest_difference(runs[0].record, runs[1].record))
     return 0

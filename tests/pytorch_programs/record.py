@@ -1,15 +1,16 @@
 """One rank of a PyTorch program, observed: ``python record.py PROGRAM.py [ARGS]``.
 
 Runs the program as ``python PROGRAM.py ARGS`` would (its folder first on ``sys.path``, run as
-``__main__``) and changes nothing in it. Before, it seeds torch's generator with ``SEED + RANK``:
-torch seeds it from the OS at start-up here, and the examples draw their initial weights (and
-the sequence-parallel one its inputs) from it, so each rank draws differently, as it would, but
-the same in every run. It prints ``LOSS <step> <value>`` for every scalar the program calls
-``backward()`` on (its global value, repr-exact), and when the program destroys its process
-group, rank 0 saves the full value of every parameter its optimizers stepped, and of their
-gradients, to the file ``PROGRAM_RECORD`` names. ``PROGRAM_SDPA=math`` runs the program under
-SDPA's math backend and ``PROGRAM_IMPLICIT_REPLICATION=1`` under torch's implicit_replication
-(see ``harness.ORACLE_ENV``).
+``__main__``) and changes nothing in it. Before, it seeds torch's generator with ``SEED + RANK``
+(``SEED`` on every rank with ``PROGRAM_SEED=same``): torch seeds it from the OS at start-up
+here, and the examples draw their initial weights (the sequence-parallel one its inputs too)
+from it, so each rank draws differently, as it would, but the same in every run.
+
+It prints ``LOSS <step> <value>`` for every scalar the program calls ``backward()`` on (its
+global value, repr-exact), and when the program destroys its process group, rank 0 saves the
+full value of every parameter its optimizers stepped, and of their gradients, to the file
+``PROGRAM_RECORD`` names. ``PROGRAM_SDPA=math`` runs the program under SDPA's math backend and
+``PROGRAM_IMPLICIT_REPLICATION=1`` under torch's implicit_replication (``harness.ORACLE_ENV``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _remember(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 def _record() -> None:
     """Every rank takes part (the full values are gathered); rank 0 writes the file."""
-    if _recorded[0]:
+    if _recorded[0] or not _optimizers:  # recorded already, or the program never trained
         return
     _recorded[0] = True
     params = [p for o in _optimizers for g in o.param_groups for p in g["params"]]
@@ -88,7 +89,8 @@ def main() -> None:
     torch.Tensor.backward = _backward  # type: ignore[method-assign]
     dist.destroy_process_group = _destroy
     register_optimizer_step_post_hook(_remember)
-    torch.manual_seed(SEED + int(os.environ["RANK"]))
+    same = os.environ.get("PROGRAM_SEED") == "same"
+    torch.manual_seed(SEED if same else SEED + int(os.environ["RANK"]))
     with contextlib.ExitStack() as stack:
         if os.environ.get("PROGRAM_SDPA") == "math":
             stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
