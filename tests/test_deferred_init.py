@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise import Shard
+from shardwise import InterleavedShard, Shard
 from shardwise.deferred_init import deferred_init, is_deferred, materialize_module
 from shardwise.errors import DeferredInitError
 from shardwise.memory import track_allocations
@@ -145,7 +145,8 @@ def test_tensor_parallel_children_then_fully_shard_root_materialize_into_2d_shar
     assert is_deferred(model)
     with track_allocations() as stats:
         fully_shard(model, mesh=mesh["dp"])  # the root: materializes the final 2-D shards
-    assert model[0].weight.placements == (Shard(0), Shard(0))
+    # the dp chunk of each device's own tp shard (FSDP2's strided shard)
+    assert model[0].weight.placements == (InterleavedShard(0, interleaved_size=2), Shard(0))
     assert model[2].weight.placements == (Shard(0), Shard(1))
     for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), ref.detach())

@@ -18,7 +18,7 @@ from torch import nn
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import Replicate, Shard
+from shardwise import InterleavedShard, Replicate, Shard
 from shardwise.parallel import (
     ColwiseParallel,
     FSDPModule,
@@ -131,8 +131,9 @@ def test_each_rank_trains_on_its_own_batch(kind: str, world: int, tp: int) -> No
             torch.testing.assert_close(state[name], want, atol=1e-5, rtol=1e-5, msg=name)
     placements = results[0][2][0]
     up = placements["blocks.0.up.weight"]
-    if tp > 1:  # PyTorch's FSDP2 + TP: 2-D DTensors on the root's (dp, tp) mesh
-        stored = Shard(0) if kind == "fully_shard" else Replicate()
+    if tp > 1:  # PyTorch's FSDP2 + TP: 2-D DTensors on the root's (dp, tp) mesh; FSDP keeps
+        # each rank's dp chunk of its own tp shard (PyTorch's strided shard)
+        stored = InterleavedShard(0, interleaved_size=tp) if kind == "fully_shard" else Replicate()
         assert up == (("dp", "tp"), (stored, Shard(0)))
     else:
         assert up[1] == ((Shard(0),) if kind == "fully_shard" else (Replicate(),))
@@ -195,3 +196,29 @@ def test_mixed_precision_computes_in_bf16_and_reduces_in_float32() -> None:
             assert abs(got - want_losses[step][rank]) < 1e-6
         for name, want in want_state.items():
             torch.testing.assert_close(state[name], want, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _small_plain_job() -> list[str]:
+    """Per rank a plain tensor is this rank's data: mixing a small one (labels) with a DTensor
+    is refused, not silently taken as replicated; a one-element constant still is."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    rank = mesh.get_rank()
+    logits = sw.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    labels = torch.tensor([0.0, 1.0, 1.0, 0.0]) + rank  # differs per rank
+    outcome = []
+    try:
+        logits[:, 0] - labels
+        outcome.append("taken")
+    except sw.MeshError as err:
+        outcome.append("refused" if "plain torch.Tensor of shape [4]" in str(err) else str(err))
+    scaled = logits * torch.tensor([2.0])
+    outcome.append(str(torch.equal(scaled.full_tensor(), torch.arange(8.0).reshape(4, 2) * 2)))
+    return outcome
+
+
+def test_small_plain_tensors_are_not_taken_as_replicated_per_rank() -> None:
+    assert run_in_processes(_small_plain_job, 2, timeout=120) == [["refused", "True"]] * 2
+    mesh = sw.init_device_mesh("cpu", (2,))  # the global view: a small constant is replicated
+    logits = sw.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    got = (logits[:, 0] - torch.tensor([0.0, 1.0, 1.0, 0.0])).full_tensor()
+    assert torch.equal(got, torch.arange(8.0).reshape(4, 2)[:, 0] - torch.tensor([0, 1, 1, 0.0]))

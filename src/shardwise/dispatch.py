@@ -45,6 +45,7 @@ from .mesh import DeviceMesh
 from .ops import registry
 from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
 from .placements import Placement, Replicate
+from .plain_tensors import plain_is_local
 from .redistribute import compile_plan, execute_plan, plan_redistribute
 from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta, pending_sum
 
@@ -640,11 +641,14 @@ def made_by_torch(tensor: torch.Tensor) -> bool:
 
 def implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """A plain tensor among DTensor arguments is taken as replicated when it is a small
-    constant (TF DTensor's rule), when autograd's backward or one of torch's decompositions
-    made it (``made_by_torch``), or inside ``implicit_replication()``; otherwise (the user's
-    own tensor) it is refused."""
+    constant (TF DTensor's rule; per rank, one element), when autograd's backward or one of
+    torch's decompositions made it (``made_by_torch``), or inside ``implicit_replication()``;
+    otherwise (the user's own tensor) it is refused."""
+    # per rank (plain_tensors.py) a plain tensor is this rank's data, which may differ from
+    # its peers': only a one-element constant is taken as replicated there
+    small = 1 if plain_is_local(mesh) else SMALL_CONSTANT_NUMEL
     if (
-        tensor.numel() > SMALL_CONSTANT_NUMEL
+        tensor.numel() > small
         and torch._C._current_graph_task_id() == -1
         and not settings.IMPLICIT_REPLICATION.get()
         and not made_by_torch(tensor)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,7 +35,8 @@ def distribute_module(
     ``with mesh:``): ``partition_fn(name, submodule, mesh)`` runs on every submodule and may
     distribute its parameters; every parameter and buffer it leaves alone is replicated.
     ``input_fn(module, inputs, mesh)`` and ``output_fn(module, outputs, mesh)`` run around each
-    forward call."""
+    forward call; PyTorch's older two-argument forms ``input_fn(inputs, mesh)`` and
+    ``output_fn(outputs, mesh)`` are accepted too."""
     device_mesh = mesh_or_current(device_mesh, "distribute_module")
     if partition_fn is not None:
         for name, sub in list(module.named_modules()):
@@ -42,12 +44,32 @@ def distribute_module(
     replicate_rest(module, device_mesh)
     guard_loading(module)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+        takes_module = _takes_module(input_fn, "input_fn")
+        module.register_forward_pre_hook(
+            lambda mod, inputs: input_fn(mod, inputs, device_mesh) if takes_module
+            else input_fn(inputs, device_mesh)  # type: ignore[call-arg]
+        )
     if output_fn is not None:
+        takes_module = _takes_module(output_fn, "output_fn")
         module.register_forward_hook(
-            lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh)
+            lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh) if takes_module
+            else output_fn(outputs, device_mesh)  # type: ignore[call-arg]
         )
     return module
+
+
+def _takes_module(fn: Callable, what: str) -> bool:
+    """Whether a ``distribute_module`` hook takes (module, value, mesh) or (value, mesh)."""
+    try:
+        count = len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return True  # a builtin or C callable: PyTorch's current three-argument form
+    if count not in (2, 3):
+        raise ParallelPlanError(
+            f"distribute_module's {what} takes (module, value, device_mesh) or (value, "
+            f"device_mesh), got a callable of {count} parameters: {fn!r}"
+        )
+    return count == 3
 
 
 def parallelize_module(

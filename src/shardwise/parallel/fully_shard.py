@@ -21,7 +21,7 @@ from torch import nn
 from ..deferred_init import materialize_if_root
 from ..errors import DataParallelError
 from ..mesh import DeviceMesh
-from ..placements import Placement, Shard
+from ..placements import InterleavedShard, Placement, Shard
 from .data_parallel import (
     MANAGED,
     DataParallelMeshDims,
@@ -160,7 +160,10 @@ def fully_shard(
                 f"shape {list(param.shape)}; it must return a Shard(dim) or None"
             )
         for d in pdp.shard:
-            storage[d] = _shard_on(param, shard, name) if param.ndim > 0 else compute[d]
+            storage[d] = (
+                _storage(param, compute, pdp.mesh, d, shard, name)
+                if param.ndim > 0 else compute[d]
+            )
         value = stored_value(param, pdp, storage)
         new = place_parameter(group, param, value)
         setattr(new, MANAGED, True)
@@ -178,12 +181,25 @@ def fully_shard(
     return modules if isinstance(module, Sequence) else modules[0]
 
 
-def _shard_on(param: Any, shard: Shard | None, name: str) -> Placement:
-    if shard is None:
-        return Shard(0)
-    if not -param.ndim <= shard.dim < param.ndim:
+def _storage(
+    param: Any, compute: list[Placement], mesh: DeviceMesh, d: int, shard: Shard | None,
+    name: str,
+) -> Placement:
+    """The stored placement on data-parallel mesh dim ``d``: ``Shard(dim)``, or where tensor
+    parallelism shards the same tensor dim on later mesh dims, ``InterleavedShard`` over them:
+    each device keeps its data-parallel chunk of its own tensor-parallel shard (FSDP2's
+    strided shard), so sharding moves nothing and matches PyTorch's layout."""
+    dim = 0 if shard is None else shard.dim
+    if not -param.ndim <= dim < param.ndim:
         raise DataParallelError(
             f"fully_shard: shard_placement_fn returned {shard!r} for parameter {name!r} of "
             f"shape {list(param.shape)}, out of range"
         )
-    return Shard(shard.dim % param.ndim)
+    dim %= param.ndim
+    inner = 1
+    for p, size in zip(compute[d + 1:], mesh.shape[d + 1:], strict=True):
+        if type(p) is Shard and p.dim == dim:
+            inner *= size
+    if inner > 1 and param.shape[dim] % inner == 0:
+        return InterleavedShard(dim, interleaved_size=inner)
+    return Shard(dim)
