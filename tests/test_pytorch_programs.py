@@ -21,16 +21,19 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "pytorch_programs"))
-from harness import PROGRAMS, largest_difference, prepare, run  # noqa: E402
+from harness import PROGRAMS, Run, largest_difference, prepare, run  # noqa: E402
 from port import UnportableImport, port  # noqa: E402
 
-PASSING = [  # (program, processes, same seed on every rank)
+PASSING = [  # (program, processes, shardwise's ranks as threads of one process)
     ("tensor_parallel_example", 2, False),
     ("tensor_parallel_example", 4, False),
+    ("tensor_parallel_example", 4, True),
     ("sequence_parallel_example", 2, False),
     ("sequence_parallel_example", 4, False),
+    ("sequence_parallel_example", 4, True),
     ("fsdp_tp_example", 2, False),
     ("fsdp_tp_example", 4, False),
+    ("fsdp_tp_example", 4, True),
 ]
 RTOL = 1e-5  # float32: the runs reduce partial sums in different orders
 # fsdp_tp_example: torch runs SDPA's math kernel (harness.ORACLE_ENV), shardwise the CPU flash
@@ -78,14 +81,21 @@ def test_largest_difference_sees_a_changed_gradient(tmp_path: Path) -> None:
     assert largest_difference(tmp_path / "a.pt", tmp_path / "b.pt") == {"params": 0, "grads": 1}
 
 
+_ORIGINALS: dict[tuple[str, int], Run] = {}  # torch's run, shared by both shardwise modes
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("program", "nproc", "same_seed"), PASSING)
+@pytest.mark.parametrize(("program", "nproc", "threads"), PASSING)
 def test_program_trains_as_on_torch_dtensor(
-    program: str, nproc: int, same_seed: bool, tmp_path: Path
+    program: str, nproc: int, threads: bool, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    original = run(program, "torch", nproc, tmp_path, timeout=280, same_seed=same_seed)
+    if (program, nproc) not in _ORIGINALS:
+        workdir = tmp_path_factory.mktemp(f"{program}-{nproc}")
+        _ORIGINALS[program, nproc] = run(program, "torch", nproc, workdir, timeout=280)
+    original = _ORIGINALS[program, nproc]
     assert original.returncode == 0, original.output[-4000:]
-    ported = run(program, "shardwise", nproc, tmp_path, timeout=280, same_seed=same_seed)
+    workdir = tmp_path_factory.mktemp(f"{program}-{nproc}-{'threads' if threads else 'procs'}")
+    ported = run(program, "shardwise", nproc, workdir, timeout=280, threads=threads)
     assert ported.returncode == 0, ported.output[-4000:]
     steps = PROGRAMS[program]
     for r in (original, ported):

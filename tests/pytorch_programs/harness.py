@@ -1,8 +1,9 @@
 """Run PyTorch's tensor-parallel examples as torch wrote them and as ported to shardwise.
 
-``python tests/pytorch_programs/harness.py PROGRAM NPROC [--same-seed]`` runs one program (a
-name in ``PROGRAMS``) under ``python -m shardwise.launch --nproc NPROC`` twice: the original on
-``torch.distributed.tensor``, then ``port.py``'s shardwise version, and prints both runs' losses
+``python tests/pytorch_programs/harness.py PROGRAM NPROC [--same-seed] [--threads]`` runs one
+program (a name in ``PROGRAMS``) under ``python -m shardwise.launch --nproc NPROC`` twice: the
+original on ``torch.distributed.tensor``, then ``port.py``'s shardwise version (with
+``--threads``: as NPROC rank threads of one process), and prints both runs' losses
 (every rank, every step) and how the final parameters and gradients compare.
 
 Both runs get the same CPU substitution (``CPU``), the only lines changed beyond the imports:
@@ -99,13 +100,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run(
     program: str, variant: str, nproc: int, workdir: Path, timeout: float = 600,
-    same_seed: bool = False,
+    same_seed: bool = False, threads: bool = False,
 ) -> Run:
     """Run one variant of ``program`` under the launcher; parse its per-rank losses.
-    ``same_seed``: every rank starts from the same seed (record.py), not its own."""
+    ``same_seed``: every rank starts from the same seed (record.py), not its own;
+    ``threads``: the ranks are threads of one process (``shardwise.launch --threads``)."""
     path, _ = prepare(program, variant, workdir / variant)
     record = workdir / f"{variant}.pt"
-    env = dict(os.environ, PROGRAM_RECORD=str(record))
+    env = dict(os.environ, PROGRAM_RECORD=str(record), PROGRAM_PATH=str(path))
     env["PROGRAM_SEED"] = "same" if same_seed else "per-rank"
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     for name in ("SHARDWISE_IMPLICIT_REDISTRIBUTE", "PROGRAM_SDPA", "PROGRAM_IMPLICIT_REPLICATION"):
@@ -113,7 +115,7 @@ def run(
     if variant == "torch":
         env.update(ORACLE_ENV.get(program, {}))
     command = [sys.executable, "-m", "shardwise.launch", "--nproc", str(nproc),
-               str(HERE / "record.py"), str(path)]
+               *(["--threads"] if threads else []), str(HERE / "record.py"), str(path)]
     proc = subprocess.Popen(command, cwd=path.parent, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -124,10 +126,10 @@ def run(
         output += f"\nharness: killed after {timeout} s"
     result = Run(variant, proc.returncode, output, record=record if record.exists() else None)
     for line in output.splitlines():
-        head, _, rest = line.partition("] LOSS ")
-        if rest and head.startswith("["):
-            rank = int(head[1:])
-            step, value = rest.split()
+        _, _, rest = line.partition("RANK ")
+        fields = rest.split()
+        if len(fields) == 4 and fields[1] == "LOSS":
+            rank, step, value = int(fields[0]), fields[2], fields[3]
             losses = result.losses.setdefault(rank, [])
             if int(step) != len(losses):
                 raise ValueError(f"rank {rank}: loss of step {step} after {len(losses)} steps")
@@ -159,15 +161,17 @@ def largest_difference(a: Path, b: Path) -> dict[str, float]:
 def main(argv: list[str]) -> int:
     import tempfile
 
-    same_seed = "--same-seed" in argv
-    argv = [a for a in argv if a != "--same-seed"]
+    same_seed, threads = "--same-seed" in argv, "--threads" in argv
+    argv = [a for a in argv if a not in ("--same-seed", "--threads")]
     if len(argv) != 2 or argv[0] not in PROGRAMS:
-        print(f"usage: harness.py {{{','.join(PROGRAMS)}}} NPROC [--same-seed]", file=sys.stderr)
+        print(f"usage: harness.py {{{','.join(PROGRAMS)}}} NPROC [--same-seed] [--threads]",
+              file=sys.stderr)
         return 2
     program, nproc = argv[0], int(argv[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = [run(program, v, nproc, Path(tmp), same_seed=same_seed)
-                for v in ("torch", "shardwise")]
+    with tempfile.TemporaryDirectory() as tmp:  # torch's run in processes, shardwise's as asked
+        runs = [run(program, "torch", nproc, Path(tmp), same_seed=same_seed),
+                run(program, "shardwise", nproc, Path(tmp), same_seed=same_seed,
+                    threads=threads)]
         _, beyond = prepare(program, "shardwise", Path(tmp) / "count")
         print(f"{program} --nproc {nproc}: port changed {beyond} lines beyond imports")
         for r in runs:

@@ -1,16 +1,18 @@
-"""One rank of a PyTorch program, observed: ``python record.py PROGRAM.py [ARGS]``.
+"""One rank of a PyTorch program, observed: ``python record.py PROGRAM.py`` (or the program
+named by ``PROGRAM_PATH``).
 
-Runs the program as ``python PROGRAM.py ARGS`` would (its folder first on ``sys.path``, run as
+Runs the program as ``python PROGRAM.py`` would (its folder first on ``sys.path``, run as
 ``__main__``) and changes nothing in it. Before, it seeds torch's generator with ``SEED + RANK``
 (``SEED`` on every rank with ``PROGRAM_SEED=same``): torch seeds it from the OS at start-up
 here, and the examples draw their initial weights (the sequence-parallel one its inputs too)
 from it, so each rank draws differently, as it would, but the same in every run.
 
-It prints ``LOSS <step> <value>`` for every scalar the program calls ``backward()`` on (its
-global value, repr-exact), and when the program destroys its process group, rank 0 saves the
-full value of every parameter its optimizers stepped, and of their gradients, to the file
-``PROGRAM_RECORD`` names. ``PROGRAM_SDPA=math`` runs the program under SDPA's math backend and
-``PROGRAM_IMPLICIT_REPLICATION=1`` under torch's implicit_replication (``harness.ORACLE_ENV``).
+It prints ``RANK <rank> LOSS <step> <value>`` for every scalar the program calls
+``backward()`` on (its global value, repr-exact), and when the program destroys its process
+group, rank 0 saves the full value of every parameter its optimizers stepped, and of their
+gradients, to the file ``PROGRAM_RECORD`` names. ``PROGRAM_SDPA=math`` runs the program
+under SDPA's math backend and ``PROGRAM_IMPLICIT_REPLICATION=1`` under torch's
+implicit_replication (``harness.ORACLE_ENV``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import os
 import runpy
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +33,24 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 SEED = 1234
 
-_optimizers: list[torch.optim.Optimizer] = []
-_steps = [0]
-_recorded = [False]
+
+class _Rank:
+    """What is recorded of one rank: its optimizers and loss steps."""
+
+    def __init__(self) -> None:
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.steps = 0
+        self.recorded = False
+
+
+# one process may run several ranks (shardwise.launch --threads runs this file once per rank
+# thread): torch's hooks are installed once, on the first run, and find the rank's record by
+# its RANK (each rank thread sees its own environment)
+_RANKS: dict[str, _Rank] = torch.Tensor.__dict__.get("_record_ranks", {})
+
+
+def _mine() -> _Rank:
+    return _RANKS.setdefault(os.environ["RANK"], _Rank())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -41,26 +59,38 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full.detach().clone()
 
 
+_inside = threading.local()
+
+
 def _backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if getattr(_inside, "backward", False):  # a torch function mode calls Tensor.backward again
+        return _ORIGINAL_BACKWARD(self, *args, **kwargs)
     if self.numel() == 1:
         with torch.no_grad():
             value = _full(self).item()
-        print(f"LOSS {_steps[0]} {value!r}", flush=True)
-        _steps[0] += 1
-    return _original_backward(self, *args, **kwargs)
+        rank = _mine()
+        print(f"RANK {os.environ['RANK']} LOSS {rank.steps} {value!r}", flush=True)
+        rank.steps += 1
+    _inside.backward = True
+    try:
+        return _ORIGINAL_BACKWARD(self, *args, **kwargs)
+    finally:
+        _inside.backward = False
 
 
 def _remember(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not any(o is optimizer for o in _optimizers):
-        _optimizers.append(optimizer)
+    mine = _mine().optimizers
+    if not any(o is optimizer for o in mine):
+        mine.append(optimizer)
 
 
 def _record() -> None:
     """Every rank takes part (the full values are gathered); rank 0 writes the file."""
-    if _recorded[0] or not _optimizers:  # recorded already, or the program never trained
+    rank = _mine()
+    if rank.recorded or not rank.optimizers:  # recorded already, or the program never trained
         return
-    _recorded[0] = True
-    params = [p for o in _optimizers for g in o.param_groups for p in g["params"]]
+    rank.recorded = True
+    params = [p for o in rank.optimizers for g in o.param_groups for p in g["params"]]
     with torch.no_grad():
         values = [_full(p) for p in params]
         grads = [None if p.grad is None else _full(p.grad) for p in params]
@@ -75,20 +105,31 @@ def _record() -> None:
 def _destroy(group: Any = None) -> None:
     if group is None and dist.is_initialized():
         _record()
-    _original_destroy(group)
+    _ORIGINAL_DESTROY(group)
 
 
-_original_backward = torch.Tensor.backward
-_original_destroy = dist.destroy_process_group
-
-
-def main() -> None:
-    program = Path(sys.argv[1]).resolve()
-    sys.argv = [str(program), *sys.argv[2:]]
-    sys.path[0] = str(program.parent)  # as `python PROGRAM.py`: its helpers import from there
+def _install() -> None:
+    """Torch's hooks, once per process."""
+    if "_record_ranks" in torch.Tensor.__dict__:
+        return
+    torch.Tensor._record_ranks = _RANKS  # type: ignore[attr-defined]
     torch.Tensor.backward = _backward  # type: ignore[method-assign]
     dist.destroy_process_group = _destroy
     register_optimizer_step_post_hook(_remember)
+
+
+_ORIGINAL_BACKWARD = torch.Tensor.__dict__.get("_record_backward", torch.Tensor.backward)
+_ORIGINAL_DESTROY = getattr(dist, "_record_destroy", dist.destroy_process_group)
+torch.Tensor._record_backward = _ORIGINAL_BACKWARD  # type: ignore[attr-defined]
+dist._record_destroy = _ORIGINAL_DESTROY  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    # rank threads share sys.argv (and runpy rewrites its first entry): PROGRAM_PATH says it
+    program = Path(os.environ.get("PROGRAM_PATH") or sys.argv[1]).resolve()
+    sys.argv = [str(program)]
+    sys.path[0] = str(program.parent)  # as `python PROGRAM.py`: its helpers import from there
+    _install()
     same = os.environ.get("PROGRAM_SEED") == "same"
     torch.manual_seed(SEED if same else SEED + int(os.environ["RANK"]))
     with contextlib.ExitStack() as stack:

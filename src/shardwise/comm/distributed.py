@@ -45,7 +45,7 @@ Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local inde
 _process_groups: settings.ProcessLocal[dict[tuple[int, ...], dist.ProcessGroup]] = (
     settings.ProcessLocal(dict)
 )
-_group_lock = threading.Lock()
+_group_lock = settings.ProcessLocal(threading.Lock)  # per process: rank threads each hold one
 # Collectives so far per set of processes: the n-th collective between the same processes must be
 # the same one in each of them (the header and the debug checks compare it).
 _sequence: settings.ProcessLocal[dict[tuple[int, ...], int]] = settings.ProcessLocal(dict)
@@ -79,7 +79,7 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
         # not kept here: destroy_process_group must be able to free it (a process group that
         # outlives the interpreter lets gloo's threads release tensors after finalization)
         return dist.group.WORLD
-    with _group_lock:
+    with _group_lock.get():
         pg = process_groups.get(ranks)
         if pg is None:
             if not process_groups:
