@@ -146,6 +146,7 @@ def run_two_hosts(
                 "--nnodes", "2", "--nproc-per-node", str(nproc_per_node), "--node-rank", str(node),
                 "--master-addr", HOSTS[0][1], "--master-port", str(MASTER_PORT),
                 "--rdzv-conf", f"timeout={int(timeout)}", "--tee", "3",
+                "--log-dir", str(workdir / f"{variant}-host{node}-logs"),
                 str(HERE / "record.py"), str(path),
             ]
             with logs[node].open("w") as log:
