@@ -98,6 +98,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def program_env(program: str, variant: str, record: Path, same_seed: bool) -> dict[str, str]:
+    """The environment record.py runs ``variant`` of ``program`` in (this one, adjusted)."""
+    env = dict(os.environ, PROGRAM_RECORD=str(record))
+    env["PROGRAM_SEED"] = "same" if same_seed else "per-rank"
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    for name in ("SHARDWISE_IMPLICIT_REDISTRIBUTE", "PROGRAM_SDPA", "PROGRAM_IMPLICIT_REPLICATION"):
+        env.pop(name, None)
+    if variant == "torch":
+        env.update(ORACLE_ENV.get(program, {}))
+    return env
+
+
 def run(
     program: str, variant: str, nproc: int, workdir: Path, timeout: float = 600,
     same_seed: bool = False, threads: bool = False,
@@ -107,13 +119,8 @@ def run(
     ``threads``: the ranks are threads of one process (``shardwise.launch --threads``)."""
     path, _ = prepare(program, variant, workdir / variant)
     record = workdir / f"{variant}.pt"
-    env = dict(os.environ, PROGRAM_RECORD=str(record), PROGRAM_PATH=str(path))
-    env["PROGRAM_SEED"] = "same" if same_seed else "per-rank"
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    for name in ("SHARDWISE_IMPLICIT_REDISTRIBUTE", "PROGRAM_SDPA", "PROGRAM_IMPLICIT_REPLICATION"):
-        env.pop(name, None)
-    if variant == "torch":
-        env.update(ORACLE_ENV.get(program, {}))
+    env = program_env(program, variant, record, same_seed)
+    env["PROGRAM_PATH"] = str(path)  # rank threads share sys.argv: record.py reads this
     command = [sys.executable, "-m", "shardwise.launch", "--nproc", str(nproc),
                *(["--threads"] if threads else []), str(HERE / "record.py"), str(path)]
     proc = subprocess.Popen(command, cwd=path.parent, env=env, stdout=subprocess.PIPE,
@@ -124,17 +131,24 @@ def run(
         _kill_group(proc)
         output, _ = proc.communicate()
         output += f"\nharness: killed after {timeout} s"
-    result = Run(variant, proc.returncode, output, record=record if record.exists() else None)
+    return Run(variant, proc.returncode, output, parse_losses(output),
+               record if record.exists() else None)
+
+
+def parse_losses(output: str) -> dict[int, list[float]]:
+    """Every rank's per-step losses from record.py's ``RANK <rank> LOSS <step> <value>``
+    lines (the launcher may put a prefix before them)."""
+    out: dict[int, list[float]] = {}
     for line in output.splitlines():
         _, _, rest = line.partition("RANK ")
         fields = rest.split()
         if len(fields) == 4 and fields[1] == "LOSS":
             rank, step, value = int(fields[0]), fields[2], fields[3]
-            losses = result.losses.setdefault(rank, [])
+            losses = out.setdefault(rank, [])
             if int(step) != len(losses):
                 raise ValueError(f"rank {rank}: loss of step {step} after {len(losses)} steps")
             losses.append(float(value))
-    return result
+    return out
 
 
 def largest_difference(a: Path, b: Path) -> dict[str, float]:
