@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[int | None, str, list[str], list[str], int]] = {
     "overlap_2": (2, "bench_overlap.py", [], ["1", "--repeat", "5"], 200),
     "checkpoint": (None, "bench_checkpoint.py", [], ["20"], 200),
     "launch": (None, "bench_launch.py", [], ["--repeat", "1"], 200),
+    "rank_threads": (None, "bench_rank_threads.py", [], ["--quick"], 400),
     "compile_1": (1, "bench_compile.py", ["--backend", "aot_eager"],
                   ["--quick", "--backend", "aot_eager"], 300),
     "compile_2": (2, "bench_compile.py", ["--backend", "aot_eager"],
@@ -343,6 +344,15 @@ def _section_tables(bench: dict) -> list[str]:
         md += ["## Launcher (empty program, wall s, median)", ""]
         md += _table(["launcher", "median s"],
                      [[k, v] for k, v in bench["launch"]["median_s"].items()])
+    if "rank_threads" in bench:
+        md += ["", "## One process, many ranks (tensor-parallel MLP step, ms, median)", ""]
+        md += _table(
+            ["ranks", "as threads", "as processes", "torch LocalTensorMode",
+             "LocalTensorMode / threads"],
+            [[r["nproc"], r["threads_ms"], r["processes_ms"], r["local_tensor_mode_ms"],
+              r["local_tensor_mode_ms"] / r["threads_ms"]]
+             for r in bench["rank_threads"]["rows"]],
+        )
     return md
 
 

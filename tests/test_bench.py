@@ -109,6 +109,9 @@ def _fake_results() -> dict:
             "launch": {**ok, "results": {"nproc": 2, "runs_s": {},
                                          "median_s": {"shardwise.launch": 1.0,
                                                       "torchrun": 3.0}}},
+            "rank_threads": {**ok, "results": {"hidden": 256, "batch": 32, "steps": 3, "rows": [
+                {"nproc": 2, "threads_ms": 10.0, "processes_ms": 25.0,
+                 "local_tensor_mode_ms": 400.0}]}},
             "redistribute_4": {"seconds": 300.0, "returncode": "timeout", "error": "..."},
             "compile_2": {**ok, "results": compiled},
         },
@@ -123,12 +126,13 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
     text = doc.read_text()
     for heading in ("## Targets of issue 13", "## Per-op dispatch", "## Planner",
                     "## Redistribution, 2 gloo processes", "## Tensor-parallel training step",
-                    "## Overlap", "## Checkpoint", "## Launcher",
+                    "## Overlap", "## Checkpoint", "## Launcher", "## One process, many ranks",
                     "## Compiled tensor-parallel step, 2 gloo processes"):
         assert heading in text, heading
     assert "test cpu" in text and "2026-01-01" in text
     assert "| raw gloo async_op=True | 4.00 | 1.50 | 9.00 | 7.00 | 0.78 |" in text
     assert "(matmul + gather wall), is 0.70" in text
+    assert "| 2 | 10.00 | 25.00 | 400.00 | 40.00 |" in text  # LocalTensorMode 40x the threads
     assert "redistribute_4" in text  # the benchmark that did not finish is named
     status = {t: s for t, s, _ in run_all.targets(
         {k: v["results"] for k, v in results["benchmarks"].items() if "results" in v})}
