@@ -56,6 +56,23 @@ def test_unflatten_errors_name_the_mesh():
         DeviceMesh("cpu", list(range(4)))._unflatten(0, (2, 2), ("a", "b"))
     with pytest.raises(MeshError, match="unique"):
         world._unflatten(0, (2, 4), ("a", "a"))
+    with pytest.raises(MeshError, match=r"key 'c' is no new dim.*\('a', 'b'\)"):
+        world._unflatten(0, (2, 4), ("a", "b"), backend_override={"c": "fake"})
+    with pytest.raises(MeshError, match=r"key 2 is no new dim"):
+        world._unflatten(0, (2, 4), ("a", "b"), backend_override={2: "gloo"})
+    with pytest.raises(MeshError, match="twice"):
+        world._unflatten(0, (2, 4), ("a", "b"), backend_override={"b": "fake", 1: "gloo"})
+
+
+def test_unflatten_takes_a_backend_override_as_torchtitan_passes_it():
+    """torchtitan's ParallelDims gives its unused dims PyTorch's "fake" backend; the mesh is the
+    one without the override (shardwise picks each group's transport itself)."""
+    world = DeviceMesh("cpu", list(range(8)), mesh_dim_names=("world",))
+    names = ("pp", "dp", "cp", "tp")
+    plain = world._unflatten(0, (1, 2, 1, 4), names)
+    for override in ({"pp": "fake", "cp": "fake"}, {0: "fake", "tp": ("gloo", None)}, {}):
+        mesh = world._unflatten(0, (1, 2, 1, 4), names, backend_override=override)
+        assert mesh == plain and mesh.mesh_dim_names == names
 
 
 def test_root_mesh_through_unflatten_and_flatten():

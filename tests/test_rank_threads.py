@@ -133,6 +133,32 @@ def test_tensor_parallel_mlp_matches_processes_and_single_device(n):
         assert got == pytest.approx(reference, rel=1e-5, abs=1e-6)
 
 
+def program_random_on_a_2d_mesh() -> dict:
+    """Random DTensor ops and collectives over sub-meshes (groups {0, 2} and {1, 3} made at the
+    same time by different ranks), as torchtitan's dp x tp init does them."""
+    _init()
+    mesh = shardwise.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(7)  # the same seed on every rank, as random DTensor ops require
+    w = shardwise.distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0), Shard(1)])
+    nn.init.normal_(w)
+    w.uniform_()
+    return {"w": w.full_tensor(), "after": torch.rand(3)}
+
+
+def test_random_dtensor_ops_and_sub_mesh_groups_in_rank_threads():
+    """Used to hang: the rank's generator was swapped in under one lock for the whole op,
+    across the generator check's collective, and group creation took one lock for all ranks
+    while a group's members met."""
+    threads = run_threads(program_random_on_a_2d_mesh, 4, timeout=60)
+    torch.manual_seed(7)
+    w = torch.zeros(8, 6)
+    nn.init.normal_(w)
+    w.uniform_()
+    after = torch.rand(3)  # each rank's generator advanced as one device's does
+    for r in range(4):
+        assert torch.equal(threads[r]["w"], w) and torch.equal(threads[r]["after"], after)
+
+
 def _fails_on_rank_one(n: int) -> int:
     rank = _init()
     if rank == 1:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import comm
+from . import comm, settings
 from .dtensor import DTensor, distribute_tensor
 from .errors import InvalidArgumentError
 from .mesh import DeviceMesh, mesh_or_current
@@ -199,7 +199,8 @@ def _random(
     mesh = spec.mesh
     first = mesh.device_of(mesh.local_device_ids[0])
     check_generator(mesh, first)
-    drawn = draw(shape, dtype=dtype, device=first)
+    with settings.drawing_from_default_generator():
+        drawn = draw(shape, dtype=dtype, device=first)
     out = distribute_tensor(drawn, mesh, spec.placements, src_data_rank=None)
     return out.requires_grad_(requires_grad)
 

@@ -6,7 +6,7 @@ import atexit
 import math
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from functools import cached_property
 from typing import Any
@@ -485,12 +485,12 @@ class DeviceMesh:
         ``mesh_dim_names`` (PyTorch's ``_unflatten``): ``DeviceMesh("cpu", range(8),
         mesh_dim_names=("world",))._unflatten(0, (2, 2, 2), ("dp", "cp", "tp"))`` is the
         2x2x2 mesh of the same ids in the same order. The split dims are no dims of this
-        mesh's root, so the result is a root mesh itself (its sub-meshes remember it)."""
-        if backend_override is not None:
-            raise MeshError(
-                f"_unflatten of {self}: backend_override={backend_override!r} is not supported; "
-                f"shardwise picks the transport of each group itself"
-            )
+        mesh's root, so the result is a root mesh itself (its sub-meshes remember it).
+
+        ``backend_override`` (PyTorch: a backend per new dim, keyed by its name or its index
+        among ``mesh_dim_names``) is checked and has no effect: shardwise picks the transport
+        of each group itself when the group first communicates, so a dim PyTorch would give
+        the ``"fake"`` backend (torchtitan's unused dims) costs nothing unless used."""
         if self.mesh_dim_names is None:
             raise MeshError(f"_unflatten needs a mesh with mesh_dim_names, got {self}")
         d = self.dim_index(dim)
@@ -509,6 +509,8 @@ class DeviceMesh:
                 f"_unflatten of {self}: {len(sizes)} mesh_sizes {sizes} need as many "
                 f"mesh_dim_names, got {names}"
             )
+        if backend_override is not None:
+            _check_backend_override(backend_override, names, self)
         shape = (*self.mesh.shape[:d], *sizes, *self.mesh.shape[d + 1 :])
         all_names = (*self.mesh_dim_names[:d], *names, *self.mesh_dim_names[d + 1 :])
         return self._reshaped(self.mesh.reshape(shape), all_names, len(sizes) == 1)
@@ -607,6 +609,28 @@ class DeviceMesh:
 
 
 _TF_DEVICE_TYPES = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "meta": "meta"}
+
+
+def _check_backend_override(override: Any, names: tuple[str, ...], mesh: DeviceMesh) -> None:
+    """PyTorch's rules for ``backend_override`` keys: each new dim named once, by its name or
+    by its index among the new dims."""
+    if not isinstance(override, Mapping):
+        raise MeshError(
+            f"_unflatten of {mesh}: backend_override must be a dict keyed by the new dims' names "
+            f"{names} or indices, got {override!r}"
+        )
+    for key in override:
+        valid_index = isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(names)
+        if key not in names and not valid_index:
+            raise MeshError(
+                f"_unflatten of {mesh}: backend_override key {key!r} is no new dim; expected an "
+                f"index in range [0, {len(names)}) or one of {names}"
+            )
+        if isinstance(key, str) and names.index(key) in override:
+            raise MeshError(
+                f"_unflatten of {mesh}: backend_override names dim {key!r} twice, by name and "
+                f"by index {names.index(key)}"
+            )
 
 
 def tf_device_type(device_type: str) -> str:

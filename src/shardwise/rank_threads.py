@@ -20,6 +20,7 @@ The process must not be part of a multi-process world itself: threads mode repla
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import socket
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from . import settings
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidArgumentError
@@ -154,7 +156,23 @@ class _Generator:
         return getattr(self.current(), name)
 
 
-_swap_lock = threading.Lock()
+_swap_lock = threading.RLock()
+
+
+@contextmanager
+def _drawing(generators: _Generator) -> Iterator[None]:
+    """The calling rank thread's generator state in torch's default generator (the one the
+    kernels draw from) for the duration, under a lock that other draws wait on."""
+    mine = generators.current()
+    base = generators._base
+    with _swap_lock:
+        saved = base.get_state()
+        base.set_state(mine.get_state())
+        try:
+            yield
+        finally:
+            mine.set_state(base.get_state())
+            base.set_state(saved)
 
 
 # torch functions and Tensor methods that draw from the default generator
@@ -172,7 +190,10 @@ class _RankRandom(TorchFunctionMode):
     generator state in torch's default generator (swapped in and out under a lock); other calls
     pass through. A torch function mode, not a dispatch mode: shardwise takes a dispatch mode
     for a tracer. Calls inside a torch function do not come here, hence ``torch.nn.init``'s
-    functions count as random ones."""
+    functions count as random ones. A call on a DTensor passes through too: shardwise swaps the
+    generator in around its draw of the global value only (``settings.RankThread.drawing``),
+    since the op may communicate first (the generator check), and a lock held across a
+    collective would stop the other ranks from reaching it."""
 
     def __init__(self, generators: _Generator) -> None:
         super().__init__()
@@ -185,18 +206,13 @@ class _RankRandom(TorchFunctionMode):
         )
         if not random or any(
             t is not torch.Tensor and t is not torch.nn.Parameter for t in types
+        ) or any(  # a DTensor does not list its type in ``types`` (no __torch_function__)
+            isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter)
+            for t in tree_leaves((args, kwargs))
         ):
             return func(*args, **kwargs)
-        mine = self._generators.current()
-        base = self._generators._base
-        with _swap_lock:
-            saved = base.get_state()
-            base.set_state(mine.get_state())
-            try:
-                return func(*args, **kwargs)
-            finally:
-                mine.set_state(base.get_state())
-                base.set_state(saved)
+        with _drawing(self._generators):
+            return func(*args, **kwargs)
 
 
 _installed_lock = threading.Lock()
@@ -316,6 +332,7 @@ def run_threads(
         threads = []
         for r in range(nproc):
             rank = settings.RankThread(r, nproc, rank_env(r, nproc, port), _RankWorld())
+            rank.drawing = functools.partial(_drawing, generators)
             threads.append(threading.Thread(
                 target=_run_rank, args=(rank, generators, fn, args, kwargs, done),
                 name=f"shardwise-rank-{r}", daemon=True,

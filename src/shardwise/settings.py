@@ -13,7 +13,7 @@ import contextvars
 import math
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Generic, TypeVar
 
 from .errors import InvalidArgumentError
@@ -137,10 +137,21 @@ class RankThread:
         self.env = env
         self.world = world
         self.state: dict[int, Any] = {}
+        # the context a draw from torch's default generator runs in (rank_threads: this rank's
+        # generator swapped in)
+        self.drawing: Callable[[], AbstractContextManager[Any]] = nullcontext
 
 
 # The rank this thread runs as in the launcher's threads mode (None: this process's own rank).
 RANK_THREAD: Setting[RankThread | None] = Setting("rank_thread", None)
+
+
+def drawing_from_default_generator() -> AbstractContextManager[Any]:
+    """Where shardwise draws a random DTensor's global value from torch's default generator:
+    in a rank thread, with that rank's generator in it (only around the draw, never around a
+    collective); elsewhere as it is."""
+    rank = RANK_THREAD.get()
+    return nullcontext() if rank is None else rank.drawing()
 
 
 class ProcessLocal(Generic[T]):

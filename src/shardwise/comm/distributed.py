@@ -45,7 +45,9 @@ Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local inde
 _process_groups: settings.ProcessLocal[dict[tuple[int, ...], dist.ProcessGroup]] = (
     settings.ProcessLocal(dict)
 )
-_group_lock = settings.ProcessLocal(threading.Lock)  # per process: rank threads each hold one
+# one lock per process (per rank thread): a rank holds it while its group's members meet, so
+# a lock shared by rank threads would keep the other members from coming
+_group_lock: settings.ProcessLocal[threading.Lock] = settings.ProcessLocal(threading.Lock)
 # Collectives so far per set of processes: the n-th collective between the same processes must be
 # the same one in each of them (the header and the debug checks compare it).
 _sequence: settings.ProcessLocal[dict[tuple[int, ...], int]] = settings.ProcessLocal(dict)

@@ -22,6 +22,7 @@ from ..dtensor import DTensor, distribute_tensor
 from ..factories import check_generator, keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
+from ..settings import drawing_from_default_generator
 from .common import (
     DimOption,
     R,
@@ -81,7 +82,8 @@ def _random_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
     self: DTensor = args[0]
     g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=False)
     check_generator(self.device_mesh, self.device)
-    drawn = op(*g_args, **g_kwargs)
+    with drawing_from_default_generator():
+        drawn = op(*g_args, **g_kwargs)
     spec = self._spec
     for component, device in zip(self._components, spec.mesh.local_device_ids, strict=True):
         if keeps_value(spec, device):  # copied from views: one global tensor at a time
@@ -111,7 +113,8 @@ def _random_out(op: Any, args: tuple, kwargs: dict) -> DTensor:
     keep_self = op in (aten.bernoulli.default,)
     g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=keep_self)
     check_generator(self.device_mesh, self.device)
-    drawn = op(*g_args, **g_kwargs)
+    with drawing_from_default_generator():
+        drawn = op(*g_args, **g_kwargs)
     return distribute_tensor(drawn, self.device_mesh, _no_partial(self.placements),
                              src_data_rank=None)
 
@@ -151,7 +154,8 @@ def _random_from_values(op: Any, args: tuple, kwargs: dict) -> DTensor:
     arguments, sharded like the first input when it has the output's shape, else Replicate."""
     self: DTensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, DTensor))
     g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=True)
-    drawn = op(*g_args, **g_kwargs)
+    with drawing_from_default_generator():
+        drawn = op(*g_args, **g_kwargs)
     same = isinstance(args[0], DTensor) and drawn.shape == args[0].shape
     placements = _no_partial(self.placements) if same else [Replicate()] * self.device_mesh.ndim
     return distribute_tensor(drawn, self.device_mesh, placements)
@@ -167,7 +171,9 @@ def _rrelu_with_noise(op: Any, args: tuple, kwargs: dict) -> DTensor:
     rep = [Replicate()] * mesh.ndim
     xs, noises = move_components(op, [x, noise], [rep, rep])
     drawn = noises[0].clone()
-    out = op(xs[0], drawn, bound["lower"], bound["upper"], bound["training"], bound["generator"])
+    with drawing_from_default_generator():
+        out = op(xs[0], drawn, bound["lower"], bound["upper"], bound["training"],
+                 bound["generator"])
     pieces = distribute_tensor(drawn, mesh, noise.placements)._components
     for component, piece in zip(noise._components, pieces, strict=True):
         component.copy_(piece)
@@ -207,7 +213,8 @@ def _native_dropout(op: Any, args: tuple, kwargs: dict) -> tuple[DTensor, DTenso
     train = bound["train"] is None or bound["train"]
     zeros = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     check_generator(mesh, x.device)
-    drawn = op(zeros, bound["p"], train)[1]
+    with drawing_from_default_generator():
+        drawn = op(zeros, bound["p"], train)[1]
     mask = distribute_tensor(drawn, mesh, _no_partial(x.placements), src_data_rank=None)
     keep = 1.0 - bound["p"]
     scale = 0.0 if keep == 0 or not train else 1.0 / keep

@@ -1,0 +1,116 @@
+"""torchtitan's Llama 3 training as torch runs it and as ported to shardwise.
+
+The folder holds verbatim copies of torchtitan 0.2.2's files (``VERBATIM``, each under a
+header; ``verbatim_body_matches`` checks each body against the hash the torchtitan wheel's
+``RECORD`` lists), tiny stand-ins for the infrastructure they import (config parsing,
+tokenizers, activation checkpointing...) and ``train_llama.py``, the per-rank program. The CPU
+substitution is in the stand-in ``torchtitan/tools/utils.py`` (torchtitan's ``device_type``),
+so no copied line changes. ``prepare(variant, dest)`` writes the folder to ``dest``: as it is
+for ``"torch"``, with ``tests/pytorch_programs/port.py``'s import rewrite for ``"shardwise"``.
+
+``python tests/torchtitan_programs/harness.py [NPROC]`` runs the single-device reference, then
+both variants under ``python -m shardwise.launch --nproc NPROC`` (default 4, dp=NPROC/2 x
+tp=2) and prints every run's losses (summed over dp as torchtitan logs them).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+HEADER_LINES = 5  # of a verbatim copy
+
+# path -> the sha256 torchtitan-0.2.2-py3-none-any.whl's RECORD gives it (urlsafe base64)
+VERBATIM: dict[str, str] = {
+    "torchtitan/components/loss.py": "xESEG2iPD-4xxRKw0eLakIgNmybUkN3fly153-OxBSQ",
+    "torchtitan/config/job_config.py": "7EBuP2m52tNsC4qb-jZQbWeluq0ZuATyTSJYcV-zXZ4",
+    "torchtitan/distributed/__init__.py": "noanmAKnH6Ufym5lExvfEsZEGFbDYfyQ-GYfJul44Y4",
+    "torchtitan/distributed/parallel_dims.py": "RS-o8KB0G19o8-oHECUsb-QFmnl4ILe8h5PxYNDdnLE",
+    "torchtitan/distributed/tensor_parallel.py": "haDJQkhwt7do67YoHS2JSWakA--FCuLKcgbkV2BEXxE",
+    "torchtitan/models/__init__.py": "C8Xi3bCVTjZiOC0o9DyCwlbkiY30vdY2y4cX7ymSNeg",
+    "torchtitan/models/attention.py": "4PDkO-3aC57lPnzcQF7UzkPu1OgOGCxXXdCY4edgS1A",
+    "torchtitan/models/llama3/infra/parallelize.py": "AB-wAJVSbxjakKg2r3Xq1s2b3eN6xOv8U5MTUve-F0A",
+    "torchtitan/models/llama3/model/args.py": "On00q752d6UkYVoZWWy68dUwKxhw42b63yb3Rlt1wPY",
+    "torchtitan/models/llama3/model/model.py": "YWjmM5qNootJG7W6LJNjB4ZlVj9YUVknFu0H8bxVGz8",
+    "torchtitan/protocols/model.py": "qeHyHDOEEPYKfOIvoSNPSzZ4rKB4s2hGXaqjgTsEK1k",
+    "torchtitan/tools/logging.py": "hVIiraYbAybPDHpTWwY72nuRizRjRuDLAAO10_Gym3g",
+}
+
+
+def sources() -> list[Path]:
+    """Every file of the program (relative to this folder), the harness excepted."""
+    return sorted(p.relative_to(HERE) for p in HERE.rglob("*.py")
+                  if p.name != "harness.py" and "__pycache__" not in p.parts)
+
+
+def verbatim_body_matches(rel: str) -> bool:
+    """Whether the copy of ``rel`` below its header hashes as torchtitan's wheel records."""
+    body = (HERE / rel).read_bytes().split(b"\n", HEADER_LINES)[HEADER_LINES]
+    digest = base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode()
+    return digest == VERBATIM[rel]
+
+
+def prepare(variant: str, dest: Path) -> int:
+    """Write the program for ``variant`` ("torch" or "shardwise") into ``dest``; return the
+    lines the port changed outside import statements (0 for torch)."""
+    if variant not in ("torch", "shardwise"):
+        raise ValueError(f"variant must be 'torch' or 'shardwise', got {variant!r}")
+    sys.path.insert(0, str(HERE.parent / "pytorch_programs"))
+    try:
+        from port import port
+    finally:
+        sys.path.remove(str(HERE.parent / "pytorch_programs"))
+    beyond_imports = 0
+    for rel in sources():
+        source = (HERE / rel).read_text()
+        if variant == "shardwise":
+            ported = port(source)
+            source = ported.source
+            beyond_imports += ported.other_lines_changed
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text(source)
+    return beyond_imports
+
+
+def _launch(folder: Path, nproc: int | None) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    launch = [] if nproc is None else ["-m", "shardwise.launch", "--nproc", str(nproc)]
+    proc = subprocess.run([sys.executable, *launch, "train_llama.py"], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        return f"exit {proc.returncode}\n" + "\n".join(proc.stdout.splitlines()[-15:]
+                                                       + proc.stderr.splitlines()[-30:])
+    lines = [ln.split("] ", 1)[-1] for ln in proc.stdout.splitlines()]
+    losses: dict[int, list[float]] = {}
+    for line in lines:
+        words = line.split()
+        if words[:1] == ["reference"]:
+            return " ".join(words[1:])
+        if words[:1] == ["rank"] and words[2] == "dp":
+            losses.setdefault(int(words[3]), [float(w) for w in words[4:]])
+    summed = [sum(step) for step in zip(*losses.values(), strict=True)]
+    return " ".join(f"{v:.7g}" for v in summed)
+
+
+def main(argv: list[str]) -> int:
+    nproc = int(argv[0]) if argv else 4
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in ("torch", "shardwise"):
+            beyond = prepare(variant, Path(tmp) / variant)
+        print(f"port: {beyond} lines changed beyond imports; verbatim bodies intact: "
+              f"{all(verbatim_body_matches(rel) for rel in VERBATIM)}")
+        print("single device    ", _launch(Path(tmp) / "torch", None))
+        for variant in ("torch", "shardwise"):
+            print(f"{variant:<9} --nproc {nproc}", _launch(Path(tmp) / variant, nproc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
