@@ -158,6 +158,8 @@ def _compose(
     """Parameters on ``parent`` (say mesh["tp"]) and data parallelism on ``dp_mesh`` (say
     mesh["dp"]), two sub-meshes of one root: the root's sub-mesh over both."""
     root = dp_mesh.root_mesh
+    if parent.root_mesh != root:
+        parent = _within(root, parent)  # the same sub-mesh, reached from another unflattening
     if parent.root_mesh != root or set(dp_mesh.root_dims) & set(parent.root_dims):
         raise DataParallelError(
             f"{what} of {type(module).__name__} on {dp_mesh}: its parameters are DTensors on "
@@ -181,6 +183,18 @@ def _compose(
     if len(dp) == 2:
         return DataParallelDims(combined, (dp[1],), (dp[0],), plain)
     return DataParallelDims(combined, dp, (), plain)
+
+
+def _within(root: DeviceMesh, mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` as a sub-mesh of ``root`` where ``root`` has its dims by name over the same
+    devices (torchtitan reaches mesh["tp"] and mesh["fsdp"] from two ``_unflatten``s of one
+    world mesh); else ``mesh`` itself."""
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if names and root_names and set(names) <= set(root_names):
+        candidate = root[tuple(names)]
+        if candidate == mesh:
+            return candidate
+    return mesh
 
 
 def _checked(dims: DataParallelDims, replicate_only: bool, what: str) -> DataParallelDims:
@@ -325,15 +339,15 @@ class GatheredView(torch.autograd.Function):
     data-parallel dims (cast to ``dtype``), on the whole mesh (global view) or, per rank, on
     the sub-mesh of the other dims (``sub``, a plain tensor when there is none). Backward
     hands the gradient back as a pending reduction over the data-parallel dims, in
-    ``reduce_dtype``: per rank a pending average (each rank's own batch), globally as it came
-    (the batch was sharded over those dims)."""
+    ``reduce_dtype`` and times ``scale``: per rank a pending average (each rank's own batch),
+    globally as it came (the batch was sharded over those dims)."""
 
     @staticmethod
     def forward(  # noqa: ANN205
         ctx, stored: DTensor, compute: tuple, dp: DataParallelDims, view: str, sub: Any,
-        dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+        dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, scale: float,
     ):
-        ctx.dp, ctx.view, ctx.reduce_dtype = dp, view, reduce_dtype
+        ctx.dp, ctx.view, ctx.reduce_dtype, ctx.scale = dp, view, reduce_dtype, scale
         ctx.stored_dtype = stored.dtype
         source = stored if dtype is None or dtype == stored.dtype else stored.to(dtype)
         gathered = source.redistribute(placements=compute)
@@ -350,8 +364,11 @@ class GatheredView(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN205
         dp: DataParallelDims = ctx.dp
         dtype = ctx.reduce_dtype or grad.dtype
+        if ctx.scale != 1.0:
+            grad = grad * ctx.scale
+        rest_of_args = (None,) * 7
         if ctx.view == "global":
-            return grad.to(dtype), None, None, None, None, None, None
+            return grad.to(dtype), *rest_of_args
         if isinstance(grad, DTensor):
             piece, rest = grad._components[0], list(grad.placements)
         else:
@@ -362,7 +379,7 @@ class GatheredView(torch.autograd.Function):
         meta = TensorMeta(piece.shape if not isinstance(grad, DTensor) else grad.shape,
                           tuple(grad.stride()), dtype)
         spec = DTensorSpec(dp.mesh, tuple(placements), meta)
-        return DTensor([piece.to(dtype)], spec), None, None, None, None, None, None
+        return DTensor([piece.to(dtype)], spec), *rest_of_args
 
 
 def reduce_gradient(param: DTensor, storage: tuple[Placement, ...]) -> None:

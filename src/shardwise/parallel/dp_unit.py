@@ -69,6 +69,7 @@ class DataParallelUnit:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.is_last_backward = True
+        self.gradient_divide_factor: float | None = None
         self.mp, self.offload = mp_policy, offload_policy
         self.held: dict[int, tuple[str, torch.Tensor, Any]] = {}  # k -> (view, tensor, version)
         self.storages: dict[int, int] = {}  # storage of a view's piece -> slot index
@@ -97,11 +98,21 @@ class DataParallelUnit:
             stored = stored.to(self.dp.mesh.device_type)
         tensor = GatheredView.apply(
             stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
-            self.mp.reduce_dtype,
+            self.mp.reduce_dtype, self._scale(slot),
         )
         for piece in _pieces(tensor):
             self.storages[piece.untyped_storage().data_ptr()] = k
         return tensor
+
+    def _scale(self, slot: Slot) -> float:
+        """The factor on each rank's gradient: 1 averages over the data-parallel ranks;
+        with ``gradient_divide_factor`` f the reduction is their sum over f (FSDP2)."""
+        if self.gradient_divide_factor is None:
+            return 1.0
+        ranks = 1
+        for d in slot.dp.dims:
+            ranks *= slot.dp.mesh.size(d)
+        return ranks / self.gradient_divide_factor
 
     def unshard(self) -> None:
         """Gather every parameter now and hold it until ``reshard`` (or a change to it)."""
@@ -179,7 +190,7 @@ class DataParallelUnit:
         with torch.no_grad():
             fresh = GatheredView.apply(
                 slot.stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
-                self.mp.reduce_dtype,
+                self.mp.reduce_dtype, 1.0,
             )
         pieces = [
             p.as_strided(shape, stride, offset)

@@ -85,6 +85,15 @@ class FSDPModule:
         for unit in self._units(True):
             unit.is_last_backward = is_last_backward
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce gradients to their sum over the data-parallel ranks divided by ``factor``
+        (default: the number of those ranks, an average); torchtitan sets 1.0 (a sum)."""
+        if not factor > 0:
+            raise DataParallelError(f"set_gradient_divide_factor needs a positive factor, got "
+                                    f"{factor!r}")
+        for unit in self._units(True):
+            unit.gradient_divide_factor = float(factor)
+
     def _units(self, recurse: bool) -> list[DataParallelUnit]:
         modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         return [m._shardwise_unit for m in modules if isinstance(m, FSDPModule)]
