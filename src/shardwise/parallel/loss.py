@@ -39,7 +39,8 @@ def loss_parallel() -> Iterator[None]:
     """Within the block (this thread), ``F.cross_entropy`` on DTensor logits sharded on the
     class dim runs on the shards (PyTorch's ``loss_parallel``); other calls are unchanged. The
     result is a replicated DTensor (per-row for ``reduction="none"``); its backward may run
-    after the block."""
+    after the block. Plain labels are this rank's in a per-rank program, every row's where a
+    process acts for several devices (``plain_is_local``)."""
     with _LossParallelMode():
         yield
 
@@ -140,8 +141,8 @@ def _target_dtensor(target: torch.Tensor, logits: DTensor, rows: tuple[Placement
             )
         return target
     if plain_is_local(mesh, f"loss_parallel labels of shape {list(target.shape)}"):
-        local = DTensorSpec(mesh, rows, contiguous_meta(shape, target.dtype))
-        expected = local.local_shape(_acting_device(mesh))
+        spec = DTensorSpec(mesh, rows, contiguous_meta(shape, target.dtype))
+        expected = spec.local_shape(_acting_device(mesh))
         if target.shape != expected:
             raise InvalidArgumentError(
                 f"loss_parallel: plain labels of shape {list(target.shape)} are this rank's "
