@@ -14,8 +14,9 @@ one device beside it, from the same seed, and the losses are compared step by st
     python examples/tp_tutorial.py                      # 4 simulated devices, one process
     python -m shardwise.launch --nproc 2 examples/tp_tutorial.py --tp 2   # a device per process
 
-With several devices in one process a module's "local output" would be one of several shards,
-so ``use_local_output`` keeps the DTensor there; attention reshapes with ``-1`` heads, which
+With several devices in one process a sharded "local output" would be one of several shards,
+so ``use_local_output`` keeps the DTensor there (a Replicate output is the global value, a plain
+tensor, as every device holds it); attention reshapes with ``-1`` heads, which
 reads the global head count from a DTensor and the local one from a local tensor (the
 tutorial's ``n_heads // tp`` adjustment is then not needed).
 """

@@ -106,16 +106,22 @@ class _Block(nn.Module):
 
 
 _PLANS = {
-    "mlp": lambda: {"up": tp.ColwiseParallel(), "down": tp.RowwiseParallel()},
-    "block": lambda: {"q": tp.ColwiseParallel(), "k": tp.ColwiseParallel(),
-                      "v": tp.ColwiseParallel(), "o": tp.RowwiseParallel(),
-                      "mlp.up": tp.ColwiseParallel(), "mlp.down": tp.RowwiseParallel()},
+    "mlp": lambda local: {"up": tp.ColwiseParallel(),
+                          "down": tp.RowwiseParallel(use_local_output=local)},
+    "block": lambda local: {"q": tp.ColwiseParallel(), "k": tp.ColwiseParallel(),
+                            "v": tp.ColwiseParallel(),
+                            "o": tp.RowwiseParallel(use_local_output=local),
+                            "mlp.up": tp.ColwiseParallel(),
+                            "mlp.down": tp.RowwiseParallel(use_local_output=local)},
 }
 
 
 def _loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = module(x)
-    return (out.full_tensor() if isinstance(out, sw.DTensor) else out).pow(2).mean()
+    if isinstance(x, sw.DTensor):
+        return out.full_tensor().pow(2).mean()
+    assert not isinstance(out, sw.DTensor)  # a Replicate output with use_local_output=True
+    return out.pow(2).mean()
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -144,16 +150,18 @@ def _compiled_vs_eager(model: str, mesh: sw.DeviceMesh, inputs: list, dim: int) 
     runs = {}
     for kind in ("compiled", "eager", "single"):
         module = copy.deepcopy(base)
+        # several devices in this process: the block keeps its outputs DTensors
+        # (use_local_output=False), so the residual is one, and the norms' parameters are
+        # replicated DTensors too; the MLP's Replicate output is a plain tensor
+        dtensors = model == "block" and mesh.num_local_devices() > 1
         if kind != "single":
-            tp.parallelize_module(module, mesh, _PLANS[model]())
+            tp.parallelize_module(module, mesh, _PLANS[model](not dtensors))
         step = lambda x, m=module: _loss(m, x)  # noqa: E731
         if kind == "compiled":
             torch._dynamo.reset()
             step = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=False)
         xs = inputs
-        if kind != "single" and model == "block" and mesh.num_local_devices() > 1:
-            # several devices in this process: outputs stay DTensors, so the residual is one,
-            # and the norms' parameters are replicated DTensors too
+        if kind != "single" and dtensors:
             sw.distribute_module(module, mesh)
             xs = [sw.distribute_tensor(x, mesh) for x in inputs]
         runs[kind] = _train(module, step, xs)

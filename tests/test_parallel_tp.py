@@ -71,7 +71,10 @@ def test_colwise_then_rowwise_mlp(mesh_shape) -> None:
     torch.manual_seed(0)
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
     out, _ = _run(MLP(), plan, torch.randn(3, 5, 7), mesh_shape)
-    assert out.placements[-1] == Replicate()
+    assert type(out) is torch.Tensor  # a Replicate output, use_local_output=True: plain
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel(use_local_output=False)}
+    out, _ = _run(MLP(), plan, torch.randn(3, 5, 7), mesh_shape)
+    assert out.placements == (Replicate(),) * len(mesh_shape)
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -133,8 +136,9 @@ def test_sequence_parallel_between_tp_layers(mesh_shape) -> None:
     dx = dx.redistribute(placements=[Replicate()] * (len(mesh_shape) - 1) + [Shard(1)])
     out, ref = model(dx), reference(x)
     torch.testing.assert_close(_full(out), ref, atol=1e-5, rtol=1e-4)
+    assert type(out) is torch.Tensor  # the head's Replicate output (use_local_output=True)
     ref.sum().backward()
-    out.full_tensor().sum().backward()
+    out.sum().backward()
     _check_grads(model, reference)
     assert model.norm.weight.placements[-1] == Replicate()
 
@@ -157,3 +161,86 @@ def test_prepare_module_output_and_input_output(mesh_shape) -> None:
     }
     out, _ = _run(model, plan, torch.randn(5, 7), mesh_shape, replicate_first=True)
     assert out.placements[-1] == Shard(1)
+
+
+class Head(nn.Module):
+    """An MLP whose output's gradient is watched: where the plan keeps it a Replicate DTensor,
+    that is what the plain output of the style around this module sends back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(x)
+        y.register_hook(self.seen.append)
+        return y
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_replicate_outputs_are_plain_global_values_in_one_process(mesh_shape) -> None:
+    """use_local_output=True in one process: a Replicate output (every device holds it) is the
+    global value as a plain tensor, and its gradient flows back replicated; values and
+    gradients (parameters and input) equal single-device PyTorch."""
+    torch.manual_seed(5)
+    x, grad = torch.randn(3, 5, 7), torch.randn(3, 5, 7)
+    plans = {
+        "RowwiseParallel()": {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()},
+        "ColwiseParallel(output_layouts=Replicate())": {
+            "mlp.up": ColwiseParallel(output_layouts=Replicate()),
+            "mlp.down": RowwiseParallel(input_layouts=Replicate()),
+        },
+        "PrepareModuleOutput Shard(1) to Replicate": {
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+        },
+        "PrepareModuleOutput Replicate to Replicate": {
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(use_local_output=False),
+            "": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate()),
+        },
+    }
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    rest = (Replicate(),) * (mesh.ndim - 1)
+    kept = {  # placements of Head's own output where the plan keeps it a DTensor
+        "PrepareModuleOutput Shard(1) to Replicate": (*rest, Shard(1)),
+        # nothing between Head's output and the plain tensor but full_tensor's backward
+        "PrepareModuleOutput Replicate to Replicate": (Replicate(), *rest),
+    }
+    for name, plan in plans.items():
+        model = Head()
+        reference = copy.deepcopy(model)
+        parallelize_module(model, mesh, plan)
+        kinds: list[type] = []
+        model.mlp.up.register_forward_hook(lambda m, i, out, kinds=kinds: kinds.append(type(out)))
+        xin, xref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, ref = model(xin), reference(xref)
+        assert type(out) is torch.Tensor, name
+        if "Colwise" in name:
+            assert kinds == [torch.Tensor], name  # the Replicate output of `up` too
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4, msg=name)
+        out.backward(grad)
+        ref.backward(grad)
+        _check_grads(model.mlp, reference.mlp)
+        torch.testing.assert_close(xin.grad, xref.grad, atol=1e-5, rtol=1e-4, msg=name)
+        (seen,) = model.seen
+        if name in kept:
+            assert isinstance(seen, sw.DTensor) and seen.placements == kept[name], name
+            seen = seen.full_tensor()
+        torch.testing.assert_close(seen, grad, msg=name)
+
+
+def test_outputs_not_held_whole_by_every_device_stay_dtensors() -> None:
+    """One process, several devices: only a Replicate output has one value for all of them;
+    an output sharded on the data-parallel dim keeps its DTensor."""
+    torch.manual_seed(6)
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = MLP()
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(4, 5, 7)
+    out = model(sw.distribute_tensor(x, mesh, [Shard(0), Replicate()]))  # a dp-sharded batch
+    assert isinstance(out, sw.DTensor) and out.placements == (Shard(0), Replicate())
+    torch.testing.assert_close(out.full_tensor(), reference(x), atol=1e-5, rtol=1e-4)

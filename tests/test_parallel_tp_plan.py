@@ -84,7 +84,9 @@ def test_plan_keys_select_modules(up_key, down_key, expected_layers) -> None:
     sw.distribute_module(model.head, mesh)
     for i in set(range(3)) - expected_layers:
         sw.distribute_module(model.layers[i], mesh)
-    parallelize_module(model, mesh, {up_key: ColwiseParallel(), down_key: RowwiseParallel()})
+    # the other modules are replicated DTensor modules: the output stays a DTensor
+    plan = {up_key: ColwiseParallel(), down_key: RowwiseParallel(use_local_output=False)}
+    parallelize_module(model, mesh, plan)
     expected = {f"layers.{i}.{n}" for i in expected_layers for n in ("up.weight", "up.bias")}
     expected |= {f"layers.{i}.down.weight" for i in expected_layers}
     assert _sharded_names(model) == expected
@@ -144,9 +146,9 @@ def test_tp_mesh_dim_by_name() -> None:
     reference = copy.deepcopy(model)
     mesh = sw.init_device_mesh("cpu", (3, 2), mesh_dim_names=("tp", "dp"))
     sw.distribute_module(model.head, mesh)
-    parallelize_module(
-        model, mesh, {"layers.0.up": ColwiseParallel(), "layers.0.down": RowwiseParallel()}
-    )
+    plan = {"layers.0.up": ColwiseParallel(),
+            "layers.0.down": RowwiseParallel(use_local_output=False)}  # for the replicated head
+    parallelize_module(model, mesh, plan)
     assert model.layers[0].up.weight.placements == (Shard(0), Replicate())
     _same_as_reference(model, reference, torch.randn(5, 6), mesh)
 
@@ -423,7 +425,8 @@ def test_replicated_then_parallelized_parameters_are_replaced_and_train() -> Non
     reference = copy.deepcopy(model)
     mesh = sw.init_device_mesh("cpu", (2,))
     sw.distribute_module(model, mesh)
-    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel(use_local_output=False)}
+    parallelize_module(model, mesh, plan)  # a DTensor output for the replicated residual
     assert model.up.weight.placements == (Shard(0),) and model.up.weight.requires_grad
     assert not model.down.bias.requires_grad
     _same_as_reference(model, reference, torch.randn(3, 6), mesh)

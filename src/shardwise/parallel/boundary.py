@@ -139,9 +139,15 @@ def on_tp(x: DTensor, tp_dim: int, placement: Placement) -> DTensor:
 
 @dynamo_opaque
 def local_output(x: object, use_local_output: bool) -> object:
-    """PyTorch's ``use_local_output``: the local tensor where the program acts for one device
-    of the mesh (the plain-tensor rule); in the global view there is no single local tensor,
-    so the DTensor is kept."""
-    if use_local_output and isinstance(x, DTensor) and plain_is_local(x.device_mesh):
+    """PyTorch's ``use_local_output``: a plain tensor wherever every device this program acts
+    for holds the same value. Acting for one device of the mesh (the plain-tensor rule), that is
+    its local tensor; acting for several, only a Replicate output qualifies, and its plain
+    tensor is the global value (differentiable: the gradient comes back replicated). Any other
+    output in the global view has no single local tensor, so the DTensor is kept."""
+    if not use_local_output or not isinstance(x, DTensor):
+        return x
+    if plain_is_local(x.device_mesh):
         return x.to_local()
+    if all(p.is_replicate() for p in x.placements):
+        return x.full_tensor()
     return x

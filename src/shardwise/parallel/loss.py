@@ -5,6 +5,10 @@ Each device reduces its slice of every row: the row max and the sum of exponenti
 all-reduced (max, then sum) over the mesh dims that split the classes, and so is the target's
 logit, which only the device holding the target class contributes. Only ``O(rows)`` values
 move; the backward, ``softmax - one_hot``, is local. Rows may also be sharded (data parallel).
+
+Plain labels follow the plain-tensor rule (``plain_tensors.py``): where the program acts for one
+device of the logits' mesh (a per-rank program) they are this rank's labels, for the rows of the
+logits this device holds; where a process acts for several devices they are every row's labels.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .. import comm
-from ..dtensor import DTensor
-from ..errors import InvalidPlacementError, UnsupportedOpError
+from .. import comm, settings
+from ..dtensor import DTensor, distribute_tensor
+from ..errors import InvalidArgumentError, InvalidPlacementError, MeshError, UnsupportedOpError
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Placement, Replicate, Shard
+from ..plain_tensors import plain_is_local
 from ..spec import DTensorSpec, contiguous_meta
-from .boundary import as_dtensor, to_layout
+from .boundary import to_layout
 
 _SIGNATURE = inspect.signature(F.cross_entropy)
 
@@ -34,7 +39,8 @@ def loss_parallel() -> Iterator[None]:
     """Within the block (this thread), ``F.cross_entropy`` on DTensor logits sharded on the
     class dim runs on the shards (PyTorch's ``loss_parallel``); other calls are unchanged. The
     result is a replicated DTensor (per-row for ``reduction="none"``); its backward may run
-    after the block."""
+    after the block. Plain labels are this rank's in a per-rank program, every row's where a
+    process acts for several devices (``plain_is_local``)."""
     with _LossParallelMode():
         yield
 
@@ -82,8 +88,7 @@ def _cross_entropy(
         )
     mesh = input.device_mesh
     rows = _row_placements(input)
-    target = as_dtensor(target, mesh, rows)
-    target = to_layout(target, rows)
+    target = to_layout(_target_dtensor(target, input, rows), rows)
     per_row = _VocabParallelCrossEntropy.apply(input, target, ignore_index)
     if reduction == "none":
         return per_row
@@ -114,6 +119,55 @@ def _row_placements(logits: DTensor) -> tuple[Placement, ...]:
         else:
             out.append(Replicate())
     return tuple(out)
+
+
+def _target_dtensor(target: torch.Tensor, logits: DTensor, rows: tuple[Placement, ...]) -> DTensor:
+    """The labels as a DTensor of the rows' shape. A DTensor carries its meaning; a plain
+    tensor is this rank's labels (for its rows of the logits) in a per-rank program, and every
+    row's labels where this process acts for several devices (``plain_is_local``)."""
+    mesh, cd = logits.device_mesh, _class_dim(logits)
+    shape = torch.Size(s for d, s in enumerate(logits.shape) if d != cd)
+    if isinstance(target, DTensor):
+        if target.device_mesh != mesh:
+            raise MeshError(
+                f"loss_parallel: labels {target} are on {target.device_mesh} but the logits "
+                f"{logits} are on {mesh}; put the labels on the logits' mesh"
+            )
+        if target.shape != shape:
+            raise InvalidArgumentError(
+                f"loss_parallel: labels of global shape {list(target.shape)} (placements "
+                f"{list(target.placements)}) do not fit logits {logits}: expected the logits' "
+                f"shape without the class dim {cd}, {list(shape)}, on {mesh}"
+            )
+        return target
+    if plain_is_local(mesh, f"loss_parallel labels of shape {list(target.shape)}"):
+        spec = DTensorSpec(mesh, rows, contiguous_meta(shape, target.dtype))
+        expected = spec.local_shape(_acting_device(mesh))
+        if target.shape != expected:
+            raise InvalidArgumentError(
+                f"loss_parallel: plain labels of shape {list(target.shape)} are this rank's "
+                f"labels (one device of {mesh}, a per-rank program), so they must cover this "
+                f"rank's rows of the logits {logits}: shape {list(expected)} (labels placed "
+                f"{list(rows)}, global shape {list(shape)}); pass a DTensor for global labels"
+            )
+        return DTensor.from_local(target, mesh, rows, shape=shape)
+    if target.shape != shape:
+        raise InvalidArgumentError(
+            f"loss_parallel: plain labels of shape {list(target.shape)} are the global labels "
+            f"(this process acts for every local device of {mesh}), so they must have the "
+            f"logits' shape without the class dim {cd}: {list(shape)} (logits {logits})"
+        )
+    return distribute_tensor(target, mesh, rows)
+
+
+def _acting_device(mesh: DeviceMesh) -> int:
+    """The device of ``mesh`` this program acts for where it acts for one (a per-rank
+    process, a rank thread, or one replica thread of ``Strategy.run``)."""
+    ids = mesh.local_device_ids
+    replica = settings.REPLICA_THREAD.get()
+    if replica is not None and replica.count == len(ids):
+        return ids[replica.index]
+    return ids[0]
 
 
 def _all_reduce(mesh: DeviceMesh, dims: list[int], parts: list[torch.Tensor], op: str):  # noqa: ANN202
