@@ -34,13 +34,6 @@ LOSS_RTOL = 1e-5  # float32: the sharded runs sum partial products in other orde
 # AdamW's first steps move every entry by about lr whatever its gradient's size; an entry whose
 # gradient is ~0 may get rounding of either sign in the two runs
 PARAM_ATOL = 1e-4
-# what keeps shardwise's runs from training today (both outside this test's files)
-GAPS = (
-    "shardwise's fully_shard refuses torchtitan's meshes: mesh['tp'] comes from one _unflatten "
-    "of the world mesh (pp, batch, cp, tp) and mesh['fsdp'] from another (pp, dp_replicate, "
-    "fsdp, tp), two roots, while data_parallel._compose wants one root; and FSDPModule has no "
-    "set_gradient_divide_factor (apply_fsdp sets 1.0)"
-)
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +111,12 @@ def test_torch_dtensor_runs_the_copies_like_one_device(folders, reference):
     _check(results, reference)
 
 
-@pytest.mark.xfail(reason=GAPS, strict=True)
 @pytest.mark.timeout(300)
 def test_shardwise_four_processes_train_like_one_device(folders, reference):
     results = run_in_processes(_train_rank, WORLD, str(folders["shardwise"]), timeout=240)
     _check(results, reference)
 
 
-@pytest.mark.xfail(reason=GAPS, strict=True)
 def test_shardwise_four_rank_threads_train_like_one_device(folders, shardwise_program, reference):
     results = run_threads(_train_rank, WORLD, str(folders["shardwise"]), timeout=100)
     _check(results, reference)
