@@ -114,6 +114,8 @@ def test_with_mesh_is_the_current_mesh_of_the_apis_that_read_it():
                 assert sw.get_default_mesh() is mesh
             assert sw.get_default_mesh() is other
         assert sw.full((2,), 3.0).device_mesh == mesh
+        placed = sw.distribute_tensor(torch.arange(4.0), placements=[Shard(0)])
+        assert placed.device_mesh == mesh and torch.equal(placed.full_tensor(), torch.arange(4.0))
         lin = distribute_module(nn.Linear(4, 2))
         assert lin.weight.device_mesh == mesh
         col = parallelize_module(nn.Linear(4, 2), parallelize_plan=sw.parallel.ColwiseParallel())
@@ -123,6 +125,8 @@ def test_with_mesh_is_the_current_mesh_of_the_apis_that_read_it():
         sw.zeros(4)
     with pytest.raises(MeshError, match=r"DTensor.from_local.*with mesh"):
         sw.DTensor.from_local(torch.ones(2))
+    with pytest.raises(MeshError, match=r"distribute_tensor.*with mesh"):
+        sw.distribute_tensor(torch.ones(2))
 
 
 def test_with_mesh_is_undone_on_error_and_stays_in_its_thread():

@@ -476,7 +476,7 @@ def _broadcast_replicated(spec: DTensorSpec, components: list[torch.Tensor]) -> 
 @dynamo_opaque
 def distribute_tensor(
     tensor: torch.Tensor,
-    device_mesh: DeviceMesh,
+    device_mesh: DeviceMesh | None = None,
     placements: Sequence[Placement] | None = None,
     *,
     src_data_rank: int | None = 0,
@@ -488,10 +488,11 @@ def distribute_tensor(
     difference raises ``CollectiveMismatchError`` on every process) and the values are those of
     the process owning the device at index ``src_data_rank`` of every mesh dim (PyTorch: the
     group rank on each dim, so ``mesh["tp"]`` of any rank works), which sends each process
-    its devices' pieces. With
-    ``src_data_rank=None`` every process must already hold the same tensor and nothing moves
-    (shapes are then compared only under debug checks). In one process nothing moves either way.
+    its devices' pieces. With ``src_data_rank=None`` every process must already hold the same
+    tensor and nothing moves (shapes are then compared only under debug checks). In one process
+    nothing moves either way. Without ``device_mesh``, the current mesh (``with mesh:``).
     """
+    device_mesh = mesh_or_current(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         raise InvalidPlacementError(
             f"distribute_tensor got a DTensor {tensor}; use its redistribute() instead"
