@@ -220,10 +220,19 @@ def build_on_meta(mesh_shape: tuple[int, ...], fsdp: bool) -> tuple[nn.Module, d
             fully_shard(block.feed_forward, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     expected = {
-        name: (Shard(0), plan_placement(name)) if fsdp else (plan_placement(name),)
-        for name, _ in model.named_parameters()
+        name: (_fsdp_placement(plan_placement(name), p), plan_placement(name)) if fsdp
+        else (plan_placement(name),)
+        for name, p in model.named_parameters()
     }
     return model, expected
+
+
+def _fsdp_placement(tp: object, param: torch.Tensor) -> object:
+    """fully_shard's placement on "dp": each device's dp chunk of its own tp shard where the tp
+    shard is on dim 0 too (FSDP2's strided shard), else Shard(0)."""
+    if tp == Shard(0) and param.shape[0] % 2 == 0:
+        return sw.InterleavedShard(0, interleaved_size=2)
+    return Shard(0)
 
 
 CASES = [((2,), False), ((2, 2), False), ((2, 2), True)]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise import Replicate, Shard
+from shardwise import InterleavedShard, Replicate, Shard
 from shardwise.errors import DataParallelError
 from shardwise.parallel import fully_shard, replicate
 
@@ -146,9 +146,12 @@ def test_data_parallel_composes_with_tensor_parallel_on_2d_mesh(data_parallel: s
     else:
         fully_shard(model2d.up, mesh=mesh["dp"])
         fully_shard(model2d, mesh=mesh["dp"])
-    dp_placement = Replicate() if data_parallel == "replicate" else Shard(0)
     for name, p in model2d.named_parameters():
-        assert p.placements == (dp_placement, TP_PLAN.get(name, Replicate())), name
+        tp = TP_PLAN.get(name, Replicate())
+        dp_placement = Replicate() if data_parallel == "replicate" else Shard(0)
+        if data_parallel == "fully_shard" and tp == Shard(0):  # FSDP2's strided shard
+            dp_placement = InterleavedShard(0, interleaved_size=2)
+        assert p.placements == (dp_placement, tp), name
     losses, counters = _train(model2d, model2d.parameters(), batches, [Shard(0), Replicate()],
                               mesh)
     _assert_same(losses, ref_losses, model2d, ref)

@@ -3,8 +3,9 @@ imports only, trains as single-device PyTorch does: dp=2 x tp=2 on 4 gloo proces
 rank threads of one process (``shardwise.rank_threads``).
 
 The copies (torchtitan 0.2.2's model, args, ``parallelize_llama`` with ``apply_tp`` and
-``apply_fsdp``, ``ParallelDims`` and its mesh builder), the stand-ins for its infrastructure and
-the per-rank program ``train_llama.py`` live in ``tests/torchtitan_programs/`` (``harness.py``).
+``apply_fsdp``, ``ParallelDims`` and its mesh builder), the stand-ins for its infrastructure
+and the per-rank program ``train_llama.py`` live in ``tests/torchtitan_programs/``
+(``titan_harness.py``).
 Every rank starts from the weights torchtitan's ``init_weights`` gives a plain model after one
 seed, trains on its dp rank's rows of each global batch, and the losses summed over dp (as
 torchtitan logs them) and the final parameters must equal the plain model trained on the whole
@@ -25,7 +26,7 @@ from shardwise.rank_threads import run_threads
 
 PROGRAMS = Path(__file__).resolve().parent / "torchtitan_programs"
 sys.path.insert(0, str(PROGRAMS))
-import harness  # noqa: E402
+import titan_harness as harness  # noqa: E402
 
 sys.path.remove(str(PROGRAMS))
 

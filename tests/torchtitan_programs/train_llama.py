@@ -1,15 +1,16 @@
 """torchtitan's Llama 3, trained as torchtitan's trainer does it, one rank of a dp x tp world.
 
-Written against ``torch.distributed.tensor`` like the torchtitan copies beside it; ``harness.py``
-ports the whole folder to shardwise by rewriting imports. ``train_rank()`` follows torchtitan's
-``train.py``: the model built on the meta device, ``parallelize_llama`` (``apply_tp`` on
-``mesh["tp"]``, ``apply_fsdp`` on ``mesh["fsdp"]``), ``to_empty`` and ``init_weights``; each
-step a sum-reduced cross-entropy under ``loss_parallel`` divided by the global token count
-(torchtitan turns FSDP's gradient division off), each dp rank on its own rows of the global
-batch. For a fair comparison the sharded model then takes the weights ``initial_state()`` gives
-a plain model (torchtitan's own ``init_weights`` after one seed). ``train_reference()`` trains
-that plain model on the global batch on one device. Not torchtitan's: gradient clipping and the
-learning-rate schedule (both off), and the data (random tokens).
+Written against ``torch.distributed.tensor`` like the torchtitan copies beside it;
+``titan_harness.py`` ports the whole folder to shardwise by rewriting imports. ``train_rank()``
+follows torchtitan's ``train.py``: the model built on the meta device, ``parallelize_llama``
+(``apply_tp`` on ``mesh["tp"]``, ``apply_fsdp`` on ``mesh["fsdp"]``), ``to_empty`` and
+``init_weights``; each step a sum-reduced cross-entropy under ``loss_parallel`` divided by the
+global token count (torchtitan turns FSDP's gradient division off), each dp rank on its own
+rows of the global batch. For a fair comparison the sharded model then takes the weights
+``initial_state()`` gives a plain model (torchtitan's own ``init_weights`` after one seed).
+``train_reference()`` trains that plain model on the global batch on one device. Not
+torchtitan's: gradient clipping and the learning-rate schedule (both off), and the data (random
+tokens).
 
 ``python -m shardwise.launch --nproc 4 train_llama.py`` (after the port) prints every rank's
 losses; ``python train_llama.py`` prints the single-device reference.

@@ -1,8 +1,8 @@
 # ruff: noqa
 # Verbatim copy of torchtitan/models/llama3/model/model.py from torchtitan 0.2.2 (https://github.com/pytorch/torchtitan, the
 # PyPI wheel torchtitan-0.2.2-py3-none-any.whl), BSD 3-Clause License, Copyright (c) Meta
-# Platforms, Inc. and affiliates. Everything below this header is unchanged (harness.py checks
-# it against the wheel's RECORD hash); tests/torchtitan_programs/harness.py ports a copy.
+# Platforms, Inc. and affiliates. Everything below this header is unchanged (titan_harness.py checks
+# it against the wheel's RECORD hash); tests/torchtitan_programs/titan_harness.py ports a copy.
 # Copyright (c) Meta Platforms, Inc. and affiliates.
 # All rights reserved.
 #

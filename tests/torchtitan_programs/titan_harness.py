@@ -8,7 +8,7 @@ substitution is in the stand-in ``torchtitan/tools/utils.py`` (torchtitan's ``de
 so no copied line changes. ``prepare(variant, dest)`` writes the folder to ``dest``: as it is
 for ``"torch"``, with ``tests/pytorch_programs/port.py``'s import rewrite for ``"shardwise"``.
 
-``python tests/torchtitan_programs/harness.py [NPROC]`` runs the single-device reference, then
+``python tests/torchtitan_programs/titan_harness.py [NPROC]`` runs the single-device reference, then
 both variants under ``python -m shardwise.launch --nproc NPROC`` (default 4, dp=NPROC/2 x
 tp=2) and prints every run's losses (summed over dp as torchtitan logs them).
 """
@@ -47,7 +47,7 @@ VERBATIM: dict[str, str] = {
 def sources() -> list[Path]:
     """Every file of the program (relative to this folder), the harness excepted."""
     return sorted(p.relative_to(HERE) for p in HERE.rglob("*.py")
-                  if p.name != "harness.py" and "__pycache__" not in p.parts)
+                  if p.name != "titan_harness.py" and "__pycache__" not in p.parts)
 
 
 def verbatim_body_matches(rel: str) -> bool:
