@@ -38,7 +38,7 @@ def _train(strategy: swd.Strategy) -> list[float]:
         opt = swd.Optimizer(torch.optim.Adam, model.variables(), lr=0.05)
 
     def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        loss = swd.compute_average_loss(((model(xb) - yb) ** 2).mean(dim=1), 8)
+        loss = swd.compute_average_loss(((model(xb) - yb) ** 2).mean(dim=1), global_batch_size=8)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -1,9 +1,10 @@
 """Distributed input (spec 1B.4): a dataset of GLOBAL batches split per replica, or a dataset
 function per input pipeline; ``InputContext`` and ``ValueContext``.
 
-Split rule (TF's, for a known global batch size G over N replicas): replica r gets
-``G // N + (r < G % N)`` elements, in stream order; a partial last batch is handed out with the
-same sizes, so trailing replicas get EMPTY batches (leading dim 0) and still run the step.
+Split rule (what TF 2.21 does, measured): each batch of actual size b is cut into N contiguous
+pieces of ``ceil(b / N)`` elements in replica order; the last non-empty piece may be shorter and
+the replicas after it get EMPTY batches (leading dim 0) and still run the step. So 4 over 3 is
+``[0,1] | [2,3] | []`` and a last batch ``[8, 9]`` over 2 is ``[8] | [9]``.
 Every worker reads the whole stream and keeps its own replicas' slices (global replica order),
 so W processes give the same per-replica batches as one process with all the replicas.
 """
@@ -49,10 +50,11 @@ class ValueContext:
     num_replicas_in_sync: int = 1
 
 
-def split_sizes(global_batch: int, num_replicas: int) -> list[int]:
-    """Per-replica sizes of a full global batch: floor or ceil, the first ones larger."""
-    base, extra = divmod(global_batch, num_replicas)
-    return [base + (1 if r < extra else 0) for r in range(num_replicas)]
+def split_sizes(batch: int, num_replicas: int) -> list[int]:
+    """Per-replica sizes of one batch of ``batch`` elements: pieces of ``ceil(batch / N)`` in
+    replica order, the last non-empty one what is left, then empty ones."""
+    piece = -(-batch // num_replicas)
+    return [max(0, min(piece, batch - r * piece)) for r in range(num_replicas)]
 
 
 def _leading(batch: Any) -> int:
@@ -85,26 +87,18 @@ class DistributedDataset:
         n = self._strategy.num_replicas_in_sync
         devices = ext._torch_devices()
         first = ext._global_replica_id(0)
-        global_batch: int | None = None
         for batch in self._dataset:
             if n == 1:  # one replica: the batch as it is, on its device
                 yield map_nest(
                     lambda t: t.to(devices[0]) if isinstance(t, torch.Tensor) else t, batch
                 )
                 continue
-            size = _leading(batch)
-            if global_batch is None:
-                global_batch = size
-            sizes = split_sizes(global_batch, n)
-            starts, left = [], size
-            for s in sizes:
-                starts.append(size - left)
-                left -= min(s, left)
+            sizes = split_sizes(_leading(batch), n)
             parts = []
             for i, device in enumerate(devices):
                 r = first + i
-                start = min(starts[r], size)
-                stop = min(start + sizes[r], size)
+                start = sum(sizes[:r])
+                stop = start + sizes[r]
                 parts.append(
                     map_nest(lambda t, a=start, b=stop, d=device: _slice(t, a, b, d), batch)
                 )

@@ -132,15 +132,21 @@ def _replica_index() -> int | None:
 
 
 def compute_average_loss(
-    per_example_loss: torch.Tensor, global_batch_size: int | None = None
+    per_example_loss: torch.Tensor,
+    sample_weight: torch.Tensor | float | None = None,
+    global_batch_size: int | None = None,
 ) -> torch.Tensor:
-    """TF's ``tf.nn.compute_average_loss``: the per-example losses summed and divided by the
-    GLOBAL batch size (default: local batch size x replicas), so gradients summed over the
-    replicas are the gradient of the global mean."""
+    """TF's ``tf.nn.compute_average_loss``: the per-example losses (times ``sample_weight``,
+    broadcast) summed and divided by the GLOBAL batch size (default: local batch size x
+    replicas), so gradients summed over the replicas are the gradient of the global mean."""
     if global_batch_size is None:
         rc = context.get_replica_context()
         replicas = rc.num_replicas_in_sync if rc is not None else 1
         global_batch_size = (
             per_example_loss.shape[0] * replicas if per_example_loss.ndim else replicas
+        )
+    if sample_weight is not None:
+        per_example_loss = per_example_loss * torch.as_tensor(
+            sample_weight, dtype=per_example_loss.dtype, device=per_example_loss.device
         )
     return per_example_loss.sum() / global_batch_size

@@ -68,8 +68,7 @@ class ReplicaContext:
     @property
     def replica_id_in_sync_group(self) -> int | torch.Tensor:
         """This replica's global id: an int32 scalar tensor (the Python int 0 in the default
-        replica context)."""
-        self._check_current("replica_id_in_sync_group")
+        replica context); as TF's, still readable once ``run`` has returned."""
         if self._strategy._is_default:
             return 0
         return torch.tensor(self._replica_id, dtype=torch.int32)

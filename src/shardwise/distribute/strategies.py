@@ -31,14 +31,12 @@ def _device_name(device: str | torch.device) -> str:
 
 
 def _local_devices(devices: Sequence[str | torch.device] | None) -> list[str]:
-    if devices is None:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [f"cuda:{i}" for i in range(count)] or ["cpu:0"]
     if isinstance(devices, (str, torch.device)):
         devices = [devices]
-    names = [_device_name(d) for d in devices]
-    if not names:
-        raise DistributeValueError("the device list of a strategy must not be empty")
+    names = [_device_name(d) for d in devices or ()]
+    if not names:  # None or empty: TF takes the default devices
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [f"cuda:{i}" for i in range(count)] or ["cpu:0"]
     if len(set(names)) != len(names):
         raise DistributeValueError(f"duplicate devices in {names}; each device is one replica")
     if len({n.split(":")[0] for n in names}) > 1:

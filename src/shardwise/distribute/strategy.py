@@ -131,10 +131,12 @@ class Strategy:
 
     def gather(self, value: Any, axis: int) -> Any:
         """The replicas' components concatenated along ``axis`` (cross-replica only; inside
-        run use ReplicaContext.all_gather)."""
+        run use ReplicaContext.all_gather); a plain tensor comes back as is."""
         with context.require_cross_replica(
             self, f"{type(self).__name__}.gather (inside run use ReplicaContext.all_gather)"
         ):
+            if type(value) is torch.Tensor:  # TF: a plain tensor comes back once
+                return value
             return self._extended._gather(value, axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:

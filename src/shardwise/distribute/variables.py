@@ -123,6 +123,12 @@ class Variable(metaclass=_VariableMeta):
         array = self.numpy()
         return array if dtype is None else array.astype(dtype)
 
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:  # torch.as_tensor / torch.tensor
+        return self.read_value().detach().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self.read_value().__dlpack_device__()
+
     def __getitem__(self, index: Any) -> torch.Tensor:
         return self.value()[index]
 
