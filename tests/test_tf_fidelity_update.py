@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import shardwise.distribute as swd
+from mp_harness import run_in_processes
 from shardwise.distribute import VariableAggregation as VA
 from shardwise.distribute import VariableSynchronization as VS
 from shardwise.errors import DistributeValueError
@@ -72,20 +73,16 @@ def _reference_sgd(x: torch.Tensor, y: torch.Tensor, steps: int) -> torch.Tensor
     return w
 
 
-@pytest.mark.parametrize("make", (mirrored, central), ids=("mirrored", "central"))
-@pytest.mark.parametrize("n", (1, 2, 3))
-def test_all_reduce_merge_call_update_loop(make, n: int) -> None:
-    """TF's usual training step: grads per replica, all_reduce, merge_call -> update."""
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    batch = 6
-    x = torch.randn(batch, 3, generator=g, dtype=torch.float64)
-    y = torch.randn(batch, generator=g, dtype=torch.float64)
-    s = make(n)
+    return (torch.randn(12, 3, generator=g, dtype=torch.float64),
+            torch.randn(12, generator=g, dtype=torch.float64))
+
+
+def _train(s: swd.Strategy, xs: object, ys: object, batch: int) -> object:
+    """TF's usual training step, 4 times: grads per replica, all_reduce, merge_call -> update."""
     with s.scope():
         w = swd.Variable(torch.zeros(3, dtype=torch.float64))
-    per = batch // n
-    xs = swd.PerReplica([x[i * per : (i + 1) * per] for i in range(n)])
-    ys = swd.PerReplica([y[i * per : (i + 1) * per] for i in range(n)])
 
     def replica_fn(xb: torch.Tensor, yb: torch.Tensor) -> None:
         ctx = swd.get_replica_context()
@@ -100,11 +97,61 @@ def test_all_reduce_merge_call_update_loop(make, n: int) -> None:
 
     for _ in range(4):
         s.run(replica_fn, args=(xs, ys))
+    return w
+
+
+@pytest.mark.parametrize("make", (mirrored, central), ids=("mirrored", "central"))
+@pytest.mark.parametrize("n", (1, 2, 3))
+def test_all_reduce_merge_call_update_loop(make, n: int) -> None:
+    x, y = _data()
+    s = make(n)
+    per = x.shape[0] // n
+    xs = swd.PerReplica([x[i * per : (i + 1) * per] for i in range(n)])
+    ys = swd.PerReplica([y[i * per : (i + 1) * per] for i in range(n)])
+    w = _train(s, xs, ys, x.shape[0])
     expected = _reference_sgd(x, y, 4)
     copies = local(s, w)
     assert len(copies) == (n if make is mirrored else 1)
     for c in copies:
         torch.testing.assert_close(c.value(), expected)
+
+
+def _multi_worker_program() -> dict:
+    """The update loop and the reductions under 2 workers x 2 devices (4 replicas)."""
+    s = swd.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
+    x, y = _data()
+    per = x.shape[0] // 4
+    xs = s.experimental_distribute_values_from_function(
+        lambda c: x[int(c.replica_id_in_sync_group) * per :][:per]
+    )
+    ys = s.experimental_distribute_values_from_function(
+        lambda c: y[int(c.replica_id_in_sync_group) * per :][:per]
+    )
+    ints = s.experimental_distribute_values_from_function(
+        lambda c: torch.tensor([int(c.replica_id_in_sync_group), 1], dtype=torch.int32)
+    )
+    w = _train(s, xs, ys, x.shape[0])
+    return {
+        "w": [c.value().tolist() for c in local(s, w)],
+        "plain_sum": s.reduce("SUM", torch.arange(6.0).reshape(3, 2), axis=0).tolist(),
+        "int_mean": s.reduce("MEAN", ints, axis=None).tolist(),
+        "int_dtype": str(s.reduce("MEAN", ints, axis=None).dtype),
+    }
+
+
+def test_multi_worker_matches_tf() -> None:
+    per_rank = run_in_processes(
+        _multi_worker_program, 2, timeout=120, env={"SHARDWISE_COLLECTIVE_TIMEOUT": "60"}
+    )
+    x, y = _data()
+    expected = _reference_sgd(x, y, 4)
+    for got in per_rank:
+        assert len(got["w"]) == 2
+        for copy in got["w"]:
+            torch.testing.assert_close(torch.tensor(copy, dtype=torch.float64), expected)
+        assert got["plain_sum"] == (4 * torch.arange(6.0).reshape(3, 2).sum(0)).tolist()
+        assert got["int_mean"] == [(0 + 1 + 2 + 3) / 4, 1.0]
+        assert got["int_dtype"] == "torch.float64"
 
 
 # ----- 2. reduce of plain tensors, nests, integers ---------------------------------------------
