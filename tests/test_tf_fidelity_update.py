@@ -39,6 +39,8 @@ def test_update_gives_copy_i_component_i(n: int) -> None:
     assert [c.value().tolist() for c in v.values] == [[i + 1.0, 2.0 * (i + 1)] for i in range(n)]
     kw = s.extended.update(v, lambda var, x=None: var.value() - x, kwargs={"x": per_replica})
     assert [t.tolist() for t in local(s, kw)] == [[0.0, 0.0]] * n
+    with pytest.raises(DistributeValueError, match=f"1 components for {n} copies"):
+        s.extended.update(v, lambda var, x: None, args=(swd.PerReplica([torch.zeros(2)]),))
 
 
 @pytest.mark.parametrize("n", (2, 3))

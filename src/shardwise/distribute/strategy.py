@@ -519,6 +519,13 @@ class StrategyExtended:
         self, var: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, group: bool
     ) -> Any:
         targets = list(var.values) if is_distributed_variable(var) else [var]
+        for x in leaves((args, kwargs)):
+            if isinstance(x, PerReplica) and len(x.values) != len(targets):
+                raise DistributeValueError(
+                    f"update of {getattr(var, 'name', var)!r}: a PerReplica argument has "
+                    f"{len(x.values)} components for {len(targets)} copies of the variable on "
+                    f"the replica mesh {self.mesh}; copy i takes component i"
+                )
         results = []
         for i, target in enumerate(targets):
             with context.update_context(i):
