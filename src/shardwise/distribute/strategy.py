@@ -31,6 +31,7 @@ from .values import (
     is_distributed_variable,
     leaves,
     local_results,
+    map_nest,
     regroup,
     select_replica,
     value_container,
@@ -122,12 +123,13 @@ class Strategy:
         self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None
     ) -> Any:
         """``value`` reduced across replicas (axis None), or over replicas and ``axis`` (MEAN:
-        sum of sums over sum of counts, right for uneven batches). A plain tensor."""
+        sum of sums over sum of counts, right for uneven batches). A plain tensor, or a nest
+        of them for a nest; an integer MEAN is true-divided (float64, as TF)."""
         op = ReduceOp.resolve(reduce_op)
         with context.require_cross_replica(
             self, f"{type(self).__name__}.reduce (inside run use ReplicaContext.all_reduce)"
         ):
-            return self._extended._reduce(op, value, axis)
+            return map_nest(lambda leaf: self._extended._reduce(op, leaf, axis), value)
 
     def gather(self, value: Any, axis: int) -> Any:
         """The replicas' components concatenated along ``axis`` (cross-replica only; inside
@@ -437,31 +439,32 @@ class StrategyExtended:
                 return kept.primary
             return kept.read_value() if is_distributed_variable(kept) else kept
         self._check_shapes(components, "reduce")
+        if op is ReduceOp.MEAN and not _is_float(components[0]):  # TF: sum / N, true-divided
+            total = self._reduce(ReduceOp.SUM, PerReplica(components), None)
+            return _true_divide(total, torch.tensor(self._num_replicas_in_sync))
         partial = DTensor.from_local(components, self.mesh, [Partial(op.partial_op)])
         return partial.full_tensor()
 
     def _reduce_axis(self, op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
         components = self._components(value)
-        plain = components is None
-        if plain:
+        if components is None:
+            # TF reduces over ``axis`` in every replica (run), then across replicas: a value
+            # every replica shares counts once per replica (SUM: N times its sum).
             if isinstance(value, Mirrored):
                 value = value.primary
-            components = [torch.as_tensor(value)]
+            elif is_distributed_variable(value):
+                value = value.read_value()
+            plain = torch.as_tensor(value)
+            components = [plain.to(d) for d in self._torch_devices()]
         rank = components[0].ndim
         axes = _normalize_axis(axis, rank)
         sums = [c.sum(dim=axes) for c in components]
-        counts = [_count(c, axes) for c in components]
-        if plain:
-            if op is ReduceOp.SUM:
-                return self._reduce(op, sums[0], None)
-            return sums[0] / counts[0]
         total = self._reduce(ReduceOp.SUM, PerReplica(sums), None)
         if op is ReduceOp.SUM:
             return total
-        count = self._reduce(
-            ReduceOp.SUM, PerReplica([torch.tensor(float(n)) for n in counts]), None
-        )
-        return torch.true_divide(total, count)
+        counts = [torch.tensor(_count(c, axes), dtype=torch.int64) for c in components]
+        count = self._reduce(ReduceOp.SUM, PerReplica(counts), None)
+        return _true_divide(total, count)
 
     def _gather(self, value: Any, axis: int) -> Any:
         if isinstance(value, Mirrored) or not isinstance(value, DistributedValues):
@@ -503,8 +506,8 @@ class StrategyExtended:
         group: bool = True,
     ) -> Any:
         """``fn(component, *args, **kwargs)`` on every component of ``var``, each in its update
-        context (Mirrored args unwrapped per component; PerReplica args are a TypeError).
-        From a replica context every replica must call it (a merge point)."""
+        context (Mirrored and PerReplica args unwrapped per component: copy i gets component i,
+        as in TF 2.21). From a replica context every replica must call it (a merge point)."""
         args, kwargs = tuple(args), dict(kwargs or {})
         if context.in_replica_context_of(self._strategy):
             rc: Any = context.get_replica_context()
@@ -512,13 +515,19 @@ class StrategyExtended:
                 lambda s, *a, **k: s.extended.update(var, fn, a, k, group), args, kwargs
             )
         with context.require_cross_replica(self._strategy, "update"):
-            _reject_per_replica((args, kwargs), "update")
             return self._update(var, fn, args, kwargs, group)
 
     def _update(
         self, var: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, group: bool
     ) -> Any:
         targets = list(var.values) if is_distributed_variable(var) else [var]
+        for x in leaves((args, kwargs)):
+            if isinstance(x, PerReplica) and len(x.values) != len(targets):
+                raise DistributeValueError(
+                    f"update of {getattr(var, 'name', var)!r}: a PerReplica argument has "
+                    f"{len(x.values)} components for {len(targets)} copies of the variable on "
+                    f"the replica mesh {self.mesh}; copy i takes component i"
+                )
         results = []
         for i, target in enumerate(targets):
             with context.update_context(i):
@@ -635,6 +644,17 @@ def _normalize_axis(axis: Any, rank: int) -> list[int]:
             raise DistributeValueError(f"`axis` = {a} out of range for `value` with rank {rank}")
         out.append(a % rank)
     return out
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _true_divide(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """TF's truediv: a float total keeps its dtype; an integer one gives float64."""
+    if _is_float(total):
+        return torch.true_divide(total, count.to(total.device, total.dtype))
+    return torch.true_divide(total.double(), count.to(total.device, torch.float64))
 
 
 def _count(t: torch.Tensor, axes: list[int]) -> int:

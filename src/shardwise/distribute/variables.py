@@ -360,12 +360,7 @@ class MirroredVariable(DistributedVariable):
                 )
             rc.merge_call(_merge_update, args=(self, kind, value))
             return self
-        if isinstance(value, PerReplica):
-            raise DistributeTypeError(
-                f"{kind} of MirroredVariable {self.name!r} in cross-replica context got a "
-                f"PerReplica value; cannot assign per-replica values to a mirrored variable, "
-                f"reduce them first (strategy.extended.reduce_to)"
-            )
+        # a PerReplica value gives copy i its component i (TF 2.21), via extended.update
         with context.require_cross_replica(self._strategy, kind):
             self._strategy.extended._update(self, _apply_fn(kind), (value,), {}, True)
         return self
@@ -487,6 +482,8 @@ def create_mirrored_variable(
         with comm.moving(lambda: f"initial value of variable {name!r}"):
             copies = [c.contiguous() for c in comm.broadcast(ext.mesh, 0, copies, src=0)]
     name = name or "Variable"
+    if synchronization == VariableSynchronization.AUTO:  # TF: AUTO means ON_WRITE here
+        synchronization = VariableSynchronization.ON_WRITE
     components = [
         LocalVariable(
             c,

@@ -1,0 +1,230 @@
+"""TF 2.21's answers for updates with PerReplica arguments, reductions of plain tensors, nests
+and integers, and a mirrored variable's synchronization (spec 1B.2, 1B.3, 1B.5). Expected
+numbers come from TF's semantics computed with plain single-device torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise.distribute as swd
+from mp_harness import run_in_processes
+from shardwise.distribute import VariableAggregation as VA
+from shardwise.distribute import VariableSynchronization as VS
+from shardwise.errors import DistributeValueError
+
+
+def mirrored(n: int) -> swd.MirroredStrategy:
+    return swd.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+
+
+def central(n: int) -> swd.CentralStorageStrategy:
+    return swd.CentralStorageStrategy([f"cpu:{i}" for i in range(n)])
+
+
+def local(strategy: swd.Strategy, value: object) -> list:
+    return list(strategy.experimental_local_results(value))
+
+
+# ----- 1. PerReplica arguments of update / cross-replica assign ---------------------------------
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_update_gives_copy_i_component_i(n: int) -> None:
+    s = mirrored(n)
+    with s.scope():
+        v = swd.Variable(torch.zeros(2))
+    per_replica = swd.PerReplica([torch.tensor([1.0, 2.0]) * (i + 1) for i in range(n)])
+    s.extended.update(v, lambda var, x: var.assign_add(x), args=(per_replica,))
+    assert [c.value().tolist() for c in v.values] == [[i + 1.0, 2.0 * (i + 1)] for i in range(n)]
+    kw = s.extended.update(v, lambda var, x=None: var.value() - x, kwargs={"x": per_replica})
+    assert [t.tolist() for t in local(s, kw)] == [[0.0, 0.0]] * n
+    with pytest.raises(DistributeValueError, match=f"1 components for {n} copies"):
+        s.extended.update(v, lambda var, x: None, args=(swd.PerReplica([torch.zeros(2)]),))
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_cross_replica_assign_of_per_replica(n: int) -> None:
+    s = mirrored(n)
+    with s.scope():
+        v = swd.Variable(torch.ones(3))
+    v.assign(swd.PerReplica([torch.full((3,), 10.0 * i) for i in range(n)]))
+    assert [c.value().tolist() for c in v.values] == [[10.0 * i] * 3 for i in range(n)]
+    v.assign_sub(swd.PerReplica([torch.full((3,), float(i)) for i in range(n)]))
+    assert [c.value().tolist() for c in v.values] == [[9.0 * i] * 3 for i in range(n)]
+
+
+def test_central_storage_update_takes_the_primary() -> None:
+    s = central(2)
+    with s.scope():
+        v = swd.Variable(torch.zeros(2))
+    per_replica = swd.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([5.0, 7.0])])
+    got = s.extended.update(v, lambda var, x: var.assign_add(x) and var.value().clone(),
+                            args=(per_replica,))
+    assert got.tolist() == [1.0, 2.0] and v.read_value().tolist() == [1.0, 2.0]
+    v.assign(per_replica)
+    assert v.read_value().tolist() == [1.0, 2.0]
+
+
+def _reference_sgd(x: torch.Tensor, y: torch.Tensor, steps: int) -> torch.Tensor:
+    """Single-device full-batch gradient descent on sum((x w - y)^2) / batch."""
+    w = torch.zeros(x.shape[1], dtype=torch.float64)
+    for _ in range(steps):
+        grad = 2 * x.T @ (x @ w - y) / x.shape[0]
+        w = w - 0.1 * grad
+    return w
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(12, 3, generator=g, dtype=torch.float64),
+            torch.randn(12, generator=g, dtype=torch.float64))
+
+
+def _train(s: swd.Strategy, xs: object, ys: object, batch: int) -> object:
+    """TF's usual training step, 4 times: grads per replica, all_reduce, merge_call -> update."""
+    with s.scope():
+        w = swd.Variable(torch.zeros(3, dtype=torch.float64))
+
+    def replica_fn(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        ctx = swd.get_replica_context()
+        grad = 2 * xb.T @ (xb @ w.value() - yb) / batch
+        grad = ctx.all_reduce("SUM", grad)
+        ctx.merge_call(
+            lambda st, gr: st.extended.update(
+                w, lambda var, gg: var.assign_sub(0.1 * gg), args=(gr,)
+            ),
+            args=(grad,),
+        )
+
+    for _ in range(4):
+        s.run(replica_fn, args=(xs, ys))
+    return w
+
+
+@pytest.mark.parametrize("make", (mirrored, central), ids=("mirrored", "central"))
+@pytest.mark.parametrize("n", (1, 2, 3))
+def test_all_reduce_merge_call_update_loop(make, n: int) -> None:
+    x, y = _data()
+    s = make(n)
+    per = x.shape[0] // n
+    xs = swd.PerReplica([x[i * per : (i + 1) * per] for i in range(n)])
+    ys = swd.PerReplica([y[i * per : (i + 1) * per] for i in range(n)])
+    w = _train(s, xs, ys, x.shape[0])
+    expected = _reference_sgd(x, y, 4)
+    copies = local(s, w)
+    assert len(copies) == (n if make is mirrored else 1)
+    for c in copies:
+        torch.testing.assert_close(c.value(), expected)
+
+
+def _multi_worker_program() -> dict:
+    """The update loop and the reductions under 2 workers x 2 devices (4 replicas)."""
+    s = swd.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
+    x, y = _data()
+    per = x.shape[0] // 4
+    xs = s.experimental_distribute_values_from_function(
+        lambda c: x[int(c.replica_id_in_sync_group) * per :][:per]
+    )
+    ys = s.experimental_distribute_values_from_function(
+        lambda c: y[int(c.replica_id_in_sync_group) * per :][:per]
+    )
+    ints = s.experimental_distribute_values_from_function(
+        lambda c: torch.tensor([int(c.replica_id_in_sync_group), 1], dtype=torch.int32)
+    )
+    w = _train(s, xs, ys, x.shape[0])
+    return {
+        "w": [c.value().tolist() for c in local(s, w)],
+        "plain_sum": s.reduce("SUM", torch.arange(6.0).reshape(3, 2), axis=0).tolist(),
+        "int_mean": s.reduce("MEAN", ints, axis=None).tolist(),
+        "int_dtype": str(s.reduce("MEAN", ints, axis=None).dtype),
+    }
+
+
+def test_multi_worker_matches_tf() -> None:
+    per_rank = run_in_processes(
+        _multi_worker_program, 2, timeout=120, env={"SHARDWISE_COLLECTIVE_TIMEOUT": "60"}
+    )
+    x, y = _data()
+    expected = _reference_sgd(x, y, 4)
+    for got in per_rank:
+        assert len(got["w"]) == 2
+        for copy in got["w"]:
+            torch.testing.assert_close(torch.tensor(copy, dtype=torch.float64), expected)
+        assert got["plain_sum"] == (4 * torch.arange(6.0).reshape(3, 2).sum(0)).tolist()
+        assert got["int_mean"] == [(0 + 1 + 2 + 3) / 4, 1.0]
+        assert got["int_dtype"] == "torch.float64"
+
+
+# ----- 2. reduce of plain tensors, nests, integers ---------------------------------------------
+
+
+@pytest.mark.parametrize("n", (1, 2, 3))
+def test_reduce_plain_tensor_over_axis(n: int) -> None:
+    """TF runs the per-axis reduction in every replica, then reduces those across replicas:
+    a tensor every replica shares is summed once per replica."""
+    s = mirrored(n)
+    t = torch.arange(12.0).reshape(4, 3)
+    torch.testing.assert_close(s.reduce("SUM", t, axis=0), n * t.sum(0))
+    torch.testing.assert_close(s.reduce("MEAN", t, axis=0), t.mean(0))
+    torch.testing.assert_close(s.reduce("SUM", t, axis=[0, 1]), n * t.sum())
+    one = swd.OneDeviceStrategy("cpu:0")
+    torch.testing.assert_close(one.reduce("SUM", t, axis=1), t.sum(1))
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_reduce_of_a_nest(n: int) -> None:
+    s = mirrored(n)
+    parts = [torch.tensor([1.0, 2.0]) * (i + 1) for i in range(n)]
+    batches = [torch.arange(float(i + 1)) for i in range(n)]  # uneven batches
+    value = {"a": swd.PerReplica(parts), "b": [swd.PerReplica(batches)]}
+    got = s.reduce("SUM", {"a": value["a"]}, axis=None)
+    assert set(got) == {"a"}
+    torch.testing.assert_close(got["a"], torch.stack(parts).sum(0))
+    mean = s.reduce("MEAN", {"b": value["b"]}, axis=0)
+    torch.testing.assert_close(mean["b"][0], torch.cat(batches).mean())
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_reduce_mean_of_integers_true_divides(n: int) -> None:
+    """TF: an integer MEAN is the sum true-divided by the count (float64), not a floor."""
+    s = mirrored(n)
+    parts = [torch.tensor([i, 2 * i + 1], dtype=torch.int32) for i in range(n)]
+    got = s.reduce("MEAN", swd.PerReplica(parts), axis=None)
+    expected = torch.stack(parts).double().sum(0) / n
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected)
+    uneven = [torch.arange(i + 1, dtype=torch.int32) for i in range(n)]
+    got = s.reduce("MEAN", swd.PerReplica(uneven), axis=0)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.cat(uneven).double().mean())
+    total = s.reduce("SUM", swd.PerReplica(parts), axis=None)
+    assert total.dtype == torch.int32 and total.tolist() == torch.stack(parts).sum(0).tolist()
+
+
+# ----- 3. synchronization ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", (1, 2))
+def test_mirrored_variable_reports_on_write(n: int) -> None:
+    s = mirrored(n)
+    with s.scope():
+        auto = swd.Variable(0.0)
+        on_write = swd.Variable(0.0, synchronization=VS.ON_WRITE)
+        on_read = swd.Variable(0.0, synchronization=VS.ON_READ, aggregation=VA.SUM)
+    for v in (auto, on_write):
+        assert v.synchronization == VS.ON_WRITE
+        assert all(c.synchronization == VS.ON_WRITE for c in v.values)
+    assert on_read.synchronization == VS.ON_READ
+
+
+# ----- 4. shardwise's deliberate difference: replica-context updates need an aggregation ------
+
+
+def test_replica_context_update_without_aggregation_is_refused() -> None:
+    s = mirrored(2)
+    with s.scope():
+        v = swd.Variable(0.0)
+    with pytest.raises(DistributeValueError, match="aggregation"):
+        s.run(lambda: v.assign_add(swd.get_replica_context().replica_id_in_sync_group.float()))
+    assert [c.value().item() for c in v.values] == [0.0, 0.0]
