@@ -1,0 +1,85 @@
+"""TF DTensor's answers, side by side with TF 2.21 (issue "TensorFlow users get TensorFlow's
+answers"): the values TF gives are worked out here from plain torch on the global tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import MATCH, UNSHARDED, Layout, LayoutError, Partial
+
+
+@pytest.fixture(scope="module")
+def mesh() -> sw.DeviceMesh:
+    return sw.create_mesh([("x", 2), ("y", 3)])
+
+
+def _x_of(mesh: sw.DeviceMesh, device: int) -> int:
+    return mesh.coordinate_of(device)[0]
+
+
+# ----- 1. pending reductions are done under the TF API --------------------------------------
+
+
+def test_unpack_of_a_sum_over_a_sharded_axis_is_reduced(mesh: sw.DeviceMesh) -> None:
+    x = torch.arange(12.0).reshape(2, 6)
+    d = torch.sum(sw.copy_to_mesh(x, Layout(["x", "y"], mesh)), dim=1)
+    assert any(isinstance(p, Partial) for p in d.placements)  # PyTorch's view keeps Partial
+    rows = x.sum(dim=1)  # TF 2.21: [15, 51]
+    components = sw.unpack(d)
+    assert [c.tolist() for c in components] == [
+        [rows[_x_of(mesh, i)].item()] for i in mesh.local_device_ids
+    ]
+    assert [c[0].item() for c in components] == [15.0] * 3 + [51.0] * 3
+    assert sw.fetch_layout(d) == Layout(["x"], mesh)
+    sw.check_layout(d, Layout(["x"], mesh))
+    again = sw.pack(sw.unpack(d), sw.fetch_layout(d))
+    assert torch.equal(again.full_tensor(), rows)
+    assert torch.equal(sw.relayout(d, Layout([UNSHARDED], mesh)).full_tensor(), rows)
+    assert any(isinstance(p, Partial) for p in d.placements)  # d itself is unchanged
+
+
+def test_matmul_of_two_sharded_operands_is_reduced_under_the_tf_api(mesh: sw.DeviceMesh) -> None:
+    a = torch.arange(24.0).reshape(4, 6)
+    b = torch.arange(18.0).reshape(6, 3) - 5
+    da = sw.copy_to_mesh(a, Layout(["x", "y"], mesh))
+    db = sw.copy_to_mesh(b, Layout(["y", UNSHARDED], mesh))
+    out = da @ db
+    expected = a @ b
+    assert sw.fetch_layout(out) == Layout(["x", UNSHARDED], mesh)
+    for device, component in zip(mesh.local_device_ids, sw.unpack(out), strict=True):
+        assert torch.equal(component, expected.chunk(2, dim=0)[_x_of(mesh, device)])
+    contracted = torch.einsum("ij->i", da)
+    assert sw.fetch_layout(contracted) == Layout(["x"], mesh)
+    assert torch.equal(torch.cat(sw.unpack(contracted)[::3]), a.sum(dim=1))
+
+
+def test_pytorch_named_apis_keep_the_partial_state(mesh: sw.DeviceMesh) -> None:
+    x = torch.arange(12.0).reshape(2, 6)
+    d = torch.sum(sw.copy_to_mesh(x, Layout(["x", "y"], mesh)), dim=1)
+    sw.unpack(d)
+    assert isinstance(d.placements[1], Partial)
+    partial_sums = [c.tolist() for c in d._components]
+    assert partial_sums[0] == [x[0, :2].sum().item()]  # device 0 holds its block's sum
+
+
+# ----- 2. MATCH keeps the axis's sharding ---------------------------------------------------
+
+
+def test_relayout_match_keeps_axis_sharding(mesh: sw.DeviceMesh) -> None:
+    value = torch.arange(36.0).reshape(6, 6)
+    a = sw.copy_to_mesh(value, Layout(["y", UNSHARDED], mesh))
+    b = sw.relayout(a, Layout([MATCH, "x"], mesh))
+    assert sw.fetch_layout(b) == Layout(["y", "x"], mesh)
+    assert torch.equal(b.full_tensor(), value)
+    c = sw.copy_to_mesh(value, Layout([UNSHARDED, "y"], mesh))
+    c = sw.relayout(c, Layout([MATCH, "x"], mesh))
+    assert sw.fetch_layout(c) == Layout([UNSHARDED, "x"], mesh)
+
+
+def test_relayout_match_that_would_repeat_a_mesh_dim_raises(mesh: sw.DeviceMesh) -> None:
+    a = sw.copy_to_mesh(torch.arange(36.0).reshape(6, 6), Layout(["x", UNSHARDED], mesh))
+    with pytest.raises(LayoutError, match="MATCH") as info:
+        sw.relayout(a, Layout([MATCH, "x"], mesh))
+    assert isinstance(info.value, ValueError)
