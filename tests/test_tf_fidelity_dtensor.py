@@ -83,3 +83,82 @@ def test_relayout_match_that_would_repeat_a_mesh_dim_raises(mesh: sw.DeviceMesh)
     with pytest.raises(LayoutError, match="MATCH") as info:
         sw.relayout(a, Layout([MATCH, "x"], mesh))
     assert isinstance(info.value, ValueError)
+
+
+# ----- 3. TF's names on meshes and layouts --------------------------------------------------
+
+
+def test_create_mesh_gives_a_mesh_with_tf_meanings(mesh: sw.DeviceMesh) -> None:
+    assert isinstance(mesh, sw.Mesh) and isinstance(mesh, sw.DeviceMesh)
+    assert mesh.size == 6 and isinstance(mesh.size, int)  # TF: an int property
+    assert mesh.size() == 6 and mesh.size("y") == 3  # PyTorch's call still works
+    assert mesh.device_type() == "CPU" and mesh.device_type == "cpu"
+    assert mesh.min_global_device_id() == 0
+    assert mesh.dim_size("x") == 2 and mesh.dim_size("y") == 3
+    assert mesh.strides == [3, 1]
+    # TF: coords(i) = (i // strides) % shape, id = 3x + y
+    for device in range(6):
+        assert mesh.coords(device).tolist() == [device // 3, device % 3]
+    assert mesh.local_device_locations() == [
+        {"x": i // 3, "y": i % 3} for i in range(6)
+    ]
+    assert mesh.host_mesh() == mesh
+    with pytest.raises(ValueError, match="'z'"):
+        mesh.dim_size("z")
+
+
+def test_plain_device_mesh_keeps_pytorch_meanings() -> None:
+    plain = sw.DeviceMesh("cpu", [[0, 1, 2], [3, 4, 5]], mesh_dim_names=("x", "y"))
+    assert plain.size() == 6 and plain.size(1) == 3
+    assert plain.device_type == "cpu" and not callable(plain.device_type)
+
+
+def test_mesh_survives_torch_save_with_tf_meanings(mesh: sw.DeviceMesh, tmp_path) -> None:
+    d = sw.copy_to_mesh(torch.arange(6.0), Layout(["y"], mesh))
+    torch.save(d, tmp_path / "d.pt")
+    loaded = torch.load(tmp_path / "d.pt")
+    assert loaded.device_mesh == mesh and loaded.device_mesh.device_type() == "CPU"
+    assert torch.equal(loaded.full_tensor(), torch.arange(6.0))
+
+
+def test_layout_offset_to_shard(mesh: sw.DeviceMesh) -> None:
+    # TF: per device offset (row-major), the block index along each tensor axis
+    assert Layout(["x", UNSHARDED], mesh).offset_to_shard() == [
+        (i // 3, 0) for i in range(6)
+    ]
+    assert Layout(["y", "x"], mesh).offset_to_shard() == [(i % 3, i // 3) for i in range(6)]
+    assert Layout.replicated(mesh, 2).offset_to_shard() == [(0, 0)] * 6
+    value = torch.arange(36.0).reshape(6, 6)
+    layout = Layout(["y", "x"], mesh)
+    for component, (r, c) in zip(
+        sw.unpack(sw.copy_to_mesh(value, layout)), layout.offset_to_shard(), strict=True
+    ):
+        assert torch.equal(component, value.chunk(3, 0)[r].chunk(2, 1)[c])
+
+
+# ----- 4. device counts follow the current mesh ---------------------------------------------
+
+
+def test_device_counts_follow_the_default_mesh(mesh: sw.DeviceMesh) -> None:
+    with sw.default_mesh(mesh):
+        assert sw.num_local_devices("CPU") == 6
+        assert sw.num_global_devices("CPU") == 6
+        assert len(sw.local_devices("CPU")) == 6
+    assert sw.num_local_devices("CPU") == 1  # no mesh: the one host CPU
+
+
+# ----- 5. TF's InvalidArgumentError is a ValueError ----------------------------------------
+
+
+def test_invalid_argument_errors_are_value_errors(mesh: sw.DeviceMesh) -> None:
+    assert issubclass(sw.InvalidArgumentError, ValueError)
+    with pytest.raises(ValueError, match="requires 1 or more"):
+        sw.pack([], Layout(["x"], mesh))
+    with pytest.raises(ValueError, match="expected 6 components"):
+        sw.pack([torch.zeros(1)] * 2, Layout(["x"], mesh))
+    with pytest.raises(ValueError, match="rank"):
+        sw.pack([torch.zeros(())] * 6, Layout(["x"], mesh))
+    with pytest.raises(ValueError):
+        sw.unpack(torch.zeros(3))
+    with pytest.raises(ValueError):
+        sw.fetch_layout(torch.zeros(3))

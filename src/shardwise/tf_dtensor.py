@@ -350,15 +350,19 @@ def num_clients() -> int:
 
 
 def local_devices(device_type: str, for_client_id: int | None = None) -> list[torch.device]:
-    """TF: the devices of ``device_type`` (``"CPU"``, ``"GPU"``) a client has. Every client
-    has the same: its GPUs, or its one host CPU (the devices of a CPU mesh are simulated on it,
-    any number of them)."""
+    """TF: the devices of ``device_type`` (``"CPU"``, ``"GPU"``) a client has. Inside
+    ``default_mesh(mesh)`` (or ``with mesh:``) of that type they are the mesh's devices this
+    client owns, as TF counts a CPU mesh's logical devices; outside any, the client's GPUs or
+    its one host CPU. Every client has as many."""
     clients = num_clients()
     if for_client_id is not None and not 0 <= for_client_id < clients:
         raise InvalidArgumentError(
             f"for_client_id {for_client_id} is out of range for {clients} clients"
         )
     kind = tf_device_type(device_type)
+    mesh = _current_mesh_of(kind)
+    if mesh is not None:
+        return mesh.local_devices()
     if kind == "cuda":
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     return [torch.device(kind)]
@@ -370,8 +374,18 @@ def num_local_devices(device_type: str) -> int:
 
 
 def num_global_devices(device_type: str) -> int:
-    """TF: the devices of ``device_type`` over all clients."""
+    """TF: the devices of ``device_type`` over all clients (every device of the current mesh
+    of that type, inside ``default_mesh``)."""
+    mesh = _current_mesh_of(tf_device_type(device_type))
+    if mesh is not None:
+        return len(mesh.device_ids)
     return num_local_devices(device_type) * num_clients()
+
+
+def _current_mesh_of(kind: str) -> DeviceMesh | None:
+    """The current mesh when its devices are of torch type ``kind``, else None."""
+    mesh = current_mesh()
+    return mesh if mesh is not None and mesh.device_type == kind else None
 
 
 def create_distributed_mesh(
