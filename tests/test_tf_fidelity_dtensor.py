@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from mp_harness import run_in_processes
 from shardwise import MATCH, UNSHARDED, Layout, LayoutError, Partial
 
 
@@ -162,3 +163,34 @@ def test_invalid_argument_errors_are_value_errors(mesh: sw.DeviceMesh) -> None:
         sw.unpack(torch.zeros(3))
     with pytest.raises(ValueError):
         sw.fetch_layout(torch.zeros(3))
+
+
+# ----- the same across two clients -------------------------------------------------------
+
+
+def two_client_job() -> dict:
+    """One of two clients on the x=2, y=3 mesh (3 devices each): TF's answers per client."""
+    mesh = sw.create_mesh([("x", 2), ("y", 3)])
+    x = torch.arange(12.0).reshape(2, 6)
+    total = torch.sum(sw.copy_to_mesh(x, Layout(["x", "y"], mesh)), dim=1)
+    with sw.default_mesh(mesh):
+        counts = (sw.num_local_devices("CPU"), sw.num_global_devices("CPU"))
+    return {
+        "is_mesh": isinstance(mesh, sw.Mesh),
+        "size": int(mesh.size),
+        "unpacked": [c.tolist() for c in sw.unpack(total)],
+        "layout": sw.fetch_layout(total).sharding_specs,
+        "locations": mesh.local_device_locations(),
+        "counts": counts,
+    }
+
+
+def test_two_clients_get_tf_answers() -> None:
+    per_rank = run_in_processes(two_client_job, 2, timeout=120)
+    rows = torch.arange(12.0).reshape(2, 6).sum(dim=1).tolist()  # TF: [15, 51]
+    for rank, got in enumerate(per_rank):
+        assert got["is_mesh"] and got["size"] == 6
+        assert got["unpacked"] == [[rows[rank]]] * 3
+        assert got["layout"] == ["x"]
+        assert got["locations"] == [{"x": rank, "y": y} for y in range(3)]
+        assert got["counts"] == (3, 6)
