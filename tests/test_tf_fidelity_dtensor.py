@@ -163,6 +163,10 @@ def test_invalid_argument_errors_are_value_errors(mesh: sw.DeviceMesh) -> None:
         sw.unpack(torch.zeros(3))
     with pytest.raises(ValueError):
         sw.fetch_layout(torch.zeros(3))
+    variable = sw.DVariable(torch.zeros(1), layout=Layout([UNSHARDED], mesh))
+    with pytest.raises(ValueError, match="Variable input is not supported") as info:
+        sw.pack([variable] * 6, Layout([UNSHARDED], mesh))  # TF 2.21: InvalidArgumentError
+    assert isinstance(info.value, TypeError)  # older TF's TypeError
 
 
 # ----- the same across two clients -------------------------------------------------------

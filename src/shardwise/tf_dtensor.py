@@ -27,6 +27,7 @@ from .errors import (
     NotEagerError,
     PackError,
     ShardwiseTypeError,
+    VariableInputError,
 )
 from .layout import MATCH, UNSHARDED, Layout
 from .mesh import DeviceMesh, Mesh, current_mesh, init_device_mesh, tf_device_type
@@ -54,9 +55,9 @@ def pack(components: Sequence[torch.Tensor], layout: Layout) -> DTensor:
         raise InvalidArgumentError(f"pack requires 1 or more components, got none for {layout}")
     for c in components:
         if isinstance(c, DVariable):
-            raise ShardwiseTypeError(
-                f"pack got a DVariable {c}; variable components are not supported, pack "
-                f"tensors (components {_shapes(components)}, {layout})"
+            raise VariableInputError(
+                f"pack got a DVariable {c}: Variable input is not supported; pack tensors "
+                f"(components {_shapes(components)}, {layout})"
             )
         if isinstance(c, DTensor):
             raise InvalidArgumentError(
