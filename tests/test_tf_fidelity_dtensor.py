@@ -56,6 +56,16 @@ def test_matmul_of_two_sharded_operands_is_reduced_under_the_tf_api(mesh: sw.Dev
     assert torch.equal(torch.cat(sw.unpack(contracted)[::3]), a.sum(dim=1))
 
 
+def test_dvariable_of_a_pending_reduction_holds_the_reduced_value(mesh: sw.DeviceMesh) -> None:
+    x = torch.arange(12.0).reshape(2, 6)
+    d = torch.sum(sw.copy_to_mesh(x, Layout(["x", "y"], mesh)), dim=1)
+    v = sw.DVariable(d)
+    assert v.layout == Layout(["x"], mesh) and sw.fetch_layout(v) == Layout(["x"], mesh)
+    assert torch.equal(v.full_tensor(), x.sum(dim=1))
+    assert [c.item() for c in sw.unpack(v.read_value())] == [15.0] * 3 + [51.0] * 3
+    assert torch.equal(sw.DVariable(d, layout=Layout(["x"], mesh)).full_tensor(), x.sum(dim=1))
+
+
 def test_pytorch_named_apis_keep_the_partial_state(mesh: sw.DeviceMesh) -> None:
     x = torch.arange(12.0).reshape(2, 6)
     d = torch.sum(sw.copy_to_mesh(x, Layout(["x", "y"], mesh)), dim=1)

@@ -259,7 +259,7 @@ class DVariable(DTensor):
         if layout is not None:
             _check_layout_arg(layout, "DVariable")
         if isinstance(initial_value, DTensor):
-            value = initial_value
+            value = _reduced(initial_value)
             if layout is not None and not _has_layout(value, layout):
                 raise InvalidArgumentError(
                     f"Conflicting layout: the initial value of shape {list(value.shape)} has "
