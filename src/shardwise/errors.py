@@ -49,6 +49,12 @@ class ShardwiseTypeError(ShardwiseError, TypeError):
     """An argument of the wrong kind: a variable where a tensor is needed, mixed dtypes..."""
 
 
+class VariableInputError(InvalidArgumentError, ShardwiseTypeError):
+    """A variable where TF DTensor takes tensors (``pack``'s components): TF 2.21 raises
+    InvalidArgumentError ("Variable input is not supported"), older TF a TypeError, so this is
+    both a ``ValueError`` and a ``TypeError``."""
+
+
 class CollectiveError(ShardwiseError, RuntimeError):
     """A collective across processes failed: a peer process died or the transport broke."""
 

@@ -154,6 +154,17 @@ class Layout:
                 placements[mesh_dim] = Shard(axis_of[name])
         return tuple(placements)
 
+    def offset_to_shard(self) -> list[tuple[int, ...]]:
+        """TF: for each device (by its offset in the mesh's row-major order) the index of the
+        shard it holds, one block number per tensor axis (0 for an unsharded axis)."""
+        if MATCH in self._specs:
+            raise LayoutError(f"{self} has {MATCH!r} axes, which hold no shard of their own")
+        where = self._mesh.unravel_index()
+        return [
+            tuple(0 if s == UNSHARDED else where[i][s] for s in self._specs)
+            for i in self._mesh.device_ids
+        ]
+
     def delete(self, dims: Sequence[int]) -> Layout:
         """TF: this layout without the tensor axes ``dims`` (as after reducing them away)."""
         drop = {_check_axis(d, self.rank, self._mesh) for d in dims}

@@ -675,6 +675,77 @@ class Mesh(DeviceMesh):
                 f"{self._rank} owns devices {list(self.local_device_ids)}"
             )
         self.mesh_name = mesh_name
+        self.device_type = _TFDeviceType(self.device_type)
+
+    # ----- TF's meanings of names PyTorch's DeviceMesh also has -----------------------------
+    @property
+    def size(self) -> _MeshSize:  # type: ignore[override]
+        """TF: the number of devices of the mesh, an int; calling it keeps PyTorch's
+        ``size(mesh_dim=None)``."""
+        return _MeshSize(self)
+
+    # ----- TF-only queries ----------------------------------------------------------------
+    @property
+    def strides(self) -> list[int]:
+        """TF: the row-major stride of each mesh dim (the last is 1)."""
+        return [math.prod(self.mesh.shape[i + 1:]) for i in range(self.ndim)]
+
+    def coords(self, device_idx: int) -> torch.Tensor:
+        """TF: the mesh coordinates of device index ``device_idx``, ``(idx // strides) % shape``,
+        as an int32 tensor."""
+        strides = torch.tensor(self.strides, dtype=torch.int32)
+        shape = torch.tensor(list(self.mesh.shape), dtype=torch.int32)
+        return torch.div(torch.as_tensor(device_idx, dtype=torch.int32), strides,
+                         rounding_mode="floor") % shape
+
+    def min_global_device_id(self) -> int:
+        """TF: the smallest device id of the whole mesh."""
+        return min(self._ids)
+
+    def local_device_locations(self) -> list[dict[str, int]]:
+        """TF: ``{dim_name: index}`` of each device this process owns, in ascending id."""
+        where = self.unravel_index()
+        return [where[i] for i in self.local_device_ids]
+
+    def host_mesh(self) -> Mesh:
+        """TF: the same mesh on host CPUs (a CPU mesh is its own host mesh)."""
+        if self.device_type == "cpu":
+            return self
+        return Mesh(self._names_or_default(), self.mesh, mesh_name=self.mesh_name,
+                    device_type="cpu")
+
+    # ----- pickling: the device type as a plain string -------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["device_type"] = str(self.device_type)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.device_type = _TFDeviceType(self.device_type)
+
+
+class _TFDeviceType(str):
+    """A ``Mesh``'s device type: PyTorch's string (``"cpu"``, ``"cuda"``) that, called, gives
+    TF's name (``mesh.device_type()`` is ``"CPU"``, ``"GPU"``)."""
+
+    def __call__(self) -> str:
+        return {"cuda": "GPU", "cpu": "CPU"}.get(str(self), str(self).upper())
+
+
+class _MeshSize(int):
+    """A ``Mesh``'s ``size``: TF's int (the number of devices) that, called, is PyTorch's
+    ``size(mesh_dim=None)``."""
+
+    _mesh: DeviceMesh
+
+    def __new__(cls, mesh: DeviceMesh) -> _MeshSize:
+        value = super().__new__(cls, len(mesh.device_ids))
+        value._mesh = mesh
+        return value
+
+    def __call__(self, mesh_dim: int | str | None = None) -> int:
+        return DeviceMesh.size(self._mesh, mesh_dim)
 
 
 def _device_type_of(device: Any) -> str:
@@ -809,7 +880,7 @@ def create_mesh(
     *,
     device_type: str = "cpu",
     devices: Sequence[int] | None = None,
-) -> DeviceMesh:
+) -> Mesh:
     """TF DTensor's ``create_mesh([("x", 2), ("y", 3)])``: a named mesh with row-major ids, or
     with ``devices`` (each id 0..N-1 once) laid out in row-major order."""
     device_type = tf_device_type(device_type)
@@ -823,8 +894,8 @@ def create_mesh(
             f"create_mesh got {len(devices)} devices for a mesh of shape {shape} "
             f"({math.prod(shape)} devices)"
         )
-    if devices is None:
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    if device_type != "meta":
-        _init_process_group(device_type, None)
-    return DeviceMesh(device_type, _mesh_ids(list(devices)).reshape(shape), mesh_dim_names=names)
+    if devices is None:  # the Mesh joins the launcher's world as init_device_mesh does
+        ids = torch.arange(math.prod(shape)).reshape(shape)
+    else:
+        ids = _mesh_ids(list(devices)).reshape(shape)
+    return Mesh(names, ids, device_type=device_type)

@@ -27,10 +27,11 @@ from .errors import (
     NotEagerError,
     PackError,
     ShardwiseTypeError,
+    VariableInputError,
 )
 from .layout import MATCH, UNSHARDED, Layout
 from .mesh import DeviceMesh, Mesh, current_mesh, init_device_mesh, tf_device_type
-from .placements import Placement, Replicate, Shard
+from .placements import Placement, Replicate
 from .spec import DTensorSpec, TensorMeta
 
 # ----- pack / unpack -------------------------------------------------------------------------
@@ -54,9 +55,9 @@ def pack(components: Sequence[torch.Tensor], layout: Layout) -> DTensor:
         raise InvalidArgumentError(f"pack requires 1 or more components, got none for {layout}")
     for c in components:
         if isinstance(c, DVariable):
-            raise ShardwiseTypeError(
-                f"pack got a DVariable {c}; variable components are not supported, pack "
-                f"tensors (components {_shapes(components)}, {layout})"
+            raise VariableInputError(
+                f"pack got a DVariable {c}: Variable input is not supported; pack tensors "
+                f"(components {_shapes(components)}, {layout})"
             )
         if isinstance(c, DTensor):
             raise InvalidArgumentError(
@@ -107,6 +108,8 @@ def unpack(tensor: DTensor) -> list[torch.Tensor]:
         )
     if not isinstance(tensor, torch.Tensor):
         raise ShardwiseTypeError(f"unpack expects a DTensor, got {_describe(tensor)}")
+    if isinstance(tensor, DTensor):
+        tensor = _reduced(tensor)
     return _unpack_dtensor(tensor)
 
 
@@ -114,12 +117,16 @@ def unpack(tensor: DTensor) -> list[torch.Tensor]:
 
 
 def fetch_layout(tensor: Any) -> Layout | None:
-    """The Layout of a DTensor or DVariable; None for a value that is not a tensor."""
+    """The Layout of a DTensor or DVariable; None for a value that is not a tensor. A pending
+    reduction (``Partial``) counts as done, as TF layouts have none: those mesh dims are
+    replicated."""
     _require_eager("fetch_layout")
     if isinstance(tensor, DVariable):
         return tensor.layout
     if isinstance(tensor, DTensor):
-        return Layout.from_placements(tensor.placements, tensor.device_mesh, tensor.ndim)
+        return Layout.from_placements(
+            _reduced_placements(tensor.placements), tensor.device_mesh, tensor.ndim
+        )
     if isinstance(tensor, torch.Tensor):
         raise InvalidArgumentError(
             f"fetch_layout expects a DTensor, got a plain tensor of shape {list(tensor.shape)}; "
@@ -136,9 +143,11 @@ def check_layout(tensor: Any, layout: Layout) -> None:
 
 
 def relayout(tensor: Any, layout: Layout, name: str | None = None) -> DTensor:  # noqa: ARG001
-    """The same global value with ``layout`` (differentiable); MATCH axes keep their sharding.
+    """The same global value with ``layout`` (differentiable); MATCH axes keep their sharding
+    (``LayoutError`` when that mesh dim is also named by another axis of ``layout``).
 
-    A plain tensor is placed on the mesh like ``copy_to_mesh``; the same layout is identity.
+    A pending reduction (``Partial``) is done first, as TF layouts have none. A plain tensor
+    is placed on the mesh like ``copy_to_mesh``; the same layout is identity.
     ``name`` is TF's op name, accepted for compatibility (shardwise builds no graph to name).
     """
     _check_layout_arg(layout, "relayout")
@@ -152,7 +161,8 @@ def relayout(tensor: Any, layout: Layout, name: str | None = None) -> DTensor:  
             f"relayout of a DTensor of shape {list(tensor.shape)} on {tensor.device_mesh} to "
             f"{layout}: the layout is on another mesh"
         )
-    return tensor.redistribute(placements=_target_placements(layout, tensor.placements))
+    tensor = _reduced(tensor)
+    return tensor.redistribute(placements=_resolve_match(layout, tensor).to_placements())
 
 
 def relayout_like(tensor: Any, layout_tensor: Any) -> DTensor:
@@ -183,7 +193,7 @@ def copy_to_mesh(tensor: Any, layout: Layout, source_layout: Layout | None = Non
     if not isinstance(tensor, torch.Tensor):
         tensor = torch.as_tensor(tensor)
     _check_rank(tensor, layout, "copy_to_mesh")
-    placements = _target_placements(layout, (Replicate(),) * layout.mesh.ndim)
+    placements = _resolve_match(layout, None).to_placements()
     return _CopyToMesh.apply(tensor, layout.mesh, placements)
 
 
@@ -249,7 +259,7 @@ class DVariable(DTensor):
         if layout is not None:
             _check_layout_arg(layout, "DVariable")
         if isinstance(initial_value, DTensor):
-            value = initial_value
+            value = _reduced(initial_value)
             if layout is not None and not _has_layout(value, layout):
                 raise InvalidArgumentError(
                     f"Conflicting layout: the initial value of shape {list(value.shape)} has "
@@ -341,15 +351,19 @@ def num_clients() -> int:
 
 
 def local_devices(device_type: str, for_client_id: int | None = None) -> list[torch.device]:
-    """TF: the devices of ``device_type`` (``"CPU"``, ``"GPU"``) a client has. Every client
-    has the same: its GPUs, or its one host CPU (the devices of a CPU mesh are simulated on it,
-    any number of them)."""
+    """TF: the devices of ``device_type`` (``"CPU"``, ``"GPU"``) a client has. Inside
+    ``default_mesh(mesh)`` (or ``with mesh:``) of that type they are the mesh's devices this
+    client owns, as TF counts a CPU mesh's logical devices; outside any, the client's GPUs or
+    its one host CPU. Every client has as many."""
     clients = num_clients()
     if for_client_id is not None and not 0 <= for_client_id < clients:
         raise InvalidArgumentError(
             f"for_client_id {for_client_id} is out of range for {clients} clients"
         )
     kind = tf_device_type(device_type)
+    mesh = _current_mesh_of(kind)
+    if mesh is not None:
+        return mesh.local_devices()
     if kind == "cuda":
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     return [torch.device(kind)]
@@ -361,8 +375,18 @@ def num_local_devices(device_type: str) -> int:
 
 
 def num_global_devices(device_type: str) -> int:
-    """TF: the devices of ``device_type`` over all clients."""
+    """TF: the devices of ``device_type`` over all clients (every device of the current mesh
+    of that type, inside ``default_mesh``)."""
+    mesh = _current_mesh_of(tf_device_type(device_type))
+    if mesh is not None:
+        return len(mesh.device_ids)
     return num_local_devices(device_type) * num_clients()
+
+
+def _current_mesh_of(kind: str) -> DeviceMesh | None:
+    """The current mesh when its devices are of torch type ``kind``, else None."""
+    mesh = current_mesh()
+    return mesh if mesh is not None and mesh.device_type == kind else None
 
 
 def create_distributed_mesh(
@@ -481,16 +505,38 @@ class _CopyToMesh(torch.autograd.Function):
         return grad.full_tensor(), None, None
 
 
-def _target_placements(layout: Layout, current: Sequence[Placement]) -> tuple[Placement, ...]:
-    """``layout``'s placements, where a mesh dim that now shards a MATCH axis keeps doing so."""
+def _reduced_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``placements`` with every pending reduction (``Partial``) done: those dims Replicate."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def _reduced(tensor: DTensor) -> DTensor:
+    """TF's view of a DTensor: its pending reductions done (TF layouts have no partial state)."""
+    placements = _reduced_placements(tensor.placements)
+    if placements == tuple(tensor.placements):
+        return tensor
+    return tensor.redistribute(placements=placements)
+
+
+def _resolve_match(layout: Layout, tensor: DTensor | None) -> Layout:
+    """``layout`` with each MATCH axis given the spec it has now (unsharded for a plain tensor,
+    ``tensor`` None); ``LayoutError`` when that repeats a mesh dim ``layout`` names elsewhere."""
     specs = layout.sharding_specs
-    concrete = Layout([UNSHARDED if s == MATCH else s for s in specs], layout.mesh)
-    return tuple(
-        cur
-        if isinstance(new, Replicate) and isinstance(cur, Shard) and specs[cur.dim] == MATCH
-        else new
-        for new, cur in zip(concrete.to_placements(), current, strict=True)
+    if MATCH not in specs:
+        return layout
+    current = (
+        [UNSHARDED] * layout.rank if tensor is None else fetch_layout(tensor).sharding_specs
     )
+    resolved = [cur if spec == MATCH else spec for spec, cur in zip(specs, current, strict=True)]
+    named = [s for s in resolved if s != UNSHARDED]
+    repeated = sorted({s for s in named if named.count(s) > 1})
+    if repeated:
+        raise LayoutError(
+            f"relayout to {layout}: a MATCH axis keeps its sharding over mesh dim(s) "
+            f"{repeated} (the tensor has {current}), which the layout also names for another "
+            f"axis; a mesh dim may shard at most one axis"
+        )
+    return Layout(resolved, layout.mesh)
 
 
 def _has_layout(tensor: DTensor, layout: Layout) -> bool:
