@@ -108,8 +108,6 @@ def unpack(tensor: DTensor) -> list[torch.Tensor]:
         )
     if not isinstance(tensor, torch.Tensor):
         raise ShardwiseTypeError(f"unpack expects a DTensor, got {_describe(tensor)}")
-    if isinstance(tensor, DTensor):
-        tensor = _reduced(tensor)
     return _unpack_dtensor(tensor)
 
 
