@@ -404,22 +404,19 @@ def _decide(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -> D
 
 
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
-# What a DTensor program writes instead of each kind of collective (matched in the op's name)
+# What a DTensor program writes instead of each kind of collective (matched in the op's name
+# without underscores: c10d's allreduce_ and the functional all_reduce alike)
 _INSTEAD = (
-    ("reduce_scatter", "reduce-scatter a Partial DTensor with dt.redistribute(placements="
-                       "[Shard(d)])"),
+    ("reducescatter", "reduce-scatter a Partial DTensor with dt.redistribute(placements="
+                      "[Shard(d)])"),
     ("allreduce", "sum a Partial DTensor with dt.redistribute(placements=[Replicate()]) or "
                   "dt.full_tensor()"),
-    ("all_reduce", "sum a Partial DTensor with dt.redistribute(placements=[Replicate()]) or "
-                   "dt.full_tensor()"),
     ("gather", "gather a sharded DTensor with dt.full_tensor() or dt.redistribute(placements="
                "[Replicate()])"),
     ("broadcast", "a Replicate DTensor already holds one value on every rank "
                   "(DTensor.from_local(..., run_check=True) broadcasts it from the first)"),
     ("alltoall", "move a shard to another tensor dim with dt.redistribute(placements="
                  "[Shard(j)])"),
-    ("all_to_all", "move a shard to another tensor dim with dt.redistribute(placements="
-                   "[Shard(j)])"),
 )
 
 
@@ -430,7 +427,7 @@ def _is_collective(func: Any) -> bool:
 
 def _collective_error(func: Any, specs: list[DTensorSpec]) -> DTensorCollectiveError:
     """What to do instead of calling a torch.distributed collective on DTensors."""
-    name = func.name().split("::")[-1].split(".")[0]
+    name = func.name().split("::")[-1].split(".")[0].replace("_", "")
     instead = next((text for key, text in _INSTEAD if key in name), None)
     tensors = "; ".join(f"shape {list(s.shape)}, placements {list(s.placements)}" for s in specs)
     return DTensorCollectiveError(

@@ -17,6 +17,7 @@ from .. import comm
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate
+from ..plain_tensors import plain_is_local
 from .data_parallel import (
     DataParallelDims,
     GatheredView,
@@ -74,6 +75,7 @@ class DataParallelUnit:
         self.held: dict[int, tuple[str, torch.Tensor, Any]] = {}  # k -> (view, tensor, version)
         self.storages: dict[int, int] = {}  # storage of a view's piece -> slot index
         self.active: list[tuple] = []  # per forward: (view token, saving, view, stored params)
+        self.members: dict[int, list[int]] = {}  # id of a hooked module -> its slots
         self.reducer = _Buckets(self, bucket_cap) if bucket_cap is not None else None
         for k, slot in enumerate(slots):
             if slot.stored.requires_grad:
@@ -114,10 +116,19 @@ class DataParallelUnit:
             ranks *= slot.dp.mesh.size(d)
         return ranks / self.gradient_divide_factor
 
+    def _slots_of(self, module: nn.Module) -> list[int]:
+        """The slots whose parameters live in ``module`` (all of them, except in a group of
+        modules, ``fully_shard([a, b])``, where each module has its own)."""
+        found = self.members.get(id(module))
+        if found is None:
+            owners = {id(m) for m in module.modules()}
+            found = self.members[id(module)] = [
+                k for k, slot in enumerate(self.slots) if id(slot.owner) in owners
+            ]
+        return found
+
     def unshard(self) -> None:
         """Gather every parameter now and hold it until ``reshard`` (or a change to it)."""
-        from ..plain_tensors import plain_is_local
-
         view = "local" if plain_is_local(self.dp.mesh) else "global"
         for k in range(len(self.slots)):
             self.held[k] = (view, self.view_of(k, view), self._version(k))
@@ -135,10 +146,10 @@ class DataParallelUnit:
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
         stored = {}
-        for k, slot in enumerate(self.slots):
-            if _inside(slot.owner, module):
-                stored[k] = slot.stored
-                slot.owner._parameters[slot.name] = self.view_of(k, view)
+        for k in self._slots_of(module):
+            slot = self.slots[k]
+            stored[k] = slot.stored
+            slot.owner._parameters[slot.name] = self.view_of(k, view)
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = not outermost  # PyTorch: the root keeps its parameters for backward
@@ -205,26 +216,20 @@ class DataParallelUnit:
         if self.reducer is not None:
             self.reducer.ready(k, param)
         else:
-            self.reduce(param, self.slots[k].storage)
+            self.reduce(param, self.slots[k])
 
-    def _dims_of(self, param: torch.Tensor) -> DataParallelDims:
-        return next(s.dp for s in self.slots if s.stored is param)
-
-    def reduce(self, param: torch.Tensor, storage: tuple[Placement, ...]) -> None:
+    def reduce(self, param: torch.Tensor, slot: Slot) -> None:
+        """``param.grad`` (slot ``slot``'s) reduced to the stored placements."""
         if self.requires_all_reduce:
-            reduce_gradient(param, storage)
+            reduce_gradient(param, slot.storage)
             return
         # HSDP without the all-reduce: reduce over the shard dims only, keep the rest pending
         grad = param.grad
         if isinstance(grad, DTensor):
             target = list(grad.placements)
-            for d in self._dims_of(param).shard:
-                target[d] = storage[d]
+            for d in slot.dp.shard:
+                target[d] = slot.storage[d]
             param.grad = grad.redistribute(placements=target)
-
-
-def _inside(owner: nn.Module, module: nn.Module) -> bool:
-    return owner is module or any(m is owner for m in module.modules())
 
 
 def _pieces(tensor: Any) -> list[torch.Tensor]:
@@ -296,7 +301,7 @@ class _Buckets:
         for (mesh, dims, op, _dtype), members in groups.items():
             self._all_reduce(members, mesh, dims, op)
         for k, p in entries:
-            self.unit.reduce(p, self.unit.slots[k].storage)
+            self.unit.reduce(p, self.unit.slots[k])
 
     def _all_reduce(
         self, params: list[torch.Tensor], mesh: DeviceMesh, dims: tuple[int, ...], op: str
