@@ -7,7 +7,11 @@ clearing the caches), with and without autograd. shardwise also runs on 4 simula
 one process (no DTensor counterpart): the cost of each extra device is (t4 - t1) / 3 minus the
 extra kernels.
 
-Run: python bench/bench_dispatch.py [--json FILE] [--quick]
+On ``--device cuda`` both libraries use one GPU (NCCL for torch's world of one) and the 4
+simulated devices share it; the times are still CPU time per call (the launch cost: kernels run
+asynchronously, and every repeat ends with a synchronize so the queue never backs up).
+
+Run: python bench/bench_dispatch.py [--json FILE] [--quick] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -39,6 +43,21 @@ OPS = {
 }
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class _Plain:
+    """The plain-tensor stand-in for a library in ``_inputs``: tensors stay local."""
+
+    Shard = Replicate = staticmethod(lambda *args: None)
+
+    @staticmethod
+    def distribute_tensor(t: torch.Tensor, mesh: None, placements: list) -> torch.Tensor:
+        return t
+
+
 def _interleaved_us(fns: dict, number: int, repeat: int) -> dict:
     """Median CPU time per call (us) of each function; every repeat times each of them once
     in turn, so a slow patch of the machine hits all of them alike (CPU time: a process
@@ -52,6 +71,7 @@ def _interleaved_us(fns: dict, number: int, repeat: int) -> dict:
             for _ in range(number):
                 fn()
             samples[who].append((time.process_time() - start) / number)
+            _sync()
     return {who: statistics.median(times) * 1e6 for who, times in samples.items()}
 
 
@@ -61,6 +81,7 @@ def _cold_us(fn, clear, repeat: int) -> float:
         clear()
         start = time.perf_counter()
         fn()
+        _sync()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples) * 1e6
 
@@ -73,11 +94,11 @@ def _clear_torch_dt() -> None:
             fn.cache_clear()
 
 
-def _inputs(lib, mesh, grad: bool):
+def _inputs(lib, mesh, grad: bool, device: str):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 64, generator=g)
-    y = torch.randn(64, 64, generator=g)
-    idx = torch.randint(0, 64, (32,), generator=g)
+    x = torch.randn(64, 64, generator=g).to(device)
+    y = torch.randn(64, 64, generator=g).to(device)
+    idx = torch.randint(0, 64, (32,), generator=g).to(device)
     a = lib.distribute_tensor(x, mesh, [lib.Shard(0)])
     b = lib.distribute_tensor(y, mesh, [lib.Replicate()])
     e = lib.distribute_tensor(idx, mesh, [lib.Replicate()])
@@ -87,19 +108,17 @@ def _inputs(lib, mesh, grad: bool):
     return a, b, e
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, device: str = "cpu") -> dict:
     number, repeat = (100, 5) if quick else (200, 21)
-    smesh1 = sw.init_device_mesh("cpu", (1,))
-    smesh4 = sw.DeviceMesh("cpu", list(range(4)))
-    tmesh = torch_dt.init_device_mesh("cpu", (1,))
-    g = torch.Generator().manual_seed(0)
-    lx, ly = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
-    lidx = torch.randint(0, 64, (32,), generator=g)
+    smesh1 = sw.init_device_mesh(device, (1,))
+    smesh4 = sw.DeviceMesh(device, list(range(4)))
+    tmesh = torch_dt.init_device_mesh(device, (1,))
+    lx, ly, lidx = _inputs(_Plain, None, False, device)
     rows = []
     for grad in (False, True):
-        ours1 = _inputs(sw, smesh1, grad)
-        ours4 = _inputs(sw, smesh4, grad)
-        theirs = _inputs(torch_dt, tmesh, grad)
+        ours1 = _inputs(sw, smesh1, grad, device)
+        ours4 = _inputs(sw, smesh4, grad, device)
+        theirs = _inputs(torch_dt, tmesh, grad, device)
         local = (lx.requires_grad_(grad), ly.requires_grad_(grad), lidx)
         with sw.allow_implicit_redistribute():
             for name, op in OPS.items():
@@ -120,22 +139,25 @@ def run(quick: bool) -> dict:
                         lambda op=op, a=theirs: op(*a), _clear_torch_dt, repeat
                     )
                 rows.append(row)
-    return {"rows": rows}
+    return {"device": device, "rows": rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     store = tempfile.NamedTemporaryFile(delete=False)
-    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
     try:
-        results = run(args.quick)
+        results = run(args.quick, args.device)
     finally:
         dist.destroy_process_group()
         os.unlink(store.name)
-    print("Per-op time in us (median), 64x64 float32; ratio = shardwise / torch DTensor")
+    print(f"Per-op time in us (median), 64x64 float32 on {args.device}; "
+          f"ratio = shardwise / torch DTensor")
     print(f"{'op':<12}{'grad':>5}{'local':>8}{'sw':>8}{'DT':>8}{'ratio':>7}{'sw cold':>9}"
           f"{'DT cold':>9}{'us/extra dev':>14}")
     for r in results["rows"]:

@@ -5,8 +5,14 @@ redistribution must return one): all_gather for
 Shard -> Replicate, all_to_all for Shard -> Shard, all_reduce for Partial -> Replicate,
 reduce_scatter for Partial -> Shard, and a local slice (no communication) for Replicate -> Shard.
 
+With ``--simulate N [--device cuda]`` it runs in one process instead: N simulated devices (all on
+the one GPU with cuda), shardwise's redistribution beside the same data movement written with
+plain torch ops in that process (cat, chunk, sum: what the devices' pieces must become);
+torch.distributed.tensor has no simulated devices to compare.
+
 Run: python -m shardwise.launch --nproc 4 bench/bench_redistribute.py [SIZE ...] [--json FILE]
      [--quick]   (default sizes 1024 and 4096; times are medians of repeats, max over ranks)
+     python bench/bench_redistribute.py --simulate 4 [--device cpu|cuda] [SIZE ...]
 """
 
 from __future__ import annotations
@@ -79,6 +85,62 @@ def _raw(code_src: str, code_dst: str, full: torch.Tensor):  # noqa: ANN202
     return "local slice", lambda: full.chunk(world, 0)[rank].clone()
 
 
+def _plain_moves(code_src: str, code_dst: str, full: torch.Tensor, n: int):  # noqa: ANN202
+    """The transition written by hand on the pieces of ``n`` simulated devices in one process:
+    every device's new piece, made with plain torch ops."""
+    shards = [p.contiguous() for p in full.chunk(n, 0)]
+    parts = [full / n for _ in range(n)]
+    if (code_src, code_dst) == ("S0", "R"):
+        return lambda: [torch.cat(shards, 0) for _ in range(n)]
+    if (code_src, code_dst) == ("S0", "S1"):
+        return lambda: [torch.cat([s.chunk(n, 1)[j] for s in shards], 0) for j in range(n)]
+    if (code_src, code_dst) == ("P", "R"):
+        return lambda: [torch.stack(parts).sum(0) for _ in range(n)]
+    if (code_src, code_dst) == ("P", "S0"):
+        return lambda: [torch.stack([p.chunk(n, 0)[j] for p in parts]).sum(0) for j in range(n)]
+    return lambda: [full.chunk(n, 0)[j].clone() for j in range(n)]
+
+
+def _synced_ms(fns: list, repeat: int, sync) -> list[float]:  # noqa: ANN001
+    """Median ms of each of ``fns``, interleaved, each call ended by ``sync``."""
+    for fn in fns:
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, mine in zip(fns, samples, strict=True):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            mine.append(time.perf_counter() - start)
+    return [statistics.median(mine) * 1e3 for mine in samples]
+
+
+def run_simulated(sizes: list[int], repeat: int, n: int, device: str) -> dict:
+    """Redistribution on ``n`` simulated devices in this process against plain torch ops."""
+    mesh = sw.DeviceMesh(device, list(range(n)))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for size in sizes:
+        full = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(device)
+        for name, src, dst in TRANSITIONS:
+            if src == "P":
+                ours_src = sw.DTensor.from_local(
+                    [full / n for _ in range(n)], mesh, _placements(sw, src)
+                )
+            else:
+                ours_src = sw.distribute_tensor(full, mesh, _placements(sw, src))
+            row = {"transition": name, "size": size, "raw_collective": "plain torch ops"}
+            row["shardwise_ms"], row["raw_ms"] = _synced_ms(
+                [lambda s=ours_src, d=dst: s.redistribute(placements=_placements(sw, d)),
+                 _plain_moves(src, dst, full, n)],
+                repeat, sync,
+            )
+            row["ratio_vs_raw"] = row["shardwise_ms"] / row["raw_ms"]
+            rows.append(row)
+    return {"simulated_devices": n, "device": device, "rows": rows}
+
+
 def run(sizes: list[int], repeat: int) -> dict:
     smesh = sw.init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))  # starts gloo
     world = dist.get_world_size()
@@ -108,8 +170,22 @@ def main() -> None:
     parser.add_argument("sizes", nargs="*", type=int, help="square tensor sizes")
     parser.add_argument("--json", help="write the results to this file (rank 0)")
     parser.add_argument("--quick", action="store_true", help="size 1024 only, fewer repeats")
+    parser.add_argument("--simulate", type=int, default=0,
+                        help="N simulated devices in this one process (no launcher)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     sizes = args.sizes or ([1024] if args.quick else [1024, 4096])
+    if args.simulate:
+        results = run_simulated(sizes, 3 if args.quick else 7, args.simulate, args.device)
+        print(f"{args.simulate} simulated devices on {args.device}, float32; median ms")
+        print(f"{'transition':<24}{'size':>6}{'shardwise':>11}{'plain ops':>11}{'vs plain':>10}")
+        for r in results["rows"]:
+            print(f"{r['transition']:<24}{r['size']:>6}{r['shardwise_ms']:>11.2f}"
+                  f"{r['raw_ms']:>11.2f}{r['ratio_vs_raw']:>10.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     results = run(sizes, 3 if args.quick else 7)
     if dist.get_rank() == 0:
         print(f"{results['world_size']} processes (gloo), float32; median ms (slowest rank)")

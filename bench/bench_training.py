@@ -21,7 +21,12 @@ makes outside torch's allocator are not counted: gloo's all_reduce works in its 
 through a flat buffer from torch's allocator (counted; shardwise receives point to point, in
 place, so its all_reduce's buffers are all counted: the result and a combine accumulator).
 
+AdamW runs its per-parameter loop (``foreach=False``) for all three. On ``--device cuda`` (one
+GPU per process, NCCL) the peak is ``torch.cuda.max_memory_allocated``
+during one step and every step ends with a synchronize (its ``loss.item()``).
+
 Run: python -m shardwise.launch --nproc 2 bench/bench_training.py [--json FILE] [--quick]
+[--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -129,9 +134,9 @@ def _hand_parallelize(module: nn.Module, plan: dict) -> None:
             lin.register_forward_hook(lambda m, args, out: _ReduceFromTP.apply(out) + m.tp_bias)
 
 
-def _build(kind: str, model: str, dim: int, heads: int, meshes: dict) -> nn.Module:
+def _build(kind: str, model: str, dim: int, heads: int, meshes: dict, device: str) -> nn.Module:
     torch.manual_seed(0)
-    module = MLP(dim) if model == "mlp" else Block(dim, heads)
+    module = (MLP(dim) if model == "mlp" else Block(dim, heads)).to(_device(device))
     if kind == "shardwise":
         sw_tp.parallelize_module(
             module, meshes["shardwise"],
@@ -168,11 +173,24 @@ def _state_bytes(module: nn.Module, opt: torch.optim.Optimizer) -> int:
     return total
 
 
+def _device(device: str) -> torch.device:
+    """This rank's device: its GPU on cuda (one per process), else the CPU."""
+    if device == "cuda":
+        return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def _peak_bytes(module: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                 target: torch.Tensor, repeats: int = 5) -> int:
     """Peak of the running sum of CPU allocator events during one step: the median of
     ``repeats`` steps after one more that is dropped (the first profiled step cannot see the
     frees of the gradients allocated before profiling began, so it counted them twice)."""
+    if x.is_cuda:  # the allocator's own high-water mark, less what was alive before the step
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _step(module, opt, x, target)
+        return torch.cuda.max_memory_allocated() - before
     peaks = []
     for _ in range(repeats + 1):
         with torch.profiler.profile(
@@ -202,23 +220,27 @@ def _step(module: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
     return loss.item()
 
 
-def run(quick: bool, dim: int, batch: int, seq: int, heads: int) -> dict:
+def run(quick: bool, dim: int, batch: int, seq: int, heads: int, device: str = "cpu") -> dict:
     world = dist.get_world_size()
     meshes = {
-        "shardwise": sw.init_device_mesh("cpu", (world,)),
-        "torch_dt": torch_dt.init_device_mesh("cpu", (world,)),
+        "shardwise": sw.init_device_mesh(device, (world,)),
+        "torch_dt": torch_dt.init_device_mesh(device, (world,)),
     }
+    on = _device(device)
     steps, warmup = (12, 3) if quick else (20, 3)  # medians of 5 steps were too noisy
     kinds = ("shardwise", "torch_dt", "hand")
-    results = {"world_size": world, "dim": dim, "batch": batch, "seq": seq, "heads": heads,
-               "models": {}}
+    results = {"world_size": world, "device": device, "dim": dim, "batch": batch, "seq": seq,
+               "heads": heads, "models": {}}
     for model in ("mlp", "block"):
         shape = (batch * seq, dim) if model == "mlp" else (batch, seq, dim)
         g = torch.Generator().manual_seed(1)
-        inputs = [torch.randn(shape, generator=g) for _ in range(warmup + steps)]
-        targets = [torch.randn(shape, generator=g) for _ in range(warmup + steps)]
-        mods = {k: _build(k, model, dim, heads, meshes) for k in kinds}
-        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in mods.items()}
+        inputs = [torch.randn(shape, generator=g).to(on) for _ in range(warmup + steps)]
+        targets = [torch.randn(shape, generator=g).to(on) for _ in range(warmup + steps)]
+        mods = {k: _build(k, model, dim, heads, meshes, device) for k in kinds}
+        # foreach=False: on CUDA torch's default multi-tensor AdamW fails inside DTensor
+        # ("got mixed torch.Tensor and DTensor", torch 2.11); all three run the same loop
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+                for k, m in mods.items()}
         times: dict[str, list[float]] = {k: [] for k in kinds}
         losses: dict[str, list[float]] = {k: [] for k in kinds}
 
@@ -236,9 +258,9 @@ def run(quick: bool, dim: int, batch: int, seq: int, heads: int) -> dict:
             resident = _state_bytes(mods[k], opts[k])
             dist.barrier()
             step_peak = _peak_bytes(mods[k], opts[k], inputs[0], targets[0])
-            peak = torch.tensor([float(resident + step_peak)])
+            peak = torch.tensor([float(resident + step_peak)], device=on)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            median = torch.tensor([statistics.median(times[k]) * 1e3])
+            median = torch.tensor([statistics.median(times[k]) * 1e3], device=on)
             dist.all_reduce(median, op=dist.ReduceOp.MAX)
             row[k] = {"step_ms": median.item(), "peak_mb": peak.item() / 2**20,
                       "resident_mb": resident / 2**20, "step_peak_mb": step_peak / 2**20}
@@ -259,14 +281,15 @@ def main() -> None:
     parser.add_argument("--json", help="write the results to this file (rank 0)")
     parser.add_argument("--quick", action="store_true", help="fewer steps, smaller model")
     parser.add_argument("--dim", type=int, default=None)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo")
     dim = args.dim or (128 if args.quick else 256)
     batch, seq, heads = (4, 32, 4) if args.quick else (8, 64, 8)
     rank = dist.get_rank()
     try:
-        results = run(args.quick, dim, batch, seq, heads)
+        results = run(args.quick, dim, batch, seq, heads, args.device)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -277,7 +300,8 @@ def main() -> None:
 
 
 def _print(results: dict) -> None:
-    print(f"TP training step on {results['world_size']} gloo processes, dim {results['dim']}, "
+    print(f"TP training step on {results['world_size']} processes ({results['device']}), "
+          f"dim {results['dim']}, "
           f"batch {results['batch']}x{results['seq']}; median ms, peak MiB per rank")
     print(f"{'model':<7}{'sw ms':>8}{'DT ms':>8}{'hand ms':>9}{'vs DT':>7}{'vs hand':>9}"
           f"{'sw MiB':>8}{'DT MiB':>8}{'hand MiB':>10}{'vs DT':>7}{'loss diff':>11}")
