@@ -112,10 +112,13 @@ def data_file(directory: Path, name: Any, *, what: str) -> Path:
     return path
 
 
-def check_metadata(metadata: Metadata, directory: Path, file: Path) -> None:
+def check_metadata(
+    metadata: Metadata, directory: Path, file: Path
+) -> list[tuple[MetadataIndex, _StorageInfo]]:
     """Raise unless ``metadata`` is well formed: tensor entries with a dtype, a shape and
     chunks inside it, byte entries, and a storage location (a data file inside ``directory``,
-    a byte range, no stream transforms) for every chunk and byte entry."""
+    a byte range, no stream transforms) for every chunk and byte entry; returns those
+    locations."""
 
     def corrupt(why: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{str(file)!r}: {why}; nothing was loaded")
@@ -151,11 +154,14 @@ def check_metadata(metadata: Metadata, directory: Path, file: Path) -> None:
             ):
                 raise corrupt(f"{key}: a chunk that is not a box of shape {list(md.size)}")
             wanted.append(MetadataIndex(key, torch.Size(chunk.offsets)))
+    inside: set[str] = set()
     for index in wanted:
         info = storage.get(index)
         if type(info) is not _StorageInfo:
             raise corrupt(f"{index.fqn}: no storage location for offset {index.offset}")
-        data_file(directory, info.relative_path, what=f"{str(file)!r} ({index.fqn})")
+        if info.relative_path not in inside:
+            data_file(directory, info.relative_path, what=f"{str(file)!r} ({index.fqn})")
+            inside.add(info.relative_path)
         if type(info.offset) is not int or type(info.length) is not int or min(
             info.offset, info.length
         ) < 0:
@@ -165,4 +171,5 @@ def check_metadata(metadata: Metadata, directory: Path, file: Path) -> None:
                 f"{index.fqn}: stream transforms {list(info.transform_descriptors)!r} "
                 f"(shardwise.checkpoint writes none)"
             )
+    return [(index, storage[index]) for index in wanted]
 

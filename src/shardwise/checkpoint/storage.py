@@ -110,6 +110,12 @@ class Checkpoint:
     digests: dict[tuple[str, int, int], str]  # (data file, offset, length) -> SHA-256
 
 
+def _entry(entry: Any) -> bool:
+    """Whether ``entry`` is an [offset, length, digest] of the record."""
+    return (type(entry) is list and len(entry) == 3 and type(entry[0]) is int
+            and type(entry[1]) is int and type(entry[2]) is str)
+
+
 def _read_record(directory: Path) -> tuple[dict[tuple[str, int, int], str], str]:
     """The item digests of ``shardwise.json`` and the digest it records for ``.metadata``."""
     path = data_file(directory, RECORD, what=str(directory))
@@ -117,25 +123,19 @@ def _read_record(directory: Path) -> tuple[dict[tuple[str, int, int], str], str]
         record = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise CheckpointCorruptError(
-            f"{str(directory)!r} has no {RECORD}: it was not written by "
+            f"{str(directory)!r} has no {RECORD}: it was not written by this version of "
             f"shardwise.checkpoint.save (a torch.distributed.checkpoint.save checkpoint loads "
             f"with torch.distributed.checkpoint.load), or its save did not finish"
         ) from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{str(path)!r} is not readable JSON ({exc})") from None
     items = record.get("items") if type(record) is dict else None
-    well_formed = (
+    if not (
         type(items) is dict
         and record.get("format") == _FORMAT
         and type(record.get("metadata_sha256")) is str
-        and all(
-            type(entry) is list and len(entry) == 3 and type(entry[0]) is int
-            and type(entry[1]) is int and type(entry[2]) is str
-            for entries in items.values() if type(entries) is list for entry in entries
-        )
-        and all(type(entries) is list for entries in items.values())
-    )
-    if not well_formed:
+        and all(type(entries) is list and all(map(_entry, entries)) for entries in items.values())
+    ):
         raise CheckpointCorruptError(f"{str(path)!r} is not a {_FORMAT} record")
     digests = {
         (name, offset, length): digest
@@ -161,8 +161,7 @@ def open_checkpoint(directory: Path) -> Checkpoint:
             f"another checkpoint's): nothing was loaded"
         )
     metadata = unpickle_metadata(data, file)
-    check_metadata(metadata, directory, file)
-    for index, info in metadata.storage_data.items():
+    for index, info in check_metadata(metadata, directory, file):
         if (info.relative_path, info.offset, info.length) not in digests:
             raise CheckpointCorruptError(
                 f"{str(directory / RECORD)!r} records no digest for {index.fqn} (bytes "

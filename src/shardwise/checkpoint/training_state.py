@@ -21,7 +21,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -305,7 +305,7 @@ def _commit(into: dict | list, staged: dict | list) -> None:
             into[key] = loaded
 
 
-def _raise_from(exc: CheckpointException, path: Path) -> None:
+def _raise_from(exc: CheckpointException, path: Path) -> NoReturn:
     """The ``ShardwiseError`` a process raised inside DCP (else one carrying DCP's report):
     ``CheckpointException`` is a ``BaseException``, which ``except Exception`` misses."""
     for error, _ in exc.failures.values():
