@@ -107,6 +107,16 @@ class CheckpointMismatchError(ShardwiseError, ValueError):
     different shapes or dtypes (nothing is loaded)."""
 
 
+class CheckpointCorruptError(ShardwiseError, ValueError):
+    """A checkpoint's files are missing, truncated or damaged, or belong to another checkpoint
+    (their bytes differ from the digests recorded at save); nothing is loaded."""
+
+
+class UnsafeCheckpointError(ShardwiseError, ValueError):
+    """A checkpoint holds something loading it could run (a pickled global outside the
+    allow-list of plain data) or names a file outside its directory; nothing is loaded."""
+
+
 class DeferredInitError(ShardwiseError, RuntimeError):
     """A module built on the meta device cannot be materialized (no ``reset_parameters``...)."""
 

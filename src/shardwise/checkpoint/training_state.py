@@ -1,33 +1,49 @@
-"""Save and load a whole training state (model, optimizer, RNG, step) in one call, on
-torch.distributed.checkpoint, resharding on load.
+"""Save and load a whole training state (model, optimizer, RNG, step, extra values) in one
+call, on torch.distributed.checkpoint, resharding on load.
 
 ``save`` writes into ``<path>.saving`` and renames it to ``path`` only once complete (the
 previous checkpoint moves to ``<path>.old`` for the instant of the swap), so a save killed
-part-way leaves the previous checkpoint loadable. ``load`` first compares the checkpoint's
-metadata with the state it loads into and raises ``CheckpointMismatchError`` naming every
-missing and unexpected key and every shape or dtype mismatch before anything is read.
+part-way leaves the previous checkpoint loadable. It records a digest of every item and of the
+metadata (``storage.py``). ``load`` runs nothing from the checkpoint (allow-listed metadata
+unpickling, weights-only values, ``extra`` as JSON), compares the metadata with the state it
+loads into (``CheckpointMismatchError`` naming every difference), reads and verifies
+everything into a staging copy, and only then copies into the model and optimizer: any error
+leaves them as they were.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import operator
 import os
 import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import CheckpointMismatchError
+from ..dtensor import DTensor
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    ShardwiseError,
+    ShardwiseTypeError,
+)
+from .extra import decode, encode
 from .protocol import release_reduced
+from .storage import Checkpoint, DigestWriter, VerifiedReader, load_plain, open_checkpoint
 
 PROGRESS_BYTES = 64 << 20  # show a progress bar by default from this many bytes on
+HEADER = "shardwise"  # the state key of the JSON header: step and the extra tree
 
 
 def _rank0() -> bool:
@@ -39,19 +55,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Create the state a fresh optimizer creates at its first step (with zero gradients and
-    a zero learning rate, so parameters do not move), for the checkpoint to load into."""
+    a zero learning rate, so parameters do not move), for the checkpoint to load into; returns
+    the parameters that had no state."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p not in optimizer.state]
     if not params:
-        return
+        return params
     lrs = [g["lr"] for g in optimizer.param_groups]
     grads = {id(p): p.grad for g in optimizer.param_groups for p in g["params"]}
     for g in optimizer.param_groups:
         g["lr"] = 0.0
         for p in g["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p)  # placed as the parameter, unlike some gradients
     try:
         optimizer.step()
     finally:
@@ -59,24 +75,7 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             g["lr"] = lr
             for p in g["params"]:
                 p.grad = grads[id(p)]
-
-
-def _training_state(
-    model: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-    step: int | None,
-    extra: dict | None,
-) -> dict[str, Any]:
-    state: dict[str, Any] = {"rng": torch.get_rng_state()}
-    if model is not None:
-        state["model"] = model.state_dict()
-    if optimizer is not None:
-        state["optim"] = optimizer.state_dict()
-    if step is not None:
-        state["step"] = step
-    if extra is not None:
-        state["extra"] = extra
-    return state
+    return params
 
 
 def _progress(total: int, desc: str, progress: bool | None) -> Any:
@@ -133,6 +132,11 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
         self._bar = _progress(total, "checkpoint load", self._progress)
         return plan
 
+    def load_bytes(self, read_item, value) -> None:  # noqa: ANN001
+        # DCP's own unpickles with weights_only=False, which runs whatever the bytes name
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                    load_plain(value))
+
     def commit_tensor(self, read_item, tensor) -> None:  # noqa: ANN001
         super().commit_tensor(read_item, tensor)
         if self._bar is not None:
@@ -152,56 +156,10 @@ def _with_planner(planner: Any, run: Callable[[Any], None]) -> None:
         planner.close()
 
 
-def save(
-    path: str | os.PathLike,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    step: int | None = None,
-    extra: dict | None = None,
-    progress: bool | None = None,
-) -> None:
-    """Save ``model`` and ``optimizer`` state (DTensors as their shards), torch's RNG state,
-    ``step`` and ``extra`` (picklable values) to the directory ``path``, atomically. Every
-    process calls it. ``progress``: a tqdm bar (default: for states from 64 MiB on)."""
-    path = Path(path)
-    saving = path.with_name(path.name + ".saving")
-    old = path.with_name(path.name + ".old")
-    if _rank0():
-        shutil.rmtree(saving, ignore_errors=True)
-    _barrier()
-    state = _training_state(model, optimizer, step, extra)
-    _with_planner(
-        _SavePlanner(progress),
-        lambda planner: dcp.save(
-            state, checkpoint_id=saving, planner=planner, no_dist=not dist.is_initialized()
-        ),
-    )
-    release_reduced()
-    _barrier()
-    if _rank0():
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(saving, path)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-
-
-def _resolve(path: Path) -> Path:
-    """``path``, or the previous checkpoint when a save was killed between its two renames."""
-    old = path.with_name(path.name + ".old")
-    if not path.exists() and old.exists():
-        return old
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {str(path)!r}")
-    return path
-
-
-def _check_fits(path: Path, state: dict[str, Any]) -> None:
+def _check_fits(path: Path, metadata: Metadata, state: dict[str, Any]) -> None:
     """Raise naming every difference between the checkpoint's keys, shapes and dtypes and the
     state's, for the sections the state holds."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = metadata.state_dict_metadata
     flat, _ = flatten_state_dict(state)
     sections = {key.split(".", 1)[0] for key in flat}
     saved_keys = {k for k in saved if k.split(".", 1)[0] in sections}
@@ -234,6 +192,174 @@ def _check_fits(path: Path, state: dict[str, Any]) -> None:
         )
 
 
+
+
+def _training_state(
+    model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    state: dict[str, Any] = {"rng": torch.get_rng_state()}
+    if model is not None:
+        state["model"] = model.state_dict()
+    if optimizer is not None:
+        state["optim"] = optimizer.state_dict()
+    return state
+
+
+def _header(step: Any, extra: dict | None) -> tuple[str, list[torch.Tensor]]:
+    """The JSON header (step and the tree of ``extra``) and the tensors of ``extra``;
+    ``ShardwiseTypeError`` for a step that is no integer or an unsupported extra value."""
+    header: dict[str, Any] = {}
+    tensors: list[torch.Tensor] = []
+    if step is not None:
+        if isinstance(step, bool) or not hasattr(type(step), "__index__"):
+            raise ShardwiseTypeError(
+                f"step={step!r} ({type(step).__name__}): a checkpoint's step is an integer; "
+                f"nothing was saved"
+            )
+        header["step"] = operator.index(step)
+    if extra is not None:
+        header["extra"], tensors = encode(extra)
+    return json.dumps(header), tensors
+
+
+def save(
+    path: str | os.PathLike,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    extra: dict | None = None,
+    progress: bool | None = None,
+) -> None:
+    """Save ``model`` and ``optimizer`` state (DTensors as their shards), torch's RNG state,
+    ``step`` (an integer) and ``extra`` (None, bool, int, float, str, bytes, lists, tuples,
+    dicts and tensors, nested; anything else raises ``ShardwiseTypeError`` before anything is
+    written) to the directory ``path``, atomically. Every process calls it. ``progress``: a
+    tqdm bar (default: for states from 64 MiB on)."""
+    header, tensors = _header(step, extra)
+    path = Path(path)
+    saving = path.with_name(path.name + ".saving")
+    old = path.with_name(path.name + ".old")
+    if _rank0():
+        shutil.rmtree(saving, ignore_errors=True)
+    _barrier()
+    state = _training_state(model, optimizer)
+    state[HEADER] = header
+    if tensors:
+        state["extra"] = {str(i): t for i, t in enumerate(tensors)}
+    _with_planner(
+        _SavePlanner(progress),
+        lambda planner: dcp.save(
+            state, storage_writer=DigestWriter(saving), planner=planner,
+            no_dist=not dist.is_initialized(),
+        ),
+    )
+    release_reduced()
+    _barrier()
+    if _rank0():
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(saving, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def _resolve(path: Path) -> Path:
+    """``path``, or the previous checkpoint when a save was killed between its two renames."""
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.exists():
+        return old
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {str(path)!r}")
+    return path
+
+
+def _staging(value: Any) -> Any:
+    """``value`` with every tensor replaced by a new uninitialized one of the same kind (a
+    DTensor of the same spec), for the load to fill before anything is copied in place."""
+    if isinstance(value, DTensor):
+        return DTensor([torch.empty_like(c) for c in value._components], value._spec)
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, requires_grad=False)
+    if isinstance(value, dict):  # model.state_dict() is an OrderedDict
+        return {k: _staging(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_staging(v) for v in value)
+    return value
+
+
+def _commit(into: dict | list, staged: dict | list) -> None:
+    """Copy the loaded ``staged`` into ``into`` in place: tensors by value, other values by
+    replacing them in their container."""
+    for key in into if isinstance(into, dict) else range(len(into)):
+        target, loaded = into[key], staged[key]
+        if isinstance(target, DTensor):
+            for a, b in zip(target._components, loaded._components, strict=True):
+                a.copy_(b)
+        elif isinstance(target, torch.Tensor):
+            target.copy_(loaded)
+        elif isinstance(target, dict | list) and isinstance(loaded, dict | list):
+            _commit(target, loaded)
+        else:
+            into[key] = loaded
+
+
+def _raise_from(exc: CheckpointException, path: Path) -> NoReturn:
+    """The ``ShardwiseError`` a process raised inside DCP (else one carrying DCP's report):
+    ``CheckpointException`` is a ``BaseException``, which ``except Exception`` misses."""
+    for error, _ in exc.failures.values():
+        if isinstance(error, ShardwiseError):
+            raise error from None
+    raise CheckpointCorruptError(f"loading the checkpoint at {str(path)!r} failed; nothing was "
+                                 f"loaded:\n{exc}") from None
+
+
+def _read(
+    checkpoint: Checkpoint, state: dict[str, Any], progress: bool | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load the checkpoint into a staging copy of ``state`` (plus its header and extra
+    tensors); returns the staging copy and the decoded ``{"step", "extra"}``."""
+    saved = checkpoint.metadata.state_dict_metadata
+    staged = _staging(state)
+    staged[HEADER] = None
+    tensors = {int(k[len("extra."):]): torch.empty(md.size, dtype=md.properties.dtype)
+               for k, md in saved.items() if k.startswith("extra.") and k[6:].isdigit()
+               and isinstance(md, TensorStorageMetadata)}
+    if tensors:
+        staged["extra"] = {str(i): t for i, t in tensors.items()}
+    if HEADER not in saved:
+        raise CheckpointCorruptError(
+            f"the checkpoint at {str(checkpoint.directory)!r} has no {HEADER!r} header")
+    try:
+        _with_planner(
+            _LoadPlanner(progress),
+            lambda planner: dcp.load(
+                staged, storage_reader=VerifiedReader(checkpoint), planner=planner,
+                no_dist=not dist.is_initialized(),
+            ),
+        )
+    except CheckpointException as exc:
+        _raise_from(exc, checkpoint.directory)
+    try:
+        header = json.loads(staged[HEADER])
+        info = {k: header[k] for k in ("step", "extra") if k in header}
+        if "extra" in info:
+            info["extra"] = decode(info["extra"], tensors)
+    except ShardwiseError:
+        raise
+    except Exception as exc:  # a header that save does not write
+        raise CheckpointCorruptError(
+            f"the checkpoint at {str(checkpoint.directory)!r}: its {HEADER!r} header is not "
+            f"what shardwise.checkpoint.save writes ({type(exc).__name__}: {exc})"
+        ) from None
+    if type(info.get("step", 0)) is not int:
+        raise CheckpointCorruptError(
+            f"the checkpoint at {str(checkpoint.directory)!r}: step {info['step']!r} is no "
+            f"integer")
+    return staged, info
+
+
 def load(
     path: str | os.PathLike,
     model: torch.nn.Module | None = None,
@@ -243,40 +369,24 @@ def load(
 ) -> dict[str, Any]:
     """Load what ``save`` wrote into ``model`` and ``optimizer`` in place, whatever the mesh
     and placements they have now, and restore torch's RNG state. Returns ``{"step": ...,
-    "extra": ...}`` (those that were saved). Every process calls it."""
-    path = _resolve(Path(path))
-    if optimizer is not None:
-        _init_optimizer_state(optimizer)
-    state = _training_state(model, optimizer, None, None)
-    _check_fits(path, state)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    for key in ("step", "extra"):
-        if any(k == key or k.startswith(key + ".") for k in saved):
-            state[key] = None if key == "step" else _placeholders(saved, key)
-    _with_planner(
-        _LoadPlanner(progress),
-        lambda planner: dcp.load(
-            state, checkpoint_id=path, planner=planner, no_dist=not dist.is_initialized()
-        ),
-    )
+    "extra": ...}`` (those that were saved). Every process calls it. All or nothing: any
+    error (``CheckpointMismatchError``, ``CheckpointCorruptError``, ``UnsafeCheckpointError``)
+    leaves the model, optimizer and RNG as they were."""
+    checkpoint = open_checkpoint(_resolve(Path(path)))
+    created = _init_optimizer_state(optimizer) if optimizer is not None else []
+    try:
+        state = _training_state(model, optimizer)
+        _check_fits(checkpoint.directory, checkpoint.metadata, state)
+        staged, info = _read(checkpoint, state, progress)
+    except BaseException:
+        for p in created:  # a fresh optimizer stays without state
+            optimizer.state.pop(p, None)
+        raise
+    with torch.no_grad():
+        _commit(state, {k: staged[k] for k in state})
     torch.set_rng_state(state["rng"])
     if optimizer is not None:
         for group, loaded in zip(optimizer.param_groups, state["optim"]["param_groups"],
                                  strict=True):
             group.update({k: v for k, v in loaded.items() if k != "params"})
-    return {k: state[k] for k in ("step", "extra") if k in state}
-
-
-def _placeholders(saved: dict, section: str) -> Any:
-    """A nested structure for the saved ``extra`` keys that DCP fills in (non-tensor leaves)."""
-    out: dict[str, Any] = {}
-    for key, md in saved.items():
-        if not key.startswith(section + "."):
-            continue
-        node = out
-        *parents, leaf = key[len(section) + 1 :].split(".")
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(
-            md, TensorStorageMetadata) else None
-    return out
+    return info
