@@ -143,11 +143,11 @@ def test_plans_cost_what_an_uninformed_search_finds(shape) -> None:
         assert found == _cheapest(mesh, shape, source, target), (source, target, plan)
 
 
-def test_box_ids_belong_to_one_search() -> None:
-    """The shared geometry cache holds data only (every device's runs and boxes); the ids a
-    search gives boxes are its own, so dropping the shared cache between layouts (as an
-    eviction does) cannot make two different boxes share an id: every guess stays the
-    bound, in whatever order searches meet the states."""
+def test_box_keys_are_data() -> None:
+    """The geometry cache holds data only: a box's key is a function of the box (equal keys
+    exactly for equal boxes, over every layout met), so dropping the cache between layouts
+    (as an eviction does) cannot make two boxes share a key: every guess stays the bound,
+    in whatever order pricers meet the states."""
     mesh = _cube()
     shape = (8, 4, 4)
     pairs = _pairs(60, 17, SETTLED)
@@ -160,7 +160,13 @@ def test_box_ids_belong_to_one_search() -> None:
         second.layout(target)
         pieces.cache_clear()
         second.layout(source)
+    boxes = {}
+    for state in {s for pair in pairs for s in pair}:
+        held = pieces(mesh, shape, state)
+        assert held == pieces.__wrapped__(mesh, shape, state)
+        for box, key in zip(held.boxes, held.keys, strict=True):
+            assert boxes.setdefault(key, box) == box
+    assert len(set(boxes.values())) == len(boxes)
     for source, target in pairs:
-        assert pieces(mesh, shape, source) == pieces.__wrapped__(mesh, shape, source)
         bound = lower_bound_bytes(mesh, shape, 4, source, target)
         assert first.lacking(source, target) == second.lacking(source, target) == bound

@@ -127,6 +127,8 @@ class Pieces(NamedTuple):
     slices: tuple[tuple[int, ...], ...]
     # per device its piece as one box, where every piece is one (at most one run per dim)
     boxes: tuple[Box, ...] | None
+    # per device its box as one number (``box_key``: equal keys, equal boxes), or None
+    keys: tuple[int, ...] | None
 
 
 @lru_cache(maxsize=65536)
@@ -139,10 +141,21 @@ def pieces(mesh: DeviceMesh, shape: tuple[int, ...], placements: Placements) -> 
     )
     shapes = tuple(tuple(sum(b - a for a, b in runs) for runs in s) for s in segments)
     slices = tuple(tuple(prod(s[:d] + s[d + 1:]) for s in shapes) for d in range(len(shape)))
-    boxes = None
+    boxes = keys = None
     if all(len(runs) <= 1 for s in segments for runs in s):
         boxes = tuple(tuple(runs[0] if runs else (0, 0) for runs in s) for s in segments)
-    return Pieces(segments, shapes, tuple(prod(s) for s in shapes), slices, boxes)
+        keys = tuple(box_key(box, shape) for box in boxes)
+    return Pieces(segments, shapes, tuple(prod(s) for s in shapes), slices, boxes, keys)
+
+
+def box_key(box: Box, shape: tuple[int, ...]) -> int:
+    """``box`` of a tensor of ``shape`` as one number: its corners in mixed radix (each
+    corner of a dim of size ``n`` is one of ``n + 1`` values), so equal keys mean equal boxes
+    and the key depends on the data alone."""
+    key = 0
+    for (start, stop), n in zip(box, shape, strict=True):
+        key = (key * (n + 1) + start) * (n + 1) + stop
+    return key
 
 
 def box_overlap(a: Box, b: Box) -> int:

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import prod
 from types import MappingProxyType
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
 from ..comm import accounting
 from ..errors import InvalidPlacementError
-from ..geometry import Box, Pieces, Placements, block_transfers, box_overlap, pieces, runs_overlap
+from ..geometry import Pieces, Placements, block_transfers, box_overlap, pieces, runs_overlap
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import LOW_PRECISION, DTensorSpec, pending_sum
@@ -115,14 +115,6 @@ def _step_kind(a: Placement, b: Placement, mesh_size: int) -> Collective | None:
 # ----- pricing -------------------------------------------------------------------------------
 
 
-class Layout(NamedTuple):
-    """A state's ``Pieces`` and, where every piece is a box, each box as an id given by one
-    ``Pricer`` (equal ids, equal boxes: overlaps are remembered per pair of ids)."""
-
-    pieces: Pieces
-    ids: tuple[int, ...] | None
-
-
 @lru_cache(maxsize=256)
 def _group_positions(
     mesh: DeviceMesh,
@@ -140,7 +132,7 @@ def _group_positions(
 class Pricer:
     """Bytes received per device for a step, from shard geometry alone. A half-precision sum
     moves its float32 pieces while it is pending (``pending_itemsize``). One pricer serves one
-    search: what it remembers (layouts, box ids, overlaps) is its own."""
+    search: the layouts and box overlaps it remembers are its own."""
 
     def __init__(
         self,
@@ -150,26 +142,21 @@ class Pricer:
         pending_itemsize: int | None = None,
     ) -> None:
         self.mesh, self.shape, self.itemsize = mesh, shape, itemsize
+        self.size = prod(shape)  # elements
         self.pending_itemsize = pending_itemsize or itemsize
         local = set(mesh.local_device_ids)
         self.is_local = [d in local for d in mesh.device_ids]
         self.local_positions = [i for i, here in enumerate(self.is_local) if here]
         self.all_local = len(self.local_positions) == len(self.is_local)
         self.groups, self.member = _group_positions(mesh)
-        self._layouts: dict[State, Layout] = {}
-        self._ids: dict[Box, int] = {}
-        self._overlaps: dict[tuple[int, int], int] = {}  # per pair of box ids
+        self._layouts: dict[State, Pieces] = {}
+        self._overlaps: dict[tuple[int, int], int] = {}  # per pair of box keys
 
-    def layout(self, state: State) -> Layout:
-        """The pieces of ``state`` and their box ids, remembered for this search."""
+    def layout(self, state: State) -> Pieces:
+        """The pieces of ``state``, remembered for this search."""
         layout = self._layouts.get(state)
         if layout is None:
-            held = pieces(self.mesh, self.shape, state)
-            ids = None
-            if held.boxes is not None:
-                known = self._ids
-                ids = tuple(known.setdefault(box, len(known)) for box in held.boxes)
-            layout = self._layouts[state] = Layout(held, ids)
+            layout = self._layouts[state] = pieces(self.mesh, self.shape, state)
         return layout
 
     def lacking(self, state: State, target: State) -> int:
@@ -180,7 +167,7 @@ class Pricer:
         needers = prod(n for n, p in zip(shape, target, strict=True) if not isinstance(p, Shard))
         return self.lacking_from(self.layout(state), self.layout(target), terms, needers)
 
-    def lacking_from(self, held: Layout, wanted: Layout, terms: int, needers: int) -> int:
+    def lacking_from(self, held: Pieces, wanted: Pieces, terms: int, needers: int) -> int:
         """``lacking`` from the layouts of both ends: ``block_transfers`` over the whole
         tensor, with ``terms`` Partial terms per element and ``needers`` devices needing it
         (the product of the mesh dims the target replicates). The elements some device lacks
@@ -188,30 +175,28 @@ class Pricer:
         and needs: distinct pieces of a layout never overlap. Priced at the declared
         itemsize: float32 pieces of a pending half sum cost more, so the guess stays below
         the true cost, as A* needs."""
-        total = prod(self.shape)
-        if held.ids is not None and wanted.ids is not None:
-            pairs = zip(held.ids, wanted.ids, strict=True)
-            if terms != 1:  # each distinct pair once
-                pairs = dict(zip(pairs, range(len(held.ids)), strict=False))
-                shared = self._box_overlaps(pairs.items(), held, wanted)
-            else:
-                shared = self._box_overlaps(zip(pairs, itertools.count()), held, wanted)
+        if held.keys is not None and wanted.keys is not None:
+            shared = self._box_overlaps(held, wanted, distinct=terms != 1)
         else:
-            pairs = Counter(zip(held.pieces.segments, wanted.pieces.segments, strict=True))
+            pairs = Counter(zip(held.segments, wanted.segments, strict=True))
             shared = sum(
                 (count if terms == 1 else 1)
                 * prod(runs_overlap(a, b) for a, b in zip(old, new, strict=True))
                 for (old, new), count in pairs.items()
             )
         if terms == 1:
-            lacking = sum(wanted.pieces.numels) - shared
-            return block_transfers(1, needers, total, lacking, 0) * self.itemsize
-        return block_transfers(terms, needers, total, 0, shared) * self.itemsize
+            lacking = sum(wanted.numels) - shared
+            return block_transfers(1, needers, self.size, lacking, 0) * self.itemsize
+        return block_transfers(terms, needers, self.size, 0, shared) * self.itemsize
 
-    def _box_overlaps(self, pairs: Iterator, held: Layout, wanted: Layout) -> int:
-        """The elements shared by the boxes of each (id pair, device position) of ``pairs``,
-        summed (overlaps remembered per id pair)."""
-        overlaps, old, new = self._overlaps, held.pieces.boxes, wanted.pieces.boxes
+    def _box_overlaps(self, held: Pieces, wanted: Pieces, distinct: bool) -> int:
+        """The elements each device's held box shares with its wanted box, summed over the
+        devices, or over the distinct (held, wanted) pairs (overlaps remembered per pair of
+        box keys)."""
+        overlaps, old, new = self._overlaps, held.boxes, wanted.boxes
+        pairs = zip(zip(held.keys, wanted.keys, strict=True), range(len(old)), strict=True)
+        if distinct:
+            pairs = dict(pairs).items()
         shared = 0
         for pair, i in pairs:
             common = overlaps.get(pair)
@@ -232,7 +217,7 @@ class Pricer:
                                self.size_of(before), _shard_dim(after[mesh_dim]))
 
     def price_from(
-        self, kind: Collective, old: Layout, new: Layout, mesh_dim: int, size: int,
+        self, kind: Collective, old: Pieces, new: Pieces, mesh_dim: int, size: int,
         dim: int | None,
     ) -> tuple[int, int]:
         """``price`` from the layouts of both ends (an all_gather or all_reduce reads only
@@ -244,10 +229,10 @@ class Pricer:
         if kind == "local":
             return 0, 0
         if kind == "all_to_all":
-            return self._all_to_all(old.pieces, new.pieces, mesh_dim, size, dim)
+            return self._all_to_all(old, new, mesh_dim, size, dim)
         groups = self.groups[mesh_dim]
         n = len(groups[0])
-        numels = (new if kind == "reduce_scatter" else old).pieces.numels
+        numels = (new if kind == "reduce_scatter" else old).numels
         if kind == "all_reduce":
             everyone = 2 * (n - 1) * sum(numels[g[0]] for g in groups) * size
         else:
@@ -354,7 +339,7 @@ def _direct_exchange(pricer: Pricer, source: State, settled: State, moved: int) 
 # ----- the search ----------------------------------------------------------------------------
 
 
-@dataclass(order=True)
+@dataclass(order=True, slots=True)
 class _Entry:
     """A queued state: ordered by its guess of the whole plan's cost, then the furthest along
     first (minus the cost so far: it stops at the first of many equally cheap orders), then
@@ -414,7 +399,7 @@ class _Search:
         self.needers = prod(n for n, p in zip(sizes, target, strict=True)
                             if not isinstance(p, Shard))
         self._placements: dict[Index, State] = {}
-        self._layouts: dict[Index, Layout] = {}
+        self._layouts: dict[Index, Pieces] = {}
         self._guesses: dict[Index, Cost] = {}
         self._left: dict[Index, tuple[int, int]] = {}
         self.best: dict[Index, Cost] = {self.start: (0, 0, 0, 0)}
@@ -435,7 +420,7 @@ class _Search:
             )
         return found
 
-    def layout(self, state: Index) -> Layout:
+    def layout(self, state: Index) -> Pieces:
         found = self._layouts.get(state)
         if found is None:
             found = self._layouts[state] = self.pricer.layout(self.decode(state))
