@@ -8,7 +8,7 @@ on (2, 2, 2) again for a tensor whose shards are uneven (some empty). Planning t
 timed in rounds over the whole sweep.
 Bytes are those all devices receive under the ring model of DESIGN.md; DTensor's steps are
 priced by the same model (its flattened steps move what the per-dim steps they merge move, so
-they are priced unflattened). The bound is ``shardwise.redistribute.lower_bound_bytes``.
+they are priced unflattened). The bound is ``shardwise.geometry.lower_bound_bytes``.
 
 Run: python bench/bench_planner.py [--json FILE] [--quick]   (--quick: meshes (4,) and (2, 2)
 only for the all-pairs sweep; the named 2x2x2 transitions always run)
@@ -31,16 +31,9 @@ from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cach
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardwise as sw
-from shardwise.redistribute import (
-    _PLANS,
-    _exchange_cost,
-    _moves,
-    _plan,
-    _Pricer,
-    _step_kind,
-    lower_bound_bytes,
-    plan_redistribute,
-)
+from shardwise.redistribute import lower_bound_bytes, plan_redistribute
+from shardwise.redistribute.exchange import exchange_cost
+from shardwise.redistribute.plan import _PLANS, Pricer, _moves, _plan, _step_kind
 from shardwise.spec import DTensorSpec, contiguous_meta
 
 SHAPE = (16, 12, 8)
@@ -69,7 +62,7 @@ def _theirs(code: str):
 
 def _their_bytes(mesh: sw.DeviceMesh, infos, source: tuple, shape: tuple[int, ...]) -> int:
     """DTensor's steps priced by shardwise's ring model, tracking the placements."""
-    pricer = _Pricer(mesh, shape, ITEMSIZE)
+    pricer = Pricer(mesh, shape, ITEMSIZE)
     state, total = source, 0
     for info in infos:
         m = info.mesh_dim
@@ -164,7 +157,7 @@ def _compare(
 
     def plan_ours():  # cold: the plan caches cleared (shard and mesh geometry stay cached)
         _plan.cache_clear()
-        _exchange_cost.cache_clear()
+        exchange_cost.cache_clear()
         _moves.cache_clear()
         _PLANS.clear()
         return _plan(mesh, shape, ITEMSIZE, source, target)

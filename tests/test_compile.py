@@ -209,20 +209,19 @@ def test_plan_op_replans_from_its_key_alone() -> None:
     traced it plans again from the key and gets eager's bits (and the fake shapes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shardwise import plan_op
-    from shardwise.redistribute import plan_redistribute
+    from shardwise.redistribute import plan_redistribute, traced
 
     mesh = sw.init_device_mesh("cpu", (3,), mesh_dim_names=("tp",))
     x = torch.randn(7, 5)
     d = sw.distribute_tensor(x, mesh, [Shard(0)])
     plan = plan_redistribute(d._spec, (Shard(1),))
-    key = plan_op._key(plan, mesh, x.dtype)
-    plan_op._entries.pop(key, None)
+    key = traced._key(plan, mesh, x.dtype)
+    traced._entries.pop(key, None)
     out = torch.ops.shardwise.execute_plan(sw.unpack(d), key)
     expected = d.redistribute(placements=[Shard(1)])
     for got, want in zip(out, sw.unpack(expected), strict=True):
         assert torch.equal(got, want)
-    plan_op._entries.pop(key, None)
+    traced._entries.pop(key, None)
     mode = FakeTensorMode()
     fakes = [mode.from_tensor(c.detach()) for c in sw.unpack(d)]
     with mode:

@@ -23,7 +23,8 @@ from conftest import (
     ref_indices,
 )
 from shardwise import DTensorSpec, Partial, Replicate, Shard
-from shardwise.redistribute import _Pricer, lower_bound_bytes, plan_redistribute
+from shardwise.redistribute import lower_bound_bytes, plan_redistribute
+from shardwise.redistribute.plan import Pricer
 from shardwise.spec import contiguous_meta, validate_placements
 
 
@@ -85,7 +86,7 @@ def test_bound_counts_elements_and_never_beats_the_plan(case, data) -> None:
     planned = plan_redistribute(spec, target).global_bytes
     assert planned >= bound
     if not any(p.is_partial() for p in target):  # the planner's A* heuristic is admissible
-        assert _Pricer(mesh, shape, 4).lacking(source, target) <= bound
+        assert Pricer(mesh, shape, 4).lacking(source, target) <= bound
     if _exchange_reaches_the_bound(mesh, source, target):
         assert planned == bound
 

@@ -13,15 +13,15 @@ import torch
 
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
-from shardwise.redistribute import (
+from shardwise.geometry import lower_bound_bytes, pieces
+from shardwise.redistribute.exchange import exchange_cost
+from shardwise.redistribute.plan import (
+    Pricer,
     _candidates,
     _direct_exchange,
-    _exchange_cost,
     _exchange_step,
     _plan,
-    _Pricer,
     _step_kind,
-    lower_bound_bytes,
 )
 
 SRP = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
@@ -52,7 +52,7 @@ def test_guess_is_the_bound_and_the_direct_exchange_moves_it(shape) -> None:
     and so do the bytes of the exchange straight from the source (sum or max Partials), which
     the planner therefore builds only when its plan takes it: same step, same rounds."""
     mesh = _cube()
-    pricer = _Pricer(mesh, shape, 2, 4)  # a half-precision sum moves float32 pieces
+    pricer = Pricer(mesh, shape, 2, 4)  # a half-precision sum moves float32 pieces
     sources = [*SRP, Partial("max")]
     for source, target in _pairs(120, 3, sources):
         if len({p.reduce_op for p in source if isinstance(p, Partial)}) > 1:
@@ -61,7 +61,7 @@ def test_guess_is_the_bound_and_the_direct_exchange_moves_it(shape) -> None:
         assert pricer.lacking(source, target) == bound, (source, target)
         if source == target:
             continue
-        received, _ = _exchange_cost(mesh, shape, source, target)
+        received, _ = exchange_cost(mesh, shape, source, target)
         assert 2 * sum(received) == bound, (source, target)
         moved = bound // 2 * pricer.size_of(source)
         assert _direct_exchange(pricer, source, target, moved) == _exchange_step(
@@ -74,7 +74,7 @@ def test_a_step_never_lowers_the_guess(shape) -> None:
     """Consistency: the guess before a step is at most the step's bytes plus the guess after
     it, for every step the planner may take (so a state's guess is at least its parent's)."""
     mesh = _cube()
-    pricer = _Pricer(mesh, shape, 4)
+    pricer = Pricer(mesh, shape, 4)
     states = list(itertools.product(SRP, repeat=3))
     for target in random.Random(5).sample(list(itertools.product(SETTLED, repeat=3)), 12):
         guess = {s: pricer.lacking(s, target) for s in states}
@@ -93,7 +93,7 @@ def _cheapest(mesh: sw.DeviceMesh, shape: tuple, source: tuple, target: tuple) -
     """(bytes, exchanges, collectives, steps) of the cheapest plan by Dijkstra without a
     guess, over the planner's placements per mesh dim, its steps and the exchange straight
     from the source (one reduce op)."""
-    pricer = _Pricer(mesh, shape, 4)
+    pricer = Pricer(mesh, shape, 4)
     options = _candidates(source, target, shape)
     best = {source: (0, 0, 0, 0)}
     order = itertools.count()
@@ -141,3 +141,32 @@ def test_plans_cost_what_an_uninformed_search_finds(shape) -> None:
             len(plan.steps),
         )
         assert found == _cheapest(mesh, shape, source, target), (source, target, plan)
+
+
+def test_box_keys_are_data() -> None:
+    """The geometry cache holds data only: a box's key is a function of the box (equal keys
+    exactly for equal boxes, over every layout met), so dropping the cache between layouts
+    (as an eviction does) cannot make two boxes share a key: every guess stays the bound,
+    in whatever order pricers meet the states."""
+    mesh = _cube()
+    shape = (8, 4, 4)
+    pairs = _pairs(60, 17, SETTLED)
+    first, second = Pricer(mesh, shape, 4), Pricer(mesh, shape, 4)
+    for source, target in pairs:
+        first.layout(source)
+        pieces.cache_clear()
+        first.layout(target)
+    for source, target in reversed(pairs):
+        second.layout(target)
+        pieces.cache_clear()
+        second.layout(source)
+    boxes = {}
+    for state in {s for pair in pairs for s in pair}:
+        held = pieces(mesh, shape, state)
+        assert held == pieces.__wrapped__(mesh, shape, state)
+        for box, key in zip(held.boxes, held.keys, strict=True):
+            assert boxes.setdefault(key, box) == box
+    assert len(set(boxes.values())) == len(boxes)
+    for source, target in pairs:
+        bound = lower_bound_bytes(mesh, shape, 4, source, target)
+        assert first.lacking(source, target) == second.lacking(source, target) == bound

@@ -14,6 +14,7 @@ import torch
 from . import comm, settings
 from .comm.reduction import reduce_op_problem
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
+from .geometry import extract_local
 from .mesh import DeviceMesh, IdTuple, Mesh, mesh_or_current
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import execute_plan, plan_redistribute
@@ -23,7 +24,6 @@ from .spec import (
     TensorMeta,
     check_same_mesh,
     contiguous_meta,
-    extract_local,
     make_tensor_meta,
     validate_placements,
 )

@@ -1,19 +1,20 @@
-"""``DTensorSpec`` and shard geometry: which global indices every device's component holds."""
+"""``DTensorSpec``: where a distributed tensor lives (mesh, placements, global metadata); the
+indices each device holds come from ``geometry``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import InvalidPlacementError, MeshError
-from .mesh import DeviceMesh
-from .placements import InterleavedShard, Placement, Shard, normalize_placement
+from .geometry import Segments, segments_size, shard_segments
+from .placements import InterleavedShard, Placement, normalize_placement
 
-# An ordered list of global indices along one tensor dim, as half-open [start, stop) runs.
-Segments = tuple[tuple[int, int], ...]
+if TYPE_CHECKING:  # only named: a spec holds a mesh, it does not build one
+    from .mesh import DeviceMesh
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -84,7 +85,7 @@ class DTensorSpec:
         )
 
     def local_shape(self, device_id: int) -> torch.Size:
-        return torch.Size(_length(s) for s in self.local_segments(device_id))
+        return torch.Size(segments_size(s) for s in self.local_segments(device_id))
 
     def is_replicated(self) -> bool:
         return all(p.is_replicate() for p in self.placements)
@@ -97,75 +98,6 @@ class DTensorSpec:
 def pending_sum(placements: Sequence[Placement]) -> bool:
     """Whether ``placements`` leave a sum or an average pending (``Partial("sum"/"avg")``)."""
     return any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in placements)
-
-
-def _length(segments: Segments) -> int:
-    return sum(stop - start for start, stop in segments)
-
-
-def _pick(segments: Segments, begin: int, end: int) -> list[tuple[int, int]]:
-    """The runs covering positions [begin, end) of the index list ``segments``."""
-    picked, pos = [], 0
-    for start, stop in segments:
-        n = stop - start
-        lo, hi = max(begin, pos), min(end, pos + n)
-        if lo < hi:
-            picked.append((start + lo - pos, start + hi - pos))
-        pos += n
-    return picked
-
-
-def _merge(runs: list[tuple[int, int]]) -> Segments:
-    merged: list[tuple[int, int]] = []
-    for start, stop in runs:
-        if merged and merged[-1][1] == start:
-            merged[-1] = (merged[-1][0], stop)
-        else:
-            merged.append((start, stop))
-    return tuple(merged) if merged else ((0, 0),)
-
-
-def chunk_bounds(length: int, n: int, index: int) -> tuple[int, int]:
-    """``torch.chunk`` geometry: piece ``index`` of ``n`` is [i*c, min((i+1)*c, length))."""
-    chunk = -(-length // n) if length else 0
-    return min(index * chunk, length), min((index + 1) * chunk, length)
-
-
-def split_segments(segments: Segments, placement: Shard, n: int, index: int) -> Segments:
-    """The part of ``segments`` that coordinate ``index`` of ``n`` keeps under ``placement``."""
-    length = _length(segments)
-    if isinstance(placement, InterleavedShard):
-        k = placement.interleaved_size
-        if length % k:
-            raise InvalidPlacementError(
-                f"{placement!r} needs the sharded size {length} to be divisible by "
-                f"interleaved_size={k}"
-            )
-        block = length // k
-        lo, hi = chunk_bounds(block, n, index)
-        runs: list[tuple[int, int]] = []
-        for j in range(k):
-            runs.extend(_pick(segments, j * block + lo, j * block + hi))
-        return _merge(runs)
-    lo, hi = chunk_bounds(length, n, index)
-    return _merge(_pick(segments, lo, hi))
-
-
-@lru_cache(maxsize=65536)
-def shard_segments(
-    shape: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-    placements: tuple[Placement, ...],
-    coord: tuple[int, ...],
-) -> tuple[Segments, ...]:
-    """Geometry of one device: mesh dims split their tensor dims in mesh-dim order."""
-    dims: list[Segments] = [((0, size),) for size in shape]
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            dims[placement.dim] = split_segments(
-                dims[placement.dim], placement, mesh_shape[mesh_dim], coord[mesh_dim]
-            )
-    return tuple(dims)
 
 
 def validate_placements(
@@ -216,19 +148,6 @@ def check_same_mesh(a: DeviceMesh, b: DeviceMesh, what: str) -> None:
     """Raise a clear error when two tensors of one operation live on different meshes."""
     if a != b:
         raise MeshError(f"{what}: tensors are on different meshes, {a} and {b}")
-
-
-def extract_local(tensor: torch.Tensor, segments: tuple[Segments, ...]) -> torch.Tensor:
-    """The sub-tensor of ``tensor`` at the given per-dim index runs (a view where possible)."""
-    out = tensor
-    for dim, runs in enumerate(segments):
-        if len(runs) == 1:
-            start, stop = runs[0]
-            if (start, stop) != (0, out.shape[dim]):
-                out = out.narrow(dim, start, stop - start)
-        else:
-            out = torch.cat([out.narrow(dim, a, b - a) for a, b in runs], dim=dim)
-    return out
 
 
 def make_tensor_meta(tensor: torch.Tensor) -> TensorMeta:

@@ -21,15 +21,10 @@ import torch.utils._pytree as pytree
 from ..dispatch import implicitly_replicated, redistribute_inputs
 from ..dtensor import DTensor
 from ..errors import InvalidPlacementError, MeshError
+from ..geometry import shard_segments
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from ..spec import (
-    DTensorSpec,
-    TensorMeta,
-    contiguous_meta,
-    make_tensor_meta,
-    shard_segments,
-)
+from ..spec import DTensorSpec, TensorMeta, contiguous_meta, make_tensor_meta
 from .registry import OpSchema, OpStrategy, PlacementStrategy
 
 R = Replicate()

@@ -44,9 +44,10 @@ import torch
 from .. import comm
 from ..dtensor import DTensor
 from ..errors import ImplicitRedistributeError, InvalidArgumentError
+from ..geometry import extract_local
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec, contiguous_meta, extract_local, make_tensor_meta
+from ..spec import DTensorSpec, contiguous_meta, make_tensor_meta
 from .common import (
     DimOption,
     as_dtensors,

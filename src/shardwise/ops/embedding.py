@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from ..dtensor import DTensor
+from ..geometry import shard_segments
 from ..mesh import DeviceMesh
 from ..placements import Shard
-from ..spec import DTensorSpec, shard_segments
+from ..spec import DTensorSpec
 from .common import DimOption, P, R, input_strategies, product_strategy
 from .registry import (
     OpSchema,

@@ -17,9 +17,10 @@ from math import prod
 import torch
 
 from ..errors import InvalidArgumentError, InvalidPlacementError
+from ..geometry import Segments, shard_segments
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec, Segments, shard_segments
+from ..spec import DTensorSpec
 from .common import (
     DimOption,
     bind,

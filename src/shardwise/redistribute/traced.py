@@ -1,29 +1,30 @@
-"""A redistribution plan across processes as one ``torch.library`` custom op, so torch.compile
-can trace it: ``shardwise::execute_plan(components, key)`` runs the plan that ``key`` describes
-(``run_plan``, eager's executor, so results are bit-identical to eager), and its fake
-implementation gives the target local shapes without communicating.
+"""Executing a plan: eagerly (``run.run_plan``), or, while a tracer runs on a mesh that spans
+processes, as one ``torch.library`` custom op, so torch.compile can trace it:
+``shardwise::execute_plan(components, key)`` runs the plan that ``key`` describes (``run_plan``,
+eager's executor, so results are bit-identical to eager), and its fake implementation gives the
+target local shapes without communicating.
 
-``execute_plan`` takes this route only while a tracer runs (a dispatch mode is active) on a mesh
-that spans processes; in one process the plan's local ops and in-process collectives are traced
-as they are, where the compiler can fuse them. The key is a JSON text of the mesh, the
-placements, the global shape and the dtype, so a graph loaded from torch's compile caches in
-another process finds its plan again (planning is deterministic).
+In one process the plan's local ops and in-process collectives are traced as they are, where
+the compiler can fuse them. The key is a JSON text of the mesh, the placements, the global shape
+and the dtype, so a graph loaded from torch's compile caches in another process finds its plan
+again (planning is deterministic).
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .comm.distributed import spans_processes
-from .mesh import DeviceMesh
-from .redistribute import RedistributePlan, plan_redistribute, run_plan
-from .spec import DTensorSpec, contiguous_meta
-from .tracing import decode_placement, encode_placement
+from ..comm.distributed import spans_processes
+from ..mesh import DeviceMesh
+from ..spec import DTensorSpec, contiguous_meta
+from ..tracing import decode_placement, encode_placement
+from .plan import RedistributePlan, plan_redistribute
+from .run import local_splits, run_plan
 
 # key -> (plan, mesh, local output shapes)
 _entries: dict[str, tuple[RedistributePlan, DeviceMesh, list[torch.Size]]] = {}
@@ -101,3 +102,32 @@ def _execute_plan_op(components: list[torch.Tensor], key: str) -> list[torch.Ten
 def _(components: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     shapes = _entry(key)[2]
     return [c.new_empty(shape) for c, shape in zip(components, shapes, strict=True)]
+
+
+def execute_plan(
+    plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Run ``plan`` on this process's components (ordered like ``mesh.local_device_ids``):
+    through the custom op while a tracer runs on a mesh spanning processes, else eagerly."""
+    if tracing(mesh, components):
+        return traced_plan(plan, mesh, components)
+    return run_plan(plan, mesh, components)
+
+
+def compile_plan(
+    plan: RedistributePlan, spec: DTensorSpec
+) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+    """``execute_plan(plan, spec.mesh, components)`` as a function of the components of a
+    tensor of ``spec``; a plan of local splits only (Replicate -> Shard) gets each device's
+    cuts worked out once, for callers that run the same plan again and again (dispatch)."""
+    mesh = spec.mesh
+    splits = local_splits(plan, spec)
+    if splits is None:
+        return lambda components: execute_plan(plan, mesh, components)
+
+    def run(components: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if torch._C._len_torch_dispatch_stack():  # a tracer may be running: its route
+            return execute_plan(plan, mesh, components)
+        return splits(components)
+
+    return run

@@ -1,0 +1,152 @@
+"""Running a plan eagerly: each step on this process's components, one after the other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+
+import torch
+
+from .. import comm
+from ..geometry import Segments, chunk_bounds, shard_segments, split_segments
+from ..mesh import DeviceMesh
+from ..placements import InterleavedShard, Partial, Shard
+from ..spec import DTensorSpec, pending_sum
+from .exchange import run_exchange
+from .plan import RedistributePlan, Step, after_step
+
+
+@lru_cache(maxsize=4096)
+def _split_runs(length: int, placement: Shard, n: int) -> tuple[Segments, ...]:
+    """Per coordinate of a mesh dim of size ``n``, the index runs of a tensor dim of
+    ``length`` that it keeps under ``placement`` (geometry cached: splits repeat)."""
+    return tuple(split_segments(((0, length),), placement, n, k) for k in range(n))
+
+
+def _piece(t: torch.Tensor, dim: int, runs: Segments) -> torch.Tensor:
+    """The part of ``t`` at the index runs ``runs`` of ``dim`` (a view unless several runs)."""
+    if len(runs) == 1:
+        start, stop = runs[0]
+        return t if start == 0 and stop == t.shape[dim] else t.narrow(dim, start, stop - start)
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in runs], dim=dim)
+
+
+def _split(t: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
+    """The ``n`` pieces of ``t`` that the coordinates of a mesh dim keep under ``placement``
+    (``torch.chunk`` geometry as one ``tensor_split``, half the cost of a narrow per piece)."""
+    dim = placement.dim
+    length = t.shape[dim]
+    if not isinstance(placement, InterleavedShard):
+        return list(t.tensor_split([chunk_bounds(length, n, k)[1] for k in range(n - 1)], dim))
+    return [_piece(t, dim, runs) for runs in _split_runs(length, placement, n)]
+
+
+def _merge_interleaved(pieces: Sequence[torch.Tensor], placement: InterleavedShard) -> torch.Tensor:
+    """Inverse of ``_split`` for ``InterleavedShard``: the whole tensor from every coordinate's
+    piece (for ``Shard`` it is a concatenation, which ``comm.all_gather_tensor`` does)."""
+    dim, k = placement.dim, placement.interleaved_size
+    blocks = [p.chunk(k, dim) if p.shape[dim] else [p] * k for p in pieces]
+    return torch.cat([blocks[j][b] for b in range(k) for j in range(len(pieces))], dim)
+
+
+def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Tensor:
+    """Replicate -> Partial without moving data: for sum and p-norms the first device keeps the
+    value and the others hold zeros (exact for every dtype); avg, max and min keep the value
+    everywhere."""
+    if placement.zeros_elsewhere and coordinate != 0:
+        return torch.zeros_like(t)
+    return t
+
+
+def _run_local(step: Step, mesh: DeviceMesh, components: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A step that moves no data: each device cuts its piece, or partitions a value."""
+    m, b = step.mesh_dim, step.target
+    n = mesh.shape[m]
+    if n == 1:
+        return components
+    coords = [mesh.coordinate_of(d)[m] for d in mesh.local_device_ids]
+    if isinstance(b, Partial):
+        return [_partition(t, b, c) for t, c in zip(components, coords, strict=True)]
+    return [
+        _piece(t, b.dim, _split_runs(t.shape[b.dim], b, n)[c])
+        for t, c in zip(components, coords, strict=True)
+    ]
+
+
+def _run_step(step: Step, mesh: DeviceMesh, components: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One step on one mesh dim, by its collective."""
+    m, a, b = step.mesh_dim, step.source, step.target
+    kind = step.collective
+    if kind == "local":
+        return _run_local(step, mesh, components)
+    if kind == "all_gather":
+        if isinstance(a, InterleavedShard):
+            return [_merge_interleaved(p, a) for p in comm.all_gather(mesh, m, components)]
+        return comm.all_gather_tensor(mesh, m, components, a.dim)
+    if kind == "all_reduce":
+        return comm.all_reduce(mesh, m, components, a.reduce_op)
+    pieces = [_split(t, b, mesh.shape[m]) for t in components]
+    if kind == "reduce_scatter":
+        return comm.reduce_scatter(mesh, m, pieces, a.reduce_op)
+    # all_to_all: Shard(d) -> Shard(e)
+    return [comm.join(p, a.dim) for p in comm.all_to_all(mesh, m, pieces)]
+
+
+def run_plan(
+    plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The plan's steps on this process's components (ordered like ``mesh.local_device_ids``),
+    one after the other (``execute_plan``'s eager body)."""
+    out = list(components)
+    state = plan.source
+    pending = plan.cast is not None and pending_sum(state)
+    for step in plan.steps:
+        after = after_step(state, step)
+        if step.collective == "exchange":
+            out = run_exchange(mesh, plan.shape, state, after, step.mesh_dim, out)
+        else:
+            out = _run_step(step, mesh, out)
+        state = after
+        if plan.cast is not None and pending_sum(state) != pending:
+            # the half-precision sum got reduced (round once, move half the bytes from here
+            # on) or started pending (hold float32 pieces): as the planner priced it
+            out = [c.to(plan.cast) for c in out]
+            pending = not pending
+    return out
+
+
+def local_splits(
+    plan: RedistributePlan, spec: DTensorSpec
+) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None:
+    """``run_plan`` as a function of the components of a tensor of ``spec``, each device's cuts
+    worked out once, when the plan only splits locally (Replicate -> Shard); else None."""
+    mesh = spec.mesh
+    if plan.cast is not None or not plan.steps or any(
+        s.collective != "local" or not isinstance(s.target, Shard) for s in plan.steps
+    ):
+        return None
+    shape = tuple(spec.shape)
+    cuts = []
+    for device in mesh.local_device_ids:
+        coord = mesh.coordinate_of(device)
+        sizes = [sum(b - a for a, b in runs) for runs in shard_segments(
+            shape, mesh.shape, plan.source, coord
+        )]
+        device_cuts = []
+        for step in plan.steps:  # as _run_local: split the component's current length
+            n, dim = mesh.shape[step.mesh_dim], step.target.dim
+            if n > 1:
+                runs = _split_runs(sizes[dim], step.target, n)[coord[step.mesh_dim]]
+                sizes[dim] = sum(b - a for a, b in runs)
+                device_cuts.append((dim, runs))
+        cuts.append(tuple(device_cuts))
+
+    def run(components: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for t, device_cuts in zip(components, cuts, strict=True):
+            for dim, runs in device_cuts:
+                t = _piece(t, dim, runs)
+            out.append(t)
+        return out
+
+    return run
