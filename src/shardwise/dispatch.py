@@ -37,6 +37,8 @@ from .errors import (
     DTensorCollectiveError,
     ImplicitRedistributeError,
     MeshError,
+    OpArgumentError,
+    ShardwiseError,
     UnsupportedOpError,
 )
 from .fast_call import binding as _binding
@@ -749,7 +751,8 @@ def _dispatch_cold(
                 f"(shapes {[list(x.shape) for x in dtensors]})"
             )
     generation = _generation[0]
-    decision = _decide(func, args, kwargs, specs)
+    with _argument_errors(func, specs):
+        decision = _decide(func, args, kwargs, specs)
     where = _where(args, kwargs)
     if _may_widen(decision, specs):
         decision = _widen(func, args, kwargs, where, specs, decision)
@@ -759,7 +762,8 @@ def _dispatch_cold(
     components = _moved(func, dtensors, entry.moves, entry.communicates) if entry.moves else [
         d._components for d in dtensors
     ]
-    results = _run_local(op, func, args, kwargs, entry, components, check=True)
+    with _argument_errors(func, specs):
+        results = _run_local(op, func, args, kwargs, entry, components, check=True)
     entry.complete(op, _complete(func, args, kwargs, entry, decision, results[0]))
     with _publish:
         if _generation[0] == generation:
@@ -767,6 +771,24 @@ def _dispatch_cold(
     out = _finish(op, func, entry, results, dtensors, components)
     return out if entry.post is None else entry.post(func, out, *given)
 
+
+
+@contextlib.contextmanager
+def _argument_errors(func: Any, specs: list[DTensorSpec]) -> Iterator[None]:
+    """Torch's own rejection of an op's operands (a plain ``RuntimeError``: shapes that do not
+    broadcast, dtypes that do not mix) raised as ``OpArgumentError`` naming the global shapes,
+    placements and mesh, where torch's message names the local pieces at best."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, (ShardwiseError, NotImplementedError, torch.OutOfMemoryError)):
+            raise
+        shapes = [list(s.tensor_meta.shape) for s in specs]
+        placements = [list(s.placements) for s in specs]
+        raise OpArgumentError(
+            f"{func} cannot take DTensors of shapes {shapes} with placements {placements} on "
+            f"{specs[0].mesh}: {err}"
+        ) from err
 
 
 def _run_local(

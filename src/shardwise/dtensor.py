@@ -174,7 +174,7 @@ class DTensor(torch.Tensor):
 
     @dynamo_opaque
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """This process's component; when it owns several devices, use ``unpack`` (inside
+        """This process's component; when it owns several devices, use ``local_components`` (inside
         ``Strategy.run``, the component of the replica this thread acts for).
 
         ``grad_placements`` says how the gradient of the local tensor is to be read (PyTorch's
@@ -190,10 +190,10 @@ class DTensor(torch.Tensor):
                 f"to_local() of a DTensor of shape {list(self.shape)} with placements "
                 f"{list(self.placements)} needs a process that owns one device, but this one owns "
                 f"{len(self._components)} devices {list(self.device_mesh.local_device_ids)} of "
-                f"{self.device_mesh}; use shardwise.unpack(dt) for all its components"
+                f"{self.device_mesh}; use shardwise.local_components(dt) for all its components"
             )
         if grad_placements is None:
-            return unpack(self)[index]
+            return local_components(self)[index]
         return _Unpack.apply(self, _grad_spec(self._spec, grad_placements, "to_local"))[index]
 
     @dynamo_opaque
@@ -250,13 +250,13 @@ class DTensor(torch.Tensor):
 
     def data_ptr(self) -> int:
         """The local component's data pointer (for third-party kernels); with several local
-        devices there is no single pointer: use ``unpack`` or ``local_map``."""
+        devices there is no single pointer: use ``local_components`` or ``local_map``."""
         if len(self._components) != 1:
             raise LocalComponentsError(
                 f"data_ptr() of a DTensor of shape {list(self.shape)} with placements "
                 f"{list(self.placements)}: this process owns {len(self._components)} devices "
                 f"{list(self.device_mesh.local_device_ids)} of {self.device_mesh}, one pointer "
-                f"each; use shardwise.unpack(dt) or shardwise.local_map(fn, ...) instead"
+                f"each; use shardwise.local_components(dt) or shardwise.local_map(fn, ...) instead"
             )
         return self._components[0].data_ptr()
 
@@ -565,11 +565,13 @@ def _component_of(tensor: torch.Tensor, spec: DTensorSpec, device: int) -> torch
     return piece.clone(memory_format=torch.contiguous_format)
 
 
-def unpack(dtensor: DTensor) -> list[torch.Tensor]:
-    """This process's components of ``dtensor``, in ascending device id (differentiable)."""
+def local_components(dtensor: DTensor) -> list[torch.Tensor]:
+    """This process's raw components of ``dtensor``, one per local device in ascending id,
+    exactly as held (a ``Partial`` dim's pieces unreduced), differentiable. TF's ``unpack``
+    is the reduced view of the same."""
     if not isinstance(dtensor, DTensor):
         raise InvalidArgumentError(
-            f"unpack expects a DTensor, got {type(dtensor).__name__}"
+            f"local_components expects a DTensor, got {type(dtensor).__name__}"
             + (f" of shape {list(dtensor.shape)}" if isinstance(dtensor, torch.Tensor) else "")
         )
     return list(_Unpack.apply(dtensor))
