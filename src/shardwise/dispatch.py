@@ -750,6 +750,8 @@ def _dispatch_cold(
                 f"{func} got DTensors on different meshes: {mesh} and {d.device_mesh} "
                 f"(shapes {[list(x.shape) for x in dtensors]})"
             )
+    if not dtensors[0]._components:
+        return _outside_mesh(op, func, args, kwargs, dtensors)
     generation = _generation[0]
     with _argument_errors(func, specs):
         decision = _decide(func, args, kwargs, specs)
@@ -771,6 +773,29 @@ def _dispatch_cold(
     out = _finish(op, func, entry, results, dtensors, components)
     return out if entry.post is None else entry.post(func, out, *given)
 
+
+
+def _outside_mesh(op: _Op, func: Any, args: tuple, kwargs: dict, dtensors: list[DTensor]) -> Any:
+    """An op on a process that owns no device of the DTensors' mesh (PyTorch's
+    non-participating rank): the outputs' placements are decided and their global metadata
+    found on the meta device, as everywhere, but nothing runs and nothing is held."""
+    specs = [d._spec for d in dtensors]
+    with _argument_errors(func, specs):
+        decision = _decide(func, args, kwargs, specs)
+        metas = _meta_outputs(func, args, kwargs, _where(args, kwargs), specs)
+    if op.inplace:
+        return dtensors[0]
+    multi = isinstance(metas, (tuple, list))
+    meta_list = list(metas) if multi else [metas]
+    outs = decision.output_specs
+    spec_list = list(outs) if isinstance(outs, (tuple, list)) else [outs] * len(meta_list)
+    results = [
+        DTensor([], DTensorSpec(s.mesh, s.placements, make_tensor_meta(m)))
+        if s is not None and isinstance(m, torch.Tensor)
+        else (torch.empty(0, dtype=m.dtype) if isinstance(m, torch.Tensor) else m)
+        for s, m in zip(spec_list, meta_list, strict=True)
+    ]
+    return tuple(results) if multi else results[0]
 
 
 @contextlib.contextmanager

@@ -162,6 +162,8 @@ class DTensor(torch.Tensor):
                     pieces, device_mesh, placements, shape=shape, stride=stride, run_check=run_check
                 ),
             )
+        if not device_mesh.local_device_ids:
+            return _outside_mesh(local, device_mesh, placements, shape)
         if async_op:
             from .async_tensor import from_local_async
 
@@ -179,8 +181,11 @@ class DTensor(torch.Tensor):
 
         ``grad_placements`` says how the gradient of the local tensor is to be read (PyTorch's
         keyword), e.g. ``[Partial()]`` when each device's gradient is a partial sum; by default
-        it has this DTensor's placements.
+        it has this DTensor's placements. On a process that owns no device of the mesh it is an
+        empty tensor (shape ``(0,)``), as PyTorch gives a rank outside the mesh.
         """
+        if not self._components:
+            return _empty_piece(self)
         index = 0
         replica = settings.REPLICA_THREAD.get()
         if replica is not None and replica.count == len(self._components):
@@ -227,6 +232,9 @@ class DTensor(torch.Tensor):
                 f"{list(self.placements)} needs target placements"
             )
         target = validate_placements(self.shape, self.device_mesh, placements)
+        if not self._components:  # a process outside the mesh takes no part (PyTorch's rule)
+            spec = self._spec.with_placements(target)
+            return DTensor([], spec, requires_grad=self.requires_grad)
         if forward_dtype is not None or backward_dtype is not None:
             return _Redistribute.apply(self, target, forward_dtype, backward_dtype)
         if target == self.placements:
@@ -290,7 +298,10 @@ class DTensor(torch.Tensor):
 
         ``grad_placements`` (Replicate or Partial per mesh dim) says how the gradient of the
         result is to be read: ``[Partial()]`` when each device computes a partial gradient.
+        On a process that owns no device of the mesh it is an empty tensor, as in PyTorch.
         """
+        if not self._components:
+            return _empty_piece(self)
         replicated = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim)
         if grad_placements is None:
             return _FirstComponent.apply(replicated)
@@ -299,6 +310,36 @@ class DTensor(torch.Tensor):
 
 
 # ----- construction helpers ------------------------------------------------------------------
+
+
+def _empty_piece(dtensor: DTensor) -> torch.Tensor:
+    """What a process outside the mesh holds of ``dtensor`` (PyTorch: an empty local tensor)."""
+    return torch.empty(
+        0, dtype=dtensor.dtype, device=dtensor.device, requires_grad=dtensor.requires_grad
+    )
+
+
+def _outside_mesh(
+    local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
+) -> DTensor:
+    """``from_local`` on a process that owns no device of ``mesh`` (PyTorch's non-participating
+    rank): nothing is held or sent; the global shape is ``shape``, or ``local``'s as if every
+    device held a piece of that shape."""
+    if not isinstance(local, torch.Tensor):
+        raise PackError(
+            f"this process owns no device of {mesh}: from_local takes one tensor there (it "
+            f"gives the dtype and, without shape=, the per-device shape), got "
+            f"{type(local).__name__}"
+        )
+    normalized = validate_placements([0] * local.ndim, mesh, placements)
+    if shape is None:
+        shape = list(local.shape)
+        for m, p in enumerate(normalized):
+            if isinstance(p, Shard):
+                shape[p.dim] *= mesh.shape[m]
+    normalized = validate_placements(shape, mesh, normalized)
+    spec = DTensorSpec(mesh, normalized, contiguous_meta(shape, local.dtype))
+    return DTensor([], spec, requires_grad=local.requires_grad)
 
 
 def _as_components(
@@ -531,6 +572,8 @@ def distribute_tensor(
         for size in device_mesh.shape:  # row-major index of coordinate (k, k, ..., k)
             flat = flat * size + src_data_rank
         source = device_mesh.owner_of(device_mesh.device_ids[flat])
+    if not local:  # a process outside the mesh takes no part and holds nothing (PyTorch's rule)
+        return DTensor([], spec, requires_grad=tensor.requires_grad)
     if data.is_meta:  # deferred init: meta pieces, materialized later without communication
         return DTensor(
             [_component_of(data, spec, d) for d in local], spec, requires_grad=tensor.requires_grad
