@@ -1,4 +1,4 @@
-"""Autograd through from_local / pack, redistribute, full_tensor, to_local and unpack.
+"""Autograd through from_local / pack, redistribute, full_tensor, to_local and local_components.
 
 Components are built from one float64 input ``x`` with the reference geometry so that
 ``from_local(...).redistribute(target).full_tensor()`` is the identity on ``x``: on Replicate
@@ -122,7 +122,9 @@ def test_gradcheck_3d() -> None:
     ],
     ids=repr,
 )
-def test_unpack_of_pack_is_identity_for_gradients(placements: tuple[Placement, ...]) -> None:
+def test_local_components_of_pack_is_identity_for_gradients(
+    placements: tuple[Placement, ...],
+) -> None:
     shapes = [
         tuple(len(i) for i in ref_indices((3, 4), (2, 2), placements, c))
         for c in ((0, 0), (0, 1), (1, 0), (1, 1))
@@ -130,7 +132,7 @@ def test_unpack_of_pack_is_identity_for_gradients(placements: tuple[Placement, .
     components = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in shapes]
 
     def f(*cs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(sw.unpack(sw.DTensor.from_local(list(cs), MESH2, placements)))
+        return tuple(sw.local_components(sw.DTensor.from_local(list(cs), MESH2, placements)))
 
     assert torch.autograd.gradcheck(f, tuple(components))
 
@@ -145,25 +147,25 @@ def test_unpack_of_pack_is_identity_for_gradients(placements: tuple[Placement, .
     ],
     ids=repr,
 )
-def test_gradcheck_unpack_of_sharded_result(
+def test_gradcheck_local_components_of_sharded_result(
     source: tuple[Placement, ...], target: tuple[Placement, ...]
 ) -> None:
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
 
     def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dt = sw.DTensor.from_local(grad_components(x, MESH1, source), MESH1, source)
-        return tuple(sw.unpack(dt.redistribute(placements=target)))
+        return tuple(sw.local_components(dt.redistribute(placements=target)))
 
     assert torch.autograd.gradcheck(f, (x,))
 
 
-def test_unpack_of_replicated_result_follows_spmd_convention() -> None:
+def test_local_components_of_replicated_result_follows_spmd_convention() -> None:
     """Every device of a Replicate dim is a replica running the same loss (SPMD): the
     gradient is one replica's, and it reaches every shard of the source."""
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, 4, dtype=torch.float64)
     dt = sw.DTensor.from_local(grad_components(x, MESH1, (Shard(0),)), MESH1, [Shard(0)])
-    copies = sw.unpack(dt.redistribute(placements=[Replicate()]))
+    copies = sw.local_components(dt.redistribute(placements=[Replicate()]))
     sum((c * w).sum() for c in copies).backward()
     assert torch.allclose(x.grad, w)
 

@@ -217,13 +217,13 @@ def test_plan_op_replans_from_its_key_alone() -> None:
     plan = plan_redistribute(d._spec, (Shard(1),))
     key = traced._key(plan, mesh, x.dtype)
     traced._entries.pop(key, None)
-    out = torch.ops.shardwise.execute_plan(sw.unpack(d), key)
+    out = torch.ops.shardwise.execute_plan(sw.local_components(d), key)
     expected = d.redistribute(placements=[Shard(1)])
-    for got, want in zip(out, sw.unpack(expected), strict=True):
+    for got, want in zip(out, sw.local_components(expected), strict=True):
         assert torch.equal(got, want)
     traced._entries.pop(key, None)
     mode = FakeTensorMode()
-    fakes = [mode.from_tensor(c.detach()) for c in sw.unpack(d)]
+    fakes = [mode.from_tensor(c.detach()) for c in sw.local_components(d)]
     with mode:
         fake = torch.ops.shardwise.execute_plan(fakes, key)
     assert [list(f.shape) for f in fake] == [[7, 2], [7, 2], [7, 1]]

@@ -180,18 +180,18 @@ def test_from_local_components_that_do_not_fit() -> None:
     )
 
 
-def test_to_local_with_several_local_devices_points_to_unpack() -> None:
+def test_to_local_with_several_local_devices_points_to_local_components() -> None:
     dt = sw.distribute_tensor(X, MESH22, [Shard(0), Partial()])
     err = _raises(
         lambda: dt.to_local(),
         sw.LocalComponentsError,
-        "unpack",
+        "local_components",
         str(MESH22),
         "[4, 6]",
         "[Shard(dim=0), Partial()]",
     )
     assert isinstance(err, RuntimeError)
-    assert len(sw.unpack(dt)) == 4
+    assert len(sw.local_components(dt)) == 4
 
 
 def test_bad_placement_values() -> None:

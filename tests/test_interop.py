@@ -66,14 +66,14 @@ def test_data_ptr_is_the_local_component_pointer() -> None:
     mesh = sw.DeviceMesh("cpu", [0])
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     dt = sw.distribute_tensor(x, mesh, [Shard(0)])
-    (local,) = sw.unpack(dt)
+    (local,) = sw.local_components(dt)
     assert dt.data_ptr() == local.data_ptr()
     assert _floats(dt.data_ptr(), 12).tolist() == x.flatten().tolist()
 
 
 def test_data_ptr_with_several_local_devices_says_what_to_use(mesh22: sw.DeviceMesh) -> None:
     dt = sw.distribute_tensor(torch.zeros(4, 4), mesh22, [Shard(0), Replicate()])
-    with pytest.raises(sw.LocalComponentsError, match=r"unpack.*local_map") as err:
+    with pytest.raises(sw.LocalComponentsError, match=r"local_components.*local_map") as err:
         dt.data_ptr()
     assert "[4, 4]" in str(err.value) and "Shard(dim=0)" in str(err.value)
 
@@ -167,7 +167,7 @@ def test_async_redistribute_equals_blocking_bit_for_bit(
     dt = sw.distribute_tensor(x, mesh22, [p if not p.is_partial() else Replicate() for p in source])
     if any(p.is_partial() for p in source):  # a genuine Partial value: local sums differ
         dt = sw.DTensor.from_local(
-            [torch.randn(c.shape) for c in sw.unpack(dt)], mesh22, source, shape=shape
+            [torch.randn(c.shape) for c in sw.local_components(dt)], mesh22, source, shape=shape
         )
     with sw.CommCounter() as expected:
         blocking = dt.redistribute(placements=target)
@@ -177,7 +177,7 @@ def test_async_redistribute_equals_blocking_bit_for_bit(
         assert pending.shape == blocking.shape and pending.placements == blocking.placements
         ready = pending.wait()
     assert counted.counts == expected.counts and counted.bytes == expected.bytes
-    for got, want in zip(sw.unpack(ready), sw.unpack(blocking), strict=True):
+    for got, want in zip(sw.local_components(ready), sw.local_components(blocking), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
@@ -210,7 +210,7 @@ def test_async_from_local_with_run_check_broadcasts(mesh22: sw.DeviceMesh) -> No
     out = sw.DTensor.from_local(parts, mesh22, [Replicate(), Shard(0)], run_check=True,
                                 async_op=True)
     want = sw.DTensor.from_local(parts, mesh22, [Replicate(), Shard(0)], run_check=True)
-    for got, ref in zip(sw.unpack(out), sw.unpack(want), strict=True):
+    for got, ref in zip(sw.local_components(out), sw.local_components(want), strict=True):
         assert torch.equal(got, ref)
 
 

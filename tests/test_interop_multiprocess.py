@@ -79,7 +79,7 @@ def save_job(ckdir: str) -> dict:
         target = [Replicate()] * mesh.ndim
         for got in (dt.redistribute(placements=target),
                     dt.redistribute(placements=target, async_op=True).wait()):
-            pieces = sw.unpack(got)
+            pieces = sw.local_components(got)
             out["gathered"].append(
                 all(p.dtype == dtype and torch.equal(p, full) for p in pieces)
                 and len({p.data_ptr() for p in pieces if p.numel()}) == len(pieces)
@@ -91,11 +91,12 @@ def save_job(ckdir: str) -> dict:
         placements = [Replicate() if p.is_partial() else p for p in source]
         dt = sw.distribute_tensor(full, mesh, placements)
         if placements != source:  # distinct local values under Partial
+            pieces = sw.local_components(dt)
             dt = sw.DTensor.from_local([c * (1 + d) for c, d in zip(
-                sw.unpack(dt), mesh.local_device_ids, strict=True)], mesh, source, shape=shape)
-        want = sw.unpack(dt.redistribute(placements=target))
+                pieces, mesh.local_device_ids, strict=True)], mesh, source, shape=shape)
+        want = sw.local_components(dt.redistribute(placements=target))
         pending = dt.redistribute(placements=target, async_op=True)
-        got = sw.unpack(pending.wait())
+        got = sw.local_components(pending.wait())
         out["async_equal"].append(all(torch.equal(a, b) for a, b in zip(got, want, strict=True)))
     mesh = _mesh((2,))
     dt = sw.distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])

@@ -128,7 +128,7 @@ def test_pending_half_sum_keeps_its_dtype_and_rounds_once() -> None:
     a, b = _cancelling(f16)
     out = _d(a, [Shard(1)], MESH4) @ _d(b, [Shard(0)], MESH4)
     assert out.dtype == f16 and out.placements == (Partial(),)
-    local = sw.unpack(out)  # what a user declared: float16 pieces (each rounded on its own)
+    local = sw.local_components(out)  # what a user declared: float16 pieces (each rounded)
     assert all(c.dtype == f16 for c in local)
     assert out.redistribute(placements=[Shard(0)]).dtype == f16
     assert torch.equal(out.redistribute(placements=[Shard(0)]).full_tensor(), a @ b)

@@ -67,7 +67,8 @@ def _source(mesh: sw.DeviceMesh, shape: tuple, placements: tuple) -> list[torch.
     different random tensor per device (seeded by device id, so every mode draws the same)."""
     if not any(p.is_partial() for p in placements):
         full = torch.arange(prod(shape), dtype=torch.float32).reshape(shape) / 7
-        return [c.clone() for c in sw.unpack(sw.distribute_tensor(full, mesh, placements))]
+        pieces = sw.local_components(sw.distribute_tensor(full, mesh, placements))
+        return [c.clone() for c in pieces]
     spec = DTensorSpec(mesh, placements, contiguous_meta(shape, torch.float32))
     return [
         torch.randn(spec.local_shape(d), generator=torch.Generator().manual_seed(1000 + d))
@@ -92,7 +93,7 @@ def redistribution_checks(mesh_shape: tuple[int, ...]) -> dict:
                 y = x.redistribute(placements=dst)
             z = y.redistribute(placements=src)
             key = f"{mesh_shape} {shape} {list(src)} -> {list(dst)}"
-            pairs = zip(sw.unpack(y), sw.unpack(z), strict=True)
+            pairs = zip(sw.local_components(y), sw.local_components(z), strict=True)
             values[key] = dict(zip(mesh.local_device_ids, pairs, strict=True))
             counts.append(
                 (

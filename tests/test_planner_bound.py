@@ -155,7 +155,7 @@ def _check_pair(mesh: sw.DeviceMesh, x: torch.Tensor, source: tuple, target: tup
     with sw.CommCounter() as counter:
         out = dt.redistribute(placements=target)
     assert counter.total_bytes == plan.bytes
-    check_components(sw.unpack(out), x, mesh, target)
+    check_components(sw.local_components(out), x, mesh, target)
     assert torch.equal(out.full_tensor(), x)
 
 

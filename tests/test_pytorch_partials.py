@@ -42,7 +42,7 @@ def test_mean_is_avg_of_local_means_on_even_shards() -> None:
          [x[:2].mean((0, 1), keepdim=True), x[2:].mean((0, 1), keepdim=True)]),
     ]:
         assert got.placements == (Partial("avg"),)
-        for c, w in zip(sw.unpack(got), local, strict=True):
+        for c, w in zip(sw.local_components(got), local, strict=True):
             torch.testing.assert_close(c, w)
         torch.testing.assert_close(got.full_tensor(), want)
     kept = d.mean(1)  # over an unsharded dim: stays sharded
@@ -55,7 +55,7 @@ def test_mean_on_a_2d_mesh_and_of_partial_inputs() -> None:
     m = d.mean()
     assert m.placements == (Partial("avg"), Partial("avg"))
     blocks = [x[i * 2:(i + 1) * 2, j * 3:(j + 1) * 3].mean() for i in range(2) for j in range(2)]
-    for c, w in zip(sw.unpack(m), blocks, strict=True):
+    for c, w in zip(sw.local_components(m), blocks, strict=True):
         torch.testing.assert_close(c, w)
     torch.testing.assert_close(m.full_tensor(), x.mean())
     # mean is linear: a pending sum stays pending
@@ -76,7 +76,7 @@ def test_mean_over_uneven_shards_stays_exact(rows: int) -> None:
     assert m.placements == (Partial(),)
     first = (rows + 1) // 2
     shares = [x[:first].sum(0) / rows, x[first:].sum(0) / rows]
-    for c, w in zip(sw.unpack(m), shares, strict=True):
+    for c, w in zip(sw.local_components(m), shares, strict=True):
         torch.testing.assert_close(c, w)
     torch.testing.assert_close(m.full_tensor(), x.mean(0))
 
@@ -87,7 +87,7 @@ def test_partial_avg_redistributes_and_backpropagates() -> None:
     m = sw.distribute_tensor(x, mesh, [Shard(0)]).mean(0)
     torch.testing.assert_close(m.redistribute(placements=[Replicate()]).full_tensor(), x.mean(0))
     scattered = m.redistribute(placements=[Shard(0)])
-    for c, w in zip(sw.unpack(scattered), x.mean(0).chunk(2), strict=True):
+    for c, w in zip(sw.local_components(scattered), x.mean(0).chunk(2), strict=True):
         torch.testing.assert_close(c, w)
     # from_local with Partial("avg"): the gradient of each piece is 1/n of the global one
     pieces = [x[:2].mean(0).requires_grad_(), x[2:].mean(0).requires_grad_()]
@@ -108,7 +108,7 @@ def test_cross_entropy_mean_is_avg_of_local_means() -> None:
     loss = F.cross_entropy(dx, dt)
     assert loss.placements == (Partial("avg"),)
     local = [F.cross_entropy(logits[:3], target[:3]), F.cross_entropy(logits[3:], target[3:])]
-    for c, w in zip(sw.unpack(loss), local, strict=True):
+    for c, w in zip(sw.local_components(loss), local, strict=True):
         torch.testing.assert_close(c, w)
     ref = logits.clone().requires_grad_()
     expected = F.cross_entropy(ref, target)
@@ -140,7 +140,7 @@ def test_mse_mean_is_avg_of_local_means_on_even_shards() -> None:
     loss = F.mse_loss(sw.distribute_tensor(x, mesh, [Shard(0)]),
                       sw.distribute_tensor(y, mesh, [Shard(0)]))
     assert loss.placements == (Partial("avg"),)
-    for c, half in zip(sw.unpack(loss), (slice(0, 2), slice(2, 4)), strict=True):
+    for c, half in zip(sw.local_components(loss), (slice(0, 2), slice(2, 4)), strict=True):
         torch.testing.assert_close(c, F.mse_loss(x[half], y[half]))
     torch.testing.assert_close(loss.full_tensor(), F.mse_loss(x, y))
 
@@ -156,7 +156,7 @@ def test_vector_norm_is_a_pending_norm(p: float) -> None:
         n = torch.linalg.vector_norm(d, p)
     assert counter.counts == {}
     assert n.placements == (norm_partial(p),)
-    for c, half in zip(sw.unpack(n), (x[:3], x[3:]), strict=True):
+    for c, half in zip(sw.local_components(n), (x[:3], x[3:]), strict=True):
         torch.testing.assert_close(c, torch.linalg.vector_norm(half, p))
     torch.testing.assert_close(n.full_tensor(), torch.linalg.vector_norm(x, p))
 
@@ -175,7 +175,7 @@ def test_pending_norm_semantics_and_redistribution() -> None:
         d = sw.DTensor.from_local([a, b], mesh, [Partial(op)])
         torch.testing.assert_close(d.full_tensor(), want)
         scattered = d.redistribute(placements=[Shard(0)])
-        torch.testing.assert_close(torch.cat(sw.unpack(scattered)), want)
+        torch.testing.assert_close(torch.cat(sw.local_components(scattered)), want)
         # Replicate -> pending norm moves nothing and keeps the value
         whole = scattered.redistribute(placements=[Replicate()])
         back = whole.redistribute(placements=[Partial(op)])

@@ -57,7 +57,7 @@ def _partial_components(
 ) -> list[torch.Tensor]:
     """Components whose reduction is exactly ``x`` but that differ per device on a 1-D mesh
     (every reduce op really combines something); ``distribute_tensor``'s on 2-D meshes."""
-    base = sw.unpack(sw.distribute_tensor(x, mesh, placements))
+    base = sw.local_components(sw.distribute_tensor(x, mesh, placements))
     if mesh.ndim != 1 or not placements[0].is_partial():
         return base
     op, n = placements[0].reduce_op, mesh.size()

@@ -28,20 +28,39 @@ def test_unpack_of_a_sum_over_a_sharded_axis_is_reduced(mesh: sw.DeviceMesh) -> 
     d = torch.sum(sw.copy_to_mesh(x, Layout(["x", "y"], mesh)), dim=1)
     assert any(isinstance(p, Partial) for p in d.placements)  # PyTorch's view keeps Partial
     rows = x.sum(dim=1)  # TF 2.21: [15, 51]
-    # unpack stays this process's raw components (shardwise's accessor, Partial included);
-    # TF's unpack of a pending sum is still open (issue 19): read it after relayout
-    reduced = sw.relayout(d, sw.fetch_layout(d))
-    components = sw.unpack(reduced)
+    components = sw.unpack(d)
     assert [c.tolist() for c in components] == [
         [rows[_x_of(mesh, i)].item()] for i in mesh.local_device_ids
     ]
     assert [c[0].item() for c in components] == [15.0] * 3 + [51.0] * 3
     assert sw.fetch_layout(d) == Layout(["x"], mesh)
     sw.check_layout(d, Layout(["x"], mesh))
-    again = sw.pack(sw.unpack(reduced), sw.fetch_layout(d))
+    again = sw.pack(sw.unpack(d), sw.fetch_layout(d))
     assert torch.equal(again.full_tensor(), rows)
     assert torch.equal(sw.relayout(d, Layout([UNSHARDED], mesh)).full_tensor(), rows)
     assert any(isinstance(p, Partial) for p in d.placements)  # d itself is unchanged
+
+
+def test_local_components_are_the_raw_partial_pieces(mesh: sw.DeviceMesh) -> None:
+    x = torch.arange(12.0).reshape(2, 6)
+    d = torch.sum(sw.copy_to_mesh(x, Layout(["x", "y"], mesh)), dim=1)
+    raw = sw.local_components(d)
+    for device, piece in zip(mesh.local_device_ids, raw, strict=True):
+        row, col = mesh.coordinate_of(device)
+        assert piece.tolist() == [x[row].chunk(3)[col].sum().item()]  # the unreduced block sum
+    assert torch.equal(sw.DTensor.from_local(raw, mesh, d.placements).full_tensor(), x.sum(1))
+
+
+def test_unpack_of_a_pending_reduction_is_differentiable(mesh: sw.DeviceMesh) -> None:
+    x = torch.arange(12.0).reshape(2, 6).requires_grad_()
+    d = torch.sum(sw.copy_to_mesh(x, Layout(["x", "y"], mesh)), dim=1)
+    w = torch.tensor([2.0, 5.0])
+    components = sw.unpack(d)
+    pairs = zip(mesh.local_device_ids, components, strict=True)
+    sum(c.sum() * w[_x_of(mesh, i)] for i, c in pairs).backward()
+    # the 3 copies of a row sum are replicas of one value (shardwise's SPMD convention for
+    # Replicate components): the gradient is one replica's, d(w . x.sum(1))/dx
+    assert torch.equal(x.grad, w[:, None].expand(2, 6))
 
 
 def test_matmul_of_two_sharded_operands_is_reduced_under_the_tf_api(mesh: sw.DeviceMesh) -> None:
@@ -52,13 +71,12 @@ def test_matmul_of_two_sharded_operands_is_reduced_under_the_tf_api(mesh: sw.Dev
     out = da @ db
     expected = a @ b
     assert sw.fetch_layout(out) == Layout(["x", UNSHARDED], mesh)
-    reduced = sw.relayout(out, sw.fetch_layout(out))
-    for device, component in zip(mesh.local_device_ids, sw.unpack(reduced), strict=True):
+    for device, component in zip(mesh.local_device_ids, sw.unpack(out), strict=True):
         assert torch.equal(component, expected.chunk(2, dim=0)[_x_of(mesh, device)])
+    assert torch.equal(sw.pack(sw.unpack(out), sw.fetch_layout(out)).full_tensor(), expected)
     contracted = torch.einsum("ij->i", da)
     assert sw.fetch_layout(contracted) == Layout(["x"], mesh)
-    reduced = sw.relayout(contracted, sw.fetch_layout(contracted))
-    assert torch.equal(torch.cat(sw.unpack(reduced)[::3]), a.sum(dim=1))
+    assert torch.equal(torch.cat(sw.unpack(contracted)[::3]), a.sum(dim=1))
 
 
 def test_dvariable_of_a_pending_reduction_holds_the_reduced_value(mesh: sw.DeviceMesh) -> None:
@@ -76,7 +94,7 @@ def test_pytorch_named_apis_keep_the_partial_state(mesh: sw.DeviceMesh) -> None:
     d = torch.sum(sw.copy_to_mesh(x, Layout(["x", "y"], mesh)), dim=1)
     sw.unpack(d)
     assert isinstance(d.placements[1], Partial)
-    partial_sums = [c.tolist() for c in d._components]
+    partial_sums = [c.tolist() for c in sw.local_components(d)]
     assert partial_sums[0] == [x[0, :2].sum().item()]  # device 0 holds its block's sum
 
 
@@ -184,6 +202,105 @@ def test_invalid_argument_errors_are_value_errors(mesh: sw.DeviceMesh) -> None:
     assert isinstance(info.value, TypeError)  # older TF's TypeError
 
 
+def test_op_shape_mismatches_are_value_errors_as_tf_and_runtime_errors_as_torch(
+    mesh: sw.DeviceMesh,
+) -> None:
+    a, b = torch.ones(4), torch.ones(3)
+    with pytest.raises(RuntimeError):
+        a + b  # single-device torch rejects it too
+    da = sw.copy_to_mesh(a, Layout([UNSHARDED], mesh))
+    db = sw.copy_to_mesh(b, Layout([UNSHARDED], mesh))
+    with pytest.raises(sw.OpArgumentError, match=r"\[\[4\], \[3\]\]") as info:
+        da + db  # TF 2.21: InvalidArgumentError "Incompatible shapes: [4] vs. [3]"
+    assert isinstance(info.value, ValueError) and isinstance(info.value, RuntimeError)
+    assert isinstance(info.value, sw.InvalidArgumentError) and str(mesh) in str(info.value)
+    left = sw.copy_to_mesh(torch.ones(4, 3), Layout(["x", UNSHARDED], mesh))
+    right = sw.copy_to_mesh(torch.ones(2, 5), Layout.replicated(mesh, 2))
+    with pytest.raises(ValueError, match=r"\[\[4, 3\], \[2, 5\]\].*Shard\(dim=0\)"):
+        left @ right  # the global shapes are named, not the local pieces'
+    with pytest.raises(ValueError, match="rank"):
+        sw.copy_to_mesh(torch.ones(2, 2), Layout(["x"], mesh))  # TF: layout rank mismatch
+    with pytest.raises(ValueError, match="repeated"):
+        Layout(["x", "x"], mesh)
+
+
+# ----- 6. torch's factory functions under default_mesh -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(4),
+        lambda: torch.zeros(2, 3, dtype=torch.float64),
+        lambda: torch.full((2,), 3.5),
+        lambda: torch.empty(3).fill_(2.0),
+        lambda: torch.arange(5),
+        lambda: torch.linspace(0.0, 1.0, 4),
+    ],
+    ids=["ones", "zeros", "full", "empty", "arange", "linspace"],
+)
+def test_factories_under_default_mesh_are_replicated_dtensors(
+    mesh: sw.DeviceMesh, make
+) -> None:
+    expected = make()  # outside the block: torch's plain tensor
+    assert not isinstance(expected, sw.DTensor)
+    with sw.default_mesh(mesh):
+        got = make()
+    assert isinstance(got, sw.DTensor) and got.device_mesh is mesh
+    assert sw.fetch_layout(got) == Layout.replicated(mesh, expected.ndim)
+    assert got.dtype == expected.dtype and torch.equal(got.full_tensor(), expected)
+    assert all(torch.equal(c, expected) for c in sw.unpack(got))
+
+
+def test_random_factories_under_default_mesh_draw_as_torch(mesh: sw.DeviceMesh) -> None:
+    draws = [lambda: torch.rand(3), lambda: torch.randn(2, 2), lambda: torch.randint(0, 9, (4,))]
+    for draw in draws:
+        torch.manual_seed(3)
+        expected = draw()
+        torch.manual_seed(3)
+        with sw.default_mesh(mesh):
+            got = draw()
+        assert isinstance(got, sw.DTensor) and torch.equal(got.full_tensor(), expected)
+        assert all(torch.equal(c, expected) for c in sw.unpack(got))
+
+
+def test_default_mesh_factories_keep_grad_and_leave_constants_and_libraries_plain(
+    mesh: sw.DeviceMesh,
+) -> None:
+    given = torch.zeros(2)
+    with sw.default_mesh(mesh):
+        w = torch.ones(3, requires_grad=True)
+        constant = torch.tensor([1.0, 2.0])  # tf.constant stays a plain tensor too
+        linear = torch.nn.Linear(3, 2)  # torch's own torch.empty inside stays plain
+        written = torch.ones(2, out=given)
+    assert isinstance(w, sw.DTensor) and w.is_leaf and w.requires_grad
+    (w * 2).sum().full_tensor().backward()
+    assert torch.equal(w.grad.full_tensor(), torch.full((3,), 2.0))
+    assert type(constant) is torch.Tensor and type(linear.weight) is torch.nn.Parameter
+    assert written is given and type(given) is torch.Tensor
+
+
+def test_default_mesh_factories_nest_and_stay_in_their_thread(mesh: sw.DeviceMesh) -> None:
+    import threading
+
+    small = sw.create_mesh([("a", 2)])
+    assert type(torch.ones(2)) is torch.Tensor
+    seen = []
+    with sw.default_mesh(mesh):
+        with sw.default_mesh(small):
+            assert torch.ones(2).device_mesh is small  # the inner mesh wins
+        assert torch.ones(2).device_mesh is mesh  # and the outer one is back
+        other = threading.Thread(target=lambda: seen.append(type(torch.ones(2))))
+        other.start()
+        other.join(timeout=30)
+        with mesh:  # PyTorch's `with mesh:` is not TF's default mesh: torch.ones stays plain
+            pass
+    assert seen == [torch.Tensor]  # another thread is not inside the block
+    assert type(torch.ones(2)) is torch.Tensor
+    with small:
+        assert type(torch.ones(2)) is torch.Tensor
+
+
 # ----- the same across two clients -------------------------------------------------------
 
 
@@ -197,7 +314,7 @@ def two_client_job() -> dict:
     return {
         "is_mesh": isinstance(mesh, sw.Mesh),
         "size": int(mesh.size),
-        "unpacked": [c.tolist() for c in sw.unpack(sw.relayout(total, sw.fetch_layout(total)))],
+        "unpacked": [c.tolist() for c in sw.unpack(total)],
         "layout": sw.fetch_layout(total).sharding_specs,
         "locations": mesh.local_device_locations(),
         "counts": counts,

@@ -138,6 +138,9 @@ def _multi_worker_program() -> dict:
         "plain_sum": s.reduce("SUM", torch.arange(6.0).reshape(3, 2), axis=0).tolist(),
         "int_mean": s.reduce("MEAN", ints, axis=None).tolist(),
         "int_dtype": str(s.reduce("MEAN", ints, axis=None).dtype),
+        "int_reduce_to": [
+            c.tolist() for c in local(s, s.extended.reduce_to("MEAN", ints, destinations=ints))
+        ],
     }
 
 
@@ -154,6 +157,7 @@ def test_multi_worker_matches_tf() -> None:
         assert got["plain_sum"] == (4 * torch.arange(6.0).reshape(3, 2).sum(0)).tolist()
         assert got["int_mean"] == [(0 + 1 + 2 + 3) / 4, 1.0]
         assert got["int_dtype"] == "torch.float64"
+        assert got["int_reduce_to"] == [[(0 + 1 + 2 + 3) / 4, 1.0]] * 2
 
 
 # ----- 2. reduce of plain tensors, nests, integers ---------------------------------------------
@@ -200,6 +204,105 @@ def test_reduce_mean_of_integers_true_divides(n: int) -> None:
     torch.testing.assert_close(got, torch.cat(uneven).double().mean())
     total = s.reduce("SUM", swd.PerReplica(parts), axis=None)
     assert total.dtype == torch.int32 and total.tolist() == torch.stack(parts).sum(0).tolist()
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_reduce_to_and_batch_reduce_to_mean_of_integers_true_divide(n: int) -> None:
+    """TF 2.21: reduce_to, batch_reduce_to and a replica context's all_reduce give an integer
+    MEAN as the sum true-divided by the replica count, float64 (reduce already did)."""
+    s = mirrored(n)
+    parts = [torch.tensor([i, 3 * i + 1], dtype=torch.int32) for i in range(n)]
+    longs = [torch.tensor(i + 1, dtype=torch.int64) for i in range(n)]
+    expected = torch.stack(parts).double().sum(0) / n
+    expected_longs = torch.stack(longs).double().sum() / n
+    value = swd.PerReplica(parts)
+    got = s.extended.reduce_to("MEAN", value, destinations="cpu:0")
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected)
+    mirrored_out = s.extended.reduce_to("MEAN", value, destinations=value)
+    for copy in local(s, mirrored_out):
+        assert copy.dtype == torch.float64
+        torch.testing.assert_close(copy, expected)
+    both = s.extended.batch_reduce_to(
+        "MEAN", [(value, value), (swd.PerReplica(longs), value), (swd.PerReplica(parts), value)]
+    )
+    for got, want in zip(both, (expected, expected_longs, expected), strict=True):
+        for copy in local(s, got):
+            assert copy.dtype == torch.float64
+            torch.testing.assert_close(copy, want)
+    summed = s.extended.reduce_to("SUM", value, destinations="cpu:0")
+    assert summed.dtype == torch.int32 and summed.tolist() == torch.stack(parts).sum(0).tolist()
+
+    def replica_fn() -> torch.Tensor:
+        i = int(swd.get_replica_context().replica_id_in_sync_group)
+        return swd.get_replica_context().all_reduce("MEAN", parts[i])
+
+    for copy in local(s, s.run(replica_fn)):
+        assert copy.dtype == torch.float64
+        torch.testing.assert_close(copy, expected)
+
+
+# ----- per-replica backward: TF's GradientTape values, not doubled ----------------------------
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_per_replica_backward_gives_gradient_tape_values(n: int) -> None:
+    """loss.backward() in each replica thread: each copy gets its own replica's gradient
+    (TF: tape.gradient(w * x_i, w) = x_i); the gradient through an all_reduce SUM is the
+    all-reduce of the upstream gradients (TF: N * x_i), the only N-fold factor."""
+    s = mirrored(n)
+    with s.scope():
+        w = swd.Variable(torch.tensor(2.0))
+    xs = swd.PerReplica([torch.tensor(float(i + 1)) for i in range(n)])
+
+    def local_loss(x: torch.Tensor) -> None:
+        (w * x).backward()
+
+    s.run(local_loss, args=(xs,))
+    assert [c.grad.item() for c in w.values] == [float(i + 1) for i in range(n)]
+    for c in w.values:
+        c.tensor.grad = None
+
+    def reduced_loss(x: torch.Tensor) -> None:
+        swd.get_replica_context().all_reduce("SUM", w * x).backward()
+
+    s.run(reduced_loss, args=(xs,))
+    assert [c.grad.item() for c in w.values] == [n * float(i + 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("make", (mirrored, central))
+@pytest.mark.parametrize("reduction", ("sum", "mean"))
+def test_distributed_module_backward_and_optimizer_match_single_device(make, reduction) -> None:
+    """Each replica's loss is the mean over its half of the batch. TF sums replica gradients
+    in apply_gradients (N times the single-device step of a mean loss); MEAN gives exactly
+    the single-device step. Three steps, compared with plain torch SGD."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    net = torch.nn.Linear(3, 1)
+    reference = torch.nn.Linear(3, 1)
+    reference.load_state_dict(net.state_dict())
+    s = make(2)
+    with s.scope():
+        model = s.distribute_module(net)
+        opt = swd.Optimizer(torch.optim.SGD, model.variables(), lr=0.1,
+                            gradient_reduction=reduction)
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        ((model(xb) - yb) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    factor = 2 if reduction == "sum" else 1
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1 * factor)
+    for _ in range(3):
+        for batch in s.experimental_distribute_dataset([(x, y)]):
+            s.run(step, args=batch)
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    weight = model.variables()[0]
+    for copy in getattr(weight, "values", (weight,)):
+        torch.testing.assert_close(copy.value(), reference.weight.detach())
 
 
 # ----- 3. synchronization ----------------------------------------------------------------------

@@ -29,7 +29,7 @@ from .dispatch import (
     set_implicit_redistribute,
     set_redistribute_logging,
 )
-from .dtensor import DTensor, distribute_tensor
+from .dtensor import DTensor, distribute_tensor, local_components
 from .errors import (
     CheckpointMismatchError,
     CollectiveError,
@@ -45,6 +45,7 @@ from .errors import (
     LocalComponentsError,
     MeshError,
     NotEagerError,
+    OpArgumentError,
     PackError,
     ParallelPlanError,
     ParallelStyleError,
@@ -142,6 +143,7 @@ __all__ = [
     "LocalComponentsError",
     "MATCH",
     "MeshError",
+    "OpArgumentError",
     "PackError",
     "ParallelPlanError",
     "ParallelStyleError",
@@ -173,6 +175,7 @@ __all__ = [
     "implicit_replication",
     "init_device_mesh",
     "is_dtensor",
+    "local_components",
     "manual_seed",
     "materialize_module",
     "ones",

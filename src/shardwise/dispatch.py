@@ -37,6 +37,8 @@ from .errors import (
     DTensorCollectiveError,
     ImplicitRedistributeError,
     MeshError,
+    OpArgumentError,
+    ShardwiseError,
     UnsupportedOpError,
 )
 from .fast_call import binding as _binding
@@ -748,8 +750,11 @@ def _dispatch_cold(
                 f"{func} got DTensors on different meshes: {mesh} and {d.device_mesh} "
                 f"(shapes {[list(x.shape) for x in dtensors]})"
             )
+    if not dtensors[0]._components:
+        return _outside_mesh(op, func, args, kwargs, dtensors)
     generation = _generation[0]
-    decision = _decide(func, args, kwargs, specs)
+    with _argument_errors(func, specs):
+        decision = _decide(func, args, kwargs, specs)
     where = _where(args, kwargs)
     if _may_widen(decision, specs):
         decision = _widen(func, args, kwargs, where, specs, decision)
@@ -759,7 +764,8 @@ def _dispatch_cold(
     components = _moved(func, dtensors, entry.moves, entry.communicates) if entry.moves else [
         d._components for d in dtensors
     ]
-    results = _run_local(op, func, args, kwargs, entry, components, check=True)
+    with _argument_errors(func, specs):
+        results = _run_local(op, func, args, kwargs, entry, components, check=True)
     entry.complete(op, _complete(func, args, kwargs, entry, decision, results[0]))
     with _publish:
         if _generation[0] == generation:
@@ -767,6 +773,47 @@ def _dispatch_cold(
     out = _finish(op, func, entry, results, dtensors, components)
     return out if entry.post is None else entry.post(func, out, *given)
 
+
+
+def _outside_mesh(op: _Op, func: Any, args: tuple, kwargs: dict, dtensors: list[DTensor]) -> Any:
+    """An op on a process that owns no device of the DTensors' mesh (PyTorch's
+    non-participating rank): the outputs' placements are decided and their global metadata
+    found on the meta device, as everywhere, but nothing runs and nothing is held."""
+    specs = [d._spec for d in dtensors]
+    with _argument_errors(func, specs):
+        decision = _decide(func, args, kwargs, specs)
+        metas = _meta_outputs(func, args, kwargs, _where(args, kwargs), specs)
+    if op.inplace:
+        return dtensors[0]
+    multi = isinstance(metas, (tuple, list))
+    meta_list = list(metas) if multi else [metas]
+    outs = decision.output_specs
+    spec_list = list(outs) if isinstance(outs, (tuple, list)) else [outs] * len(meta_list)
+    results = [
+        DTensor([], DTensorSpec(s.mesh, s.placements, make_tensor_meta(m)))
+        if s is not None and isinstance(m, torch.Tensor)
+        else (torch.empty(0, dtype=m.dtype) if isinstance(m, torch.Tensor) else m)
+        for s, m in zip(spec_list, meta_list, strict=True)
+    ]
+    return tuple(results) if multi else results[0]
+
+
+@contextlib.contextmanager
+def _argument_errors(func: Any, specs: list[DTensorSpec]) -> Iterator[None]:
+    """Torch's own rejection of an op's operands (a plain ``RuntimeError``: shapes that do not
+    broadcast, dtypes that do not mix) raised as ``OpArgumentError`` naming the global shapes,
+    placements and mesh, where torch's message names the local pieces at best."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, (ShardwiseError, NotImplementedError, torch.OutOfMemoryError)):
+            raise
+        shapes = [list(s.tensor_meta.shape) for s in specs]
+        placements = [list(s.placements) for s in specs]
+        raise OpArgumentError(
+            f"{func} cannot take DTensors of shapes {shapes} with placements {placements} on "
+            f"{specs[0].mesh}: {err}"
+        ) from err
 
 
 def _run_local(

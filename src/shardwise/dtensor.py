@@ -162,6 +162,8 @@ class DTensor(torch.Tensor):
                     pieces, device_mesh, placements, shape=shape, stride=stride, run_check=run_check
                 ),
             )
+        if not device_mesh.local_device_ids:
+            return _outside_mesh(local, device_mesh, placements, shape)
         if async_op:
             from .async_tensor import from_local_async
 
@@ -174,13 +176,16 @@ class DTensor(torch.Tensor):
 
     @dynamo_opaque
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """This process's component; when it owns several devices, use ``unpack`` (inside
+        """This process's component; when it owns several devices, use ``local_components`` (inside
         ``Strategy.run``, the component of the replica this thread acts for).
 
         ``grad_placements`` says how the gradient of the local tensor is to be read (PyTorch's
         keyword), e.g. ``[Partial()]`` when each device's gradient is a partial sum; by default
-        it has this DTensor's placements.
+        it has this DTensor's placements. On a process that owns no device of the mesh it is an
+        empty tensor (shape ``(0,)``), as PyTorch gives a rank outside the mesh.
         """
+        if not self._components:
+            return _empty_piece(self)
         index = 0
         replica = settings.REPLICA_THREAD.get()
         if replica is not None and replica.count == len(self._components):
@@ -190,10 +195,10 @@ class DTensor(torch.Tensor):
                 f"to_local() of a DTensor of shape {list(self.shape)} with placements "
                 f"{list(self.placements)} needs a process that owns one device, but this one owns "
                 f"{len(self._components)} devices {list(self.device_mesh.local_device_ids)} of "
-                f"{self.device_mesh}; use shardwise.unpack(dt) for all its components"
+                f"{self.device_mesh}; use shardwise.local_components(dt) for all its components"
             )
         if grad_placements is None:
-            return unpack(self)[index]
+            return local_components(self)[index]
         return _Unpack.apply(self, _grad_spec(self._spec, grad_placements, "to_local"))[index]
 
     @dynamo_opaque
@@ -227,6 +232,9 @@ class DTensor(torch.Tensor):
                 f"{list(self.placements)} needs target placements"
             )
         target = validate_placements(self.shape, self.device_mesh, placements)
+        if not self._components:  # a process outside the mesh takes no part (PyTorch's rule)
+            spec = self._spec.with_placements(target)
+            return DTensor([], spec, requires_grad=self.requires_grad)
         if forward_dtype is not None or backward_dtype is not None:
             return _Redistribute.apply(self, target, forward_dtype, backward_dtype)
         if target == self.placements:
@@ -250,13 +258,13 @@ class DTensor(torch.Tensor):
 
     def data_ptr(self) -> int:
         """The local component's data pointer (for third-party kernels); with several local
-        devices there is no single pointer: use ``unpack`` or ``local_map``."""
+        devices there is no single pointer: use ``local_components`` or ``local_map``."""
         if len(self._components) != 1:
             raise LocalComponentsError(
                 f"data_ptr() of a DTensor of shape {list(self.shape)} with placements "
                 f"{list(self.placements)}: this process owns {len(self._components)} devices "
                 f"{list(self.device_mesh.local_device_ids)} of {self.device_mesh}, one pointer "
-                f"each; use shardwise.unpack(dt) or shardwise.local_map(fn, ...) instead"
+                f"each; use shardwise.local_components(dt) or shardwise.local_map(fn, ...) instead"
             )
         return self._components[0].data_ptr()
 
@@ -290,7 +298,10 @@ class DTensor(torch.Tensor):
 
         ``grad_placements`` (Replicate or Partial per mesh dim) says how the gradient of the
         result is to be read: ``[Partial()]`` when each device computes a partial gradient.
+        On a process that owns no device of the mesh it is an empty tensor, as in PyTorch.
         """
+        if not self._components:
+            return _empty_piece(self)
         replicated = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim)
         if grad_placements is None:
             return _FirstComponent.apply(replicated)
@@ -299,6 +310,36 @@ class DTensor(torch.Tensor):
 
 
 # ----- construction helpers ------------------------------------------------------------------
+
+
+def _empty_piece(dtensor: DTensor) -> torch.Tensor:
+    """What a process outside the mesh holds of ``dtensor`` (PyTorch: an empty local tensor)."""
+    return torch.empty(
+        0, dtype=dtensor.dtype, device=dtensor.device, requires_grad=dtensor.requires_grad
+    )
+
+
+def _outside_mesh(
+    local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
+) -> DTensor:
+    """``from_local`` on a process that owns no device of ``mesh`` (PyTorch's non-participating
+    rank): nothing is held or sent; the global shape is ``shape``, or ``local``'s as if every
+    device held a piece of that shape."""
+    if not isinstance(local, torch.Tensor):
+        raise PackError(
+            f"this process owns no device of {mesh}: from_local takes one tensor there (it "
+            f"gives the dtype and, without shape=, the per-device shape), got "
+            f"{type(local).__name__}"
+        )
+    normalized = validate_placements([0] * local.ndim, mesh, placements)
+    if shape is None:
+        shape = list(local.shape)
+        for m, p in enumerate(normalized):
+            if isinstance(p, Shard):
+                shape[p.dim] *= mesh.shape[m]
+    normalized = validate_placements(shape, mesh, normalized)
+    spec = DTensorSpec(mesh, normalized, contiguous_meta(shape, local.dtype))
+    return DTensor([], spec, requires_grad=local.requires_grad)
 
 
 def _as_components(
@@ -531,6 +572,8 @@ def distribute_tensor(
         for size in device_mesh.shape:  # row-major index of coordinate (k, k, ..., k)
             flat = flat * size + src_data_rank
         source = device_mesh.owner_of(device_mesh.device_ids[flat])
+    if not local:  # a process outside the mesh takes no part and holds nothing (PyTorch's rule)
+        return DTensor([], spec, requires_grad=tensor.requires_grad)
     if data.is_meta:  # deferred init: meta pieces, materialized later without communication
         return DTensor(
             [_component_of(data, spec, d) for d in local], spec, requires_grad=tensor.requires_grad
@@ -565,11 +608,13 @@ def _component_of(tensor: torch.Tensor, spec: DTensorSpec, device: int) -> torch
     return piece.clone(memory_format=torch.contiguous_format)
 
 
-def unpack(dtensor: DTensor) -> list[torch.Tensor]:
-    """This process's components of ``dtensor``, in ascending device id (differentiable)."""
+def local_components(dtensor: DTensor) -> list[torch.Tensor]:
+    """This process's raw components of ``dtensor``, one per local device in ascending id,
+    exactly as held (a ``Partial`` dim's pieces unreduced), differentiable. TF's ``unpack``
+    is the reduced view of the same."""
     if not isinstance(dtensor, DTensor):
         raise InvalidArgumentError(
-            f"unpack expects a DTensor, got {type(dtensor).__name__}"
+            f"local_components expects a DTensor, got {type(dtensor).__name__}"
             + (f" of shape {list(dtensor.shape)}" if isinstance(dtensor, torch.Tensor) else "")
         )
     return list(_Unpack.apply(dtensor))

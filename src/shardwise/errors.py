@@ -27,6 +27,12 @@ class InvalidArgumentError(ShardwiseError, ValueError):
     """TF's InvalidArgumentError: an argument of the right type with a wrong value."""
 
 
+class OpArgumentError(InvalidArgumentError, RuntimeError):
+    """An op got DTensor operands that single-device PyTorch rejects as well (shapes that do
+    not broadcast or multiply, mismatched dtypes...): TF raises InvalidArgumentError there and
+    PyTorch RuntimeError, so this is both a ``ValueError`` and a ``RuntimeError``."""
+
+
 class LocalComponentsError(ShardwiseError, RuntimeError):
     """A single local tensor was asked for where the process owns several devices."""
 

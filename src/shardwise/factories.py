@@ -6,15 +6,23 @@ tensor. ``rand``/``randn`` draw the global tensor from torch's generator as the 
 call would and keep each device's piece, so after ``shardwise.manual_seed(s)`` the result equals
 ``torch.manual_seed(s); torch.randn(shape)`` for every mesh and placements (at the cost of the
 global tensor's memory, once, in this process).
+
+``replicated_factories(mesh)`` is TF's default mesh for torch's own factory functions: inside
+it ``torch.ones(4)`` is a DTensor replicated on the mesh, as ``tf.ones`` is under
+``dtensor.default_mesh``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import comm, settings
 from .dtensor import DTensor, distribute_tensor
@@ -233,4 +241,67 @@ def randn(
     )
 
 
-__all__ = ["empty", "full", "ones", "rand", "randn", "zeros"]
+# ----- torch's factory functions under TF's default mesh ------------------------------------
+
+# The functions that take no tensor and that TF DTensor places on the default mesh (tf.ones,
+# tf.zeros, tf.fill, tf.range, tf.linspace, stateless random ops); constants (torch.tensor,
+# torch.as_tensor) and torch.eye stay plain there, as tf.constant and tf.eye do.
+_CONSTANT_FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.empty, torch.arange,
+                                 torch.linspace})
+_RANDOM_FACTORIES = frozenset({torch.rand, torch.randn, torch.randint})
+_PACKAGE = str(Path(__file__).resolve().parent)
+_TORCH = str(Path(torch.__file__).resolve().parent)
+
+
+def _called_by_a_library() -> bool:
+    """True when the torch call being handled comes from shardwise's or torch's own code
+    (their working tensors stay plain: ``nn.Linear``'s ``torch.empty``, an optimizer's step
+    count, shardwise's buffers); only the program's direct calls make DTensors."""
+    caller = sys._getframe(2).f_code.co_filename  # past this and __torch_function__
+    return caller.startswith((_PACKAGE, _TORCH))
+
+
+class _ReplicatedFactories(TorchFunctionMode):
+    """Torch's factory functions called by the program make DTensors replicated on ``mesh``:
+    the value single-device torch gives, one copy per device (random ones drawn once from the
+    default generator, as ``shardwise.rand``). Every other call, and a factory call made by
+    torch's or shardwise's own code, passes through."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        random = func in _RANDOM_FACTORIES
+        if (
+            not (random or func in _CONSTANT_FACTORIES)
+            or kwargs.get("out") is not None
+            or _called_by_a_library()
+        ):
+            return func(*args, **kwargs)
+        requires_grad = bool(kwargs.pop("requires_grad", False))
+        mesh = self.mesh
+        first = mesh.device_of(mesh.local_device_ids[0])
+        kwargs.setdefault("device", first)
+        if random:
+            check_generator(mesh, first)
+            with settings.drawing_from_default_generator():
+                value = func(*args, **kwargs)
+        else:
+            value = func(*args, **kwargs)
+        out = distribute_tensor(value, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+        return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+@contextmanager
+def replicated_factories(mesh: DeviceMesh) -> Iterator[None]:
+    """Within the block, in this thread, ``torch.ones/zeros/full/empty/arange/linspace`` and
+    ``torch.rand/randn/randint`` return DTensors replicated on ``mesh`` (TF's default mesh);
+    ``out=`` calls and torch's and shardwise's own calls (``nn.Linear``'s parameters, an
+    optimizer's state) stay plain. An inner block's mesh wins."""
+    with _ReplicatedFactories(mesh):
+        yield
+
+
+__all__ = ["empty", "full", "ones", "rand", "randn", "replicated_factories", "zeros"]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .dtensor import DTensor, unpack
+from .dtensor import DTensor, local_components
 from .errors import InvalidArgumentError, InvalidPlacementError, MeshError, ShardwiseTypeError
 from .mesh import DeviceMesh
 from .placements import Placement
@@ -121,7 +121,7 @@ def _call(
                         f"{list(wanted)}; redistribute it or pass redistribute_inputs=True"
                     )
                 arg = arg.redistribute(placements=wanted)
-        per_arg.append(unpack(arg))
+        per_arg.append(local_components(arg))
         is_local.append(True)
     if mesh is None or not any(is_local):
         return func(*args, **kwargs)

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from .dtensor import DTensor, distribute_tensor
-from .dtensor import unpack as _unpack_dtensor
+from .dtensor import DTensor, distribute_tensor, local_components
 from .errors import (
     CollectiveTimeoutError,
     InvalidArgumentError,
@@ -29,6 +28,7 @@ from .errors import (
     ShardwiseTypeError,
     VariableInputError,
 )
+from .factories import replicated_factories
 from .layout import MATCH, UNSHARDED, Layout
 from .mesh import DeviceMesh, Mesh, current_mesh, init_device_mesh, tf_device_type
 from .placements import Placement, Replicate
@@ -99,7 +99,9 @@ def pack(components: Sequence[torch.Tensor], layout: Layout) -> DTensor:
 
 
 def unpack(tensor: DTensor) -> list[torch.Tensor]:
-    """This process's components of a DTensor, one per local device in ascending id."""
+    """This process's components of a DTensor, one per local device in ascending id, as TF
+    gives them: a pending reduction (``Partial``) is done first, so the components are those
+    of ``fetch_layout(tensor)``. ``local_components`` returns the raw pieces."""
     _require_eager("unpack")
     if isinstance(tensor, DVariable):
         raise ShardwiseTypeError(
@@ -108,7 +110,9 @@ def unpack(tensor: DTensor) -> list[torch.Tensor]:
         )
     if not isinstance(tensor, torch.Tensor):
         raise ShardwiseTypeError(f"unpack expects a DTensor, got {_describe(tensor)}")
-    return _unpack_dtensor(tensor)
+    if isinstance(tensor, DTensor):
+        tensor = _reduced(tensor)
+    return local_components(tensor)
 
 
 # ----- layouts of tensors --------------------------------------------------------------------
@@ -213,11 +217,14 @@ def call_with_layout(
 
 @contextmanager
 def default_mesh(mesh: DeviceMesh) -> Iterator[DeviceMesh]:
-    """Make ``mesh`` the default mesh inside the block (``with mesh:``, PyTorch's name for the
-    same); nested blocks restore the outer one."""
+    """Make ``mesh`` the default mesh inside the block, as ``with mesh:`` does (PyTorch's
+    name), and, as TF's ``tf.ones`` there, make torch's factory functions (``torch.ones``,
+    ``zeros``, ``full``, ``empty``, ``arange``, ``linspace``, ``rand``, ``randn``,
+    ``randint``) give DTensors replicated on it, in this thread. Nested blocks restore the
+    outer one."""
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(f"default_mesh needs a shardwise.DeviceMesh, got {_describe(mesh)}")
-    with mesh:
+    with mesh, replicated_factories(mesh):
         yield mesh
 
 

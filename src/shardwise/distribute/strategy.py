@@ -310,19 +310,26 @@ class StrategyExtended:
     def _all_reduce(
         self, op: ReduceOp, values: list[list[torch.Tensor]]
     ) -> list[list[torch.Tensor]]:
-        """``values[j][i]``: value j on local replica i. One fused collective per dtype."""
+        """``values[j][i]``: value j on local replica i. One fused collective per dtype; an
+        integer MEAN is the sum true-divided by the replica count (float64, as TF 2.21)."""
         devices = self._torch_devices()
         out: list[list[torch.Tensor]] = [[] for _ in values]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for j, comps in enumerate(values):
             by_dtype.setdefault(comps[0].dtype, []).append(j)
-        for idx in by_dtype.values():
+        count = torch.tensor(self._num_replicas_in_sync)
+        for dtype, idx in by_dtype.items():
             flats = [
                 torch.cat([values[j][i].detach().reshape(-1).to(devices[i]) for j in idx])
                 for i in range(len(devices))
             ]
+            integer_mean = op is ReduceOp.MEAN and not (dtype.is_floating_point or dtype.is_complex)
             with comm.moving(lambda: f"batch_reduce_to over {self.mesh}"):
-                reduced = comm.all_reduce(self.mesh, 0, flats, op.partial_op)
+                reduced = comm.all_reduce(
+                    self.mesh, 0, flats, "sum" if integer_mean else op.partial_op
+                )
+            if integer_mean:
+                reduced = [_true_divide(flat, count) for flat in reduced]
             for i, flat in enumerate(reduced):
                 offset = 0
                 for j in idx:

@@ -7,9 +7,9 @@ would round every device's piece first, and pieces that cancel could overflow or
 digit. So such a DTensor keeps its dtype but holds float32 components
 (``DTensorSpec.component_dtype``): dispatch runs the local kernels of an op with such an output
 in float32, a redistribution reduces the float32 pieces (moving, and pricing, 4 bytes an
-element) and rounds once when no sum is pending any more, and ``to_local``/``unpack`` round the
-pieces they return. Ops that divide after summing (``mean``) hand their float32 result over
-with ``held_as``, so the division happens before the rounding too.
+element) and rounds once when no sum is pending any more, and ``to_local``/``local_components``
+round the pieces they return. Ops that divide after summing (``mean``) hand their float32 result
+over with ``held_as``, so the division happens before the rounding too.
 """
 
 from __future__ import annotations
