@@ -26,10 +26,10 @@ from torch import nn
 
 from .comm import CommCounter
 from .deferred_init import deferred_init
-from .dispatch import allow_implicit_redistribute
 from .dtensor import DTensor, distribute_tensor
 from .memory import track_allocations
 from .mesh import DeviceMesh, init_device_mesh
+from .op_inputs import allow_implicit_redistribute
 from .ops.random import manual_seed
 from .parallel import (
     ColwiseParallel,

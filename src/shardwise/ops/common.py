@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..dispatch import implicitly_replicated, redistribute_inputs
 from ..dtensor import DTensor
 from ..errors import InvalidPlacementError, MeshError
 from ..mesh import DeviceMesh
+from ..op_inputs import implicitly_replicated, redistribute_inputs
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..spec import (
     DTensorSpec,
