@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> the submodule defining it
 _NAMES: dict[str, str] = {
-    "AsyncCollectiveTensor": "async_tensor",
-    "AsyncDTensor": "async_tensor",
+    "AsyncCollectiveTensor": "dtensor",
+    "AsyncDTensor": "dtensor",
     "CommCounter": "comm",
     "get_collective_timeout": "comm",
     "set_collective_timeout": "comm",
@@ -238,13 +238,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
-    from .async_tensor import AsyncCollectiveTensor, AsyncDTensor
     from .comm import CommCounter, get_collective_timeout, set_collective_timeout, set_debug_checks
     from .custom_sharding import register_sharding
     from .debug import explain_redistribute
     from .deferred_init import deferred_init, materialize_module
     from .dispatch import clear_sharding_cache
-    from .dtensor import DTensor, distribute_tensor
+    from .dtensor import AsyncCollectiveTensor, AsyncDTensor, DTensor, distribute_tensor
     from .errors import (
         CheckpointMismatchError,
         CollectiveError,

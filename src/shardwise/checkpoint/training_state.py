@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..dcp_protocol import release_reduced
 from ..errors import CheckpointMismatchError
-from .protocol import release_reduced
 
 PROGRESS_BYTES = 64 << 20  # show a progress bar by default from this many bytes on
 
