@@ -4,6 +4,7 @@ lazily, every public name resolves and every module can be imported first in a f
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,7 +144,7 @@ def _run(code: str) -> str:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "PYTHONPATH": str(SRC)},
+        env={**os.environ, "PYTHONPATH": str(SRC)},
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -166,6 +167,22 @@ def test_import_shardwise_loads_nothing_and_every_public_name_resolves() -> None
         "    print('missing ok')\n"
     )
     assert out.splitlines() == ["[] False", "missing ok"]
+
+
+def test_the_launcher_imports_no_torch_and_a_scripts_own_arguments_stay_its_own(
+    tmp_path: Path,
+) -> None:
+    assert _run("import sys, shardwise.launch; print('torch' in sys.modules)") == "False\n"
+    script = tmp_path / "args.py"
+    script.write_text("import sys\nimport shardwise\nprint(sys.argv[1:])\n")
+    result = subprocess.run(
+        [sys.executable, str(script), "-m", "shardwise.launch"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
+    assert result.stdout == "['-m', 'shardwise.launch']\n", result.stderr
 
 
 def test_names_from_the_package_run_ops() -> None:
