@@ -24,7 +24,7 @@ from . import comm, settings
 from .comm import background
 from .comm.reduction import reduce_op_problem
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
-from .mesh import DeviceMesh, IdTuple, Mesh, mesh_or_current
+from .mesh import DeviceMesh, Mesh, mesh_or_current
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import execute_plan, plan_redistribute
 from .spec import (
@@ -879,6 +879,6 @@ def _rebuild_dtensor(cls: type, state: dict, requires_grad: bool) -> DTensor:
 
 # torch.load(weights_only=True), torch's default, accepts saved DTensors and meshes
 torch.serialization.add_safe_globals(
-    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Mesh, IdTuple, Shard, InterleavedShard,
+    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Mesh, Shard, InterleavedShard,
      Replicate, Partial, _rebuild_dtensor]
 )
