@@ -328,10 +328,6 @@ def _process_starters(path: Path) -> set[str]:
     return starters
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: multi-process or end-to-end (CI runs it)")
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     starters: dict[Path, set[str]] = {}
     for item in items:
