@@ -195,6 +195,18 @@ def test_names_from_the_package_run_ops() -> None:
     )
 
 
+def test_the_packages_users_import_load_the_op_layer() -> None:
+    _run(
+        "import importlib, sys\n"
+        "for name in ['parallel', 'distribute', 'checkpoint', 'tf_dtensor', 'debug',\n"
+        "             'deferred_init', 'cli', 'demo']:\n"
+        "    for m in [m for m in sys.modules if m.split('.')[0] == 'shardwise']:\n"
+        "        del sys.modules[m]\n"
+        "    importlib.import_module('shardwise.' + name)\n"
+        "    assert 'shardwise.dispatch' in sys.modules, name\n"
+    )
+
+
 @pytest.mark.parametrize("chunk", range(4))
 def test_every_module_imports_first(chunk: int) -> None:
     """Each module imported in a process where no shardwise module was imported before (torch

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .comm import CommCounter
 from .debug import explain_redistribute, visualize_sharding
 from .dtensor import distribute_tensor

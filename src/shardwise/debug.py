@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import torch
 
+from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .comm import CommCounter, CommRecord
 from .comm.safety import current_description
 from .dtensor import DTensor

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .comm import CommCounter
 from .deferred_init import deferred_init
 from .dtensor import DTensor, distribute_tensor

@@ -99,10 +99,14 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
-        # replaced by ``set_dispatch_handler`` when the dispatch layer is imported
+        # replaced by ``set_dispatch_handler`` when the dispatch layer is imported (the first
+        # name taken from the package imports it; importing only submodules may not)
         from .errors import UnsupportedOpError
 
-        raise UnsupportedOpError(f"{func} on a DTensor: import shardwise to enable ops")
+        raise UnsupportedOpError(
+            f"{func} on a DTensor: the op layer is not loaded; import shardwise.dispatch (any "
+            f"name taken from the shardwise package loads it)"
+        )
 
     # ----- tracing (torch.compile sees a DTensor as its components plus a constant spec) -----
     def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:

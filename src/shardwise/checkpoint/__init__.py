@@ -4,6 +4,7 @@
 (``protocol``); ``save`` / ``load`` here handle a whole training state in one call.
 """
 
+from .. import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .training_state import load, save
 
 __all__ = ["load", "save"]
