@@ -226,9 +226,10 @@ def __getattr__(name: str) -> Any:
     if module is None:
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        importlib.import_module(".dispatch", __name__)  # the runtime: op handler and rules
-        return importlib.import_module(f".{name}", __name__)  # a submodule, as an attribute
-    importlib.import_module(".dispatch", __name__)
+        # a submodule, as an attribute (also how ``from . import settings`` finds one: so
+        # nothing more is loaded here)
+        return importlib.import_module(f".{name}", __name__)
+    importlib.import_module(".dispatch", __name__)  # the runtime: op handler and rules
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later look-ups skip this function
     return value
