@@ -185,6 +185,13 @@ def test_the_launcher_imports_no_torch_and_a_scripts_own_arguments_stay_its_own(
     assert result.stdout == "['-m', 'shardwise.launch']\n", result.stderr
 
 
+def test_a_public_name_wins_over_the_submodule_of_that_name() -> None:
+    _run(
+        "import shardwise.deferred_init, shardwise.local_map, shardwise\n"
+        "assert callable(shardwise.deferred_init) and callable(shardwise.local_map)\n"
+    )
+
+
 def test_names_from_the_package_run_ops() -> None:
     _run(
         "import torch\n"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 # public name -> the submodule defining it
@@ -237,6 +239,20 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package's module type: the import system binds every submodule it loads on the
+    package, and where a public name is also a submodule's (``deferred_init``, ``local_map``),
+    the public name keeps its meaning."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _NAMES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
