@@ -292,13 +292,15 @@ def check_components(
 STARTS_PROCESSES = frozenset(
     {"run_in_processes", "subprocess", "Popen", "launch", "launch_threads"}
 )
-# end-to-end programs run in one process but for minutes
-END_TO_END = frozenset({
+# files slow as a whole: end-to-end programs, and tests that start processes through helpers
+# outside their module (two hosts)
+WHOLE_FILES = frozenset({
     "test_bench.py",
     "test_demo.py",
     "test_examples.py",
     "test_pytorch_programs.py",
     "test_torchtitan_llama.py",
+    "test_two_hosts.py",
 })
 
 
@@ -332,7 +334,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     starters: dict[Path, set[str]] = {}
     for item in items:
         path = Path(item.path)
-        if path.name in END_TO_END:
+        if path.name in WHOLE_FILES:
             item.add_marker(pytest.mark.slow)
             continue
         if path not in starters:
