@@ -114,20 +114,17 @@ def test_the_import_graph_sees_lazy_imports_and_parent_packages() -> None:
     assert graph["shardwise"] == set()  # TYPE_CHECKING imports are not run
 
 
-# circles still open (issue 21: mesh start-up through comm, the planner and its traced op), with
-# their members: none may grow and no new one may come (dtensor <-> async_tensor, dtensor ->
-# checkpoint, ops -> dispatch -> ops and the nine distribute/ modules were removed)
+# circles still open (issue 21: mesh start-up through comm), with their members: none may grow
+# and no new one may come (dtensor <-> async_tensor, dtensor -> checkpoint, ops -> dispatch ->
+# ops, redistribute <-> plan_op and the nine distribute/ modules were removed)
 KNOWN_CIRCLES = [
     [
         "shardwise.comm",
         "shardwise.comm.collectives",
         "shardwise.comm.distributed",
         "shardwise.comm.native",
-        "shardwise.comm.reduction",
         "shardwise.mesh",
-        "shardwise.spec",
     ],
-    ["shardwise.plan_op", "shardwise.redistribute"],
 ]
 
 

@@ -14,12 +14,13 @@ or autograd's backward is running (gradients of differing placements must be com
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
