@@ -322,7 +322,40 @@ class DeviceMesh:
                 f"a dim is mesh.submeshes(dim)"
             )
         anchor = self.local_device_ids[0] if self.local_device_ids else self._ids[0]
+        self._check_one_submesh_per_process(names)
         return self._submesh_through(names, self.coordinate_of(anchor))
+
+    def _check_one_submesh_per_process(self, names: Sequence[str]) -> None:
+        """``mesh[names]`` is the sub-mesh through each process's first device. Where a
+        process owns devices of several such sub-meshes (a (2, 3) mesh over 3 processes: rank
+        1 owns devices 2 and 3, one in each row), it takes part in one only, and the processes
+        of the other would wait for it forever: refuse that on every process alike."""
+        keep = set(self._dims_of(names))
+
+        def through(device: int) -> tuple:
+            return tuple(c for d, c in enumerate(self.coordinate_of(device)) if d not in keep)
+
+        first: dict[int, int] = {}
+        for device in sorted(self._ids):
+            first.setdefault(self.owner_of(device), device)
+        picked = {rank: through(device) for rank, device in first.items()}
+        pickers: dict[tuple, list[int]] = {}
+        for rank, sub in picked.items():
+            pickers.setdefault(sub, []).append(rank)
+        for device in self._ids:
+            owner = self.owner_of(device)
+            used_by = pickers.get(through(device), [])
+            if used_by and picked[owner] != through(device):
+                mine = sorted(d for d in self._ids if self.owner_of(d) == owner)
+                raise MeshError(
+                    f"mesh[{list(names)}] of {self} is the sub-mesh through each process's "
+                    f"first device, but process {owner} owns devices {mine} of several of them: "
+                    f"it would take part in the one through device {first[owner]} only, and "
+                    f"processes {used_by} would wait forever for its device {device}. Choose a "
+                    f"mesh shape where each process's devices lie in one sub-mesh along "
+                    f"{list(names)} (one device per process always does), or use every "
+                    f"sub-mesh in one order on every process (mesh.submeshes(...))"
+                )
 
     def submeshes(self, dims: str | int | Sequence[str | int]) -> list[DeviceMesh]:
         """All sub-meshes over ``dims`` (veScale's split of a mesh), in order of the other dims."""
