@@ -9,6 +9,8 @@ single answer on process 1 (it used to hang process 2 until the timeout).
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch
 import shardwise as sw
 from mp_harness import run_in_processes
 from shardwise import MeshError, Replicate, Shard
+from shardwise.errors import ConcurrentCollectiveError
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 ENV = {"SHARDWISE_COLLECTIVE_TIMEOUT": "20"}
@@ -133,3 +136,47 @@ def test_uneven_colwise_rowwise_matches_torch(world: int) -> None:
         torch.testing.assert_close(got["x_grad"], x.grad, msg=f"rank {rank} input grad")
         for name, p in ref.named_parameters():
             torch.testing.assert_close(got["grads"][name], p.grad, msg=f"rank {rank} {name}")
+
+
+# ----- two threads of one process in collectives across processes ------------------------------
+
+
+def two_threads() -> dict:
+    """Process 1 comes late to a distribute_tensor; meanwhile process 0's thread A waits inside
+    it and its thread B starts another collective across processes."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    full = torch.arange(10.0)
+    if torch.distributed.get_rank() == 1:
+        time.sleep(1.5)
+        return {"a": sw.distribute_tensor(full, mesh, [Shard(0)]).full_tensor()}
+    out: dict = {}
+
+    def a() -> None:
+        out["a"] = sw.distribute_tensor(full, mesh, [Shard(0)]).full_tensor()
+
+    def b() -> None:
+        start = time.monotonic()
+        try:
+            sw.distribute_tensor(full * 2, mesh, [Replicate()])
+        except ConcurrentCollectiveError as err:
+            out["b"] = (str(err), time.monotonic() - start)
+
+    first = threading.Thread(target=a, name="thread-a")
+    first.start()
+    time.sleep(0.3)
+    second = threading.Thread(target=b, name="thread-b")
+    second.start()
+    second.join()
+    first.join()
+    return out
+
+
+def test_second_thread_in_a_collective_is_refused_before_gloo() -> None:
+    """Two threads of one process in collectives across processes at once used to abort the
+    process inside gloo (SIGABRT): the second is refused in Python, the first completes."""
+    first, second = run_in_processes(two_threads, 2, timeout=60, env=ENV)
+    assert torch.equal(first["a"], torch.arange(10.0))
+    assert torch.equal(second["a"], torch.arange(10.0))
+    message, waited = first["b"]
+    assert "'thread-b'" in message and "'thread-a'" in message, message
+    assert waited < 1.0, f"refused after {waited:.2f} s, not at once"
