@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import runtime
 from ..mesh import DeviceMesh
 from . import accounting, background, distributed, native
 from .reduction import norm_terms, reduce_terms
@@ -237,7 +238,7 @@ def scatter_from(
         return [_to(piece(d), mesh, d) for d in local]
     with one_thread(f"scatter from process {src} over {mesh}"):
         pieces, traffic = distributed.scatter(mesh, src, piece, local_shapes, sample)
-    received = 0 if distributed.dist.get_rank() == src else sum(_nbytes(p) for p in pieces)
+    received = 0 if runtime.rank_and_world()[0] == src else sum(_nbytes(p) for p in pieces)
     _record("scatter", -1, received, traffic)
     return [_to(p, mesh, d) for p, d in zip(pieces, local, strict=True)]
 
