@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 from .. import settings
 from ..errors import InvalidArgumentError
+from . import protocol
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -49,12 +50,34 @@ def debug_checks_enabled() -> bool:
     return settings.DEBUG_CHECKS.get()
 
 
+class _Moving:
+    """One ``moving`` block: what it names for messages, and the spec every process must move
+    alike (its fingerprint computed once, at the first collective across processes)."""
+
+    __slots__ = ("description", "spec", "_checked")
+
+    def __init__(self, description: str | Callable[[], str],
+                 spec: Callable[[], dict[str, object]] | None) -> None:
+        self.description, self.spec = description, spec
+        self._checked: tuple[dict[str, object], int] | None = None
+
+    def checked(self) -> tuple[dict[str, object], int]:
+        if self._checked is None:
+            values = self.spec()
+            self._checked = values, protocol.fingerprint(values)
+        return self._checked
+
+
 @contextmanager
-def moving(description: str | Callable[[], str]) -> Iterator[None]:
+def moving(
+    description: str | Callable[[], str], spec: Callable[[], dict[str, object]] | None = None
+) -> Iterator[None]:
     """Name what the collectives inside are moving (a spec and its target), for the error
     messages of timeouts and mismatches; a callable is only formatted when a message needs it.
-    Per context: another thread does not see this thread's description."""
-    with settings.MOVING.override((*settings.MOVING.get(), description)):
+    ``spec`` returns what every process must be moving alike (JSON values: global shape, dtype,
+    placements...): its fingerprint rides in the header of every collective inside, checked
+    always. Per context: another thread does not see this thread's description."""
+    with settings.MOVING.override((*settings.MOVING.get(), _Moving(description, spec))):
         yield
 
 
@@ -63,4 +86,14 @@ def current_description() -> str:
     stack = settings.MOVING.get()
     if not stack:
         return ""
-    return stack[-1]() if callable(stack[-1]) else stack[-1]
+    description = stack[-1].description
+    return description() if callable(description) else description
+
+
+def current_spec() -> tuple[dict[str, object], int] | None:
+    """The spec of the innermost ``moving`` block that gave one, and its fingerprint; None if
+    none did."""
+    for entry in reversed(settings.MOVING.get()):
+        if entry.spec is not None:
+            return entry.checked()
+    return None
