@@ -56,6 +56,14 @@ def gather_other_sizes() -> dict:
         out[(kib, "after")] = bool(
             (base.redistribute(placements=[Replicate()]).to_local() == 1).all()
         )
+    # two devices per process (the point-to-point transport), and with debug checks on
+    several = sw.init_device_mesh("cpu", (2 * world,))
+    x = sw.distribute_tensor(torch.ones(4 * world * (2 if rank == 0 else 1), 3), several,
+                             [Shard(0)], src_data_rank=None)  # rank 0's has twice the rows
+    for debug in (False, True):
+        sw.set_debug_checks(debug)
+        out[("several", debug)] = _outcome(x.full_tensor)
+    sw.set_debug_checks(False)
     return out
 
 
@@ -72,6 +80,10 @@ def test_gathering_other_global_shapes_raises_on_every_rank(world: int) -> None:
                 for shape in ([rows * world, COLS], [int(rows * factor) * world, COLS]):
                     assert str(shape) in got, (where, shape, got)
             assert out[(kib, "after")], (rank, kib)
+        for debug in (False, True):
+            got = out[("several", debug)]
+            assert got.startswith("CollectiveMismatchError"), (rank, debug, got)
+            assert f"[{8 * world}, 3]" in got and f"[{4 * world}, 3]" in got, (rank, debug, got)
 
 
 def different_collectives(timeout: float) -> dict:
