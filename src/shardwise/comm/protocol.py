@@ -68,7 +68,6 @@ indistinguishable: debug checks add the call site to the fingerprint.
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from collections.abc import Iterable
 
@@ -86,6 +85,8 @@ NATIVE, POINT_TO_POINT = 0, 1
 TRANSPORTS = ("native", "point to point")
 OPS = ("sum", "avg", "max", "min")
 DTYPES = sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
+_DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}
+_KIND_CODES = {name: i for i, name in enumerate(KINDS)}
 FIXED = 8  # header words before the body
 MAX_NDIM = 8  # dims of a shape in a native header; more dims go point to point
 # A piece of at most this many bytes may be forecast to follow the header at once; it bounds
@@ -109,8 +110,8 @@ def inline_bytes(n: int) -> int:
 def header_words(kind: str, transport: int, sequence: int, fingerprint: int,
                  dtype: torch.dtype, ndim: int, extra: int, count: int) -> list[int]:
     """The ``FIXED`` words of a header."""
-    return [MAGIC, KINDS.index(kind) + 16 * transport, sequence, fingerprint,
-            DTYPES.index(str(dtype)), ndim, extra, count]
+    return [MAGIC, _KIND_CODES[kind] + 16 * transport, sequence, fingerprint,
+            _DTYPE_CODES[str(dtype)], ndim, extra, count]
 
 
 def differs(mine: list[int], theirs: list[int]) -> bool:
@@ -145,9 +146,9 @@ def mismatch(what: str, me: int, mine: list[int], peer: int, theirs: list[int]
 
 
 def fingerprint(values: object) -> int:
-    """56 bits of a digest of ``values`` (JSON), the same in every process."""
-    digest = hashlib.sha1(json.dumps(values, sort_keys=True).encode()).digest()
-    return int.from_bytes(digest[:7], "big")
+    """56 bits of a digest of ``values`` (JSON values, dicts built in one order in every
+    process): the same in every process that holds the same values."""
+    return int.from_bytes(hashlib.sha1(repr(values).encode()).digest()[:7], "big")
 
 
 # ----- sequence numbers ---------------------------------------------------------------------
