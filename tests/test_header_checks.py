@@ -56,6 +56,11 @@ def gather_other_sizes() -> dict:
         out[(kib, "after")] = bool(
             (base.redistribute(placements=[Replicate()]).to_local() == 1).all()
         )
+    # asynchronous: raised at wait()
+    small, large = _sharded(2, mesh), _sharded(4, mesh)
+    mine = large if rank == world - 1 else small
+    out["async"] = _outcome(lambda: mine.redistribute(placements=[Replicate()], async_op=True)
+                            .wait())
     # two devices per process (the point-to-point transport), and with debug checks on
     several = sw.init_device_mesh("cpu", (2 * world,))
     x = sw.distribute_tensor(torch.ones(4 * world * (2 if rank == 0 else 1), 3), several,
@@ -80,6 +85,9 @@ def test_gathering_other_global_shapes_raises_on_every_rank(world: int) -> None:
                 for shape in ([rows * world, COLS], [int(rows * factor) * world, COLS]):
                     assert str(shape) in got, (where, shape, got)
             assert out[(kib, "after")], (rank, kib)
+        assert out["async"].startswith("CollectiveMismatchError"), (rank, out["async"])
+        assert f"[{2 * world}, {COLS}]" in out["async"], (rank, out["async"])
+        assert f"[{4 * world}, {COLS}]" in out["async"], (rank, out["async"])
         for debug in (False, True):
             got = out[("several", debug)]
             assert got.startswith("CollectiveMismatchError"), (rank, debug, got)

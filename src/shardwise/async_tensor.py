@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .comm import background
+from .comm import background, moving
+from .comm.safety import redistribution
 from .dtensor import (
     DTensor,
     _as_components,
@@ -156,7 +157,9 @@ class _AsyncRedistribute(_Redistribute):
         plan = plan_redistribute(spec, target)
 
         def job() -> list[torch.Tensor]:
-            return execute_plan(plan, spec.mesh, dtensor._components)
+            with moving(lambda: f"redistribute of {spec} to {list(target)}",
+                        spec=lambda: redistribution(spec, target)):
+                return execute_plan(plan, spec.mesh, dtensor._components)
 
         work = background.submit(job, f"redistribute of {spec} to {list(target)}")
         return AsyncDTensor(work, spec.with_placements(target))

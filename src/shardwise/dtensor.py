@@ -13,6 +13,7 @@ import torch
 
 from . import comm, settings
 from .comm.reduction import reduce_op_problem
+from .comm.safety import redistribution
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
 from .mesh import DeviceMesh, IdTuple, Mesh, mesh_or_current
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
@@ -655,7 +656,7 @@ class _Redistribute(torch.autograd.Function):
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
         plan = plan_redistribute(spec, target)
         with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
-                         spec=lambda: _moved(spec, target)):
+                         spec=lambda: redistribution(spec, target)):
             components = execute_plan(plan, spec.mesh, components)
         return DTensor(components, spec.with_placements(target))
 
@@ -667,13 +668,6 @@ class _Redistribute(torch.autograd.Function):
             grad = grad.to(backward_dtype)
         grad = grad.redistribute(placements=target)
         return (grad if grad.dtype == input_dtype else grad.to(input_dtype)), None, None, None
-
-
-def _moved(spec: DTensorSpec, target: Sequence[Placement]) -> dict[str, object]:
-    """What every process redistributing ``spec`` to ``target`` moves alike, for the header of
-    each of its collectives (checked always)."""
-    return {"global shape": list(spec.shape), "dtype": str(spec.tensor_meta.dtype),
-            "placements": [repr(p) for p in spec.placements], "to": [repr(p) for p in target]}
 
 
 def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> TensorMeta:

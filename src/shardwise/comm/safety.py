@@ -9,8 +9,9 @@ before any data moves.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from .. import settings
 from ..errors import InvalidArgumentError
@@ -88,6 +89,13 @@ def current_description() -> str:
         return ""
     description = stack[-1].description
     return description() if callable(description) else description
+
+
+def redistribution(spec: Any, target: Sequence[Any]) -> dict[str, object]:
+    """What every process redistributing the DTensor of ``spec`` (a ``DTensorSpec``) to
+    ``target`` moves alike: its global shape, dtype, placements and target, for ``moving``."""
+    return {"global shape": list(spec.shape), "dtype": str(spec.tensor_meta.dtype),
+            "placements": [repr(p) for p in spec.placements], "to": [repr(p) for p in target]}
 
 
 def current_spec() -> tuple[dict[str, object], int] | None:
