@@ -7,7 +7,9 @@ message instead of waiting for the timeout."""
 
 from __future__ import annotations
 
+import ast
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 import shardwise as sw
 from mp_harness import run_in_processes
 from shardwise import Partial, Replicate, Shard
+from shardwise.comm import native
 
 COLS = 1024  # a row of float32 is 4 KiB
 PIECES_KIB = (16, 1024, 12 * 1024)  # in the header's message, in a message of its own, unforecast
@@ -128,3 +131,14 @@ def test_different_collectives_raise_mismatch_before_the_timeout(world: int) -> 
             assert "all_reduce" in got and "agree" in got, (where, got)
             assert seconds < timeout / 4, (where, seconds)
         assert torch.equal(out["after"], torch.arange(8.0)), rank
+
+
+def test_native_transport_takes_no_private_name_from_distributed() -> None:
+    """The protocol lives in ``comm/protocol.py``; ``native.py`` uses only public names of the
+    point-to-point transport (issue 21)."""
+    tree = ast.parse(Path(native.__file__).read_text())
+    taken = [alias.name for node in ast.walk(tree)
+             if isinstance(node, ast.ImportFrom) and node.module == "distributed"
+             for alias in node.names]
+    assert taken, "native.py no longer imports from distributed.py: update this test"
+    assert not [name for name in taken if name.startswith("_")], taken
