@@ -37,12 +37,15 @@ States of one set of processes, seen from one member:
 ============ ======================================= ==========================================
 state        event                                   next state, and what is checked
 ============ ======================================= ==========================================
-idle (s, F)  the program enters a collective         header: send the first message (header,
-                                                     forecast pieces) to every member, receive
-                                                     theirs; it is sized by F alone
+idle (s, F)  the program enters a collective         header: it is number s (the count is
+                                                     s + 1 from now on, whatever follows);
+                                                     send the first message (header, forecast
+                                                     pieces) to every member, receive theirs;
+                                                     it is sized by F alone
 header       a peer's words 0-2 or 4-7 differ        error: ``CollectiveMismatchError`` on
              (another collective, transport,         every member that received it, naming
-             sequence, dtype, ndim, op, count)       both headers; s and F unchanged
+             sequence, dtype, ndim, op, count)       both headers; F unchanged, so members
+                                                     that all raised stay in step
 header       a peer's fingerprint differs            explain: members whose fingerprints
                                                      differ swap what they hashed and raise
                                                      ``CollectiveMismatchError`` naming what
@@ -54,7 +57,8 @@ header       every header agrees                     data: the pieces came with 
                                                      else they follow, sized by the announced
                                                      shapes (reductions and broadcast check
                                                      that every member announced the same)
-data         every message arrived                   idle (s + 1, F learns the agreed headers)
+data         every message arrived                   idle (s + 1, F learns the agreed headers:
+                                                     what followed the last collective)
 any          a wait passes the collective timeout    ``CollectiveTimeoutError``; the group is
                                                      unusable afterwards
 any          the transport fails (a peer died)       ``CollectiveError``
