@@ -158,7 +158,7 @@ class _AsyncRedistribute(_Redistribute):
 
         def job() -> list[torch.Tensor]:
             with moving(lambda: f"redistribute of {spec} to {list(target)}",
-                        spec=lambda: redistribution(spec, target)):
+                        spec=lambda: redistribution(spec, tuple(target))):
                 return execute_plan(plan, spec.mesh, dtensor._components)
 
         work = background.submit(job, f"redistribute of {spec} to {list(target)}")

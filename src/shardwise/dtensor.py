@@ -656,7 +656,7 @@ class _Redistribute(torch.autograd.Function):
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
         plan = plan_redistribute(spec, target)
         with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
-                         spec=lambda: redistribution(spec, target)):
+                         spec=lambda: redistribution(spec, tuple(target))):
             components = execute_plan(plan, spec.mesh, components)
         return DTensor(components, spec.with_placements(target))
 

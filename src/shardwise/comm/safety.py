@@ -9,8 +9,9 @@ before any data moves.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any
 
 from .. import settings
@@ -53,31 +54,32 @@ def debug_checks_enabled() -> bool:
 
 class _Moving:
     """One ``moving`` block: what it names for messages, and the spec every process must move
-    alike (its fingerprint computed once, at the first collective across processes)."""
+    alike with its fingerprint (asked for once, at the first collective across processes)."""
 
     __slots__ = ("description", "spec", "_checked")
 
     def __init__(self, description: str | Callable[[], str],
-                 spec: Callable[[], dict[str, object]] | None) -> None:
+                 spec: Callable[[], tuple[dict[str, object], int]] | None) -> None:
         self.description, self.spec = description, spec
         self._checked: tuple[dict[str, object], int] | None = None
 
     def checked(self) -> tuple[dict[str, object], int]:
         if self._checked is None:
-            values = self.spec()
-            self._checked = values, protocol.fingerprint(values)
+            self._checked = self.spec()
         return self._checked
 
 
 @contextmanager
 def moving(
-    description: str | Callable[[], str], spec: Callable[[], dict[str, object]] | None = None
+    description: str | Callable[[], str],
+    spec: Callable[[], tuple[dict[str, object], int]] | None = None,
 ) -> Iterator[None]:
     """Name what the collectives inside are moving (a spec and its target), for the error
     messages of timeouts and mismatches; a callable is only formatted when a message needs it.
     ``spec`` returns what every process must be moving alike (JSON values: global shape, dtype,
-    placements...): its fingerprint rides in the header of every collective inside, checked
-    always. Per context: another thread does not see this thread's description."""
+    placements...) and its ``protocol.fingerprint`` (``redistribution`` makes both): the
+    fingerprint rides in the header of every collective inside, checked always. Per context:
+    another thread does not see this thread's description."""
     with settings.MOVING.override((*settings.MOVING.get(), _Moving(description, spec))):
         yield
 
@@ -91,11 +93,14 @@ def current_description() -> str:
     return description() if callable(description) else description
 
 
-def redistribution(spec: Any, target: Sequence[Any]) -> dict[str, object]:
+@lru_cache(maxsize=1024)
+def redistribution(spec: Any, target: tuple[Any, ...]) -> tuple[dict[str, object], int]:
     """What every process redistributing the DTensor of ``spec`` (a ``DTensorSpec``) to
-    ``target`` moves alike: its global shape, dtype, placements and target, for ``moving``."""
-    return {"global shape": list(spec.shape), "dtype": str(spec.tensor_meta.dtype),
-            "placements": [repr(p) for p in spec.placements], "to": [repr(p) for p in target]}
+    ``target`` moves alike, for ``moving``: its global shape, dtype, placements and target,
+    and their fingerprint (kept for the last 1024 pairs: a training loop repeats them)."""
+    values = {"global shape": list(spec.shape), "dtype": str(spec.tensor_meta.dtype),
+              "placements": [repr(p) for p in spec.placements], "to": [repr(p) for p in target]}
+    return values, protocol.fingerprint(values)
 
 
 def current_spec() -> tuple[dict[str, object], int] | None:
