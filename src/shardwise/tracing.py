@@ -40,8 +40,14 @@ def encode_placement(p: Placement) -> tuple:
     return (_MARK, "R")
 
 
+_NONE = (_MARK, "None")  # dynamo refuses None as an input of a nonstrict_trace call
+
+
 def _encode(value: Any) -> Any:
-    """A placement, or a non-empty sequence of placements, as a tuple of plain values."""
+    """A placement, or a non-empty sequence of placements, as a tuple of plain values (None
+    as a marker tuple too)."""
+    if value is None:
+        return _NONE
     if isinstance(value, Placement):
         return encode_placement(value)
     if (
@@ -70,6 +76,8 @@ def decode_placement(code: tuple | list) -> Placement:
 
 
 def _decode(value: Any) -> Any:
+    if value == _NONE:
+        return None
     if _is_code(value):
         return decode_placement(value)
     if isinstance(value, tuple) and value and all(_is_code(c) for c in value):
