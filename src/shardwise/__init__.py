@@ -78,7 +78,7 @@ from .ops.registry import (
 )
 from .ops.validate import ValidationReport, validate_strategy
 from .parallel import distribute_module
-from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
 from .redistribute import RedistributePlan, Step
 from .spec import DTensorSpec, TensorMeta
 from .tf_dtensor import (
@@ -136,6 +136,7 @@ __all__ = [
     "DeviceMesh",
     "ImplicitRedistributeError",
     "InterleavedShard",
+    "RaggedShard",
     "InvalidArgumentError",
     "InvalidPlacementError",
     "Layout",

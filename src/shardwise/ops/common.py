@@ -23,7 +23,15 @@ from ..dtensor import DTensor
 from ..errors import InvalidPlacementError, MeshError
 from ..geometry import shard_segments
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from ..placements import (
+    InterleavedShard,
+    Partial,
+    Placement,
+    RaggedShard,
+    Replicate,
+    Shard,
+    with_dim,
+)
 from ..spec import DTensorSpec, TensorMeta, contiguous_meta, make_tensor_meta
 from .registry import OpSchema, OpStrategy, PlacementStrategy
 
@@ -215,10 +223,8 @@ def aligned(a: Sequence[Placement], b: Sequence[Placement], dims: Sequence[int])
 
 
 def same_kind(p: Shard, dim: int) -> Shard:
-    """A shard of the same kind as ``p`` (plain or interleaved) on tensor dim ``dim``."""
-    if isinstance(p, InterleavedShard):
-        return InterleavedShard(dim, p.interleaved_size)
-    return Shard(dim)
+    """A shard of the same kind as ``p`` (plain, interleaved or ragged) on tensor dim ``dim``."""
+    return with_dim(p, dim)
 
 
 def shard_like(current: Sequence[Placement], dim: int) -> Shard:
@@ -236,7 +242,7 @@ def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, ...]]:
 
 def fits(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> bool:
     """True when ``placements`` can place a tensor of ``shape`` (interleaves divide sizes)."""
-    if not any(isinstance(p, InterleavedShard) for p in placements):
+    if not any(isinstance(p, (InterleavedShard, RaggedShard)) for p in placements):
         return True
     try:
         for coord in mesh_coords(mesh):
