@@ -181,3 +181,9 @@ def with_dim(p: Shard, dim: int) -> Shard:
     if isinstance(p, RaggedShard):
         return RaggedShard(dim, p.sizes)
     return Shard(dim)
+
+
+def is_special_shard(p: Placement) -> bool:
+    """An InterleavedShard or RaggedShard: a shard whose layout is not ``Shard(dim)``'s, which
+    op rules offer only as an input already has it (``with_dim`` moves it to another dim)."""
+    return isinstance(p, Shard) and type(p) is not Shard

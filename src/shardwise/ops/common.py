@@ -88,8 +88,6 @@ def product_strategy(
     per_dim = [options(m) if callable(options) else options for m in range(mesh.ndim)]
     found, seen = [], set()
     for combo in itertools.product(*per_dim):
-        if valid is not None and not valid(combo):
-            continue
         ins = tuple(tuple(c[0][i] for c in combo) for i in range(len(combo[0][0])))
         outs = tuple(tuple(c[1][j] for c in combo) for j in range(len(combo[0][1])))
         if (ins, outs) in seen:
@@ -98,6 +96,8 @@ def product_strategy(
         if shapes is not None and not all(
             fits(s, mesh, p) for s, p in zip(shapes, ins, strict=False)
         ):
+            continue
+        if valid is not None and not valid(combo):
             continue
         if multi:
             outs_or_none = [None if any(p is None for p in o) else o for o in outs]
