@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from op_oracle import check_op, placement_cases
-from shardwise import Partial, RaggedShard, Replicate, Shard
+from shardwise import Partial, RaggedShard, Replicate
 
 MESHES = [(3,), (4,), (2, 2)]
 
