@@ -4,6 +4,7 @@ the byte lower bound with exact values, and op rules against single-device PyTor
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import shardwise as sw
 from conftest import check_components, components_for, make_tensor, ref_indices, ref_slice
 from shardwise import InterleavedShard, Partial, RaggedShard, Replicate, Shard
+from shardwise.debug import visualize_sharding
 from shardwise.redistribute import lower_bound_bytes
 from test_planner_bound import _ref_bound
 
@@ -106,3 +108,16 @@ def test_two_d_pairs_reach_the_bound_and_the_values() -> None:
     for source, target in itertools.product(TWO_D, TWO_D):
         if source != target:
             _check(mesh, x, source, target)
+
+
+# ----- visualize_sharding ----------------------------------------------------------------------
+
+
+def test_visualize_sharding_shows_the_ragged_extents() -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    dt = sw.distribute_tensor(torch.zeros(10, 2), mesh, [RaggedShard(0, (3, 0, 5, 2))])
+    text = visualize_sharding(dt, file=io.StringIO())
+    cells = [[c.strip() for c in line.split("|")] for line in text.splitlines()[3:6]]
+    assert cells == [["0:3", "0"], ["3:8", "2"], ["8:10", "3"]]
+    assert "ragged dim 0 over mesh dim 0: extents [3, 0, 5, 2]" in text
+    assert "devices holding no elements (uneven shards): [1]" in text
