@@ -44,6 +44,14 @@ OPS = {
     "matmul": (lambda a, b: a @ b, [_x(7, 4), _x(4, 3, seed=1)]),
     "linear": (lambda a, w: F.linear(a, w), [_x(2, 7, 4), _x(3, 4, seed=1)]),
     "bmm": (torch.bmm, [_x(5, 3, 4), _x(5, 4, 2, seed=1)]),
+    "pad": (lambda a: F.pad(a, (1, 2)), [_x(7, 4)]),
+    "reflect_pad": (lambda a: F.pad(a.unsqueeze(0), (2, 1), mode="reflect"), [_x(7, 4)]),
+    "cdist": (torch.cdist, [_x(7, 3), _x(5, 3, seed=1)]),
+    "embedding_bag": (
+        lambda w: F.embedding_bag(torch.tensor([1, 0, 4, 4, 2]), w, torch.tensor([0, 2]),
+                                  mode="max"),
+        [_x(5, 7)],
+    ),
 }
 
 
