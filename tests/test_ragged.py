@@ -121,3 +121,16 @@ def test_visualize_sharding_shows_the_ragged_extents() -> None:
     assert cells == [["0:3", "0"], ["3:8", "2"], ["8:10", "3"]]
     assert "ragged dim 0 over mesh dim 0: extents [3, 0, 5, 2]" in text
     assert "devices holding no elements (uneven shards): [1]" in text
+
+
+def test_factories_and_random_values_follow_the_geometry() -> None:
+    """``randn`` draws the global values as one device would, whatever the pieces."""
+    mesh = sw.init_device_mesh("cpu", (4,))
+    ragged = [RaggedShard(0, (3, 0, 5, 2))]
+    sw.manual_seed(3)
+    a = sw.randn(10, 3, device_mesh=mesh, placements=ragged)
+    sw.manual_seed(3)
+    b = sw.randn(10, 3, device_mesh=mesh, placements=[Replicate()])
+    assert torch.equal(a.full_tensor(), b.full_tensor())
+    z = sw.zeros(10, 3, device_mesh=mesh, placements=ragged)
+    assert [tuple(c.shape) for c in sw.local_components(z)] == [(3, 3), (0, 3), (5, 3), (2, 3)]
