@@ -94,6 +94,7 @@ _NAMES: dict[str, str] = {
     "ValidationReport": "ops.validate",
     "distribute_module": "parallel",
     "InterleavedShard": "placements",
+    "RaggedShard": "placements",
     "Partial": "placements",
     "Placement": "placements",
     "Replicate": "placements",
@@ -160,6 +161,7 @@ __all__ = [
     "DeviceMesh",
     "ImplicitRedistributeError",
     "InterleavedShard",
+    "RaggedShard",
     "InvalidArgumentError",
     "InvalidPlacementError",
     "Layout",
@@ -332,7 +334,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
     )
     from .ops.validate import ValidationReport, validate_strategy
     from .parallel import distribute_module
-    from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
+    from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
     from .redistribute import RedistributePlan, Step
     from .spec import DTensorSpec, TensorMeta
     from .tf_dtensor import (

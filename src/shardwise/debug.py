@@ -18,7 +18,7 @@ from .comm import CommCounter, CommRecord
 from .comm.safety import current_description
 from .dtensor import DTensor
 from .errors import InvalidArgumentError
-from .placements import Placement
+from .placements import Placement, RaggedShard
 from .redistribute import RedistributePlan, lower_bound_bytes, plan_redistribute
 from .spec import validate_placements
 
@@ -248,6 +248,9 @@ def visualize_sharding(dtensor: DTensor, header: str = "", file: TextIO | None =
         lines.append(" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
         if i == 0:
             lines.append("-+-".join("-" * w for w in widths))
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, RaggedShard):
+            lines.append(f"ragged dim {p.dim} over mesh dim {m}: extents {list(p.sizes)}")
     empty = [d for d in devices if any(sum(b - a for a, b in runs) == 0 for runs in held[d])]
     if empty:
         lines.append(f"devices holding no elements (uneven shards): {empty}")

@@ -27,7 +27,7 @@ from .comm.safety import redistribution
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
 from .geometry import extract_local
 from .mesh import DeviceMesh, Mesh, mesh_or_current
-from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
 from .redistribute import execute_plan, plan_redistribute
 from .spec import (
     LOW_PRECISION,
@@ -419,7 +419,10 @@ def _infer_global_shape(
         members = [
             d for d in mesh.device_ids if _differs_only(mesh, d, base, mesh_dims)
         ]
-        if all(d in index for d in members):
+        ragged = [placements[m] for m in mesh_dims if isinstance(placements[m], RaggedShard)]
+        if len(mesh_dims) == 1 and ragged:  # the sizes say it, wherever the pieces are
+            shape[dim] = sum(ragged[0].sizes)
+        elif all(d in index for d in members):
             shape[dim] = sum(components[index[d]].shape[dim] for d in members)
         else:
             factor = 1
@@ -443,7 +446,9 @@ def _spec_from_components(
 ) -> DTensorSpec:
     ndim = components[0].ndim
     local_shapes = f"local component shapes {[list(c.shape) for c in components]}"
-    normalized = validate_placements([0] * ndim, mesh, placements, described=local_shapes)
+    normalized = validate_placements(
+        [0] * ndim, mesh, placements, described=local_shapes, sizes=False
+    )
     if shape is None:
         shape = _infer_global_shape(components, mesh, normalized)
     elif len(shape) != ndim:
@@ -932,6 +937,6 @@ def _rebuild_dtensor(cls: type, state: dict, requires_grad: bool) -> DTensor:
 
 # torch.load(weights_only=True), torch's default, accepts saved DTensors and meshes
 torch.serialization.add_safe_globals(
-    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Mesh, Shard, InterleavedShard,
+    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Mesh, Shard, InterleavedShard, RaggedShard,
      Replicate, Partial, _rebuild_dtensor]
 )

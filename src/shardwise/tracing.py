@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .mesh import DeviceMesh
-from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,6 +33,8 @@ def encode_placement(p: Placement) -> tuple:
     """``p`` as a tuple of plain values (``decode_placement`` inverts it)."""
     if isinstance(p, InterleavedShard):
         return (_MARK, "I", p.dim, p.interleaved_size)
+    if isinstance(p, RaggedShard):
+        return (_MARK, "G", p.dim, tuple(p.sizes))
     if isinstance(p, Shard):
         return (_MARK, "S", p.dim)
     if isinstance(p, Partial):
@@ -68,6 +70,8 @@ def decode_placement(code: tuple | list) -> Placement:
     kind = code[1]
     if kind == "I":
         return InterleavedShard(code[2], code[3])
+    if kind == "G":
+        return RaggedShard(code[2], tuple(code[3]))
     if kind == "S":
         return Shard(code[2])
     if kind == "P":
