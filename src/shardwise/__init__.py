@@ -29,7 +29,7 @@ from .dispatch import (
     set_implicit_redistribute,
     set_redistribute_logging,
 )
-from .dtensor import DTensor, distribute_tensor, local_components
+from .dtensor import DTensor, distribute_tensor, local_components, reshard
 from .errors import (
     CheckpointMismatchError,
     CollectiveError,
@@ -200,6 +200,7 @@ __all__ = [
     "AsyncDTensor",
     "local_map",
     "register_sharding",
+    "reshard",
     "CheckpointMismatchError",
 ]
 __all__ += [
