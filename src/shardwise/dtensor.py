@@ -709,7 +709,9 @@ def reshard(
     if not union.local_device_ids:  # a process of neither mesh takes no part
         return DTensor([], spec, requires_grad=dtensor.requires_grad)
     sample = torch.empty(0, dtype=dtensor.dtype, device=union.device_of(union.local_device_ids[0]))
-    comm.agree(union, "reshard", {
+    what = (f"reshard from {cross_mesh.describe(source.mesh, source.placements)} to "
+            f"{cross_mesh.describe(device_mesh, target)}")
+    comm.agree(union, what, {
         "shape": list(shape), "dtype": str(dtensor.dtype),
         "source": cross_mesh.describe(source.mesh, source.placements),
         "target": cross_mesh.describe(device_mesh, target),
