@@ -61,7 +61,8 @@ def _moves(pairs: list, options: tuple) -> list[dict]:
                                     zip(sw.local_components(out), expected, strict=True))
                 results.append({
                     "case": (src_ids, dst_ids, repr(before), repr(after)), "ok": ok,
-                    "bytes": counter.total_bytes,
+                    "bytes": counter.total_bytes, "held": len(sw.local_components(out)),
+                    "shape": list(out.shape),
                     "bound": cross_mesh_lower_bound_bytes(SHAPE, 4, source, before, target, after),
                 })
     return results
@@ -99,7 +100,11 @@ def _two() -> list[dict]:
 
 
 def test_four_processes_disjoint_overlapping_and_outside() -> None:
-    at_bound, tried = _check(run_in_processes(_four, 4, timeout=600))
+    per_rank = run_in_processes(_four, 4, timeout=600)
+    at_bound, tried = _check(per_rank)
+    outside = [c for c in per_rank[3] if c["case"][:2] == ([0, 1], [1, 2])]
+    assert outside and all(c["held"] == 0 and c["shape"] == list(SHAPE) for c in outside)
+    assert all(c["held"] == 1 for c in per_rank[2] if c["case"][:2] == ([0, 1], [2, 3]))
     print(f"4 processes: {at_bound} at the bound / {tried}")
 
 
