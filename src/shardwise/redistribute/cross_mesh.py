@@ -90,27 +90,51 @@ def _blocks(
     return out
 
 
-def _needers(
-    target: DeviceMesh, after: Placements, new: tuple, box: tuple, holding: set[Slot],
-    index: tuple[int, ...],
-) -> tuple[list[int], list[int]]:
-    """The target positions that need ``box``'s value, and those that get zeros: one member of
-    each target sum group (one physically holding a term where one does, spread over the
-    blocks), every needer elsewhere."""
-    devices = target.device_ids
-    need = [j for j, s in enumerate(new) if covers(s, box)]
+def _keeps(source: DeviceMesh, before: Placements, target: DeviceMesh, after: Placements
+           ) -> bool:
+    """Whether pending terms may stay pending: the source's Partials and the target's are
+    plain sums, so a target group may hold the terms spread over its members."""
+    ops = {before[m].reduce_op for m in _terms(source, before)}
     summed = _sum_dims(target, after)
-    if not summed:
-        return need, []
+    return ops == {"sum"} and bool(summed) and all(after[m].reduce_op == "sum" for m in summed)
+
+
+def _groups(target: DeviceMesh, after: Placements, new: tuple, box: tuple) -> list[list[int]]:
+    """The target positions whose pieces cover ``box``, by the groups that need its value:
+    one per target sum group (the value may sit on any member, zeros on the others), else
+    every position alone."""
+    devices = target.device_ids
+    summed = _sum_dims(target, after)
     groups: dict[tuple[int, ...], list[int]] = {}
-    for j in need:
-        coord = target.coordinate_of(devices[j])
-        groups.setdefault(tuple(c for m, c in enumerate(coord) if m not in summed), []).append(j)
-    chosen = []
-    for members in groups.values():
-        holders = [j for j in members if slot(target, devices[j]) in holding] or members
-        chosen.append(holders[sum(index) % len(holders)])
-    return chosen, [j for j in need if j not in chosen]
+    for j, segments in enumerate(new):
+        if covers(segments, box):
+            coord = target.coordinate_of(devices[j])
+            key = tuple(c for m, c in enumerate(coord) if m not in summed) if summed else (j,)
+            groups.setdefault(key, []).append(j)
+    return list(groups.values())
+
+
+def _options(terms: int, held: list[set[int]], keeps: bool) -> tuple[int, int | None]:
+    """The fewest transfers of one block (in block sizes), and the group whose member reduces
+    the terms for the others (None when no group needs that). ``held[g]``: the terms members
+    of group g physically hold. ``block_transfers``: a group lacking the one term receives it
+    once; several terms are reduced at one root, which hands the value on. Where ``keeps``
+    (sum to sum), a group holding every term may keep them pending, or every group may keep
+    them pending, each receiving just the terms it lacks, when either is fewer."""
+    held_any = [bool(h) for h in held]
+    root = held_any.index(True) if any(held_any) else 0
+    count = block_transfers(terms, len(held), 1, held_any.count(False), int(any(held_any)))
+    if terms == 1 or not keeps:
+        return count, None if terms == 1 else root
+    lacking = [terms - len(h) for h in held]
+    best = count
+    for r, h in enumerate(held):  # other groups that hold every term keep them pending
+        cost = terms - bool(h) + sum(min(1, n) for n in lacking) - min(1, lacking[r])
+        if cost < best:
+            best, root = cost, r
+    if sum(lacking) <= best:
+        return sum(lacking), None
+    return best, root
 
 
 def _holders_by_term(
@@ -126,26 +150,35 @@ def _holders_by_term(
     return [terms[t] for t in sorted(terms)]
 
 
+def _held(source: DeviceMesh, target: DeviceMesh, terms: list[list[int]],
+          groups: list[list[int]]) -> tuple[dict[Slot, int], list[set[int]]]:
+    """Which term each physical source holder holds, and per group the terms its members
+    physically hold."""
+    term_at = {slot(source, source.device_ids[i]): t for t, hs in enumerate(terms) for i in hs}
+    held = [{term_at[s] for j in g if (s := slot(target, target.device_ids[j])) in term_at}
+            for g in groups]
+    return term_at, held
+
+
 def cross_mesh_lower_bound_bytes(
     shape: tuple[int, ...], itemsize: int, source: DeviceMesh, before: Placements,
     target: DeviceMesh, after: Placements,
 ) -> int:
     """The fewest bytes all devices together must receive to move a tensor of ``shape`` from
-    ``before`` on ``source`` to ``after`` on ``target``: per block ``block_transfers``, where a
-    target device holds what the same physical device held in the source."""
+    ``before`` on ``source`` to ``after`` on ``target``, where a target device holds what the
+    same physical device held in the source: per block, every group that needs the value and
+    lacks it receives it once; Partial terms cost ``block_transfers`` (a reduction tree and
+    the result handed on), or, from a sum to a target sum, each group just the terms its
+    members lack when that is fewer."""
     old = pieces(source, shape, before).segments
     new = pieces(target, shape, after).segments
+    keeps = _keeps(source, before, target, after)
     total = 0
-    for index, box, size in _blocks(shape, old, new):
+    for _, box, size in _blocks(shape, old, new):
         terms = _holders_by_term(source, before, old, box)
-        holding = {slot(source, source.device_ids[i]) for t in terms for i in t}
-        needers, _ = _needers(target, after, new, box, holding, index)
-        if not needers:
-            continue
-        held = [slot(target, target.device_ids[j]) in holding for j in needers]
-        total += block_transfers(
-            len(terms), len(needers), size, held.count(False) * size, size if any(held) else 0
-        ) * itemsize
+        groups = _groups(target, after, new, box)
+        _, held = _held(source, target, terms, groups)
+        total += _options(len(terms), held, keeps)[0] * size * itemsize
     return total
 
 
@@ -225,35 +258,53 @@ def plan_cross_mesh(
     def at(runs: tuple[Segments, ...], box: tuple) -> tuple[slice, ...]:
         return tuple(_local_slice(r, a, b) for r, (a, b) in zip(runs, box, strict=True))
 
+    keeps = _keeps(source, before, target, after)
     for index, box, size in _blocks(shape, old, new):
         terms = _holders_by_term(source, before, old, box)
-        holding = {slot(source, source.device_ids[i]) for t in terms for i in t}
-        needers, zeroed = _needers(target, after, new, box, holding, index)
-        zeros = zeros or bool(zeroed)
+        groups = _groups(target, after, new, box)
+        term_at, held = _held(source, target, terms, groups)
+        _, root_group = _options(len(terms), held, keeps)
         box_shape = tuple(b - a for a, b in box)
         spread = sum(index)
-        if len(terms) == 1:
-            for j in needers:
-                d = tdev[j]
-                src = _pick(source, terms[0], slot(target, d), spread + j)
+
+        def fill(d: int, wanted: list[int], box=box, box_shape=box_shape, spread=spread,
+                 terms=terms, size=size) -> None:
+            """Device ``d`` reduces the terms ``wanted`` (coordinate order) into its block."""
+            sources = []
+            for t in wanted:
+                src = _pick(source, terms[t], slot(target, d), spread)
                 received[d] += 0 if slot(source, src) == slot(target, d) else size
-                first[d].append((at(where_new[d], box), box_shape,
-                                 ((src, at(where_old[src], box)),)))
-            continue
-        candidates = [j for j in needers if slot(target, tdev[j]) in holding] or needers
-        root = tdev[candidates[spread % len(candidates)]]
-        sources = []
-        for holders in terms:
-            src = _pick(source, holders, slot(target, root), spread)
-            received[root] += 0 if slot(source, src) == slot(target, root) else size
-            sources.append((src, at(where_old[src], box)))
-        first[root].append((at(where_new[root], box), box_shape, tuple(sources)))
-        for j in needers:
-            d = tdev[j]
-            if d != root:
+                sources.append((src, at(where_old[src], box)))
+            first[d].append((at(where_new[d], box), box_shape, tuple(sources)))
+
+        def own(j: int, term_at=term_at) -> int | None:
+            return term_at.get(slot(target, tdev[j]))
+
+        def chosen(members: list[int], spread=spread) -> int:
+            holders = [j for j in members if own(j) is not None] or members
+            return tdev[holders[spread % len(holders)]]
+
+        root = None if root_group is None else chosen(groups[root_group])
+        if root is not None:
+            fill(root, list(range(len(terms))))
+        for g, members in enumerate(groups):
+            zeros = zeros or len(members) > 1
+            if g == root_group:
+                continue
+            if root is not None and not (keeps and len(held[g]) == len(terms)):
+                d = chosen(members)
                 received[d] += size
                 second[d].append((at(where_new[d], box), box_shape,
                                   ((root, at(where_new[root], box)),)))
+                continue
+            # the group keeps the terms pending, each on one member: one that holds it, else
+            # the chosen member receives it
+            mine: dict[int, list[int]] = {}
+            for t in range(len(terms)):
+                d = chosen([j for j in members if own(j) == t] or members)
+                mine.setdefault(d, []).append(t)
+            for d, wanted in mine.items():
+                fill(d, wanted)
     return CrossMeshPlan(
         source, before, target, after, shape,
         {d: tuple(f) for d, f in first.items()}, {d: tuple(f) for d, f in second.items()},
