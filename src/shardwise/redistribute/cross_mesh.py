@@ -8,8 +8,9 @@ blocks, and every byte is counted as any exchange's. Blocks are ``geometry``'s, 
 layouts' run boundaries: with one Partial term a block goes straight from a holder to every
 needer that lacks it; with several, one needer (the root, a term holder where one is) reduces
 them in coordinate order and forwards the value in a second round. A target Partial that may
-hold zeros elsewhere (sum, p-norms) needs the value on one member of each group only. That is
-``cross_mesh_lower_bound_bytes`` per block, the fewest bytes any schedule can move.
+hold zeros elsewhere (sum, p-norms) needs the value on one member of each group only; from a
+pending sum to a target sum a group may instead keep the terms spread over its members. Each
+block takes the cheapest of these (``_options``): ``cross_mesh_lower_bound_bytes`` in all.
 """
 
 from __future__ import annotations
