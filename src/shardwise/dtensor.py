@@ -216,8 +216,14 @@ class DTensor(torch.Tensor):
         dtype); ``backward_dtype`` runs the backward collectives in that dtype, the gradient
         coming back in this DTensor's dtype (PyTorch's keywords, for low-precision traffic).
         ``async_op``: return at once, the collectives run in the background; the first use
-        of the result (or ``wait()``) waits for them.
+        of the result (or ``wait()``) waits for them. Another ``device_mesh`` moves the value
+        there (``reshard``).
         """
+        if placements is None:
+            raise InvalidPlacementError(
+                f"redistribute of a DTensor of shape {list(self.shape)} with placements "
+                f"{list(self.placements)} needs target placements"
+            )
         if device_mesh is not None and device_mesh != self.device_mesh:
             if forward_dtype is not None or backward_dtype is not None or async_op:
                 raise InvalidArgumentError(
@@ -227,11 +233,6 @@ class DTensor(torch.Tensor):
                     f"backward_dtype and async_op are for moves within one mesh; cast first"
                 )
             return reshard(self, device_mesh, placements)
-        if placements is None:
-            raise InvalidPlacementError(
-                f"redistribute of a DTensor of shape {list(self.shape)} with placements "
-                f"{list(self.placements)} needs target placements"
-            )
         target = validate_placements(self.shape, self.device_mesh, placements)
         if not self._components:  # a process outside the mesh takes no part (PyTorch's rule)
             spec = self._spec.with_placements(target)
