@@ -364,8 +364,7 @@ def run_cross_mesh(plan: CrossMeshPlan, components: list[torch.Tensor], dtype: t
     union, src_ids, dst_ids = union_mesh(source, target)
     if not union.local_device_ids:
         return []
-    by_slot = {src_ids[d]: c for d, c in zip(source.local_device_ids, components, strict=True)}
-    held = {d: by_slot[src_ids[d]] for d in source.local_device_ids}
+    held = dict(zip(source.local_device_ids, components, strict=True))
     ops = {p.reduce_op for m, p in enumerate(plan.source)
            if isinstance(p, Partial) and source.shape[m] > 1}
     op = ops.pop() if ops else None
