@@ -15,7 +15,6 @@ order."""
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import os
@@ -25,15 +24,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import cache, lru_cache
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from .. import settings
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
+from ..runtime import group_for_ranks
 from . import safety
 from .reduction import accumulation_dtype, combine, finish
 
@@ -41,13 +40,6 @@ from .reduction import accumulation_dtype, combine, finish
 TAG = 0x5357
 Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local index of each or None
 
-# per process (per rank thread in the launcher's threads mode, settings.ProcessLocal)
-_process_groups: settings.ProcessLocal[dict[tuple[int, ...], dist.ProcessGroup]] = (
-    settings.ProcessLocal(dict)
-)
-# one lock per process (per rank thread): a rank holds it while its group's members meet, so
-# a lock shared by rank threads would keep the other members from coming
-_group_lock: settings.ProcessLocal[threading.Lock] = settings.ProcessLocal(threading.Lock)
 # Collectives so far per set of processes: the n-th collective between the same processes must be
 # the same one in each of them (the header and the debug checks compare it).
 _sequence: settings.ProcessLocal[dict[tuple[int, ...], int]] = settings.ProcessLocal(dict)
@@ -64,79 +56,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """The process group over ``ranks`` (global ranks, ascending), created on first use.
-
-    Only its members create it, and its name (where they meet in the store) is made of its
-    ranks alone (``_new_group``), so processes that made different groups before (a mesh over
-    ranks 0 and 2 on those two, one over ranks 1 and 3 on the others) still meet. A mesh dim's
-    groups are created together, in mesh order, and collectives run in one order in every
-    process, so members reach a creation in the same order.
-    """
-    process_groups = _process_groups.get()
-    pg = process_groups.get(ranks)
-    if pg is not None:
-        return pg
-    if len(ranks) == dist.get_world_size():
-        # not kept here: destroy_process_group must be able to free it (a process group that
-        # outlives the interpreter lets gloo's threads release tensors after finalization)
-        return dist.group.WORLD
-    with _group_lock.get():
-        pg = process_groups.get(ranks)
-        if pg is None:
-            if not process_groups:
-                atexit.register(process_groups.clear)  # before finalization, for the same reason
-            try:
-                pg = _new_group(ranks)
-            except RuntimeError as err:
-                raise CollectiveError(
-                    f"creating the process group of ranks {list(ranks)} failed on rank "
-                    f"{dist.get_rank()}: {err}"
-                ) from err
-            process_groups[ranks] = pg
-    return pg
-
-
-def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """A process group over ``ranks`` made by its members only, named by its ranks alone.
-
-    ``dist.new_group(use_local_synchronization=True)`` would name it by its ranks and the
-    number of process groups this process has made so far: processes whose programs made
-    different groups before name it differently and each waits for the others under its own
-    name forever. So the group is made as ``new_group`` makes it, with the name given (each set
-    of ranks is made once per process, so the name is unique)."""
-    default = c10d._get_default_group()
-    backend, store = c10d._world.pg_map[default]
-    name = "shardwise_ranks_" + "_".join(map(str, ranks))
-    pg, _ = c10d._new_process_group_helper(
-        len(ranks),
-        ranks.index(dist.get_rank()),
-        list(ranks),
-        dist.Backend(backend),
-        store,
-        name,
-        timeout=timedelta(seconds=safety.get_collective_timeout()),
-        device_id=default.bound_device_id,
-        group_desc=f"shardwise ranks {list(ranks)}",
-    )
-    c10d._world.pg_group_ranks[pg] = {rank: i for i, rank in enumerate(ranks)}
-    return pg
-
-
-@cache
-def _pause_at_exit() -> None:
-    """Before the interpreter finalizes, give the backend's worker threads the GIL once: a
-    worker that finished the last collective still drops its tensors, which takes the GIL, and
-    one that gets it only during finalization aborts the process ("terminate called without an
-    active exception", about one run in six of a program ending right after an all_reduce)."""
-    atexit.register(time.sleep, 0.02)
-
-
 @lru_cache(maxsize=1024)
 def group_ranks(mesh: DeviceMesh, mesh_dim: int) -> dict[tuple[int, ...], tuple[int, ...]]:
     """For each cross-process device group along ``mesh_dim`` holding a device of this process,
     the ranks of the processes that own its members. Creates their process groups, in mesh order."""
-    _pause_at_exit()
     me = dist.get_rank()
     result: dict[tuple[int, ...], tuple[int, ...]] = {}
     for members in mesh.groups(mesh_dim):

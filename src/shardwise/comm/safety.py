@@ -9,11 +9,12 @@ before any data moves.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .. import settings
-from ..errors import InvalidArgumentError
+from ..errors import ConcurrentCollectiveError, InvalidArgumentError
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -64,3 +65,49 @@ def current_description() -> str:
     if not stack:
         return ""
     return stack[-1]() if callable(stack[-1]) else stack[-1]
+
+
+class _Speaker:
+    """The thread of this process that is inside a collective across processes, if any."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.depth = 0
+        self.what = ""
+
+
+# per process (per rank thread in the launcher's threads mode, which is a process of its own)
+_speaker: settings.ProcessLocal[_Speaker] = settings.ProcessLocal(_Speaker)
+
+
+@contextmanager
+def one_thread(what: str) -> Iterator[None]:
+    """The calling thread speaks for this process in the collective across processes ``what``.
+
+    gloo matches a group's messages by their order, so two threads of one process in
+    collectives at once corrupt its groups (the process aborts inside gloo, or data goes to
+    the wrong collective). A second thread that comes while another is inside raises
+    ``ConcurrentCollectiveError`` before any message is sent; the same thread may nest."""
+    speaker = _speaker.get()
+    me = threading.current_thread()
+    with speaker.lock:
+        other = speaker.thread
+        if other is not None and other is not me:
+            raise ConcurrentCollectiveError(
+                f"thread {me.name!r} entered a collective across processes ({what}) while "
+                f"thread {other.name!r} of this process is inside one ({speaker.what}): a "
+                f"process runs its collectives across processes one at a time, from one thread, "
+                f"in the same order as the other processes. Issue them from one thread (or "
+                f"hand them to it), or run ranks as threads with shardwise.run_threads"
+            )
+        if other is None:
+            speaker.thread, speaker.what = me, what
+        speaker.depth += 1
+    try:
+        yield
+    finally:
+        with speaker.lock:
+            speaker.depth -= 1
+            if not speaker.depth:
+                speaker.thread, speaker.what = None, ""
