@@ -51,8 +51,10 @@ def _moves(pairs: list, options: tuple) -> list[dict]:
         for before in itertools.product(options, repeat=source.ndim):
             dt = _source(x, source, before)
             for after in itertools.product(options, repeat=target.ndim):
+                plan = sw.explain_redistribute(dt, list(after), device_mesh=target)
                 with sw.CommCounter() as counter:
                     out = sw.reshard(dt, target, list(after))
+                ok_bytes = plan.bytes == counter.total_bytes
                 full = out.full_tensor()
                 ok = not target.local_device_ids or torch.equal(full, x)
                 if target.local_device_ids and not any(isinstance(p, Partial) for p in after):
@@ -60,7 +62,7 @@ def _moves(pairs: list, options: tuple) -> list[dict]:
                     ok = ok and all(torch.equal(a, b) for a, b in
                                     zip(sw.local_components(out), expected, strict=True))
                 results.append({
-                    "case": (src_ids, dst_ids, repr(before), repr(after)), "ok": ok,
+                    "case": (src_ids, dst_ids, repr(before), repr(after)), "ok": ok and ok_bytes,
                     "bytes": counter.total_bytes, "held": len(sw.local_components(out)),
                     "shape": list(out.shape),
                     "bound": cross_mesh_lower_bound_bytes(SHAPE, 4, source, before, target, after),

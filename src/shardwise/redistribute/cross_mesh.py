@@ -170,7 +170,8 @@ def cross_mesh_lower_bound_bytes(
     same physical device held in the source: per block, every group that needs the value and
     lacks it receives it once; Partial terms cost ``block_transfers`` (a reduction tree and
     the result handed on), or, from a sum to a target sum, each group just the terms its
-    members lack when that is fewer."""
+    members lack when that is fewer. (Terms of avg, max or min are not kept pending across
+    meshes: a target Partial of those ops receives the value.)"""
     old = pieces(source, shape, before).segments
     new = pieces(target, shape, after).segments
     keeps = _keeps(source, before, target, after)
