@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from . import comm, settings
 from .comm import background
 from .comm.reduction import reduce_op_problem
+from .comm.safety import redistribution
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
 from .geometry import extract_local
 from .mesh import DeviceMesh, Mesh, mesh_or_current
@@ -770,7 +771,8 @@ class _Redistribute(torch.autograd.Function):
             components = [c.to(forward_dtype) for c in components]
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
         plan = plan_redistribute(spec, target)
-        with comm.moving(lambda: f"redistribute of {spec} to {list(target)}"):
+        with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
+                         spec=lambda: redistribution(spec, tuple(target))):
             components = execute_plan(plan, spec.mesh, components)
         return DTensor(components, spec.with_placements(target))
 
@@ -936,7 +938,9 @@ class _AsyncRedistribute(_Redistribute):
         plan = plan_redistribute(spec, target)
 
         def job() -> list[torch.Tensor]:
-            return execute_plan(plan, spec.mesh, dtensor._components)
+            with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
+                             spec=lambda: redistribution(spec, tuple(target))):
+                return execute_plan(plan, spec.mesh, dtensor._components)
 
         work = background.submit(job, f"redistribute of {spec} to {list(target)}")
         return AsyncDTensor(work, spec.with_placements(target))

@@ -12,9 +12,12 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import lru_cache
+from typing import Any
 
 from .. import settings
 from ..errors import ConcurrentCollectiveError, InvalidArgumentError
+from . import protocol
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -50,12 +53,35 @@ def debug_checks_enabled() -> bool:
     return settings.DEBUG_CHECKS.get()
 
 
+class _Moving:
+    """One ``moving`` block: what it names for messages, and the spec every process must move
+    alike with its fingerprint (asked for once, at the first collective across processes)."""
+
+    __slots__ = ("description", "spec", "_checked")
+
+    def __init__(self, description: str | Callable[[], str],
+                 spec: Callable[[], tuple[dict[str, object], int]] | None) -> None:
+        self.description, self.spec = description, spec
+        self._checked: tuple[dict[str, object], int] | None = None
+
+    def checked(self) -> tuple[dict[str, object], int]:
+        if self._checked is None:
+            self._checked = self.spec()
+        return self._checked
+
+
 @contextmanager
-def moving(description: str | Callable[[], str]) -> Iterator[None]:
+def moving(
+    description: str | Callable[[], str],
+    spec: Callable[[], tuple[dict[str, object], int]] | None = None,
+) -> Iterator[None]:
     """Name what the collectives inside are moving (a spec and its target), for the error
     messages of timeouts and mismatches; a callable is only formatted when a message needs it.
-    Per context: another thread does not see this thread's description."""
-    with settings.MOVING.override((*settings.MOVING.get(), description)):
+    ``spec`` returns what every process must be moving alike (JSON values: global shape, dtype,
+    placements...) and its ``protocol.fingerprint`` (``redistribution`` makes both): the
+    fingerprint rides in the header of every collective inside, checked always. Per context:
+    another thread does not see this thread's description."""
+    with settings.MOVING.override((*settings.MOVING.get(), _Moving(description, spec))):
         yield
 
 
@@ -64,7 +90,27 @@ def current_description() -> str:
     stack = settings.MOVING.get()
     if not stack:
         return ""
-    return stack[-1]() if callable(stack[-1]) else stack[-1]
+    description = stack[-1].description
+    return description() if callable(description) else description
+
+
+@lru_cache(maxsize=1024)
+def redistribution(spec: Any, target: tuple[Any, ...]) -> tuple[dict[str, object], int]:
+    """What every process redistributing the DTensor of ``spec`` (a ``DTensorSpec``) to
+    ``target`` moves alike, for ``moving``: its global shape, dtype, placements and target,
+    and their fingerprint (kept for the last 1024 pairs: a training loop repeats them)."""
+    values = {"global shape": list(spec.shape), "dtype": str(spec.tensor_meta.dtype),
+              "placements": [repr(p) for p in spec.placements], "to": [repr(p) for p in target]}
+    return values, protocol.fingerprint(values)
+
+
+def current_spec() -> tuple[dict[str, object], int] | None:
+    """The spec of the innermost ``moving`` block that gave one, and its fingerprint; None if
+    none did."""
+    for entry in reversed(settings.MOVING.get()):
+        if entry.spec is not None:
+            return entry.checked()
+    return None
 
 
 class _Speaker:
