@@ -31,6 +31,7 @@ _NAMES: dict[str, str] = {
     "distribute_tensor": "dtensor",
     "DTensor": "dtensor",
     "local_components": "dtensor",
+    "reshard": "dtensor",
     "CheckpointMismatchError": "errors",
     "CollectiveError": "errors",
     "CollectiveMismatchError": "errors",
@@ -129,6 +130,7 @@ __all__ = [
     "OpArgumentError",
     "UnsafeCheckpointError",
     "local_components",
+    "reshard",
     "OpSchema",
     "OpStrategy",
     "OutputSharding",
@@ -277,6 +279,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         DTensor,
         distribute_tensor,
         local_components,
+        reshard,
     )
     from .errors import (
         CheckpointCorruptError,

@@ -18,16 +18,37 @@ from .comm import CommCounter, CommRecord
 from .comm.safety import current_description
 from .dtensor import DTensor
 from .errors import InvalidArgumentError
+from .mesh import DeviceMesh
 from .placements import Placement, RaggedShard
-from .redistribute import RedistributePlan, lower_bound_bytes, plan_redistribute
+from .redistribute import (
+    CrossMeshPlan,
+    RedistributePlan,
+    cross_mesh_lower_bound_bytes,
+    lower_bound_bytes,
+    plan_cross_mesh,
+    plan_redistribute,
+)
+from .redistribute.cross_mesh import check_meshes
 from .spec import validate_placements
 
 
-def explain_redistribute(dtensor: DTensor, placements: Sequence[Placement]) -> RedistributePlan:
+def explain_redistribute(
+    dtensor: DTensor, placements: Sequence[Placement], device_mesh: DeviceMesh | None = None
+) -> RedistributePlan | CrossMeshPlan:
     """The plan ``dtensor.redistribute(placements=placements)`` would run: its steps, each with
     its collective, mesh dim and the bytes this process's devices would receive, and beside
-    its ``global_bytes`` the ``lower_bound`` no plan can beat (bytes over all devices)."""
+    its ``global_bytes`` the ``lower_bound`` no plan can beat (bytes over all devices). With
+    another ``device_mesh``, the ``CrossMeshPlan`` of ``reshard`` to that mesh, with its bound."""
     spec = dtensor._spec
+    if device_mesh is not None and device_mesh != spec.mesh:
+        target = validate_placements(dtensor.shape, device_mesh, placements)
+        shape, itemsize = tuple(spec.shape), spec.component_dtype.itemsize
+        check_meshes(shape, spec.mesh, spec.placements, device_mesh, target)
+        plan = plan_cross_mesh(shape, itemsize, spec.mesh, spec.placements, device_mesh, target)
+        bound = cross_mesh_lower_bound_bytes(
+            shape, itemsize, spec.mesh, spec.placements, device_mesh, target
+        )
+        return dataclasses.replace(plan, lower_bound=bound)
     target = validate_placements(dtensor.shape, dtensor.device_mesh, placements)
     plan = plan_redistribute(spec, target)
     bound = lower_bound_bytes(
