@@ -13,6 +13,7 @@ if "shardwise.launch" in _sys.orig_argv[1:] and _sys.orig_argv[
 
 from . import ops as _ops  # noqa: F401  (registers the built-in sharding strategies)
 from .async_tensor import AsyncCollectiveTensor, AsyncDTensor
+from .budget import CommBudget, comm_budget
 from .comm import (
     CommCounter,
     get_collective_timeout,
@@ -35,6 +36,8 @@ from .errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    CommBudgetExceededError,
+    CommBudgetWarning,
     DataParallelError,
     DeferredInitError,
     DTensorCollectiveError,
@@ -51,6 +54,7 @@ from .errors import (
     ParallelStyleError,
     ShardwiseError,
     ShardwiseTypeError,
+    ShardwiseWarning,
     StateDictMismatchError,
     StrategyValidationError,
     UnsupportedOpError,
@@ -126,7 +130,12 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CommBudget",
+    "CommBudgetExceededError",
+    "CommBudgetWarning",
     "CommCounter",
+    "ShardwiseWarning",
+    "comm_budget",
     "DataParallelError",
     "DTensorCollectiveError",
     "DeferredInitError",

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from . import budget
 from .comm import background
 from .dtensor import (
     DTensor,
@@ -158,7 +159,9 @@ class _AsyncRedistribute(_Redistribute):
         def job() -> list[torch.Tensor]:
             return execute_plan(plan, spec.mesh, dtensor._components)
 
-        work = background.submit(job, f"redistribute of {spec} to {list(target)}")
+        # checked against the budgets now; the job charges them in this context's copy
+        with budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]):
+            work = background.submit(job, f"redistribute of {spec} to {list(target)}")
         return AsyncDTensor(work, spec.with_placements(target))
 
 

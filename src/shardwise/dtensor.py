@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import comm, settings
+from . import budget, comm, settings
 from .comm.reduction import reduce_op_problem
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
 from .geometry import extract_local
@@ -699,7 +699,10 @@ class _Redistribute(torch.autograd.Function):
             components = [c.to(forward_dtype) for c in components]
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
         plan = plan_redistribute(spec, target)
-        with comm.moving(lambda: f"redistribute of {spec} to {list(target)}"):
+        with (
+            comm.moving(lambda: f"redistribute of {spec} to {list(target)}"),
+            budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]),
+        ):
             components = execute_plan(plan, spec.mesh, components)
         return DTensor(components, spec.with_placements(target))
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from .. import settings
+from .. import budget, settings
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter")
 
@@ -113,10 +114,15 @@ def record(
     *,
     cross_process_bytes: int = 0,
     meta_bytes: int = 0,
+    mesh: Any = None,
 ) -> None:
-    """Report one collective to every active ``CommCounter``."""
+    """Report one collective to every active ``CommCounter`` and charge it to every active
+    ``comm_budget`` (``mesh``, the collective's, names its dims for per-dim limits)."""
     counters = settings.COMM_COUNTERS.get()
     if counters:
         entry = CommRecord(kind, mesh_dim, nbytes, label, cross_process_bytes, meta_bytes)
         for counter in counters:
             counter.add(entry)
+    budgets = settings.COMM_BUDGETS.get()
+    if budgets:
+        budget.charge(budgets, kind, mesh, mesh_dim, nbytes, cross_process_bytes)
