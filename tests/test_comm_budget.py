@@ -89,6 +89,22 @@ def test_explicit_redistributions_count_against_the_total(mesh: sw.DeviceMesh) -
     assert f"used so far: {GATHER} bytes used of {GATHER + GATHER // 2}" in text
 
 
+def test_async_redistribute_is_checked_when_asked(mesh: sw.DeviceMesh) -> None:
+    x, dx = _sharded(mesh)
+    with sw.comm_budget(bytes=GATHER - 1), pytest.raises(CommBudgetExceededError):
+        dx.redistribute(placements=[Replicate()], async_op=True)
+    with sw.comm_budget(bytes=GATHER) as budget:
+        out = dx.redistribute(placements=[Replicate()], async_op=True)
+        assert torch.equal(out.wait().full_tensor(), x)
+    assert budget.used == GATHER
+
+
+def test_a_budget_is_entered_once(mesh: sw.DeviceMesh) -> None:
+    budget = sw.comm_budget(bytes=10)
+    with budget, pytest.raises(sw.InvalidArgumentError, match="already active"), budget:
+        pass
+
+
 def test_per_op_limits_each_operation_not_the_sum(mesh: sw.DeviceMesh) -> None:
     x, dx = _sharded(mesh)
     with sw.comm_budget(per_op=GATHER) as budget:

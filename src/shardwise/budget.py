@@ -149,6 +149,11 @@ class CommBudget:
     # ----- the block ---------------------------------------------------------------------
 
     def __enter__(self) -> CommBudget:
+        if any(b is self for b in settings.COMM_BUDGETS.get()):
+            raise InvalidArgumentError(
+                f"{self!r} is already active in this context: a budget block is entered once "
+                f"(nest a new comm_budget to limit further)"
+            )
         settings.COMM_BUDGETS.push(self)
         return self
 
