@@ -24,12 +24,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .comm import CommCounter
 from .deferred_init import deferred_init
-from .dispatch import allow_implicit_redistribute
 from .dtensor import DTensor, distribute_tensor
 from .memory import track_allocations
 from .mesh import DeviceMesh, init_device_mesh
+from .op_inputs import allow_implicit_redistribute
 from .ops.random import manual_seed
 from .parallel import (
     ColwiseParallel,

@@ -24,14 +24,6 @@ class MeshDimNameError(MeshError, KeyError):
         return str(self.args[0])
 
 
-class IdTuple(tuple):
-    """A tuple that can also be called, so ``mesh.shape`` / ``mesh.local_device_ids`` read the
-    same as PyTorch's attributes and TF's methods (``mesh.shape()``)."""
-
-    def __call__(self) -> IdTuple:
-        return self
-
-
 def _process_info() -> tuple[int, int]:
     """(rank, world size) of this process; (0, 1) when torch.distributed is not initialized."""
     import torch.distributed as dist
@@ -189,8 +181,10 @@ class DeviceMesh:
         return self.mesh.ndim
 
     @cached_property
-    def shape(self) -> IdTuple:
-        return IdTuple(self.mesh.shape)
+    def shape(self) -> tuple[int, ...]:
+        """The mesh's size along each dim (PyTorch's property; TF's ``mesh.shape()`` reads
+        ``mesh.shape`` here, see docs/api_map.md)."""
+        return tuple(self.mesh.shape)
 
     def size(self, mesh_dim: int | str | None = None) -> int:
         """Number of devices in the mesh, or along one mesh dim."""
@@ -231,9 +225,9 @@ class DeviceMesh:
         return self._ids
 
     @cached_property
-    def local_device_ids(self) -> IdTuple:
+    def local_device_ids(self) -> tuple[int, ...]:
         """Ids of the mesh devices this process owns, ascending."""
-        return IdTuple(sorted(i for i in self._ids if self.owner_of(i) == self._rank))
+        return tuple(sorted(i for i in self._ids if self.owner_of(i) == self._rank))
 
     def num_local_devices(self) -> int:
         return len(self.local_device_ids)
