@@ -100,7 +100,7 @@ COMM_COUNTERS: Setting[tuple] = Setting("comm_counters", ())
 # The ``comm_budget`` blocks of this context (outermost first): every collective is charged to
 # each of them.
 COMM_BUDGETS: Setting[tuple] = Setting("comm_budgets", ())
-# The operation whose collectives are being charged to the budgets (``comm_budget.planned``).
+# The operation whose collectives are being charged to the budgets (``budget.planned``).
 BUDGET_OPERATION: Setting[Any] = Setting("budget_operation", None)
 
 
