@@ -178,11 +178,6 @@ def comm_budget(
     return CommBudget(bytes, per_op, per_dim, cross_process_bytes, on_exceed)
 
 
-def active() -> tuple[CommBudget, ...]:
-    """The budgets of this context, outermost first."""
-    return settings.COMM_BUDGETS.get()
-
-
 def _dim_keys(mesh: Any, mesh_dim: int | tuple[int, ...]) -> list[Key]:
     """The budget keys of a collective on ``mesh_dim`` (an exchange spans several dims, each
     charged; a collective over the whole mesh, -1, none)."""
