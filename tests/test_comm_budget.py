@@ -147,6 +147,22 @@ def test_per_mesh_dim_by_name_and_index() -> None:
         dx.redistribute(placements=[Replicate(), Shard(1)])
 
 
+def test_an_exchange_is_charged_to_every_dim_it_changes() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(8, 8)
+    dx = sw.distribute_tensor(x, mesh, [Shard(0), Shard(1)])
+    # device (i, j) holds the [4, 4] block (i, j) and wants block (j, i): the two devices off
+    # the diagonal swap theirs, point to point, changing both mesh dims at once
+    swapped = 2 * 4 * 4 * 4
+    target = [Shard(1), Shard(0)]
+    with sw.comm_budget(per_dim={"dp": swapped, "tp": swapped}) as budget:
+        out = dx.redistribute(placements=target)
+    assert torch.equal(out.full_tensor(), x)
+    assert budget.used == swapped and budget.used_per_dim == {"dp": swapped, "tp": swapped}
+    with sw.comm_budget(per_dim={"tp": swapped - 1}), pytest.raises(CommBudgetExceededError):
+        dx.redistribute(placements=target)
+
+
 def test_in_process_moves_are_not_cross_process(mesh: sw.DeviceMesh) -> None:
     x, dx = _sharded(mesh)
     with sw.comm_budget(cross_process_bytes=0) as budget:
