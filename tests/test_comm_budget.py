@@ -6,6 +6,7 @@ ring model, summed over this process's devices), never read back from shardwise'
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 
@@ -161,6 +162,30 @@ def test_an_exchange_is_charged_to_every_dim_it_changes() -> None:
     assert budget.used == swapped and budget.used_per_dim == {"dp": swapped, "tp": swapped}
     with sw.comm_budget(per_dim={"tp": swapped - 1}), pytest.raises(CommBudgetExceededError):
         dx.redistribute(placements=target)
+
+
+def test_the_check_ahead_matches_the_charge_over_placement_pairs() -> None:
+    """A budget of exactly what a plan moves lets it through and is used up by it; one byte
+    less refuses it before anything moves (uneven shape, every pair on a 2x2 mesh)."""
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    x = torch.randn(5, 3)
+    options = [Replicate(), Shard(0), Shard(1)]
+    tried = 0
+    for source in itertools.product(options, repeat=2):
+        dx = sw.distribute_tensor(x, mesh, list(source))
+        for target in itertools.product(options, repeat=2):
+            planned = sw.explain_redistribute(dx, list(target)).bytes
+            with sw.comm_budget(bytes=planned) as budget, sw.CommCounter() as counter:
+                out = dx.redistribute(placements=list(target))
+            assert torch.equal(out.full_tensor(), x)
+            assert budget.used == counter.total_bytes == planned, (source, target)
+            if planned:
+                tried += 1
+                with sw.comm_budget(bytes=planned - 1), sw.CommCounter() as counter:
+                    with pytest.raises(CommBudgetExceededError):
+                        dx.redistribute(placements=list(target))
+                assert counter.total_bytes == 0
+    assert tried > 40
 
 
 def test_in_process_moves_are_not_cross_process(mesh: sw.DeviceMesh) -> None:
