@@ -114,25 +114,9 @@ def test_the_import_graph_sees_lazy_imports_and_parent_packages() -> None:
     assert graph["shardwise"] == set()  # TYPE_CHECKING imports are not run
 
 
-# circles still open (issue 21: mesh start-up through comm), with their members: none may grow
-# and no new one may come (dtensor <-> async_tensor, dtensor -> checkpoint, ops -> dispatch ->
-# ops, redistribute <-> plan_op and the nine distribute/ modules were removed)
-KNOWN_CIRCLES = [
-    [
-        "shardwise.comm",
-        "shardwise.comm.collectives",
-        "shardwise.comm.distributed",
-        "shardwise.comm.native",
-        "shardwise.mesh",
-    ],
-]
-
-
-def test_no_new_import_circle() -> None:
+def test_no_import_circle() -> None:
     circles = import_circles(import_graph())
-    new = [c for c in circles if not any(set(c) <= set(k) for k in KNOWN_CIRCLES)]
-    assert not new, f"import circles: {new}"
-    assert len(circles) <= len(KNOWN_CIRCLES)
+    assert not circles, f"import circles: {circles}"
 
 
 def _run(code: str) -> str:

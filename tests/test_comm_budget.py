@@ -245,8 +245,10 @@ def test_a_collective_outside_a_plan_is_checked_after_it_runs(mesh: sw.DeviceMes
     pieces = [torch.ones(4) for _ in range(N)]  # 16 bytes each
     received = N * 2 * (16 - 4)  # ring all-reduce: each device lacks 3 of its 4 chunks, twice
     with sw.comm_budget(bytes=received - 1) as budget, sw.CommCounter() as counter:
-        with pytest.raises(CommBudgetExceededError, match="has already run"):
-            sw_comm.all_reduce(mesh, 0, pieces)
+        with pytest.raises(CommBudgetExceededError, match="has already run") as info:
+            with sw_comm.moving("the test's pieces"):
+                sw_comm.all_reduce(mesh, 0, pieces)
+    assert "all_reduce on mesh dim 0" in str(info.value) and "the test's pieces" in str(info.value)
     assert counter.total_bytes == budget.used == received
 
 

@@ -279,10 +279,11 @@ def charge(
     mesh_dim: int | tuple[int, ...],
     nbytes: int,
     cross_process_bytes: int,
+    describe: Callable[[], str],
 ) -> None:
     """Charge one collective to ``budgets``; past a limit the plan did not foresee (a
     collective outside a planned operation, or its cross-process payload), raise or warn
-    now, after it ran."""
+    now, after it ran (``describe()`` says what it was moving, for the message)."""
     operation = settings.BUDGET_OPERATION.get()
     dims = dict.fromkeys(_dim_keys(mesh, mesh_dim), nbytes)
     op_total = nbytes if operation is None else operation.moved + nbytes
@@ -294,7 +295,7 @@ def charge(
         budget.charge(nbytes, dims, cross_process_bytes, op_total)
         if over:
             what = operation.label() if operation is not None else ""
-            name = what or _description() or kind
+            name = what or describe() or kind
             _exceeded(budget, (
                 f"{kind} on mesh dim {mesh_dim} of {mesh} for {name} ({nbytes} bytes here, "
                 f"{cross_process_bytes} from other processes) exceeded {budget!r}:\n"
@@ -303,10 +304,3 @@ def charge(
             ))
     if operation is not None:
         operation.moved = op_total
-
-
-def _description() -> str:
-    stack = settings.MOVING.get()
-    if not stack:
-        return ""
-    return stack[-1]() if callable(stack[-1]) else stack[-1]

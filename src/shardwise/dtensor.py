@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from . import budget, comm, settings
 from .comm import background
 from .comm.reduction import reduce_op_problem
+from .comm.safety import redistribution
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
 from .geometry import extract_local
 from .mesh import DeviceMesh, Mesh, mesh_or_current
@@ -710,7 +711,8 @@ class _Redistribute(torch.autograd.Function):
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
         plan = plan_redistribute(spec, target)
         with (
-            comm.moving(lambda: f"redistribute of {spec} to {list(target)}"),
+            comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
+                        spec=lambda: redistribution(spec, tuple(target))),
             budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]),
         ):
             components = execute_plan(plan, spec.mesh, components)
@@ -878,7 +880,9 @@ class _AsyncRedistribute(_Redistribute):
         plan = plan_redistribute(spec, target)
 
         def job() -> list[torch.Tensor]:
-            return execute_plan(plan, spec.mesh, dtensor._components)
+            with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
+                             spec=lambda: redistribution(spec, tuple(target))):
+                return execute_plan(plan, spec.mesh, dtensor._components)
 
         # checked against the budgets now; the job charges them in this context's copy
         with budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import budget, settings
+from .safety import current_description
 
 
 def all_gather_received(piece_bytes: Sequence[int], index: int) -> int:
@@ -123,4 +124,6 @@ def record(
             counter.add(entry)
     budgets = settings.COMM_BUDGETS.get()
     if budgets:
-        budget.charge(budgets, kind, mesh, mesh_dim, nbytes, cross_process_bytes)
+        budget.charge(
+            budgets, kind, mesh, mesh_dim, nbytes, cross_process_bytes, current_description
+        )
