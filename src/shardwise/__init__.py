@@ -20,6 +20,8 @@ _NAMES: dict[str, str] = {
     "AsyncCollectiveTensor": "dtensor",
     "AsyncDTensor": "dtensor",
     "CommCounter": "comm",
+    "CommBudget": "budget",
+    "comm_budget": "budget",
     "get_collective_timeout": "comm",
     "set_collective_timeout": "comm",
     "set_debug_checks": "comm",
@@ -36,6 +38,9 @@ _NAMES: dict[str, str] = {
     "CollectiveError": "errors",
     "CollectiveMismatchError": "errors",
     "CollectiveTimeoutError": "errors",
+    "CommBudgetExceededError": "errors",
+    "CommBudgetWarning": "errors",
+    "ShardwiseWarning": "errors",
     "DataParallelError": "errors",
     "DeferredInitError": "errors",
     "DTensorCollectiveError": "errors",
@@ -153,7 +158,12 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CommBudget",
+    "CommBudgetExceededError",
+    "CommBudgetWarning",
     "CommCounter",
+    "ShardwiseWarning",
+    "comm_budget",
     "DataParallelError",
     "DTensorCollectiveError",
     "DeferredInitError",
@@ -268,6 +278,7 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
+    from .budget import CommBudget, comm_budget
     from .comm import CommCounter, get_collective_timeout, set_collective_timeout, set_debug_checks
     from .custom_sharding import register_sharding
     from .debug import explain_redistribute
@@ -287,6 +298,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         CollectiveError,
         CollectiveMismatchError,
         CollectiveTimeoutError,
+        CommBudgetExceededError,
+        CommBudgetWarning,
         DataParallelError,
         DeferredInitError,
         DTensorCollectiveError,
@@ -303,6 +316,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         ParallelStyleError,
         ShardwiseError,
         ShardwiseTypeError,
+        ShardwiseWarning,
         StateDictMismatchError,
         StrategyValidationError,
         UnsafeCheckpointError,

@@ -14,6 +14,8 @@ from typing import Any, TextIO
 import torch
 
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
+from . import settings
+from .budget import CommBudget
 from .comm import CommCounter, CommRecord
 from .comm.safety import current_description
 from .dtensor import DTensor
@@ -90,7 +92,8 @@ class CommDebugMode(CommCounter):
     ``m.comm_module_counts[fqn]["forward" | "backward"]`` are the counts of one module (and its
     children; ``"Global"`` is everything), ``get_comm_counts()`` / ``get_total_counts()`` the
     totals, ``get_sharding_info()`` the placements of each DTensor parameter,
-    ``generate_comm_debug_tracing_table()`` all of it as text.
+    ``generate_comm_debug_tracing_table()`` all of it as text, with the use of every
+    ``comm_budget`` active while it counted (limit, used and remaining per limit).
     """
 
     def __init__(self) -> None:
@@ -100,6 +103,12 @@ class CommDebugMode(CommCounter):
         self._parameters: dict[str, dict[str, torch.Tensor]] = {}
         self._depth: dict[str, int] = {}
         self._tracker: Any = None
+        # the comm_budget blocks seen while counting, by identity: (budget, nesting depth)
+        self._budgets: dict[int, tuple[CommBudget, int]] = {}
+
+    def _note_budgets(self) -> None:
+        for depth, budget in enumerate(settings.COMM_BUDGETS.get()):
+            self._budgets.setdefault(id(budget), (budget, depth))
 
     def __enter__(self) -> CommDebugMode:
         from torch.distributed._tools.mod_tracker import ModTracker
@@ -112,6 +121,8 @@ class CommDebugMode(CommCounter):
         self.cross_process_bytes.clear()
         self.meta_bytes.clear()
         self._depth = {"Global": 0}
+        self._budgets = {}
+        self._note_budgets()
         self._tracker = ModTracker()
         self._tracker.register_user_hooks(pre_fw_hook=self._enter_module)
         self._tracker.__enter__()
@@ -133,6 +144,7 @@ class CommDebugMode(CommCounter):
 
     def add(self, record: CommRecord) -> None:
         super().add(record)
+        self._note_budgets()
         tracker = self._tracker
         modules = tracker.parents if tracker is not None else {"Global"}
         phase = "backward" if tracker is not None and tracker.is_bw else "forward"
@@ -195,7 +207,24 @@ class CommDebugMode(CommCounter):
                             f"{indent}      {record.kind} on mesh dim {record.mesh_dim}: "
                             f"{record.bytes} bytes{detail}"
                         )
+        lines += self._budget_lines()
         return "\n".join(lines) + "\n"
+
+    def _budget_lines(self) -> list[str]:
+        """Each ``comm_budget`` seen (nested ones indented): per limit, used and remaining."""
+        if not self._budgets:
+            return []
+        lines = ["Communication budgets (bytes this process's devices received):"]
+        for budget, depth in self._budgets.values():
+            indent = "  " * (depth + 1)
+            lines.append(f"{indent}{budget!r}")
+            for scope, limit, used in budget.table_rows():
+                if limit is None:
+                    lines.append(f"{indent}  {scope}: used {used}, no limit")
+                    continue
+                left = f"remaining {limit - used}" if used <= limit else f"over by {used - limit}"
+                lines.append(f"{indent}  {scope}: limit {limit}, used {used}, {left}")
+        return lines
 
     def log_comm_debug_tracing_table_to_file(
         self, file_name: str = "comm_mode_log.txt", noise_level: int = 3

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import comm, settings
+from . import budget, comm, settings
 from .comm import background
 from .comm.reduction import reduce_op_problem
 from .comm.safety import redistribution
@@ -776,8 +776,11 @@ class _Redistribute(torch.autograd.Function):
             components = [c.to(forward_dtype) for c in components]
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
         plan = plan_redistribute(spec, target)
-        with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
-                         spec=lambda: redistribution(spec, tuple(target))):
+        with (
+            comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
+                        spec=lambda: redistribution(spec, tuple(target))),
+            budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]),
+        ):
             components = execute_plan(plan, spec.mesh, components)
         return DTensor(components, spec.with_placements(target))
 
@@ -947,7 +950,9 @@ class _AsyncRedistribute(_Redistribute):
                              spec=lambda: redistribution(spec, tuple(target))):
                 return execute_plan(plan, spec.mesh, dtensor._components)
 
-        work = background.submit(job, f"redistribute of {spec} to {list(target)}")
+        # checked against the budgets now; the job charges them in this context's copy
+        with budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]):
+            work = background.submit(job, f"redistribute of {spec} to {list(target)}")
         return AsyncDTensor(work, spec.with_placements(target))
 
 
