@@ -207,6 +207,32 @@ def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     return pg
 
 
+# ----- barriers ---------------------------------------------------------------------------------
+
+
+def barrier(ranks: tuple[int, ...] | None = None, seconds: float | None = None,
+            what: str = "barrier") -> None:
+    """Wait until every process of ``ranks`` (all of the world when None) arrives; nothing to
+    wait for without a world or with one process. Past ``seconds`` (default: the collective
+    timeout) on gloo it raises ``CollectiveTimeoutError`` naming ``what``; other backends wait
+    as their own timeout says."""
+    rank, world = rank_and_world()
+    ranks = tuple(range(world)) if ranks is None else ranks
+    if world < 2 or len(ranks) < 2:
+        return
+    seconds = settings.COLLECTIVE_TIMEOUT.get() if seconds is None else seconds
+    group = group_for_ranks(ranks)
+    if dist.get_backend(group) != "gloo":
+        dist.barrier(group)
+        return
+    try:
+        dist.monitored_barrier(group, timeout=timedelta(seconds=seconds))
+    except RuntimeError as err:
+        raise CollectiveTimeoutError(
+            f"{what}: processes {list(ranks)} did not all arrive within {seconds:g} s ({err})"
+        ) from None
+
+
 # ----- shutdown ---------------------------------------------------------------------------------
 
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
+from . import runtime
 from .dtensor import DTensor, distribute_tensor, local_components
 from .errors import (
-    CollectiveTimeoutError,
     InvalidArgumentError,
     LayoutError,
     MeshError,
@@ -348,12 +347,12 @@ class DVariable(DTensor):
 
 def client_id() -> int:
     """TF: this client's id, the ``torch.distributed`` rank (0 in a single process)."""
-    return _world()[0]
+    return runtime.rank_and_world()[0]
 
 
 def num_clients() -> int:
     """TF: the number of clients, the ``torch.distributed`` world size (1 in one process)."""
-    return _world()[1]
+    return runtime.rank_and_world()[1]
 
 
 def local_devices(device_type: str, for_client_id: int | None = None) -> list[torch.device]:
@@ -425,33 +424,8 @@ def barrier(
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(f"barrier needs a shardwise.DeviceMesh, got {_describe(mesh)}")
     ranks = tuple(sorted({mesh.owner_of(d) for d in mesh.device_ids}))
-    if len(ranks) < 2:
-        return
-    import torch.distributed as dist
-
-    from .comm import get_collective_timeout
-    from .comm.distributed import group_for_ranks
-
-    seconds = timeout_in_ms / 1000 if timeout_in_ms is not None else get_collective_timeout()
-    group = group_for_ranks(ranks)
-    if dist.get_backend(group) != "gloo":
-        dist.barrier(group)
-        return
-    try:
-        dist.monitored_barrier(group, timeout=timedelta(seconds=seconds))
-    except RuntimeError as err:
-        raise CollectiveTimeoutError(
-            f"barrier {barrier_name or ''!r} on {mesh}: processes {list(ranks)} did not all "
-            f"arrive within {seconds:g} s ({err})"
-        ) from None
-
-
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    seconds = timeout_in_ms / 1000 if timeout_in_ms is not None else None
+    runtime.barrier(ranks, seconds, f"barrier {barrier_name or ''!r} on {mesh}")
 
 
 # ----- eager-only calls ----------------------------------------------------------------------

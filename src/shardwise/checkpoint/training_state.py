@@ -31,6 +31,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from .. import runtime
 from ..dcp_protocol import release_reduced
 from ..dtensor import DTensor
 from ..errors import (
@@ -47,12 +48,11 @@ HEADER = "shardwise"  # the state key of the JSON header: step and the extra tre
 
 
 def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return runtime.rank_and_world()[0] == 0
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    runtime.barrier(what="checkpoint")
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
-from ..runtime import group_for_ranks
+from ..runtime import group_for_ranks, rank_and_world
 from . import protocol, safety
 from .reduction import accumulation_dtype, combine, finish
 
@@ -45,7 +45,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 def group_ranks(mesh: DeviceMesh, mesh_dim: int) -> dict[tuple[int, ...], tuple[int, ...]]:
     """For each cross-process device group along ``mesh_dim`` holding a device of this process,
     the ranks of the processes that own its members. Creates their process groups, in mesh order."""
-    me = dist.get_rank()
+    me = rank_and_world()[0]
     result: dict[tuple[int, ...], tuple[int, ...]] = {}
     for members in mesh.groups(mesh_dim):
         ranks = tuple(sorted({mesh.owner_of(d) for d in members}))
@@ -82,7 +82,7 @@ class Call:
     ) -> None:
         self.kind, self.mesh, self.mesh_dim, self.groups = kind, mesh, mesh_dim, groups
         self.sample, self.detail, self.transport, self.extra = sample, detail, transport, extra
-        self.me = dist.get_rank()
+        self.me = rank_and_world()[0]
         self.ranks = group_ranks(mesh, mesh_dim) if ranks is None else ranks
         self.traffic = Traffic()
         self.rounds = 0

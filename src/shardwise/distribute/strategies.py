@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .. import runtime
 from ..errors import DistributeContextError, DistributeValueError
 from ..mesh import DeviceMesh, init_device_mesh
 from . import context
@@ -213,8 +214,8 @@ class MultiWorkerMirroredStrategy(Strategy):
 
         names = _local_devices(devices)
         local = len(names)
-        if dist.is_available() and dist.is_initialized():
-            world, rank = dist.get_world_size(), dist.get_rank()
+        if runtime.initialized():
+            rank, world = runtime.rank_and_world()
         else:
             world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
         device_type = torch_device(names[0]).type
