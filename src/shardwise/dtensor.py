@@ -27,7 +27,7 @@ from .spec import (
     make_tensor_meta,
     validate_placements,
 )
-from .tracing import dynamo_opaque
+from .tracing import dynamo_opaque, eager_under_dynamo
 
 DispatchHandler = Callable[..., Any]  # (cls, func, types, args=(), kwargs=None)
 
@@ -35,7 +35,7 @@ DispatchHandler = Callable[..., Any]  # (cls, func, types, args=(), kwargs=None)
 def set_dispatch_handler(handler: DispatchHandler) -> None:
     """Install the ``__torch_dispatch__`` implementation (the ``dispatch`` layer does this):
     the handler becomes the classmethod itself, so an op pays no extra Python frame."""
-    DTensor.__torch_dispatch__ = classmethod(handler)
+    DTensor.__torch_dispatch__ = classmethod(eager_under_dynamo(handler))
 
 
 def check_partials(spec: DTensorSpec) -> None:
@@ -64,6 +64,7 @@ class DTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
+    @eager_under_dynamo
     def __new__(
         cls, components: Sequence[torch.Tensor], spec: DTensorSpec, *, requires_grad: bool = False
     ) -> DTensor:
@@ -104,6 +105,7 @@ class DTensor(torch.Tensor):
         raise AttributeError(f"'DTensor' object has no attribute {name!r}")
 
     @staticmethod
+    @eager_under_dynamo
     def __tensor_unflatten__(
         inner: dict[str, torch.Tensor], spec: DTensorSpec, outer_size: Any, outer_stride: Any
     ) -> DTensor:

@@ -18,6 +18,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate
 from ..plain_tensors import plain_is_local
+from ..tracing import eager_under_dynamo
 from .data_parallel import (
     DataParallelDims,
     GatheredView,
@@ -210,6 +211,7 @@ class DataParallelUnit:
         return DTensor(pieces, spec) if spec is not None else pieces[0]
 
     # ----- gradients -------------------------------------------------------------------------
+    @eager_under_dynamo  # backward runs it eagerly, also after a compiled forward
     def _on_grad(self, k: int, param: torch.Tensor) -> None:
         if not self.requires_gradient_sync:
             return  # accumulate the pending reduction; a later synced backward reduces it
@@ -282,6 +284,7 @@ class _Buckets:
         if len(self.waiting[b]) == len(self.buckets[b]):
             self._flush(b)
 
+    @eager_under_dynamo
     def _finish(self) -> None:
         for b in range(len(self.buckets)):
             if self.waiting[b]:
