@@ -96,6 +96,7 @@ class DTensor(torch.Tensor):
         raise UnsupportedOpError(f"{func} on a DTensor: import shardwise to enable ops")
 
     # ----- tracing (torch.compile sees a DTensor as its components plus a constant spec) -----
+    @eager_under_dynamo  # AOT autograd's runtime calls these for real, also in a backward
     def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:
         return [f"_component_{i}" for i in range(len(self._components))], self._spec
 

@@ -181,6 +181,7 @@ class DataParallelUnit:
             output = _cast_floating(output, self.mp.output_dtype)
         return output
 
+    @eager_under_dynamo  # autograd calls it for real, also from a compiled forward
     def _pack(self, tensor: torch.Tensor) -> Any:
         """What autograd saves: a gathered parameter (or a view of it) is replaced by how to
         rebuild it from the stored shards."""
@@ -194,6 +195,7 @@ class DataParallelUnit:
         spec = tensor._spec if isinstance(tensor, DTensor) else None
         return (k, spec, views)
 
+    @eager_under_dynamo
     def _unpack(self, view: str, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
