@@ -236,6 +236,7 @@ _OPTIMIZERS = {
     "Adam": lambda params: torch.optim.Adam(params, lr=0.01),
     "AdamW": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, foreach=True),
     "SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "AdamW-fused": lambda params: torch.optim.AdamW(params, lr=0.01, amsgrad=True, fused=True),
 }
 
 
