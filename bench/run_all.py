@@ -39,9 +39,9 @@ BENCHMARKS: dict[str, tuple[int | None, str, list[str], list[str], int]] = {
     "launch": (None, "bench_launch.py", [], ["--repeat", "1"], 200),
     "rank_threads": (None, "bench_rank_threads.py", [], ["--quick"], 400),
     "compile_1": (1, "bench_compile.py", ["--backend", "aot_eager"],
-                  ["--quick", "--backend", "aot_eager"], 300),
+                  ["--quick", "--backend", "aot_eager"], 400),
     "compile_2": (2, "bench_compile.py", ["--backend", "aot_eager"],
-                  ["--quick", "--backend", "aot_eager"], 300),
+                  ["--quick", "--backend", "aot_eager"], 600),
 }
 
 
