@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-python -m ruff check src tests bench
+python -m ruff check src tests bench tools
 python -m pytest "$@"

@@ -6,10 +6,13 @@ The reference below is written with plain python index lists, on purpose without
 
 from __future__ import annotations
 
+import ast
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -280,3 +283,64 @@ def check_components(
             torch.testing.assert_close(value, expected)  # division rounds by reduction order
         else:
             assert torch.equal(value, expected), (coord, placements, mesh)
+
+
+# ----- test tiers: ``pytest -m "not slow"`` while developing, everything in CI -----------------
+
+# a test that starts processes (the harness, a subprocess, the launcher or its threads mode),
+# directly or through a helper function of its module, is ``slow``
+STARTS_PROCESSES = frozenset(
+    {"run_in_processes", "subprocess", "Popen", "launch", "launch_threads"}
+)
+# files slow as a whole: end-to-end programs, and tests that start processes through helpers
+# outside their module (two hosts)
+WHOLE_FILES = frozenset({
+    "test_bench.py",
+    "test_demo.py",
+    "test_examples.py",
+    "test_pytorch_programs.py",
+    "test_torchtitan_llama.py",
+    "test_two_hosts.py",
+})
+
+
+def _process_starters(path: Path) -> set[str]:
+    """Names of the functions of a test module (methods as ``Class.name``) that start processes,
+    directly or through another function of the module."""
+    tree = ast.parse(path.read_text())
+    functions: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            functions[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    functions[f"{node.name}.{item.name}"] = item
+    uses = {
+        name: {n.id for n in ast.walk(f) if isinstance(n, ast.Name)}
+        | {n.attr for n in ast.walk(f) if isinstance(n, ast.Attribute)}
+        for name, f in functions.items()
+    }
+    starters = {name for name, used in uses.items() if used & STARTS_PROCESSES}
+    grew = True
+    while grew:  # through helpers: a function using one that starts processes starts them
+        more = {name for name, used in uses.items() if used & starters} - starters
+        starters |= more
+        grew = bool(more)
+    return starters
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    starters: dict[Path, set[str]] = {}
+    for item in items:
+        path = Path(item.path)
+        if path.name in WHOLE_FILES:
+            item.add_marker(pytest.mark.slow)
+            continue
+        if path not in starters:
+            starters[path] = _process_starters(path)
+        name = item.originalname if isinstance(item, pytest.Function) else item.name
+        if item.cls is not None:
+            name = f"{item.cls.__name__}.{name}"
+        if name in starters[path]:
+            item.add_marker(pytest.mark.slow)

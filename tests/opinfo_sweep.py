@@ -393,11 +393,11 @@ def write_xfail(failing: Sequence[Outcome]) -> None:
     XFAIL_FILE.write_text("\n".join(lines) + "\n")
 
 
-COUNTS_FILE = Path(__file__).parents[1] / "src" / "shardwise" / "ops" / "opinfo_counts.py"
+COUNTS_FILE = Path(__file__).parents[1] / "tools" / "opinfo_counts.py"
 
 
 def write_counts(counts: collections.Counter, mode: str) -> None:
-    """Rewrite the OpInfo counts module that ``python -m shardwise ops-table`` reports."""
+    """Rewrite the OpInfo counts module that ``python tools/ops_table.py`` reports."""
     tested = sum(counts[s] for s in (WRONG, ERROR, UNSUPPORTED, PASS))
     COUNTS_FILE.write_text(
         '"""OpInfo counts for docs/ops.md, written by `python tests/opinfo_sweep.py '
@@ -441,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="print every failure")
     parser.add_argument(
         "--write-counts", action="store_true",
-        help="rewrite src/shardwise/ops/opinfo_counts.py (the counts docs/ops.md reports)",
+        help="rewrite tools/opinfo_counts.py (the counts docs/ops.md reports)",
     )
     parser.add_argument(
         "--write-xfail", action="store_true",

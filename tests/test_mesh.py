@@ -21,7 +21,7 @@ def test_init_device_mesh_attributes(mesh3d: DeviceMesh) -> None:
     assert torch.equal(mesh3d.mesh, torch.arange(12).reshape(2, 3, 2))
     assert mesh3d.mesh_dim_names == ("a", "b", "c")
     assert mesh3d.ndim == 3
-    assert tuple(mesh3d.shape) == (2, 3, 2) and tuple(mesh3d.shape()) == (2, 3, 2)
+    assert mesh3d.shape == (2, 3, 2) and type(mesh3d.shape) is tuple
     assert mesh3d.size() == 12 and mesh3d.size(1) == 3 and mesh3d.size("c") == 2
     assert mesh3d.dim_size("b") == 3
     assert "a" in mesh3d and "z" not in mesh3d

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import CollectiveMismatchError, comm
-from shardwise.comm import distributed, native
+from shardwise import CollectiveMismatchError, comm, runtime
+from shardwise.comm import native
 
 GATHER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
                  torch.complex64]
@@ -225,7 +225,7 @@ def forecast_job(order: list[int]) -> dict:
     out["after"] = torch.cat(comm.all_gather(mesh, 0, [piece])[0])
     # destroy_process_group must free the world's group: a group kept alive to the interpreter's
     # finalization lets gloo's threads release tensors then, and the process aborts at exit
-    out["world kept"] = tuple(range(len(order))) in distributed._process_groups.get()
+    out["world kept"] = tuple(range(len(order))) in runtime._process_groups.get()
     return out
 
 

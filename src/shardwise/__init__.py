@@ -1,109 +1,133 @@
-"""shardwise: distributed tensors for PyTorch. Write for one device, run sharded over a mesh."""
+"""shardwise: distributed tensors for PyTorch. Write for one device, run sharded over a mesh.
 
-import sys as _sys
+The package loads lazily (PEP 562): ``import shardwise`` imports no submodule (nor torch), so
+``python -m shardwise.launch`` starts its processes at once; the first public name asked for
+(``shardwise.DTensor``, ``from shardwise import Shard``) loads the runtime (``dispatch``, which
+registers DTensor's op handler and the sharding rules) and then the module defining the name.
+Submodules are reachable as attributes too (``shardwise.parallel``).
+"""
 
-if "shardwise.launch" in _sys.orig_argv[1:] and _sys.orig_argv[
-    _sys.orig_argv.index("shardwise.launch") - 1
-] == "-m" and "--threads" not in _sys.orig_argv:  # ``python -m shardwise.launch``: run the
-    # launcher now, without importing torch (--threads: once the package is imported, as rank
-    # threads import it)
-    from .launch import main as _launch_main
+from __future__ import annotations
 
-    _sys.exit(_launch_main())
+import importlib
+import importlib.util
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-from . import ops as _ops  # noqa: F401  (registers the built-in sharding strategies)
-from .async_tensor import AsyncCollectiveTensor, AsyncDTensor
-from .comm import (
-    CommCounter,
-    get_collective_timeout,
-    set_collective_timeout,
-    set_debug_checks,
-)
-from .custom_sharding import register_sharding
-from .debug import explain_redistribute
-from .deferred_init import deferred_init, materialize_module
-from .dispatch import (
-    allow_implicit_redistribute,
-    clear_sharding_cache,
-    implicit_replication,
-    set_implicit_redistribute,
-    set_redistribute_logging,
-)
-from .dtensor import DTensor, distribute_tensor, local_components
-from .errors import (
-    CheckpointMismatchError,
-    CollectiveError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    DataParallelError,
-    DeferredInitError,
-    DTensorCollectiveError,
-    ImplicitRedistributeError,
-    InvalidArgumentError,
-    InvalidPlacementError,
-    LayoutError,
-    LocalComponentsError,
-    MeshError,
-    NotEagerError,
-    OpArgumentError,
-    PackError,
-    ParallelPlanError,
-    ParallelStyleError,
-    ShardwiseError,
-    ShardwiseTypeError,
-    StateDictMismatchError,
-    StrategyValidationError,
-    UnsupportedOpError,
-)
-from .factories import empty, full, ones, rand, randn, zeros
-from .layout import MATCH, UNSHARDED, Layout
-from .local_map import local_map
-from .mesh import DeviceMesh, Mesh, create_mesh, init_device_mesh
-from .ops.common import DimOption, product_strategy
-from .ops.random import manual_seed
-from .ops.registry import (
-    OpSchema,
-    OpStrategy,
-    OutputSharding,
-    PlacementStrategy,
-    RuntimeSchemaInfo,
-    bypass_dispatch,
-    bypass_sharding_propagation,
-    register_local_args,
-    register_op_strategy,
-    register_post_patch,
-    register_pre_patch,
-    register_prop_rule,
-    remove_hooks,
-)
-from .ops.validate import ValidationReport, validate_strategy
-from .parallel import distribute_module
-from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from .redistribute import RedistributePlan, Step
-from .spec import DTensorSpec, TensorMeta
-from .tf_dtensor import (
-    DVariable,
-    barrier,
-    call_with_layout,
-    check_layout,
-    client_id,
-    copy_to_mesh,
-    create_distributed_mesh,
-    default_mesh,
-    fetch_layout,
-    get_default_mesh,
-    is_dtensor,
-    local_devices,
-    num_clients,
-    num_global_devices,
-    num_local_devices,
-    pack,
-    relayout,
-    relayout_like,
-    unpack,
-)
+# public name -> the submodule defining it
+_NAMES: dict[str, str] = {
+    "AsyncCollectiveTensor": "dtensor",
+    "AsyncDTensor": "dtensor",
+    "CommCounter": "comm",
+    "get_collective_timeout": "comm",
+    "set_collective_timeout": "comm",
+    "set_debug_checks": "comm",
+    "register_sharding": "custom_sharding",
+    "explain_redistribute": "debug",
+    "deferred_init": "deferred_init",
+    "materialize_module": "deferred_init",
+    "clear_sharding_cache": "dispatch",
+    "distribute_tensor": "dtensor",
+    "DTensor": "dtensor",
+    "local_components": "dtensor",
+    "CheckpointMismatchError": "errors",
+    "CollectiveError": "errors",
+    "CollectiveMismatchError": "errors",
+    "CollectiveTimeoutError": "errors",
+    "DataParallelError": "errors",
+    "DeferredInitError": "errors",
+    "DTensorCollectiveError": "errors",
+    "ImplicitRedistributeError": "errors",
+    "InvalidArgumentError": "errors",
+    "InvalidPlacementError": "errors",
+    "LayoutError": "errors",
+    "LocalComponentsError": "errors",
+    "MeshError": "errors",
+    "NotEagerError": "errors",
+    "OpArgumentError": "errors",
+    "CheckpointCorruptError": "errors",
+    "UnsafeCheckpointError": "errors",
+    "PackError": "errors",
+    "ParallelPlanError": "errors",
+    "ParallelStyleError": "errors",
+    "ShardwiseError": "errors",
+    "ShardwiseTypeError": "errors",
+    "StateDictMismatchError": "errors",
+    "StrategyValidationError": "errors",
+    "UnsupportedOpError": "errors",
+    "empty": "factories",
+    "full": "factories",
+    "ones": "factories",
+    "rand": "factories",
+    "randn": "factories",
+    "zeros": "factories",
+    "Layout": "layout",
+    "MATCH": "layout",
+    "UNSHARDED": "layout",
+    "local_map": "local_map",
+    "create_mesh": "mesh",
+    "DeviceMesh": "mesh",
+    "init_device_mesh": "mesh",
+    "Mesh": "mesh",
+    "allow_implicit_redistribute": "op_inputs",
+    "implicit_replication": "op_inputs",
+    "set_implicit_redistribute": "op_inputs",
+    "set_redistribute_logging": "op_inputs",
+    "DimOption": "ops.common",
+    "product_strategy": "ops.common",
+    "manual_seed": "ops.random",
+    "bypass_dispatch": "ops.registry",
+    "bypass_sharding_propagation": "ops.registry",
+    "OpSchema": "ops.registry",
+    "OpStrategy": "ops.registry",
+    "OutputSharding": "ops.registry",
+    "PlacementStrategy": "ops.registry",
+    "register_local_args": "ops.registry",
+    "register_op_strategy": "ops.registry",
+    "register_post_patch": "ops.registry",
+    "register_pre_patch": "ops.registry",
+    "register_prop_rule": "ops.registry",
+    "remove_hooks": "ops.registry",
+    "RuntimeSchemaInfo": "ops.registry",
+    "validate_strategy": "ops.validate",
+    "ValidationReport": "ops.validate",
+    "distribute_module": "parallel",
+    "InterleavedShard": "placements",
+    "Partial": "placements",
+    "Placement": "placements",
+    "Replicate": "placements",
+    "Shard": "placements",
+    "RedistributePlan": "redistribute",
+    "Step": "redistribute",
+    "DTensorSpec": "spec",
+    "TensorMeta": "spec",
+    "barrier": "tf_dtensor",
+    "call_with_layout": "tf_dtensor",
+    "check_layout": "tf_dtensor",
+    "client_id": "tf_dtensor",
+    "copy_to_mesh": "tf_dtensor",
+    "create_distributed_mesh": "tf_dtensor",
+    "default_mesh": "tf_dtensor",
+    "DVariable": "tf_dtensor",
+    "fetch_layout": "tf_dtensor",
+    "get_default_mesh": "tf_dtensor",
+    "is_dtensor": "tf_dtensor",
+    "local_devices": "tf_dtensor",
+    "num_clients": "tf_dtensor",
+    "num_global_devices": "tf_dtensor",
+    "num_local_devices": "tf_dtensor",
+    "pack": "tf_dtensor",
+    "relayout": "tf_dtensor",
+    "relayout_like": "tf_dtensor",
+    "unpack": "tf_dtensor",
+}
 
 __all__ = [
+    "CheckpointCorruptError",
+    "OpArgumentError",
+    "UnsafeCheckpointError",
+    "local_components",
     "OpSchema",
     "OpStrategy",
     "OutputSharding",
@@ -143,7 +167,6 @@ __all__ = [
     "LocalComponentsError",
     "MATCH",
     "MeshError",
-    "OpArgumentError",
     "PackError",
     "ParallelPlanError",
     "ParallelStyleError",
@@ -175,7 +198,6 @@ __all__ = [
     "implicit_replication",
     "init_device_mesh",
     "is_dtensor",
-    "local_components",
     "manual_seed",
     "materialize_module",
     "ones",
@@ -186,7 +208,6 @@ __all__ = [
     "relayout_like",
     "unpack",
     "zeros",
-    # parity with PyTorch DTensor and TF DTensor names
     "Mesh",
     "NotEagerError",
     "barrier",
@@ -201,12 +222,137 @@ __all__ = [
     "local_map",
     "register_sharding",
     "CheckpointMismatchError",
-]
-__all__ += [
     "DimOption",
     "StrategyValidationError",
     "ValidationReport",
     "product_strategy",
     "validate_strategy",
+    "StateDictMismatchError",
 ]
-__all__ += ["StateDictMismatchError"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _NAMES.get(name)
+    if module is None:
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        # a submodule, as an attribute (also how ``from . import settings`` finds one: so
+        # nothing more is loaded here)
+        return importlib.import_module(f".{name}", __name__)
+    importlib.import_module(".dispatch", __name__)  # the runtime: op handler and rules
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package's module type: the import system binds every submodule it loads on the
+    package, and where a public name is also a submodule's (``deferred_init``, ``local_map``),
+    the public name keeps its meaning."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _NAMES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
+    from .comm import CommCounter, get_collective_timeout, set_collective_timeout, set_debug_checks
+    from .custom_sharding import register_sharding
+    from .debug import explain_redistribute
+    from .deferred_init import deferred_init, materialize_module
+    from .dispatch import clear_sharding_cache
+    from .dtensor import (
+        AsyncCollectiveTensor,
+        AsyncDTensor,
+        DTensor,
+        distribute_tensor,
+        local_components,
+    )
+    from .errors import (
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        CollectiveError,
+        CollectiveMismatchError,
+        CollectiveTimeoutError,
+        DataParallelError,
+        DeferredInitError,
+        DTensorCollectiveError,
+        ImplicitRedistributeError,
+        InvalidArgumentError,
+        InvalidPlacementError,
+        LayoutError,
+        LocalComponentsError,
+        MeshError,
+        NotEagerError,
+        OpArgumentError,
+        PackError,
+        ParallelPlanError,
+        ParallelStyleError,
+        ShardwiseError,
+        ShardwiseTypeError,
+        StateDictMismatchError,
+        StrategyValidationError,
+        UnsafeCheckpointError,
+        UnsupportedOpError,
+    )
+    from .factories import empty, full, ones, rand, randn, zeros
+    from .layout import MATCH, UNSHARDED, Layout
+    from .local_map import local_map
+    from .mesh import DeviceMesh, Mesh, create_mesh, init_device_mesh
+    from .op_inputs import (
+        allow_implicit_redistribute,
+        implicit_replication,
+        set_implicit_redistribute,
+        set_redistribute_logging,
+    )
+    from .ops.common import DimOption, product_strategy
+    from .ops.random import manual_seed
+    from .ops.registry import (
+        OpSchema,
+        OpStrategy,
+        OutputSharding,
+        PlacementStrategy,
+        RuntimeSchemaInfo,
+        bypass_dispatch,
+        bypass_sharding_propagation,
+        register_local_args,
+        register_op_strategy,
+        register_post_patch,
+        register_pre_patch,
+        register_prop_rule,
+        remove_hooks,
+    )
+    from .ops.validate import ValidationReport, validate_strategy
+    from .parallel import distribute_module
+    from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
+    from .redistribute import RedistributePlan, Step
+    from .spec import DTensorSpec, TensorMeta
+    from .tf_dtensor import (
+        DVariable,
+        barrier,
+        call_with_layout,
+        check_layout,
+        client_id,
+        copy_to_mesh,
+        create_distributed_mesh,
+        default_mesh,
+        fetch_layout,
+        get_default_mesh,
+        is_dtensor,
+        local_devices,
+        num_clients,
+        num_global_devices,
+        num_local_devices,
+        pack,
+        relayout,
+        relayout_like,
+        unpack,
+    )

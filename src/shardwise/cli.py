@@ -1,6 +1,5 @@
 """Command line: ``python -m shardwise demo`` trains a sharded GPT beside a single-device one
-(``shardwise.demo``); ``tour`` shows the data model on a 2x3 mesh; ``ops-table`` prints the
-supported ops."""
+(``shardwise.demo``); ``tour`` shows the data model on a 2x3 mesh."""
 
 from __future__ import annotations
 
@@ -10,8 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
+from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .comm import CommCounter
-from .debug import explain_redistribute, op_table_markdown, visualize_sharding
+from .debug import explain_redistribute, visualize_sharding
 from .dtensor import distribute_tensor
 from .mesh import init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard
@@ -74,10 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(see shardwise demo --help)",
     )
     sub.add_parser("tour", help="show the data model on a 2x3 mesh of simulated devices")
-    sub.add_parser("ops-table", help="print docs/ops.md: the supported ops, from the registry")
     args = parser.parse_args(argv)
     if args.command == "tour":
         tour()
-    elif args.command == "ops-table":
-        print(op_table_markdown(), end="")
     return 0

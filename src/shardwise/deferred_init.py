@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .dtensor import DTensor
 from .errors import DeferredInitError
 from .placements import Placement

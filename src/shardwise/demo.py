@@ -20,16 +20,17 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
+from . import runtime
 from .comm import CommCounter
 from .deferred_init import deferred_init
-from .dispatch import allow_implicit_redistribute
 from .dtensor import DTensor, distribute_tensor
 from .memory import track_allocations
 from .mesh import DeviceMesh, init_device_mesh
+from .op_inputs import allow_implicit_redistribute
 from .ops.random import manual_seed
 from .parallel import (
     ColwiseParallel,
@@ -342,11 +343,11 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return runtime.rank_and_world()[0]
 
 
 def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return runtime.rank_and_world()[1]
 
 
 def _tolerance(losses: Sequence[float]) -> float:

@@ -17,13 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import itertools
 import logging
-import os
-import sys
 import threading
-import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +27,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import settings
-from .dtensor import DTensor, check_partials, distribute_tensor, set_dispatch_handler
+from .dtensor import DTensor, check_partials, set_dispatch_handler
 from .errors import (
     DTensorCollectiveError,
     ImplicitRedistributeError,
@@ -44,11 +39,11 @@ from .errors import (
 from .fast_call import binding as _binding
 from .fast_call import checked_call
 from .mesh import DeviceMesh
+from .op_inputs import communicating, implicitly_replicated, run_moves
 from .ops import registry
 from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrategy
-from .placements import Placement, Replicate
-from .plain_tensors import plain_is_local
-from .redistribute import compile_plan, execute_plan, plan_redistribute
+from .placements import Placement
+from .redistribute import compile_plan, plan_redistribute
 from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta, pending_sum
 
 aten = torch.ops.aten
@@ -56,24 +51,6 @@ log = logging.getLogger("shardwise.redistribute")
 
 
 # ----- implicit redistribution settings (per context: see ``settings``) ------------------------
-
-
-def set_implicit_redistribute(enabled: bool) -> None:
-    """Process-wide: allow (True) or forbid (False, the default) implicit redistribution."""
-    settings.IMPLICIT_REDISTRIBUTE.set_default(bool(enabled))
-
-
-@contextlib.contextmanager
-def allow_implicit_redistribute(enabled: bool = True) -> Iterator[None]:
-    """Within the block (this thread only), ops may redistribute their inputs themselves."""
-    with settings.IMPLICIT_REDISTRIBUTE.override(bool(enabled)):
-        yield
-
-
-def set_redistribute_logging(enabled: bool) -> None:
-    """Log every redistribution an op makes, with the user's call site, to
-    the ``shardwise.redistribute`` logger (level INFO)."""
-    settings.LOG_REDISTRIBUTE.set_default(bool(enabled))
 
 
 # ----- decisions -------------------------------------------------------------------------------
@@ -144,7 +121,7 @@ class _Entry:
             for n, (s, t) in enumerate(zip(specs, targets, strict=True))
             if s.placements != t and not _no_op(plan := plan_redistribute(s, t), s.mesh)
         )
-        self.communicates = _communicating(self.moves)
+        self.communicates = communicating(self.moves)
         self.moved_self = targets[0] != specs[0].placements
         self.moved_specs = [
             DTensorSpec(s.mesh, p, s.tensor_meta) for s, p in zip(specs, targets, strict=True)
@@ -473,74 +450,6 @@ def _choose(func: Any, strategy: OpStrategy, specs: list[DTensorSpec]) -> Placem
 # ----- running -------------------------------------------------------------------------------
 
 
-def _call_site() -> str:
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        name = frame.filename
-        if "shardwise" not in name and "torch" not in name:
-            return f"{name}:{frame.lineno}"
-    return "<unknown>"
-
-
-def redistribute_inputs(
-    func: Any, dtensors: Sequence[DTensor], targets: Sequence[Sequence[Placement]]
-) -> list[list[torch.Tensor]]:
-    """The components of ``dtensors`` moved to ``targets`` (one placement tuple each), as an op
-    ``func`` moves its inputs: a move that needs communication raises
-    ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on or autograd's
-    backward runs. For handlers registered with ``bypass_dispatch``."""
-    dtensors = list(dtensors)
-    moves = []
-    for n, (dt, target) in enumerate(zip(dtensors, targets, strict=True)):
-        if dt._spec.placements != tuple(target):
-            plan = plan_redistribute(dt._spec, tuple(target))
-            moves.append((n, plan, functools.partial(execute_plan, plan, dt._spec.mesh)))
-    moves = tuple(moves)
-    return _moved(func, dtensors, moves, _communicating(moves)) if moves else [
-        dt._components for dt in dtensors
-    ]
-
-
-def _communicating(moves: tuple) -> tuple:
-    """The (input index, plan) pairs of ``moves`` whose plan needs a collective."""
-    return tuple(
-        (n, plan) for n, plan, _ in moves if any(s.collective != "local" for s in plan.steps)
-    )
-
-
-def _moved(
-    func: Any, dtensors: list[DTensor], moves: tuple, moving: tuple
-) -> list[list[torch.Tensor]]:
-    """The components of ``dtensors`` after running the plans of ``moves`` ((input index,
-    plan, function running it on the components) triples); ``moving``, the (index, plan)
-    pairs that communicate, must be allowed."""
-    if moving and not settings.IMPLICIT_REDISTRIBUTE.get() and (
-        torch._C._current_graph_task_id() == -1
-    ):
-        lines = []
-        for i, p in moving:
-            dt = dtensors[i]
-            lines.append(
-                f"  input {i}: shape {list(dt.shape)}, placements {list(dt.placements)} -> "
-                f"{list(p.target)} (needs {[s.collective for s in p.steps]}); call "
-                f"x.redistribute(placements={list(p.target)}) on it first"
-            )
-        raise ImplicitRedistributeError(
-            f"{func} on {dtensors[0].device_mesh} needs its inputs redistributed:\n"
-            + "\n".join(lines)
-            + "\nor allow it with `with shardwise.allow_implicit_redistribute():`"
-        )
-    components = [dt._components for dt in dtensors]
-    log_moves = bool(moving) and settings.LOG_REDISTRIBUTE.get()
-    for i, plan, run in moves:
-        dt = dtensors[i]
-        if log_moves and any(s.collective != "local" for s in plan.steps):
-            log.info(
-                "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, _call_site()
-            )
-        components[i] = run(dt._components)
-    return components
-
-
 def _meta_outputs(func: Any, args: tuple, kwargs: dict, where: tuple, specs) -> Any:
     metas = [
         torch.empty_strided(s.tensor_meta.shape, s.tensor_meta.stride,
@@ -577,87 +486,6 @@ def _fill_meta(spec: DTensorSpec | None, meta_out: Any, local_out: Any) -> DTens
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """The DTensor ``__torch_dispatch__`` entry point (hooks, then sharded execution)."""
     return _torch_dispatch(DTensor, func, (), args, kwargs)
-
-
-SMALL_CONSTANT_NUMEL = 16
-
-
-@contextlib.contextmanager
-def implicit_replication(enabled: bool = True) -> Iterator[None]:
-    """Within the block, plain tensors mixed with DTensors are taken as replicated global
-    values (PyTorch's ``implicit_replication``), e.g. masks that decompositions create."""
-    with settings.IMPLICIT_REPLICATION.override(bool(enabled)):
-        yield
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(__file__) + os.sep
-
-
-def _holds(values: Any, tensor: torch.Tensor) -> bool:
-    """True if ``tensor`` is one of ``values`` or inside one of their lists, tuples, dicts."""
-    for v in values:
-        if v is tensor:
-            return True
-        if isinstance(v, (list, tuple)) and any(x is tensor for x in v):
-            return True
-        if isinstance(v, dict) and any(x is tensor for x in v.values()):
-            return True
-        if isinstance(v, torch.nn.Module) and any(
-            x is tensor for x in (*v._parameters.values(), *v._buffers.values())
-        ):
-            return True
-    return False
-
-
-def made_by_torch(tensor: torch.Tensor) -> bool:
-    """True if a plain tensor reaching dispatch was made by torch's own decomposition of the
-    op the user called (SDPA's causal mask, ``masked.var``'s count, fractional max pooling's
-    samples), not passed by the user: it is neither a variable of the user's calling frame
-    nor an argument the user gave the torch function running the decomposition, nor a
-    parameter or buffer of a module in reach, nor a tensor that requires grad."""
-    if tensor.requires_grad or isinstance(tensor, torch.nn.Parameter):
-        return False
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
-        frame = frame.f_back
-    entry = None  # the outermost torch frame: the torch function the user called
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
-        entry, frame = frame, frame.f_back
-    if entry is not None:
-        code = entry.f_code
-        n_args = code.co_argcount + code.co_kwonlyargcount
-        n_args += bool(code.co_flags & inspect.CO_VARARGS) + bool(
-            code.co_flags & inspect.CO_VARKEYWORDS
-        )
-        names = code.co_varnames[:n_args]
-        return not _holds([entry.f_locals.get(n) for n in names], tensor)
-    # the user's code called an op (or a C++ composite) directly: its variables are its own
-    return frame is not None and not (
-        _holds(frame.f_locals.values(), tensor) or _holds(frame.f_globals.values(), tensor)
-    )
-
-
-def implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """A plain tensor among DTensor arguments is taken as replicated when it is a small
-    constant (TF DTensor's rule; per rank, one element), when autograd's backward or one of
-    torch's decompositions made it (``made_by_torch``), or inside ``implicit_replication()``;
-    otherwise (the user's own tensor) it is refused."""
-    # per rank (plain_tensors.py) a plain tensor is this rank's data, which may differ from
-    # its peers': only a one-element constant is taken as replicated there
-    small = 1 if plain_is_local(mesh) else SMALL_CONSTANT_NUMEL
-    if (
-        tensor.numel() > small
-        and torch._C._current_graph_task_id() == -1
-        and not settings.IMPLICIT_REPLICATION.get()
-        and not made_by_torch(tensor)
-    ):
-        raise MeshError(
-            f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)}; "
-            f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)) or "
-            f"take it as replicated inside `with shardwise.implicit_replication():`"
-        )
-    return distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
 
 
 def _replicate_plain(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
@@ -724,7 +552,7 @@ def _torch_dispatch(
             return out
         return _finish(op, func, entry, [result], dtensors, None)
     if entry.moves:
-        components = _moved(func, dtensors, entry.moves, entry.communicates)
+        components = run_moves(func, dtensors, entry.moves, entry.communicates)
     else:
         components = [d._components for d in dtensors]
     results = _run_local(op, func, args, kwargs, entry, components)
@@ -761,7 +589,7 @@ def _dispatch_cold(
     entry = _Entry(op, decision, specs, where)
     if op.inplace:
         _check_write_reaches_base(func, dtensors[0], entry.moved_self, decision.input_placements[0])
-    components = _moved(func, dtensors, entry.moves, entry.communicates) if entry.moves else [
+    components = run_moves(func, dtensors, entry.moves, entry.communicates) if entry.moves else [
         d._components for d in dtensors
     ]
     with _argument_errors(func, specs):
@@ -1038,13 +866,4 @@ def _is_inplace(func: Any) -> bool:
 
 set_dispatch_handler(_torch_dispatch)
 
-__all__ = [
-    "implicit_replication",
-    "allow_implicit_redistribute",
-    "clear_sharding_cache",
-    "dispatch",
-    "implicitly_replicated",
-    "redistribute_inputs",
-    "set_implicit_redistribute",
-    "set_redistribute_logging",
-]
+__all__ = ["clear_sharding_cache", "dispatch"]

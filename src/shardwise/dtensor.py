@@ -2,6 +2,14 @@
 
 A DTensor is a ``torch.Tensor`` wrapper subclass: its shape, stride and dtype are the global
 ones, and it holds one local component per device this process owns, in ascending device id.
+
+Pending results of background collectives (``redistribute(..., async_op=True)``,
+``DTensor.from_local(..., async_op=True)``) are ``AsyncDTensor``s: global metadata is known at
+once, the components are computed by the background worker (``comm.background``) and the first
+use of them (any op, ``unpack``, ``full_tensor``...) waits, as ``wait()`` does. ``to_local()``
+of a pending DTensor returns an ``AsyncCollectiveTensor``, a tensor that waits on first use, as
+PyTorch's does. Results are those of the blocking path, bit for bit: the worker runs the same
+plan on the same components.
 """
 
 from __future__ import annotations
@@ -10,12 +18,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import comm, settings
+from .comm import background
 from .comm.reduction import reduce_op_problem
+from .comm.safety import redistribution
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
 from .geometry import extract_local
-from .mesh import DeviceMesh, IdTuple, Mesh, mesh_or_current
+from .mesh import DeviceMesh, Mesh, mesh_or_current
 from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from .redistribute import execute_plan, plan_redistribute
 from .spec import (
@@ -90,10 +101,14 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
-        # replaced by ``set_dispatch_handler`` when the dispatch layer is imported
+        # replaced by ``set_dispatch_handler`` when the dispatch layer is imported (the first
+        # name taken from the package imports it; importing only submodules may not)
         from .errors import UnsupportedOpError
 
-        raise UnsupportedOpError(f"{func} on a DTensor: import shardwise to enable ops")
+        raise UnsupportedOpError(
+            f"{func} on a DTensor: the op layer is not loaded; import shardwise.dispatch (any "
+            f"name taken from the shardwise package loads it)"
+        )
 
     # ----- tracing (torch.compile sees a DTensor as its components plus a constant spec) -----
     @eager_under_dynamo  # AOT autograd's runtime calls these for real, also in a backward
@@ -146,7 +161,7 @@ class DTensor(torch.Tensor):
         Components must follow chunk geometry; the global shape is inferred from them unless
         ``shape`` is given. ``run_check`` broadcasts Replicate components from coordinate 0.
         ``async_op``: return at once; pending components and the broadcast finish in the
-        background (see ``async_tensor``). As in PyTorch, the mesh defaults to the current one
+        background (see ``AsyncDTensor``). As in PyTorch, the mesh defaults to the current one
         (``with mesh:``) and the placements to Replicate on every mesh dim.
         """
         device_mesh = mesh_or_current(device_mesh, "DTensor.from_local")
@@ -168,8 +183,6 @@ class DTensor(torch.Tensor):
         if not device_mesh.local_device_ids:
             return _outside_mesh(local, device_mesh, placements, shape)
         if async_op:
-            from .async_tensor import from_local_async
-
             return from_local_async(local, device_mesh, placements, shape, stride, run_check)
         components = _as_components(local, device_mesh, placements)
         spec = _spec_from_components(components, device_mesh, placements, shape, stride)
@@ -244,8 +257,6 @@ class DTensor(torch.Tensor):
             return self
         check_partials(self._spec.with_placements(target))
         if async_op:
-            from .async_tensor import redistribute_async
-
             return redistribute_async(self, target)
         return _Redistribute.apply(self, target)
 
@@ -271,19 +282,19 @@ class DTensor(torch.Tensor):
             )
         return self._components[0].data_ptr()
 
-    # torch.distributed.checkpoint's protocol for distributed tensors (checkpoint/protocol.py)
+    # torch.distributed.checkpoint's protocol for distributed tensors (dcp_protocol.py)
     def __create_write_items__(self, fqn: str, obj: Any) -> list:  # noqa: ARG002
-        from .checkpoint.protocol import create_write_items
+        from .dcp_protocol import create_write_items
 
         return create_write_items(fqn, self)
 
     def __create_chunk_list__(self) -> list:
-        from .checkpoint.protocol import create_chunk_list
+        from .dcp_protocol import create_chunk_list
 
         return create_chunk_list(self)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        from .checkpoint.protocol import get_tensor_shard
+        from .dcp_protocol import get_tensor_shard
 
         return get_tensor_shard(self, index)
 
@@ -702,7 +713,8 @@ class _Redistribute(torch.autograd.Function):
             components = [c.to(forward_dtype) for c in components]
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
         plan = plan_redistribute(spec, target)
-        with comm.moving(lambda: f"redistribute of {spec} to {list(target)}"):
+        with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
+                         spec=lambda: redistribution(spec, tuple(target))):
             components = execute_plan(plan, spec.mesh, components)
         return DTensor(components, spec.with_placements(target))
 
@@ -741,6 +753,179 @@ class _FirstComponent(torch.autograd.Function):
         return DTensor(components, spec), None
 
 
+# ----- pending DTensors (async_op=True) -------------------------------------------------------
+
+
+class AsyncDTensor(DTensor):
+    """A DTensor whose components a background collective is still computing."""
+
+    @staticmethod
+    def __new__(
+        cls, work: background.Work, spec: DTensorSpec, *, requires_grad: bool = False
+    ) -> AsyncDTensor:
+        meta = spec.tensor_meta
+        device = spec.mesh.device_of(spec.mesh.local_device_ids[0])
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=device,
+            requires_grad=requires_grad,
+        )
+        out._spec = spec
+        out.__dict__["_ready"] = None
+        out.__dict__["_work"] = work
+        return out
+
+    @property
+    def _components(self) -> list[torch.Tensor]:  # type: ignore[override]
+        work = self.__dict__["_work"]
+        if work is not None:
+            self.__dict__["_ready"] = list(work.wait())
+            self.__dict__["_work"] = None
+        return self.__dict__["_ready"]
+
+    @_components.setter
+    def _components(self, value: list[torch.Tensor]) -> None:
+        self.__dict__["_ready"] = value
+        self.__dict__["_work"] = None
+
+    def is_pending(self) -> bool:
+        """True while the background collective has not finished."""
+        work = self.__dict__["_work"]
+        return work is not None and not work.done()
+
+    def wait(self) -> AsyncDTensor:
+        """Block until the components are ready (an error of the collective is raised here)."""
+        self._components  # noqa: B018 - reading them waits
+        return self
+
+    def to_local(self) -> torch.Tensor:
+        """This process's component; while pending, a tensor that waits on first use."""
+        work = self.__dict__["_work"]
+        if work is None or (self.requires_grad and torch.is_grad_enabled()):
+            return super().to_local()
+        if len(self.device_mesh.local_device_ids) != 1:
+            return super().to_local()  # raises LocalComponentsError
+        device = self.device_mesh.local_device_ids[0]
+        return AsyncCollectiveTensor(
+            work,
+            0,
+            self._spec.local_shape(device),
+            self.dtype,
+            self.device_mesh.device_of(device),
+        )
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+        state = "pending" if self.is_pending() else "ready"
+        return f"Async{super().__repr__()[:-1]}, {state})"
+
+
+class AsyncCollectiveTensor(torch.Tensor):
+    """A plain tensor that a background collective is still computing: any op on it, and
+    ``wait()``, first wait for the collective and then see the plain result."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(
+        cls,
+        work: background.Work,
+        index: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> AsyncCollectiveTensor:
+        out = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+        out._work, out._index = work, index
+        return out
+
+    def wait(self) -> torch.Tensor:
+        """The plain tensor (component ``index`` of the job's result), once it is ready."""
+        return self._work.wait()[self._index]
+
+    def is_pending(self) -> bool:
+        return not self._work.done()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        def unwrap(t: Any) -> Any:
+            return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+        args, kwargs = pytree.tree_map(unwrap, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def data_ptr(self) -> int:
+        return self.wait().data_ptr()
+
+    def tolist(self) -> Any:
+        return self.wait().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.wait().numpy(force=force)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+        state = "pending" if self.is_pending() else repr(self.wait())
+        return f"AsyncCollectiveTensor({state})"
+
+
+# ----- the async paths -----------------------------------------------------------------------
+
+
+class _AsyncRedistribute(_Redistribute):
+    """``_Redistribute`` whose forward hands the plan to the background worker."""
+
+    @staticmethod
+    def forward(ctx, dtensor: DTensor, target: tuple[Placement, ...]) -> DTensor:  # noqa: ANN001
+        spec = dtensor._spec
+        ctx.source = spec.placements
+        ctx.dtypes = (None, dtensor.dtype)  # the blocking backward, without dtype changes
+        plan = plan_redistribute(spec, target)
+
+        def job() -> list[torch.Tensor]:
+            with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
+                             spec=lambda: redistribution(spec, tuple(target))):
+                return execute_plan(plan, spec.mesh, dtensor._components)
+
+        work = background.submit(job, f"redistribute of {spec} to {list(target)}")
+        return AsyncDTensor(work, spec.with_placements(target))
+
+
+def redistribute_async(dtensor: DTensor, target: tuple[Placement, ...]) -> AsyncDTensor:
+    """``dtensor.redistribute(placements=target, async_op=True)``."""
+    return _AsyncRedistribute.apply(dtensor, target)
+
+
+class _AsyncFromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec: DTensorSpec, run_check: bool, *components: torch.Tensor) -> DTensor:  # noqa: ANN001
+        ctx.spec = spec
+
+        def job() -> list[torch.Tensor]:
+            ready = [
+                c.wait() if isinstance(c, AsyncCollectiveTensor) else c.view_as(c)
+                for c in components
+            ]
+            return _broadcast_replicated(spec, ready) if run_check else ready
+
+        return AsyncDTensor(background.submit(job, f"from_local of {spec}"), spec)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # noqa: ANN001
+        return (None, None, *_grad_components(grad, ctx.spec))
+
+
+def from_local_async(
+    local: torch.Tensor | Sequence[torch.Tensor],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+    run_check: bool,
+) -> AsyncDTensor:
+    """``DTensor.from_local(..., async_op=True)``: components may be pending themselves."""
+    components = _as_components(local, mesh, placements)
+    spec = _spec_from_components(components, mesh, placements, shape, stride)
+    return _AsyncFromLocal.apply(spec, run_check, *components)
+
+
 def _rebuild_dtensor(cls: type, state: dict, requires_grad: bool) -> DTensor:
     """Inverse of ``DTensor.__reduce_ex__``."""
     out = DTensor.__new__(cls, state["_components"], state["_spec"], requires_grad=requires_grad)
@@ -750,6 +935,6 @@ def _rebuild_dtensor(cls: type, state: dict, requires_grad: bool) -> DTensor:
 
 # torch.load(weights_only=True), torch's default, accepts saved DTensors and meshes
 torch.serialization.add_safe_globals(
-    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Mesh, IdTuple, Shard, InterleavedShard,
+    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Mesh, Shard, InterleavedShard,
      Replicate, Partial, _rebuild_dtensor]
 )

@@ -74,6 +74,11 @@ class CollectiveMismatchError(CollectiveError):
     (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""
 
 
+class ConcurrentCollectiveError(CollectiveError):
+    """A second thread of a process entered a collective across processes while another thread
+    of the same process was inside one (they run one at a time, in one order)."""
+
+
 class NotEagerError(ShardwiseError, RuntimeError):
     """A TF DTensor call that moves per-device components (``pack``, ``unpack``,
     ``fetch_layout``) was made while ``torch.compile`` or a tracer was building a graph."""

@@ -8,8 +8,8 @@ into one world (``--threads``: N rank threads of one process instead, see
 (``[0] ...``, as torchrun's ``--tee``/``--role`` output). If one process fails the others are
 stopped and its exit code is returned.
 
-The launcher uses the standard library only and the package runs it before importing torch,
-so the processes start at once; it returns as soon as they have all exited.
+The launcher uses the standard library only (the package loads lazily, so nothing imports torch
+here) and the processes start at once; it returns as soon as they have all exited.
 """
 
 from __future__ import annotations

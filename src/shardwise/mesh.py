@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import atexit
 import math
-import os
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
 import torch
 
-from . import settings
-from .errors import CollectiveError, CollectiveTimeoutError, MeshError, ShardwiseTypeError
+from . import runtime, settings
+from .errors import MeshError, ShardwiseTypeError
 
 
 class MeshDimNameError(MeshError, KeyError):
@@ -22,23 +18,6 @@ class MeshDimNameError(MeshError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
-
-
-class IdTuple(tuple):
-    """A tuple that can also be called, so ``mesh.shape`` / ``mesh.local_device_ids`` read the
-    same as PyTorch's attributes and TF's methods (``mesh.shape()``)."""
-
-    def __call__(self) -> IdTuple:
-        return self
-
-
-def _process_info() -> tuple[int, int]:
-    """(rank, world size) of this process; (0, 1) when torch.distributed is not initialized."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def current_mesh() -> DeviceMesh | None:
@@ -140,12 +119,12 @@ class DeviceMesh:
                 f"use device_type='cpu' for simulated devices"
             )
         if device_type != "meta" and _devices_per_process is None:
-            _init_process_group(device_type, None)
+            runtime.start(device_type, None)
         self.device_type = device_type
         self.mesh = ids
         self.mesh_dim_names = names
         # a meta mesh has no devices to own: it plans and propagates shapes for the whole mesh
-        rank, world = (0, 1) if device_type == "meta" else _process_info()
+        rank, world = (0, 1) if device_type == "meta" else runtime.rank_and_world()
         if _devices_per_process is None and world == 1:
             _devices_per_process = max(flat) + 1  # the only process owns every id
         elif _devices_per_process is None:
@@ -172,7 +151,7 @@ class DeviceMesh:
         ranks in n-D (default: 1-D in group order)."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
+        if not runtime.initialized():
             raise MeshError("DeviceMesh.from_group needs torch.distributed to be initialized")
         ranks = dist.get_process_group_ranks(group)
         ids = torch.tensor(ranks) if mesh is None else torch.as_tensor(mesh, dtype=torch.int64)
@@ -189,8 +168,10 @@ class DeviceMesh:
         return self.mesh.ndim
 
     @cached_property
-    def shape(self) -> IdTuple:
-        return IdTuple(self.mesh.shape)
+    def shape(self) -> tuple[int, ...]:
+        """The mesh's size along each dim (PyTorch's property; TF's ``mesh.shape()`` reads
+        ``mesh.shape`` here, see docs/api_map.md)."""
+        return tuple(self.mesh.shape)
 
     def size(self, mesh_dim: int | str | None = None) -> int:
         """Number of devices in the mesh, or along one mesh dim."""
@@ -231,9 +212,9 @@ class DeviceMesh:
         return self._ids
 
     @cached_property
-    def local_device_ids(self) -> IdTuple:
+    def local_device_ids(self) -> tuple[int, ...]:
         """Ids of the mesh devices this process owns, ascending."""
-        return IdTuple(sorted(i for i in self._ids if self.owner_of(i) == self._rank))
+        return tuple(sorted(i for i in self._ids if self.owner_of(i) == self._rank))
 
     def num_local_devices(self) -> int:
         return len(self.local_device_ids)
@@ -322,7 +303,40 @@ class DeviceMesh:
                 f"a dim is mesh.submeshes(dim)"
             )
         anchor = self.local_device_ids[0] if self.local_device_ids else self._ids[0]
+        self._check_one_submesh_per_process(names)
         return self._submesh_through(names, self.coordinate_of(anchor))
+
+    def _check_one_submesh_per_process(self, names: Sequence[str]) -> None:
+        """``mesh[names]`` is the sub-mesh through each process's first device. Where a
+        process owns devices of several such sub-meshes (a (2, 3) mesh over 3 processes: rank
+        1 owns devices 2 and 3, one in each row), it takes part in one only, and the processes
+        of the other would wait for it forever: refuse that on every process alike."""
+        keep = set(self._dims_of(names))
+
+        def through(device: int) -> tuple:
+            return tuple(c for d, c in enumerate(self.coordinate_of(device)) if d not in keep)
+
+        first: dict[int, int] = {}
+        for device in sorted(self._ids):
+            first.setdefault(self.owner_of(device), device)
+        picked = {rank: through(device) for rank, device in first.items()}
+        pickers: dict[tuple, list[int]] = {}
+        for rank, sub in picked.items():
+            pickers.setdefault(sub, []).append(rank)
+        for device in self._ids:
+            owner = self.owner_of(device)
+            used_by = pickers.get(through(device), [])
+            if used_by and picked[owner] != through(device):
+                mine = sorted(d for d in self._ids if self.owner_of(d) == owner)
+                raise MeshError(
+                    f"mesh[{list(names)}] of {self} is the sub-mesh through each process's "
+                    f"first device, but process {owner} owns devices {mine} of several of them: "
+                    f"it would take part in the one through device {first[owner]} only, and "
+                    f"processes {used_by} would wait forever for its device {device}. Choose a "
+                    f"mesh shape where each process's devices lie in one sub-mesh along "
+                    f"{list(names)} (one device per process always does), or use every "
+                    f"sub-mesh in one order on every process (mesh.submeshes(...))"
+                )
 
     def submeshes(self, dims: str | int | Sequence[str | int]) -> list[DeviceMesh]:
         """All sub-meshes over ``dims`` (veScale's split of a mesh), in order of the other dims."""
@@ -434,9 +448,7 @@ class DeviceMesh:
                 f"{list(self.local_device_ids)} are all local), so it has no torch.distributed "
                 f"process group; communicate with DTensor.redistribute or shardwise.comm"
             )
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
+        if not runtime.initialized():
             raise MeshError(
                 f"mesh dim {mesh_dim!r} of size 1 of {self} has no process group here: "
                 f"torch.distributed is not initialized (one process owns every device); "
@@ -449,9 +461,7 @@ class DeviceMesh:
                 f"{mesh_dim!r}; get_group needs one, index a sub-mesh first (mesh[...])"
             )
         # the transport keeps one process group per set of ranks: share it
-        from .comm.distributed import group_for_ranks
-
-        return group_for_ranks(rank_sets.pop())
+        return runtime.group_for_ranks(rank_sets.pop())
 
     def get_all_groups(self) -> list[Any]:
         """``get_group`` of every mesh dim, in dim order."""
@@ -792,87 +802,10 @@ def init_device_mesh(
     if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape):
         raise MeshError(f"mesh_shape must be a non-empty tuple of positive ints, got {shape}")
     if device_type != "meta":
-        _init_process_group(device_type, init_process_group)
+        runtime.start(device_type, init_process_group)
     return DeviceMesh(
         device_type, torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=mesh_dim_names
     )
-
-
-def _init_process_group(device_type: str, wanted: bool | None) -> None:
-    """Initialize torch.distributed from the torchrun environment (see ``init_device_mesh``)."""
-    import torch.distributed as dist
-
-    if wanted is False or not dist.is_available() or dist.is_initialized():
-        return
-    env = os.environ
-    if wanted is None:
-        wanted = int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" in env and "MASTER_ADDR" in env
-        if not wanted:
-            return
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
-    if missing:
-        raise MeshError(
-            f"init_process_group=True reads the torchrun environment, but {missing} are not set; "
-            f"start the script with torchrun or python -m shardwise.launch"
-        )
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    timeout = timedelta(seconds=settings.COLLECTIVE_TIMEOUT.get())
-    if "TORCHELASTIC_RUN_ID" in env:  # torchrun's agent owns the store and watches the peers
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        dist.init_process_group(
-            backend, store=_rendezvous(rank, world, timeout), rank=rank, world_size=world,
-            timeout=timeout,
-        )
-    atexit.register(_destroy_process_group)
-
-
-def _rendezvous(rank: int, world: int, timeout: timedelta) -> Any:
-    """The store every process meets at (rank 0 hosts it at MASTER_ADDR:MASTER_PORT), once all
-    ``world`` processes have joined it; past ``timeout`` raise ``CollectiveTimeoutError``
-    naming the ranks that did not come."""
-    import torch.distributed as dist
-
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    seconds = timeout.total_seconds()
-    try:
-        store = dist.TCPStore(
-            addr, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-        )
-    except RuntimeError as err:
-        raise CollectiveTimeoutError(
-            f"process-group setup: rank {rank} of {world} could not reach the store of rank 0 "
-            f"at {addr}:{port} within {seconds:g} s (rank 0 did not start, died, or the "
-            f"address is wrong): {err}"
-        ) from None
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            store.set(f"shardwise/joined/{rank}", "1")
-            missing = [r for r in range(world) if not store.check([f"shardwise/joined/{r}"])]
-        except RuntimeError as err:
-            raise CollectiveError(
-                f"process-group setup: rank {rank} of {world} lost the store of rank 0 at "
-                f"{addr}:{port} (rank 0 died?): {err}"
-            ) from None
-        if not missing:
-            return store
-        if time.monotonic() >= deadline:
-            raise CollectiveTimeoutError(
-                f"process-group setup: ranks {missing} of {world} did not join within the "
-                f"collective timeout of {seconds:g} s (rank {rank} waited at {addr}:{port}); "
-                f"they died or were not started"
-            )
-        time.sleep(0.02)
-
-
-def _destroy_process_group() -> None:
-    """Tear down the process group shardwise started, so gloo's threads stop before exit."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def create_mesh(

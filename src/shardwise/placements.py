@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from .errors import InvalidPlacementError
 
-ReduceOp = Literal["sum", "avg", "max", "min"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
 NORM = "norm"  # a pending p-norm is Partial("norm<p>"), e.g. Partial("norm2")
 

@@ -32,12 +32,11 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from . import settings
+from . import runtime, settings
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidArgumentError
 
 T = TypeVar("T")
@@ -263,12 +262,13 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
 def _check_alone(nproc: int) -> None:
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise InvalidArgumentError(f"nproc must be a positive int, got {nproc!r}")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    rank, world = runtime.rank_and_world()
+    if world > 1:
         raise InvalidArgumentError(
             f"threads mode runs {nproc} ranks in this process, but this process is already rank "
-            f"{dist.get_rank()} of a torch.distributed world of {dist.get_world_size()} "
-            f"processes; threads mode does not combine with several processes (gloo cannot run "
-            f"two threads' collectives on one group)"
+            f"{rank} of a torch.distributed world of {world} processes; threads mode does not "
+            f"combine with several processes (gloo cannot run two threads' collectives on one "
+            f"group)"
         )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise InvalidArgumentError(
@@ -296,8 +296,7 @@ def _run_rank(
         else:
             done.put((rank.rank, True, result, "", time.monotonic()))
         finally:  # closing this rank's sockets makes peers waiting on it fail at once
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            runtime.shutdown()
 
 
 class RankFailedError(CollectiveError):

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .dtensor import DTensor, distribute_tensor, local_components
 from .errors import (
     CollectiveTimeoutError,

@@ -5,6 +5,7 @@
 ``load`` treats a checkpoint as untrusted data (``metadata``, ``storage``, ``extra``).
 """
 
+from .. import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from .training_state import load, save
 

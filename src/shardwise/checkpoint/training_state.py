@@ -31,6 +31,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..dcp_protocol import release_reduced
 from ..dtensor import DTensor
 from ..errors import (
     CheckpointCorruptError,
@@ -39,7 +40,6 @@ from ..errors import (
     ShardwiseTypeError,
 )
 from .extra import decode, encode
-from .protocol import release_reduced
 from .storage import Checkpoint, DigestWriter, VerifiedReader, load_plain, open_checkpoint
 
 PROGRESS_BYTES = 64 << 20  # show a progress bar by default from this many bytes on

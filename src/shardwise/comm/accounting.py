@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 
 from .. import settings
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter")
-
 
 def all_gather_received(piece_bytes: Sequence[int], index: int) -> int:
     """Device ``index`` receives every other device's piece."""

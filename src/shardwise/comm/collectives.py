@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from .. import runtime
 from ..mesh import DeviceMesh
 from . import accounting, background, distributed, native
 from .reduction import norm_terms, reduce_terms
+from .safety import one_thread
 
 
 @lru_cache(maxsize=4096)
@@ -60,7 +62,8 @@ def _across(
     first = args[0][0]
     sample = first[0] if isinstance(first, (list, tuple)) else first
     transport = native if native.applies(mesh, mesh_dim, sample) else distributed
-    results, traffic = getattr(transport, collective)(mesh, mesh_dim, groups, *args)
+    with one_thread(f"{collective} over mesh dim {mesh_dim} of {mesh}"):
+        results, traffic = getattr(transport, collective)(mesh, mesh_dim, groups, *args)
     for i, result in results.items():
         out[i] = result
     return traffic
@@ -233,8 +236,9 @@ def scatter_from(
     local = mesh.local_device_ids
     if not distributed.spans_processes(mesh):
         return [_to(piece(d), mesh, d) for d in local]
-    pieces, traffic = distributed.scatter(mesh, src, piece, local_shapes, sample)
-    received = 0 if distributed.dist.get_rank() == src else sum(_nbytes(p) for p in pieces)
+    with one_thread(f"scatter from process {src} over {mesh}"):
+        pieces, traffic = distributed.scatter(mesh, src, piece, local_shapes, sample)
+    received = 0 if runtime.rank_and_world()[0] == src else sum(_nbytes(p) for p in pieces)
     _record("scatter", -1, received, traffic)
     return [_to(p, mesh, d) for p, d in zip(pieces, local, strict=True)]
 
@@ -243,7 +247,8 @@ def agree(mesh: DeviceMesh, what: str, fields: dict[str, Any], sample: torch.Ten
     """Raise ``CollectiveMismatchError`` on every process of ``mesh`` if their ``fields`` (JSON
     values) differ; nothing to do in one process."""
     if distributed.spans_processes(mesh):
-        distributed.agree(mesh, what, fields, sample)
+        with one_thread(f"agree ({what}) over {mesh}"):
+            distributed.agree(mesh, what, fields, sample)
 
 
 def exchange(
@@ -271,7 +276,8 @@ def exchange(
     if len(local) < mesh.size():
         sample = torch.empty(0, dtype=dtype, device=mesh.device_of(local[0]))
         background.drain()  # as in _across: every process keeps the same order
-        remote, traffic = distributed.exchange(mesh, mesh_dims, sends, receives, sample)
+        with one_thread(f"exchange over {mesh}"):
+            remote, traffic = distributed.exchange(mesh, mesh_dims, sends, receives, sample)
     out: list[list[torch.Tensor]] = []
     received = 0
     for i, d in enumerate(local):

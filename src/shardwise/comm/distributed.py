@@ -1,8 +1,10 @@
 """The ``torch.distributed`` transport for mesh groups whose devices span processes, point to
 point: the groups where a process owns several devices of one group (and tensors of more dims
 than the native header holds). Groups with one device per process use the backend's own
-collectives instead (``native.py``, which shares this module's calls, headers, process groups
-and error handling).
+collectives instead (``native.py``, which shares this module's ``Call``, process groups and
+error handling). Both follow one protocol (``protocol.py``): the first message of every
+collective is its header, of a size the two transports agree on, so a process on one
+transport and its peer on the other still read each other's header.
 
 Each collective here is built from point-to-point messages, at most one message per peer
 process and round, so a process receives only what its devices need: the pieces of other
@@ -15,128 +17,34 @@ order."""
 
 from __future__ import annotations
 
-import atexit
-import hashlib
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import cache, lru_cache
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-from .. import settings
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
-from . import safety
+from ..runtime import group_for_ranks
+from . import protocol, safety
 from .reduction import accumulation_dtype, combine, finish
 
-# Keeps shardwise's messages apart from a program's own send/recv on the same group.
-TAG = 0x5357
 Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local index of each or None
 
-# per process (per rank thread in the launcher's threads mode, settings.ProcessLocal)
-_process_groups: settings.ProcessLocal[dict[tuple[int, ...], dist.ProcessGroup]] = (
-    settings.ProcessLocal(dict)
-)
-# one lock per process (per rank thread): a rank holds it while its group's members meet, so
-# a lock shared by rank threads would keep the other members from coming
-_group_lock: settings.ProcessLocal[threading.Lock] = settings.ProcessLocal(threading.Lock)
-# Collectives so far per set of processes: the n-th collective between the same processes must be
-# the same one in each of them (the header and the debug checks compare it).
-_sequence: settings.ProcessLocal[dict[tuple[int, ...], int]] = settings.ProcessLocal(dict)
-_sequence_lock = threading.Lock()
-KIND_CODES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "broadcast", "scatter",
-              "agree", "exchange")
-_HEADER_MAGIC = 0x5357_4844
-_HEADER_FIELDS = 8  # int64: magic, kind, sequence, round, sent, expected, fingerprint, padding
-# A first round's message to one peer of at most this many bytes travels inside the header
-# (fixed size, so a mismatch is still reported, never a transport abort): one round trip less
-# for the shapes that all_gather and all_to_all exchange first and for small collectives.
-_INLINE_BYTES = 256
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """The process group over ``ranks`` (global ranks, ascending), created on first use.
-
-    Only its members create it, and its name (where they meet in the store) is made of its
-    ranks alone (``_new_group``), so processes that made different groups before (a mesh over
-    ranks 0 and 2 on those two, one over ranks 1 and 3 on the others) still meet. A mesh dim's
-    groups are created together, in mesh order, and collectives run in one order in every
-    process, so members reach a creation in the same order.
-    """
-    process_groups = _process_groups.get()
-    pg = process_groups.get(ranks)
-    if pg is not None:
-        return pg
-    if len(ranks) == dist.get_world_size():
-        # not kept here: destroy_process_group must be able to free it (a process group that
-        # outlives the interpreter lets gloo's threads release tensors after finalization)
-        return dist.group.WORLD
-    with _group_lock.get():
-        pg = process_groups.get(ranks)
-        if pg is None:
-            if not process_groups:
-                atexit.register(process_groups.clear)  # before finalization, for the same reason
-            try:
-                pg = _new_group(ranks)
-            except RuntimeError as err:
-                raise CollectiveError(
-                    f"creating the process group of ranks {list(ranks)} failed on rank "
-                    f"{dist.get_rank()}: {err}"
-                ) from err
-            process_groups[ranks] = pg
-    return pg
-
-
-def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """A process group over ``ranks`` made by its members only, named by its ranks alone.
-
-    ``dist.new_group(use_local_synchronization=True)`` would name it by its ranks and the
-    number of process groups this process has made so far: processes whose programs made
-    different groups before name it differently and each waits for the others under its own
-    name forever. So the group is made as ``new_group`` makes it, with the name given (each set
-    of ranks is made once per process, so the name is unique)."""
-    default = c10d._get_default_group()
-    backend, store = c10d._world.pg_map[default]
-    name = "shardwise_ranks_" + "_".join(map(str, ranks))
-    pg, _ = c10d._new_process_group_helper(
-        len(ranks),
-        ranks.index(dist.get_rank()),
-        list(ranks),
-        dist.Backend(backend),
-        store,
-        name,
-        timeout=timedelta(seconds=safety.get_collective_timeout()),
-        device_id=default.bound_device_id,
-        group_desc=f"shardwise ranks {list(ranks)}",
-    )
-    c10d._world.pg_group_ranks[pg] = {rank: i for i, rank in enumerate(ranks)}
-    return pg
-
-
-@cache
-def _pause_at_exit() -> None:
-    """Before the interpreter finalizes, give the backend's worker threads the GIL once: a
-    worker that finished the last collective still drops its tensors, which takes the GIL, and
-    one that gets it only during finalization aborts the process ("terminate called without an
-    active exception", about one run in six of a program ending right after an all_reduce)."""
-    atexit.register(time.sleep, 0.02)
 
 
 @lru_cache(maxsize=1024)
 def group_ranks(mesh: DeviceMesh, mesh_dim: int) -> dict[tuple[int, ...], tuple[int, ...]]:
     """For each cross-process device group along ``mesh_dim`` holding a device of this process,
     the ranks of the processes that own its members. Creates their process groups, in mesh order."""
-    _pause_at_exit()
     me = dist.get_rank()
     result: dict[tuple[int, ...], tuple[int, ...]] = {}
     for members in mesh.groups(mesh_dim):
@@ -155,34 +63,38 @@ class Traffic:
     meta: int = 0  # shape headers and debug-check descriptors
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of ``t`` (strides of size-1 and empty dims do not matter once dense)."""
     dense = t.detach().contiguous()
     return dense.as_strided((dense.numel(),), (1,)).view(torch.uint8)
 
 
-class _Call:
-    """One collective across processes: its description for errors, its rounds of messages."""
+class Call:
+    """One collective across processes (either transport): its description for errors, its
+    sequence number and fingerprint in each set of processes it spans (``protocol``), its
+    point-to-point rounds of messages."""
 
     def __init__(
         self, kind: str, mesh: DeviceMesh, mesh_dim: int | None, groups: Sequence[Group],
         sample: torch.Tensor, detail: str = "",
         ranks: dict[tuple[int, ...], tuple[int, ...]] | None = None,
+        transport: int = protocol.POINT_TO_POINT, extra: int = 0,
     ) -> None:
         self.kind, self.mesh, self.mesh_dim, self.groups = kind, mesh, mesh_dim, groups
-        self.sample, self.detail = sample, detail
+        self.sample, self.detail, self.transport, self.extra = sample, detail, transport, extra
         self.me = dist.get_rank()
         self.ranks = group_ranks(mesh, mesh_dim) if ranks is None else ranks
         self.traffic = Traffic()
         self.rounds = 0
-        self.fields: Callable[[Group], dict[str, object]] | None = None
+        self.seq = protocol.next_sequence(self.ranks.values())
+        # always: the spec being moved; the debug checks add more (``check``)
+        spec = safety.current_spec()
+        self.fields: Callable[[Group], dict[str, object]] = lambda group: {}
         self.fingerprints: dict[tuple[int, ...], int] = {}
-        sequence = _sequence.get()
-        with _sequence_lock:
-            self.seq = {}
-            for key in dict.fromkeys(self.ranks.values()):  # the process sets this call spans
-                self.seq[key] = sequence.get(key, 0)
-                sequence[key] = self.seq[key] + 1
+        if spec is not None:
+            values, fingerprint = spec
+            self.fields = lambda group: {"spec": values}
+            self.fingerprints = dict.fromkeys(self.seq, fingerprint)
 
     def what(self) -> str:
         moving = safety.current_description() or "local components"
@@ -203,11 +115,13 @@ class _Call:
 
     def check(self, fields: Callable[[Group], dict[str, object]]) -> None:
         """Debug checks: the first round's header carries a fingerprint of what this process
-        is about to do in each group (``fields(group)`` adds the group's shapes); processes
-        whose fingerprints differ exchange the details and raise ``CollectiveMismatchError``
-        naming what differs per rank. The same programs pay no extra message."""
+        is about to do in each group (``fields(group)`` adds the group's shapes) besides the
+        spec; processes whose fingerprints differ exchange the details and raise
+        ``CollectiveMismatchError`` naming what differs per rank. The same programs pay no
+        extra message."""
         if not safety.debug_checks_enabled():
             return
+        always = self.fields
         common = {
             "collective": self.kind + self.detail,
             "mesh": repr(self.mesh),
@@ -216,9 +130,10 @@ class _Call:
             "moving": safety.current_description(),
             "call site": call_site(),
         }
-        self.expect_same(
-            lambda group: {**common, "sequence": self.seq[self.ranks[group[0]]], **fields(group)}
-        )
+        self.expect_same(lambda group: {
+            **common, **always(group), "sequence": self.seq[self.ranks[group[0]]],
+            **fields(group),
+        })
 
     def expect_same(self, fields: Callable[[Group], dict[str, object]]) -> None:
         """The next round's headers carry a fingerprint of ``fields(group)`` per process group;
@@ -228,10 +143,7 @@ class _Call:
         for group in self.groups:
             by_ranks.setdefault(self.ranks[group[0]], []).append(fields(group))
         self.fingerprints = {
-            ranks: int.from_bytes(
-                hashlib.sha1(json.dumps(values, sort_keys=True).encode()).digest()[:7], "big"
-            )
-            for ranks, values in by_ranks.items()
+            ranks: protocol.fingerprint(values) for ranks, values in by_ranks.items()
         }
 
     def compare(self, keys: set[tuple[tuple[int, ...], int]]) -> None:
@@ -291,7 +203,7 @@ class _Round:
     """One round of messages: everything for one (process group, peer) travels as one buffer
     of raw bytes, so any dtype goes through and the byte count is exact."""
 
-    def __init__(self, call: _Call, meta: bool) -> None:
+    def __init__(self, call: Call, meta: bool) -> None:
         self.call, self.meta = call, meta
         self.outgoing: dict[tuple[tuple[int, ...], int], list[torch.Tensor]] = {}
         self.incoming: dict[tuple[tuple[int, ...], int], list[int]] = {}
@@ -300,7 +212,7 @@ class _Round:
         ] = []
 
     def send(self, ranks: tuple[int, ...], peer: int, tensor: torch.Tensor) -> None:
-        self.outgoing.setdefault((ranks, peer), []).append(_as_bytes(tensor))
+        self.outgoing.setdefault((ranks, peer), []).append(as_bytes(tensor))
 
     def expect(
         self, ranks: tuple[int, ...], peer: int, shape: Sequence[int], dtype: torch.dtype,
@@ -349,11 +261,11 @@ class _Round:
             buffers[key] = buffer
             if buffer.numel():
                 works.append(dist.irecv(buffer, src=key[1], group=group_for_ranks(key[0]),
-                                        tag=TAG))
+                                        tag=protocol.TAG))
         for (ranks, peer), buffer in payloads.items():
-            if buffer.numel() and not (self.call.rounds == 1 and _fits(buffer.numel())):
+            if buffer.numel() and not (self.call.rounds == 1 and _fits(buffer.numel(), ranks)):
                 pg = group_for_ranks(ranks)
-                works.append(dist.isend(buffer, dst=peer, group=pg, tag=TAG))
+                works.append(dist.isend(buffer, dst=peer, group=pg, tag=protocol.TAG))
         self._wait(works)
         received = sum(b.numel() for b in buffers.values())
         if self.meta:
@@ -375,72 +287,98 @@ class _Round:
             out.append(piece.reshape(shape) if into is None else into.copy_(piece.reshape(shape)))
         return out
 
-    def _header(self, key: tuple[tuple[int, ...], int]) -> list[int]:
-        sent = sum(p.numel() for p in self.outgoing.get(key, []))
-        return [
-            _HEADER_MAGIC, KIND_CODES.index(self.call.kind), self.call.seq.get(key[0], -1),
-            self.call.rounds, sent, sum(self.incoming.get(key, [])),
-            self.call.fingerprints.get(key[0], 0),
-        ]
-
     def _exchange_headers(
         self, device: torch.device, payloads: dict[tuple[tuple[int, ...], int], torch.Tensor]
     ) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
-        """Before the first round of a collective, each pair of processes swaps a fixed-size
-        header (collective, sequence number, bytes to send, bytes expected), so processes that
-        entered different collectives, or the same one with other sizes, raise
-        ``CollectiveMismatchError`` on both sides instead of handing the transport a message of
-        the wrong size (gloo aborts the process on that). The sizes of later rounds follow from
-        what the first one carried (shapes, lengths) or from the same local shapes, so they
-        agree once the first round's do. A first-round message of at most ``_INLINE_BYTES``
-        rides in the header; returns the ones received that way, per (ranks, peer)."""
-        keys = list(dict.fromkeys([*self.outgoing, *self.incoming]))
-        mine = {key: self._header(key) for key in keys}
-        size = _HEADER_FIELDS + _INLINE_BYTES // 8
-        theirs = {key: torch.empty(size, dtype=torch.int64, device=device) for key in keys}
-        works = []
+        """The protocol's first message (``protocol``), swapped with every other process of
+        each set of processes the collective spans: its fixed words, then the bytes this
+        process sends that peer in the first round and the bytes it expects from it, so
+        processes that entered different collectives (on either transport), or the same one
+        with other sizes or another spec, raise ``CollectiveMismatchError`` on both sides
+        instead of handing the transport a message of the wrong size (gloo aborts the process
+        on that). The sizes of later rounds follow from what the first one carried (shapes,
+        lengths) or from the same local shapes, so they agree once the first round's do. A
+        first-round message that fits (``protocol.inline_bytes``) rides in the header; returns
+        the ones received that way, per (ranks, peer)."""
+        call = self.call
+        keys = list(dict.fromkeys([
+            *self.outgoing, *self.incoming,
+            *((ranks, peer) for ranks in call.seq for peer in ranks if peer != call.me),
+        ]))
+        fixed = {
+            ranks: protocol.header_words(
+                call.kind, call.transport, call.seq[ranks], call.fingerprints.get(ranks, 0),
+                call.sample.dtype, call.sample.ndim, call.extra, 0,
+            )
+            for ranks in call.seq
+        }
+        sizes = {ranks: protocol.message_sizes(ranks) for ranks in call.seq}
+        mine, theirs, works = {}, {}, []
         for key in keys:
+            header_bytes, forecast_bytes, apart = sizes[key[0]]
+            first = header_bytes + (0 if apart else forecast_bytes)
+            theirs[key] = torch.empty(first, dtype=torch.uint8, device=device)
             pg = group_for_ranks(key[0])
-            works.append(dist.irecv(theirs[key], src=key[1], group=pg, tag=TAG))
+            works.append(dist.irecv(theirs[key], src=key[1], group=pg, tag=protocol.HEADER_TAG))
+            if apart:  # the forecast bytes of a native collective: not for this transport
+                works.append(dist.irecv(torch.empty(forecast_bytes, dtype=torch.uint8,
+                                                    device=device),
+                                        src=key[1], group=pg, tag=protocol.HEADER_TAG))
         for key in keys:
-            header = torch.zeros(size, dtype=torch.int64)
-            header[: len(mine[key])] = torch.tensor(mine[key], dtype=torch.int64)
-            header = header.to(device)
+            header_bytes, forecast_bytes, apart = sizes[key[0]]
+            sent = sum(p.numel() for p in self.outgoing.get(key, []))
+            mine[key] = [*fixed[key[0]], sent, sum(self.incoming.get(key, []))]
+            message = torch.zeros(header_bytes + (0 if apart else forecast_bytes),
+                                  dtype=torch.uint8)
+            message[: len(mine[key]) * 8] = torch.tensor(mine[key]).view(torch.uint8)
             payload = payloads.get(key)
-            if payload is not None and payload.numel() and _fits(payload.numel()):
-                header.view(torch.uint8)[_HEADER_FIELDS * 8 :][: payload.numel()] = payload
-            works.append(dist.isend(header, dst=key[1], group=group_for_ranks(key[0]), tag=TAG))
+            if payload is not None and payload.numel() and _fits(payload.numel(), key[0]):
+                message[_INLINE_AT : _INLINE_AT + payload.numel()] = payload
+            pg = group_for_ranks(key[0])
+            works.append(dist.isend(message.to(device), dst=key[1], group=pg,
+                                    tag=protocol.HEADER_TAG))
+            if apart:
+                works.append(dist.isend(torch.zeros(forecast_bytes, dtype=torch.uint8,
+                                                    device=device),
+                                        dst=key[1], group=pg, tag=protocol.HEADER_TAG))
         self._wait(works)
         inline = {
-            key: theirs[key].view(torch.uint8)[_HEADER_FIELDS * 8 :][: sum(sizes)]
-            for key, sizes in self.incoming.items()
-            if _fits(sum(sizes))
+            key: theirs[key][_INLINE_AT : _INLINE_AT + sum(parts)]
+            for key, parts in self.incoming.items()
+            if _fits(sum(parts), key[0])
         }  # counted with the round they belong to
-        self.call.traffic.meta += len(keys) * size * 8 - sum(b.numel() for b in inline.values())
-        received = {key: theirs[key][: len(mine[key])].tolist() for key in keys}
-        differ = set()
+        call.traffic.meta += sum(
+            b.numel() + (sizes[k[0]][1] if sizes[k[0]][2] else 0) for k, b in theirs.items()
+        ) - sum(b.numel() for b in inline.values())
+        words = protocol.FIXED + 2
+        differ, wrong = set(), []
         for key in keys:
-            own, other = mine[key], received[key]
-            agree = other[:4] == own[:4] and other[4] == own[5] and other[5] == own[4]
-            if agree and other[6] != own[6]:
+            own = mine[key]
+            other = theirs[key][: words * 8].cpu().view(torch.int64).tolist()
+            if protocol.differs(own, other):
+                wrong.append(protocol.mismatch(call.what(), call.me, own, key[1], other))
+            elif other[-2:] != own[-2:][::-1]:
+                wrong.append(CollectiveMismatchError(
+                    f"processes disagree on the bytes of a collective: {call.what()}. Rank "
+                    f"{call.me} sends {own[-2]} bytes to rank {key[1]} and expects {own[-1]}; "
+                    f"rank {key[1]} sends {other[-2]} and expects {other[-1]}. Every process "
+                    f"must pass tensors of the same shapes"
+                ))
+            elif other[3] != own[3]:
                 differ.add(key)
-            elif not agree:
-                raise CollectiveMismatchError(
-                    f"processes entered different collectives: {self.call.what()}. Rank "
-                    f"{self.call.me}: {_describe_header(own)}; rank {key[1]}: "
-                    f"{_describe_header(other)}. Every process must run the same collectives "
-                    f"in the same order on tensors of the same shapes; set_debug_checks(True) "
-                    f"names the call sites"
-                )
-        if differ:
-            self.call.compare(differ)
+        if differ:  # first: the peers that found the same difference explain it together
+            call.compare(differ)
+        if wrong:
+            raise wrong[0]
+        for ranks, words_of in fixed.items():  # every peer agreed: so will the forecasts
+            protocol.forecast(ranks).learn(tuple(words_of[1:2] + words_of[4:]), None, 0)
         return inline
 
     def _wait(self, works: list) -> None:
         wait_all(self.call, works)
 
 
-def wait_all(call: _Call, works: list) -> None:
+def wait_all(call: Call, works: list) -> None:
     """Wait for ``works`` (async handles of ``call``) within the collective timeout: past it
     ``CollectiveTimeoutError``, a transport failure ``CollectiveError``."""
     timeout = safety.get_collective_timeout()
@@ -460,9 +398,14 @@ def wait_all(call: _Call, works: list) -> None:
             raise CollectiveError(f"{call.what()} failed: {err}") from err
 
 
-def _fits(nbytes: int) -> bool:
-    """Whether a first-round message of ``nbytes`` travels inside the header."""
-    return nbytes <= _INLINE_BYTES
+def _fits(nbytes: int, ranks: tuple[int, ...]) -> bool:
+    """Whether a first-round message of ``nbytes`` between ``ranks`` travels in the header."""
+    return nbytes <= protocol.inline_bytes(len(ranks))
+
+
+# where a first-round message that fits starts in the header: after its fixed words and the
+# two byte counts
+_INLINE_AT = (protocol.FIXED + 2) * 8
 
 
 def _span(targets: list[torch.Tensor | None], nbytes: int) -> torch.Tensor | None:
@@ -488,17 +431,6 @@ def _span(targets: list[torch.Tensor | None], nbytes: int) -> torch.Tensor | Non
     return span.set_(storage, offset, (nbytes,))
 
 
-def _describe_header(header: list[int]) -> str:
-    magic, kind, seq, round_no, sent, expected, _ = header
-    if magic != _HEADER_MAGIC:
-        return f"a message that is not a shardwise header ({header})"
-    name = KIND_CODES[kind] if 0 <= kind < len(KIND_CODES) else f"kind {kind}"
-    return (
-        f"{name} #{seq} between these processes, round {round_no}, sending {sent} bytes and "
-        f"expecting {expected}"
-    )
-
-
 # ----- collectives ---------------------------------------------------------------------------
 
 
@@ -507,17 +439,17 @@ def _local_members(group: Group) -> list[tuple[int, int]]:
     return [(k, i) for k, i in enumerate(group[1]) if i is not None]
 
 
-def _first_local(group: Group) -> int:
+def first_local(group: Group) -> int:
     """The local index of the group's first member in this process."""
     return next(i for i in group[1] if i is not None)
 
 
-def _members_of(call: _Call, members: tuple[int, ...], rank: int) -> list[int]:
+def _members_of(call: Call, members: tuple[int, ...], rank: int) -> list[int]:
     return [k for k, d in enumerate(members) if call.owner(d) == rank]
 
 
 def _gather_shapes(
-    call: _Call, groups: Sequence[Group], components: Sequence[torch.Tensor]
+    call: Call, groups: Sequence[Group], components: Sequence[torch.Tensor]
 ) -> dict[tuple[tuple[int, ...], int], list[list[int]]]:
     """The first round of an all_gather: the shapes of every peer's pieces, per (group, peer)."""
     call.check(lambda group: {"ndim": components[0].ndim})
@@ -538,7 +470,7 @@ def all_gather(
 ) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
     """Every member's piece for every local device: other processes send their pieces once."""
     sample = components[0]
-    call = _Call("all_gather", mesh, mesh_dim, groups, sample)
+    call = Call("all_gather", mesh, mesh_dim, groups, sample)
     shapes = _gather_shapes(call, groups, components)
     data = call.round()
     for members, indices in groups:
@@ -571,7 +503,7 @@ def all_gather_tensor(
     allocated first and the peers' pieces are received straight into it when their slices are
     contiguous (gathering along dim 0), so no piece is copied after it arrived."""
     sample = components[0]
-    call = _Call("all_gather", mesh, mesh_dim, groups, sample)
+    call = Call("all_gather", mesh, mesh_dim, groups, sample)
     shapes = _gather_shapes(call, groups, components)
     data = call.round()
     wholes = []
@@ -625,7 +557,7 @@ def all_to_all(
     """``pieces[i][k]`` goes from local device i to member k; each process receives only the
     pieces addressed to its devices."""
     sample = pieces[0][0]
-    call = _Call("all_to_all", mesh, mesh_dim, groups, sample)
+    call = Call("all_to_all", mesh, mesh_dim, groups, sample)
     call.check(lambda group: {"ndim": sample.ndim})
     headers = call.round(meta=True)
     for members, indices in groups:
@@ -665,7 +597,7 @@ def all_to_all(
 
 
 def _reduce_to_owners(
-    call: _Call,
+    call: Call,
     contribution: Callable[[int, int], torch.Tensor],
     op: str,
 ) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
@@ -680,7 +612,7 @@ def _reduce_to_owners(
         owners = [call.owner(d) for d in members]
         lead = owners[0]
         run = next((j for j in range(n) if owners[j] != lead), n)  # members 0..run-1: lead's
-        first_local = _first_local((members, indices))
+        lead_local = first_local((members, indices))
         for k in range(n):
             if owners[k] == call.me:
                 continue
@@ -692,7 +624,7 @@ def _reduce_to_owners(
                 if owners[j] == call.me:
                     data.send(ranks, owners[k], contribution(indices[j], k))
         for k, _ in _local_members((members, indices)):
-            shape = contribution(first_local, k).shape
+            shape = contribution(lead_local, k).shape
             for peer in call.peers(members):
                 if peer == lead:  # a combined prefix, in the accumulation dtype
                     data.expect(call.ranks[members], peer, shape, prefix_dtype)
@@ -732,8 +664,9 @@ def reduce_scatter(
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """Member k gets the reduction of ``pieces[.][k]`` over its group, in coordinate order."""
     sample = pieces[0][0]
-    call = _Call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})")
-    call.check(lambda g: {"piece shapes": [list(p.shape) for p in pieces[_first_local(g)]]})
+    call = Call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})",
+                extra=protocol.OPS.index(op))
+    call.check(lambda g: {"piece shapes": [list(p.shape) for p in pieces[first_local(g)]]})
     reduced = _reduce_to_owners(call, lambda i, k: pieces[i][k], op)
     out = {}
     for members, indices in groups:
@@ -759,8 +692,9 @@ def all_reduce(
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """Reduce-scatter the ring chunks to their owners, then all-gather the reduced chunks."""
     sample = components[0]
-    call = _Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})")
-    call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
+    call = Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})",
+                extra=protocol.OPS.index(op))
+    call.check(lambda group: {"shape": list(components[first_local(group)].shape)})
     n = mesh.shape[mesh_dim]
     flat = [c.reshape(-1) for c in components]
     reduced = _reduce_to_owners(call, lambda i, k: _chunk(flat[i], n, k), op)
@@ -772,7 +706,7 @@ def all_reduce(
             for k, _ in mine:
                 data.send(call.ranks[members], peer, reduced[(members, k)])
             for k in _members_of(call, members, peer):
-                shape = _chunk(flat[_first_local((members, indices))], n, k).shape
+                shape = _chunk(flat[first_local((members, indices))], n, k).shape
                 data.expect(call.ranks[members], peer, shape, sample.dtype)
     received = iter(data.run())
     out = {}
@@ -783,7 +717,7 @@ def all_reduce(
                 chunks[k] = next(received)
         for k, _ in _local_members((members, indices)):
             chunks[k] = reduced[(members, k)]
-        shape = components[_first_local((members, indices))].shape
+        shape = components[first_local((members, indices))].shape
         whole = torch.cat([chunks[k] for k in range(n)]).reshape(shape)
         for m, (k, i) in enumerate(_local_members((members, indices))):
             result = whole if m == 0 else whole.clone()
@@ -800,8 +734,8 @@ def broadcast(
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """Every member gets member ``src``'s component; its process sends it once per process."""
     sample = components[0]
-    call = _Call("broadcast", mesh, mesh_dim, groups, sample, f"(src={src})")
-    call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
+    call = Call("broadcast", mesh, mesh_dim, groups, sample, f"(src={src})", extra=src)
+    call.check(lambda group: {"shape": list(components[first_local(group)].shape)})
     data = call.round()
     for members, indices in groups:
         source = call.owner(members[src])
@@ -809,7 +743,7 @@ def broadcast(
             for peer in call.peers(members):
                 data.send(call.ranks[members], peer, components[indices[src]])
         else:
-            shape = components[_first_local((members, indices))].shape
+            shape = components[first_local((members, indices))].shape
             data.expect(call.ranks[members], source, shape, sample.dtype)
     received = iter(data.run())
     out = {}
@@ -835,7 +769,8 @@ def exchange(
     order; returns {(local index, position in receives[i]): tensor}."""
     members = mesh.device_ids
     ranks = tuple(sorted({mesh.owner_of(d) for d in members}))
-    call = _Call("exchange", mesh, mesh_dims, [], sample, ranks={members: ranks})
+    groups, by_members = _whole_mesh(mesh)
+    call = Call("exchange", mesh, mesh_dims, groups, sample, ranks=by_members)
     group_for_ranks(ranks)  # every process of the mesh takes part in creating its group
     local = mesh.local_device_ids
     data = call.round()
@@ -883,14 +818,9 @@ def agree(mesh: DeviceMesh, what: str, fields: dict[str, object], sample: torch.
     """Every process of ``mesh`` compares ``fields`` (JSON values) with the others' and raises
     ``CollectiveMismatchError`` on every rank, naming what differs per rank, if any does."""
     groups, ranks = _whole_mesh(mesh)
-    call = _Call("agree", mesh, None, groups, sample, f" ({what})", ranks=ranks)
+    call = Call("agree", mesh, None, groups, sample, f" ({what})", ranks=ranks)
     call.expect_same(lambda group: fields)
-    (members, _), = groups
-    empty = call.round(meta=True)  # nothing but the headers, which carry the fingerprint
-    for peer in call.peers(members):
-        empty.send(ranks[members], peer, torch.empty(0, dtype=torch.uint8))
-        empty.expect(ranks[members], peer, (0,), torch.uint8)
-    empty.run()
+    call.round(meta=True).run()  # nothing but the headers, which carry the fingerprint
 
 
 def scatter(
@@ -904,7 +834,7 @@ def scatter(
     (``pieces(device id)``, called on ``src`` only); the others receive theirs, shaped
     ``local_shapes`` (one per local device, ascending id). Returns this process's pieces."""
     groups, ranks = _whole_mesh(mesh)
-    call = _Call("scatter", mesh, None, groups, sample, f"(src={src})", ranks=ranks)
+    call = Call("scatter", mesh, None, groups, sample, f"(src={src})", ranks=ranks)
     (members, _), = groups
     key = ranks[members]
     data = call.round()

@@ -2,17 +2,17 @@
 process (classic SPMD, the common case), received into fresh buffers whose views are the
 results (``join`` even turns pieces received side by side into one tensor without a copy).
 
-First the processes of a group swap one fixed-size header, point to point (collective,
-sequence number, dtype, reduce op, debug-check fingerprint, and the shapes of the pieces each
-will send), so a divergent program raises ``CollectiveMismatchError`` on every rank before gloo
-sees messages of the wrong size (it aborts the process on those); the shapes in the header also
-size the receive buffers. A training loop repeats its collectives, so each set of processes
-learns which collective follows which (``_Forecast``): once a successor has repeated, its
-pieces (up to ``_INLINE_MAX`` bytes) follow the header at once, small ones in the header's
-message, large ones as a message of their own received in place, and a repeated collective
-takes one round trip instead of two. The forecast comes from headers every process agreed on,
-so every message has the same size in every process even when their programs diverge; a wrong
-forecast only costs the padding, and the data follows as without one.
+First the processes of a group swap the protocol's header (``protocol.py``: collective,
+sequence number, fingerprint of the spec being moved, dtype, reduce op, and the shapes of the
+pieces each will send), so a divergent program raises ``CollectiveMismatchError`` on every rank
+before gloo sees messages of the wrong size (it aborts the process on those); the shapes in the
+header also size the receive buffers. A training loop repeats its collectives, so each set of
+processes learns which collective follows which (``protocol.Forecast``): once a successor has
+repeated, its pieces (up to ``INLINE_MAX`` bytes) follow the header at once, small ones in the
+header's message, large ones as a message of their own received in place, and a repeated
+collective takes one round trip instead of two. The forecast comes from headers every process
+agreed on, so every message has the same size in every process even when their programs
+diverge; a wrong forecast only costs the padding, and the data follows as without one.
 
 The data, when it did not come with the header: all_gather point to point into the result
 (gloo's all_gather copies through a flat buffer of the whole result, and measured slower at
@@ -27,7 +27,6 @@ adds exactly as torch does (one addition per element, which commutes) by its own
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from math import prod
@@ -35,35 +34,13 @@ from math import prod
 import torch
 import torch.distributed as dist
 
-from .. import settings
 from ..errors import CollectiveError, CollectiveMismatchError
 from ..mesh import DeviceMesh
-from .distributed import (
-    _HEADER_MAGIC,
-    KIND_CODES,
-    TAG,
-    Group,
-    Traffic,
-    _as_bytes,
-    _Call,
-    _first_local,
-    group_for_ranks,
-    wait_all,
-)
+from . import protocol
+from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks, wait_all
+from .protocol import HEADER_TAG, INLINE_MAX, MAX_NDIM, OPS
 from .reduction import combine, finish
 
-MAX_NDIM = 8  # shapes in the fixed-size header; tensors of more dims go point to point
-_FIXED = 8  # header fields before the shapes
-# A piece of at most this many bytes may be forecast to follow the header at once; it bounds
-# what a wrong forecast wastes (one message of this size per peer)
-_INLINE_MAX = 8 << 20
-# the native messages' own tag: a process on the point-to-point transport of distributed.py
-# (another header size) never takes one of them for its own, which would abort gloo
-_TAG = TAG + 1
-_APART_FROM = 256 << 10  # a forecast piece this large travels in its own message, in place
-_FORECASTS = 1024  # collectives remembered per set of processes
-_OPS = ("sum", "avg", "max", "min")
-_DTYPES = sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
 # dtypes whose sum of two terms the backend computes exactly as ``reduction.combine`` does (half
 # types accumulate in float32 there; max/min differ on NaN)
 _PAIR_EXACT = (torch.float32, torch.float64, torch.int32, torch.int64)
@@ -85,48 +62,10 @@ def applies(mesh: DeviceMesh, mesh_dim: int, sample: torch.Tensor) -> bool:
     return sample.ndim <= MAX_NDIM and _one_device_per_process(mesh, mesh_dim)
 
 
-class _Forecast:
-    """What the next collective between one set of processes will send, learnt from what
-    followed the same collective before (a training loop repeats its collectives): a
-    successor seen twice in a row is forecast; one that changes is not, until it repeats.
-    Every process learns from the same agreed headers, so all forecast alike, even the
-    processes of a program about to diverge: the first message has one size everywhere."""
-
-    def __init__(self) -> None:
-        self.last: tuple = ()
-        self.after: dict[tuple, tuple[str | None, int, bool]] = {}
-        self.lock = threading.Lock()
-
-    def predict(self) -> tuple[str | None, int]:
-        """(the collective that carries the pieces, bytes of the largest piece), or a size of
-        0 when nothing is forecast."""
-        with self.lock:
-            wire, size, confirmed = self.after.get(self.last, (None, 0, False))
-        return (wire, size) if confirmed else (None, 0)
-
-    def learn(self, digest: tuple, wire: str | None, size: int) -> None:
-        """The collective ``digest`` (its agreed headers) came after the last one."""
-        with self.lock:
-            if len(self.after) >= _FORECASTS:
-                self.after.clear()
-            seen = self.after.get(self.last)
-            self.after[self.last] = (wire, size, seen is not None and seen[:2] == (wire, size))
-            self.last = digest
-
-
-_forecasts: settings.ProcessLocal[dict[tuple[int, ...], _Forecast]] = settings.ProcessLocal(dict)
-
-
-def _forecast(ranks: tuple[int, ...]) -> _Forecast:
-    """The forecast of this process's collectives with processes ``ranks``."""
-    forecasts = _forecasts.get()
-    return forecasts.get(ranks) or forecasts.setdefault(ranks, _Forecast())
-
-
 class _Native:
     """One cross-process group of a call, seen from its single local member."""
 
-    def __init__(self, call: _Call, group: Group) -> None:
+    def __init__(self, call: Call, group: Group) -> None:
         members, indices = group
         self.call, self.n = call, len(members)
         self.ranks = call.ranks[members]
@@ -135,8 +74,8 @@ class _Native:
         self.slot = [self.ranks.index(o) for o in self.owners]  # group rank of member k
         self.member_at = [self.slot.index(r) for r in range(self.n)]  # member of group rank r
         self.k = next(k for k, i in enumerate(indices) if i is not None)
-        self.local = _first_local(group)
-        self.forecast = _forecast(self.ranks)
+        self.local = first_local(group)
+        self.forecast = protocol.forecast(self.ranks)
 
     def first_round(
         self,
@@ -164,7 +103,7 @@ class _Native:
         hb = header.numel()
         f_wire, f_size = self.forecast.predict()
         inline = f_size > 0 and wire == f_wire and all(t.numel() <= f_size for t in outgoing)
-        apart = f_size >= _APART_FROM
+        apart = f_size >= protocol.APART_FROM
         peers = [j for j in range(self.n) if j != self.k]
         device = header.device
         width = hb if apart else hb + f_size  # what each peer's first message holds
@@ -193,15 +132,15 @@ class _Native:
             works = []
             for j in peers:
                 src = self.owners[j]
-                works.append(dist.irecv(inbox[j], src=src, group=self.pg, tag=_TAG))
+                works.append(dist.irecv(inbox[j], src=src, group=self.pg, tag=HEADER_TAG))
                 if apart:
-                    works.append(dist.irecv(landing[j], src=src, group=self.pg, tag=_TAG))
+                    works.append(dist.irecv(landing[j], src=src, group=self.pg, tag=HEADER_TAG))
             shared = None  # one message for every peer unless the pieces differ per member
             for j in peers:
                 dst = self.owners[j]
                 if apart:
-                    works.append(dist.isend(header, dst=dst, group=self.pg, tag=_TAG))
-                    works.append(dist.isend(piece_for(j), dst=dst, group=self.pg, tag=_TAG))
+                    works.append(dist.isend(header, dst=dst, group=self.pg, tag=HEADER_TAG))
+                    works.append(dist.isend(piece_for(j), dst=dst, group=self.pg, tag=HEADER_TAG))
                     continue
                 message = shared
                 if message is None:
@@ -211,7 +150,7 @@ class _Native:
                         message[hb:] = piece_for(j)
                     if not (inline and wire == "all_to_all"):
                         shared = message
-                works.append(dist.isend(message, dst=dst, group=self.pg, tag=_TAG))
+                works.append(dist.isend(message, dst=dst, group=self.pg, tag=HEADER_TAG))
             return works
 
         self.run(start)
@@ -224,7 +163,7 @@ class _Native:
         everyone_inline = f_size > 0 and wire == f_wire and largest <= f_size
         self.forecast.learn(
             tuple(tuple(row[1:2] + row[4:]) for row in rows),
-            wire, -(-largest // 16) * 16 if wire and 0 < largest <= _INLINE_MAX else 0,
+            wire, -(-largest // 16) * 16 if wire and 0 < largest <= INLINE_MAX else 0,
         )
         message_bytes = (self.n - 1) * (hb + f_size)
         if not everyone_inline:
@@ -252,15 +191,14 @@ class _Native:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.call.sample.device)
 
     def _header(self, shapes: Sequence[Sequence[int]], extra: int) -> torch.Tensor:
-        """This process's header as bytes: the collective, its sequence number, dtype, reduce op
-        or source, debug fingerprint, and the shapes of the pieces it sends."""
+        """This process's header as bytes (``protocol``): the collective, its sequence number,
+        fingerprint, dtype, reduce op or source, and the shapes of the pieces it sends."""
         call = self.call
-        fixed = [
-            _HEADER_MAGIC, KIND_CODES.index(call.kind), call.seq[self.ranks],
-            call.fingerprints.get(self.ranks, 0), _DTYPES.index(str(call.sample.dtype)),
-            call.sample.ndim, extra, len(shapes),
-        ]
-        padded = [-1] * (self.n * MAX_NDIM)
+        fixed = protocol.header_words(
+            call.kind, protocol.NATIVE, call.seq[self.ranks], call.fingerprints.get(self.ranks, 0),
+            call.sample.dtype, call.sample.ndim, extra, len(shapes),
+        )
+        padded = [-1] * protocol.body_words(self.n)
         flat = [int(x) for s in shapes for x in s]
         padded[: len(flat)] = flat
         return torch.tensor(fixed + padded, dtype=torch.int64,
@@ -268,27 +206,21 @@ class _Native:
 
     def _check(self, rows: list[list[int]], fixed: list[int], count: int) -> list[list[list[int]]]:
         """Raise on a header (``rows``: per member) that differs from this process's
-        (``fixed``); return, per member, the shapes it announced."""
+        (``fixed``): first explain differing fingerprints with the peers that found them too;
+        return, per member, the shapes it announced."""
         call = self.call
-        differ = set()
+        differ, wrong = set(), []
         for j, row in enumerate(rows):
-            if row[:3] + row[4:_FIXED] != fixed[:3] + fixed[4:_FIXED]:
-                self.mismatch(fixed, self.owners[j], row)
-            if row[3] != fixed[3]:
+            if protocol.differs(row, fixed):
+                wrong.append(protocol.mismatch(call.what(), call.me, fixed, self.owners[j], row))
+            elif row[3] != fixed[3]:
                 differ.add((self.ranks, self.owners[j]))
         if differ:
             call.compare(differ)
-        ndim = call.sample.ndim
-        return [[row[_FIXED + m * ndim : _FIXED + (m + 1) * ndim] for m in range(count)]
-                for row in rows]
-
-    def mismatch(self, mine: list[int], rank: int, theirs: list[int]) -> None:
-        raise CollectiveMismatchError(
-            f"processes entered different collectives: {self.call.what()}. Rank "
-            f"{self.call.me}: {_describe(mine)}; rank {rank}: {_describe(theirs)}. "
-            f"Every process must run the same collectives in the same order on tensors of the "
-            f"same shapes; set_debug_checks(True) names the call sites"
-        )
+        if wrong:
+            raise wrong[0]
+        ndim, at = call.sample.ndim, protocol.FIXED
+        return [[row[at + m * ndim : at + (m + 1) * ndim] for m in range(count)] for row in rows]
 
     def count_arrived(self, arrived: Sequence[torch.Tensor]) -> None:
         """Count the pieces that came inline as the payload from the other members."""
@@ -344,26 +276,14 @@ class _Native:
             works = []
             for j in range(self.n):
                 if j != self.k and mine.numel():
-                    works.append(dist.isend(mine, dst=self.owners[j], group=self.pg, tag=_TAG))
+                    works.append(dist.isend(mine, dst=self.owners[j], group=self.pg,
+                                            tag=HEADER_TAG))
                 if j != self.k and parts[j].numel():
                     works.append(dist.irecv(parts[j], src=self.owners[j], group=self.pg,
-                                            tag=_TAG))
+                                            tag=HEADER_TAG))
             return works
 
         self.run(start)
-
-
-def _describe(header: list[int]) -> str:
-    magic, kind, seq, _, dtype, ndim, extra, _ = header[:_FIXED]
-    if magic != _HEADER_MAGIC:
-        return f"a message that is not a shardwise header ({header[:_FIXED]})"
-    name = KIND_CODES[kind] if 0 <= kind < len(KIND_CODES) else f"kind {kind}"
-    if name in ("all_reduce", "reduce_scatter") and 0 <= extra < len(_OPS):
-        name += f"({_OPS[extra]})"
-    elif name == "broadcast":
-        name += f"(src={extra})"
-    dtype_name = _DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else f"dtype {dtype}"
-    return f"{name} #{seq} between these processes on {ndim}-d {dtype_name} pieces"
 
 
 def _adjacent(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -436,14 +356,14 @@ def all_gather(
     """Every member's piece: with the headers when forecast, else as views of one buffer
     filled point to point after them."""
     sample = components[0]
-    call = _Call("all_gather", mesh, mesh_dim, groups, sample)
+    call = Call("all_gather", mesh, mesh_dim, groups, sample, transport=protocol.NATIVE)
     call.check(lambda group: {"ndim": sample.ndim})
     out = {}
     for group in sorted(groups):
         g = _Native(call, group)
         piece = components[g.local]
         announced, arrived = g.first_round(
-            "all_gather", [piece.shape], [_as_bytes(piece)],
+            "all_gather", [piece.shape], [as_bytes(piece)],
             lambda shapes: [_nbytes(shapes[0], sample.dtype)], own=True,
         )
         shapes = [s[0] for s in announced]
@@ -455,7 +375,7 @@ def all_gather(
             continue
         sizes = [_nbytes(s, sample.dtype) for s in shapes]
         parts = torch.empty(sum(sizes), dtype=torch.uint8, device=sample.device).split(sizes)
-        g.gather_into(parts, _as_bytes(piece))
+        g.gather_into(parts, as_bytes(piece))
         out[g.local] = Received(
             _typed(p, sample.dtype, s) for p, s in zip(parts, shapes, strict=True)
         )
@@ -481,14 +401,14 @@ def all_to_all(
     """``pieces[i][k]`` goes to member k: inline with the headers when forecast, else by one
     all_to_all with the pieces' split sizes after them."""
     sample = pieces[0][0]
-    call = _Call("all_to_all", mesh, mesh_dim, groups, sample)
+    call = Call("all_to_all", mesh, mesh_dim, groups, sample, transport=protocol.NATIVE)
     call.check(lambda group: {"ndim": sample.ndim})
     out = {}
     for group in sorted(groups):
         g = _Native(call, group)
         mine = pieces[g.local]
         announced, received = g.first_round(
-            "all_to_all", [p.shape for p in mine], [_as_bytes(p) for p in mine],
+            "all_to_all", [p.shape for p in mine], [as_bytes(p) for p in mine],
             lambda shapes: [_nbytes(s, sample.dtype) for s in shapes], own=True,
         )
         shapes = [announced[j][g.k] for j in range(g.n)]
@@ -512,15 +432,16 @@ def reduce_scatter(
     """An all_to_all of the pieces (inline with the headers when forecast), then each member
     combines its terms in coordinate order."""
     sample = pieces[0][0]
-    call = _Call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})")
-    call.check(lambda g: {"piece shapes": [list(p.shape) for p in pieces[_first_local(g)]]})
+    call = Call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})",
+                transport=protocol.NATIVE)
+    call.check(lambda g: {"piece shapes": [list(p.shape) for p in pieces[first_local(g)]]})
     out = {}
     for group in sorted(groups):
         g = _Native(call, group)
         mine = pieces[g.local]
         announced, terms = g.first_round(
-            "all_to_all", [p.shape for p in mine], [_as_bytes(p) for p in mine],
-            lambda shapes: [_nbytes(s, sample.dtype) for s in shapes], _OPS.index(op),
+            "all_to_all", [p.shape for p in mine], [as_bytes(p) for p in mine],
+            lambda shapes: [_nbytes(s, sample.dtype) for s in shapes], OPS.index(op),
         )
         g.same_shapes(announced)
         shape = mine[g.k].shape
@@ -552,8 +473,9 @@ def all_reduce(
     all-gathered into the result buffer. Two processes exchange their whole components (the
     same bytes as a ring), in the header's message when forecast."""
     sample = components[0]
-    call = _Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})")
-    call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
+    call = Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})",
+                transport=protocol.NATIVE)
+    call.check(lambda group: {"shape": list(components[first_local(group)].shape)})
     out = {}
     item = sample.dtype.itemsize
     for group in sorted(groups):
@@ -562,8 +484,8 @@ def all_reduce(
         bounds = _chunks(component.numel(), g.n)
         if g.n == 2:  # the ring's bytes: each process gets the other's whole component
             announced, terms = g.first_round(
-                "all_gather", [component.shape], [_as_bytes(component)],
-                lambda shapes: [_nbytes(shapes[0], sample.dtype)], _OPS.index(op),
+                "all_gather", [component.shape], [as_bytes(component)],
+                lambda shapes: [_nbytes(shapes[0], sample.dtype)], OPS.index(op),
             )
             g.same_shapes(announced)
             if terms is not None:  # both came inline: combine them in coordinate order
@@ -583,18 +505,18 @@ def all_reduce(
             call.traffic.payload += result.numel() * item  # a ring's two halves
             out[g.local] = finish(result, op, g.n, sample.dtype)
             continue
-        flat = _as_bytes(component)
+        flat = as_bytes(component)
         chunks = [flat[a * item : b * item] for a, b in bounds]
         # the terms land in the result's memory (no second fresh buffer): they are combined
         # before the all_gather overwrites them
         result = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
-        raw = _as_bytes(result)
+        raw = as_bytes(result)
         terms = None
         if g.n > 2:
             announced, terms = g.first_round(
                 "all_to_all", [component.shape], chunks,
                 lambda shapes, n=g.n: [(b - a) * item for a, b in _chunks(prod(shapes[0]), n)],
-                _OPS.index(op), into=raw,
+                OPS.index(op), into=raw,
             )
             g.same_shapes(announced)
         start, stop = bounds[g.k]
@@ -606,7 +528,7 @@ def all_reduce(
             combine([_typed(t, sample.dtype, (stop - start,)) for t in terms], op), op, g.n,
             sample.dtype,
         )
-        g.gather_into([raw[a * item : b * item] for a, b in bounds], _as_bytes(reduced))
+        g.gather_into([raw[a * item : b * item] for a, b in bounds], as_bytes(reduced))
         out[g.local] = result
     return out, call.traffic
 
@@ -620,18 +542,19 @@ def broadcast(
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """Member ``src``'s component, by one native broadcast into a fresh buffer."""
     sample = components[0]
-    call = _Call("broadcast", mesh, mesh_dim, groups, sample, f"(src={src})")
-    call.check(lambda group: {"shape": list(components[_first_local(group)].shape)})
+    call = Call("broadcast", mesh, mesh_dim, groups, sample, f"(src={src})",
+                transport=protocol.NATIVE)
+    call.check(lambda group: {"shape": list(components[first_local(group)].shape)})
     out = {}
     for group in sorted(groups):
         g = _Native(call, group)
         component = components[g.local]
         g.same_shapes(g.first_round(None, [component.shape], extra=src)[0])
         if g.k == src:
-            buffer, value = _as_bytes(component), component
+            buffer, value = as_bytes(component), component
         else:
             value = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
-            buffer = _as_bytes(value)
+            buffer = as_bytes(value)
             call.traffic.payload += buffer.numel()
         if buffer.numel():
             g.run(lambda b=buffer, g=g: dist.broadcast(b, src=g.owners[src], group=g.pg,

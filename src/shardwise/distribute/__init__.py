@@ -5,6 +5,7 @@ A strategy's replicas are a 1-D shardwise mesh; Mirrored values and variables ar
 a shardwise collective (counted by ``CommCounter``). See docs/distribute.md.
 """
 
+from .. import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .context import (
     experimental_set_strategy,
     get_cross_replica_context,

@@ -7,7 +7,7 @@ replace it and restore it on exit, so nesting is a stack.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -37,12 +37,21 @@ class Mode:
     colocate_with: Any = None
 
 
+# the maker of the strategy in force outside every scope, installed by ``strategies`` (which the
+# package's ``__init__`` imports before any submodule is used): contexts sit below strategies
+_default_strategy: Callable[[], Strategy] | None = None
+
+
+def install_default_strategy(make: Callable[[], Strategy]) -> None:
+    """Set the function returning the default strategy (``strategies.default_strategy``)."""
+    global _default_strategy
+    _default_strategy = make
+
+
 def current_mode() -> Mode:
     mode = settings.DISTRIBUTION_MODE.get()
     if mode is None:
-        from .strategies import default_strategy
-
-        strategy = default_strategy()
+        strategy = _default_strategy()
         return Mode(strategy, strategy.extended._default_replica_context)
     return mode
 

@@ -87,6 +87,9 @@ def default_strategy() -> Strategy:
     return _DEFAULT[0]
 
 
+context.install_default_strategy(default_strategy)
+
+
 class _DefaultExtended(StrategyExtended):
     def __init__(self, strategy: Strategy) -> None:
         super().__init__(strategy, ("cpu:0",), _replica_mesh("cpu", 1))

@@ -33,8 +33,6 @@ from .values import Mirrored, PerReplica, map_nest
 if TYPE_CHECKING:
     from .strategy import Strategy
 
-_UPDATES = ("assign", "assign_add", "assign_sub")
-
 
 class _VariableMeta(type):
     """``Variable(...)`` asks the current strategy to create the variable."""

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..dispatch import implicitly_replicated, redistribute_inputs
 from ..dtensor import DTensor
 from ..errors import InvalidPlacementError, MeshError
 from ..geometry import shard_segments
 from ..mesh import DeviceMesh
+from ..op_inputs import implicitly_replicated, redistribute_inputs
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta, contiguous_meta, make_tensor_meta
 from .registry import OpSchema, OpStrategy, PlacementStrategy

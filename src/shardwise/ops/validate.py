@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..dispatch import allow_implicit_redistribute
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import InvalidArgumentError, InvalidPlacementError, StrategyValidationError
 from ..mesh import DeviceMesh, init_device_mesh
+from ..op_inputs import allow_implicit_redistribute
 from ..placements import Partial, Placement, Replicate, Shard, norm_order
 from ..spec import DTensorSpec, make_tensor_meta, validate_placements
 from . import registry

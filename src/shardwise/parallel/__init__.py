@@ -2,6 +2,7 @@
 parallel styles (plans by name, glob, regex, or veScale's dict format), ``distribute_module``
 and ``loss_parallel``."""
 
+from .. import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from . import state_dict as _state_dict  # noqa: F401  (checks load_state_dict of DTensors)
 from .api import distribute_module, parallelize_module
 from .loss import loss_parallel

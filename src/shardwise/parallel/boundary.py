@@ -53,9 +53,15 @@ def on_tp_dim(
 
 
 @dynamo_opaque
-def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+def as_dtensor(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int] | None = None,
+) -> DTensor:
     """A module input as a DTensor. A DTensor passes unchanged. A plain tensor is this
-    process's shard when it owns one device of the mesh (PyTorch's ``from_local``), and the
+    process's shard when it owns one device of the mesh (PyTorch's ``from_local``, with the
+    global ``shape`` when the caller knows it: an uneven shard alone cannot tell it), and the
     global value when it owns several (embedded mode: there is no single local shard).
 
     Modules that receive the same plain tensor (q, k and v projections of one normed input)
@@ -63,7 +69,7 @@ def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement
     and the backward reduces them once instead of once per module."""
     if isinstance(x, DTensor):
         return x
-    key = _wrap_key(x, mesh, placements)
+    key = _wrap_key(x, mesh, placements, shape)
     if key is not None:
         made = _WRAPPED.get(key)
         if made is not None and made.source() is x and made.version == x._version:
@@ -71,7 +77,7 @@ def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement
             if dtensor is not None:
                 return dtensor
     if plain_is_local(mesh, f"a plain module input of shape {list(x.shape)}"):
-        dtensor = DTensor.from_local(x, mesh, placements)
+        dtensor = DTensor.from_local(x, mesh, placements, shape=shape)
     elif x.requires_grad and torch.is_grad_enabled():
         dtensor = _Distribute.apply(x, mesh, tuple(placements))
     else:
@@ -115,7 +121,12 @@ def _forget(key: tuple, ref: weakref.ref) -> None:
         del _WRAPPED[key]
 
 
-def _wrap_key(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple | None:
+def _wrap_key(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int] | None,
+) -> tuple | None:
     """What makes two wrappings of ``x`` interchangeable; None where sharing is not safe:
     tensors being traced (fake or functional subclasses) and the per-replica view, whose
     threads merge their pieces in ``from_local``."""
@@ -123,7 +134,10 @@ def _wrap_key(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
         return None
     if torch.compiler.is_compiling():
         return None
-    return (id(x), mesh, tuple(placements), x.requires_grad, torch.is_grad_enabled())
+    return (
+        id(x), mesh, tuple(placements), None if shape is None else tuple(shape), x.requires_grad,
+        torch.is_grad_enabled(),
+    )
 
 
 def to_layout(x: DTensor, placements: Sequence[Placement]) -> DTensor:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .. import runtime
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import DataParallelError
 from ..mesh import DeviceMesh, init_device_mesh
@@ -146,10 +147,7 @@ def resolve_dims(
 
 def _default_mesh() -> DeviceMesh:
     """PyTorch's default data-parallel mesh: one dim over every process of the world."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (runtime.rank_and_world()[1],))
 
 
 def _compose(

@@ -51,11 +51,29 @@ class ParallelStyle:
         return f"{type(self).__name__}({fields})"
 
 
-def _prepare(x: Any, mesh: DeviceMesh, tp_dim: int, given: Placement, desired: Placement) -> Any:
-    """One input tensor: into a DTensor laid out as ``given``, then moved to ``desired``."""
+def _prepare(
+    x: Any,
+    mesh: DeviceMesh,
+    tp_dim: int,
+    given: Placement,
+    desired: Placement,
+    features: int | None = None,
+) -> Any:
+    """One input tensor: into a DTensor laid out as ``given``, then moved to ``desired``.
+    ``features`` is the global size of its last dim when the module knows it (an
+    ``nn.Linear``'s ``in_features``): a local piece sharded there is uneven on some ranks,
+    and its own size does not tell the global one."""
     if not isinstance(x, torch.Tensor):
         return x
-    x = as_dtensor(x, mesh, on_tp_dim(mesh, tp_dim, given))
+    shape = None
+    if (
+        features is not None
+        and x.ndim > 0
+        and isinstance(given, Shard)
+        and given.dim % x.ndim == x.ndim - 1
+    ):
+        shape = (*x.shape[:-1], features)
+    x = as_dtensor(x, mesh, on_tp_dim(mesh, tp_dim, given), shape)
     return on_tp(x, tp_dim, desired)
 
 
@@ -98,11 +116,12 @@ class _LinearStyle(ParallelStyle):
     ) -> None:
         """Inputs arrive as ``input_layouts`` (default: already as the module wants them)."""
         given = self.input_layouts or desired_input
+        features = module.in_features if isinstance(module, nn.Linear) else None
 
         def pre(_module: nn.Module, args: tuple) -> tuple:
             if not args:
                 return args
-            return (_prepare(args[0], mesh, tp_dim, given, desired_input), *args[1:])
+            return (_prepare(args[0], mesh, tp_dim, given, desired_input, features), *args[1:])
 
         def post(_module: nn.Module, _args: tuple, out: Any) -> Any:
             if isinstance(out, DTensor):

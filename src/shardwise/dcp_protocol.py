@@ -32,11 +32,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..placements import Partial, Replicate, Shard
-from ..spec import DTensorSpec
+from .placements import Partial, Replicate, Shard
+from .spec import DTensorSpec
 
 if TYPE_CHECKING:
-    from ..dtensor import DTensor
+    from .dtensor import DTensor
 
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # global offsets, sizes, local
 
