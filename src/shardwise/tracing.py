@@ -7,7 +7,8 @@ breaks.
 
 Dynamo passes only tensors, Python constants and registered pytree constants into such a call:
 meshes are registered constants (made before the compiled region, compared with ``==``), and
-placements, often made inside the region, cross the boundary as tuples of plain values.
+placements, often made inside the region, cross the boundary as tuples of plain values (None,
+which it refuses too, as a marker tuple).
 
 Shardwise's eager machinery (``DTensor.__new__``, ``__torch_dispatch__``, its autograd
 functions' backwards) also runs for real inside a compiled region: in the eager stretches
@@ -48,8 +49,14 @@ def encode_placement(p: Placement) -> tuple:
     return (_MARK, "R")
 
 
+_NONE = (_MARK, "None")  # nonstrict_trace takes no None argument
+
+
 def _encode(value: Any) -> Any:
-    """A placement, or a non-empty sequence of placements, as a tuple of plain values."""
+    """A placement, or a non-empty sequence of placements, as a tuple of plain values (and
+    None as a marker tuple)."""
+    if value is None:
+        return _NONE
     if isinstance(value, Placement):
         return encode_placement(value)
     if (
@@ -78,6 +85,8 @@ def decode_placement(code: tuple | list) -> Placement:
 
 
 def _decode(value: Any) -> Any:
+    if type(value) is tuple and value == _NONE:
+        return None
     if _is_code(value):
         return decode_placement(value)
     if isinstance(value, tuple) and value and all(_is_code(c) for c in value):
