@@ -16,6 +16,7 @@ import shardwise as sw
 from mp_harness import run_in_processes
 from shardwise import Replicate, Shard
 from shardwise import parallel as tp
+from shardwise.parallel import replicate
 
 
 def _mlp_loss(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -242,12 +243,14 @@ _OPTIMIZERS = {
 
 
 def _parallelize(module: nn.Module, layout: str) -> nn.Module:
-    """Tensor parallel on a (2,) mesh, or FSDP x TP on a ("dp", "tp") (2, 2) mesh."""
+    """Tensor parallel on a (2,) mesh, or FSDP x TP (DDP x TP) on a ("dp", "tp") (2, 2) mesh."""
     plan = {"up": tp.ColwiseParallel(), "down": tp.RowwiseParallel()}
     if layout == "tp":
         return tp.parallelize_module(module, sw.init_device_mesh("cpu", (2,)), plan)
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp.parallelize_module(module, mesh, plan, tp_mesh_dim=1)
+    if layout == "ddp_tp":
+        return replicate(module, mesh["dp"])
     tp.fully_shard(module.up, mesh=mesh["dp"])
     return tp.fully_shard(module, mesh=mesh["dp"])
 
@@ -312,9 +315,9 @@ def _check_full_step(layout: str, optimizer: str) -> list[float]:
     # the optimizer state exists from the second step on: nothing compiles after it
     assert compiled["graphs"][1] == compiled["graphs"][-1], compiled["graphs"]
     # dynamo breaks where it breaks on the unsharded step (zero_grad, backward, the optimizer's
-    # own graph_break()), and for FSDP where its forward hooks run eagerly, as FSDP2's do
+    # own graph_break()), and for data parallel where its forward hooks run eagerly, as FSDP2's
     allowed = set(single_compiled["breaks"])
-    if layout == "fsdp_tp":
+    if layout != "tp":
         allowed.add("Skip calling `torch.compiler.disable()`d function")
     assert compiled["breaks"] <= allowed, compiled["breaks"] - allowed
     return compiled["losses"].tolist()
@@ -329,6 +332,11 @@ def test_compiled_full_step_with_optimizer_equals_eager_and_one_device(
     parameters: the optimizer's math is traced (dynamo's fused multiply-adds included), the
     values are eager's and the unsharded model's, and no step after the second compiles."""
     _check_full_step(layout, optimizer)
+
+
+def test_compiled_full_step_with_replicate_and_tensor_parallel() -> None:
+    """The same with ``replicate`` (DDP) on the data-parallel dim."""
+    _check_full_step("ddp_tp", "AdamW")
 
 
 def _full_step_job() -> list[list[float]]:
