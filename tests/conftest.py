@@ -17,7 +17,15 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from shardwise import DeviceMesh, InterleavedShard, Partial, Placement, Replicate, Shard
+from shardwise import (
+    DeviceMesh,
+    InterleavedShard,
+    Partial,
+    Placement,
+    RaggedShard,
+    Replicate,
+    Shard,
+)
 
 settings.register_profile(
     "shardwise",
@@ -59,7 +67,12 @@ def ref_indices(
             continue
         d = p.dim % len(shape)
         n, k = mesh_shape[m], coord[m]
-        if isinstance(p, InterleavedShard):
+        if isinstance(p, RaggedShard):
+            if len(p.sizes) != n or sum(p.sizes) != len(held[d]):
+                raise NotDivisible
+            start = sum(p.sizes[:k])
+            held[d] = held[d][start : start + p.sizes[k]]
+        elif isinstance(p, InterleavedShard):
             blocks = p.interleaved_size
             if len(held[d]) % blocks:
                 raise NotDivisible

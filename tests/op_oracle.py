@@ -12,22 +12,42 @@ import torch
 import torch.utils._pytree as pytree
 
 import shardwise as sw
-from shardwise import DTensor, InterleavedShard, Partial, Replicate, Shard
+from shardwise import DTensor, InterleavedShard, Partial, RaggedShard, Replicate, Shard
 from shardwise.spec import validate_placements
 
 MESH_SHAPES: list[tuple[int, ...]] = [(2,), (3,), (4,), (2, 2)]
 
 
+def ragged_sizes(length: int, n: int) -> tuple[int, ...]:
+    """Uneven extents of ``length`` over ``n`` devices: thirds on two, else an empty first
+    piece and the rest growing quadratically."""
+    if n == 1:
+        return (length,)
+    if n == 2:
+        return (length // 3, length - length // 3)
+    k = n - 1
+    cuts = [0, 0] + [length * i * i // (k * k) for i in range(1, n)]
+    return tuple(b - a for a, b in zip(cuts[:-1], cuts[1:], strict=True))
+
+
 def placement_options(
-    t: torch.Tensor, *, partial: bool = True, interleaved: bool = False, mesh_size: int = 2
+    t: torch.Tensor,
+    *,
+    partial: bool = True,
+    interleaved: bool = False,
+    ragged: bool = False,
+    mesh_size: int = 2,
 ) -> list:
-    """Placements one mesh dim may give ``t``: Replicate, Shard on every dim, Partial(sum)."""
+    """Placements one mesh dim may give ``t``: Replicate, Shard on every dim, Partial(sum)
+    (``interleaved``/``ragged``: also InterleavedShard(d, 2) / RaggedShard(d, sizes))."""
     options: list = [Replicate()]
     options += [Shard(d) for d in range(t.ndim)]
     if partial and (t.is_floating_point() or t.is_complex()):
         options.append(Partial())
     if interleaved:
         options += [InterleavedShard(d, 2) for d in range(t.ndim) if t.shape[d] % 2 == 0]
+    if ragged:
+        options += [RaggedShard(d, ragged_sizes(t.shape[d], mesh_size)) for d in range(t.ndim)]
     return options
 
 
@@ -37,6 +57,7 @@ def placement_cases(
     *,
     partial: bool = True,
     interleaved: bool = False,
+    ragged: bool = False,
     max_cases: int = 24,
     seed: int = 0,
 ) -> list[list[tuple]]:
@@ -47,7 +68,10 @@ def placement_cases(
     mesh = sw.init_device_mesh("cpu", mesh_shape)
     per_input = []
     for t in tensors:
-        opts = placement_options(t, partial=partial, interleaved=interleaved)
+        opts = placement_options(
+            t, partial=partial, interleaved=interleaved, ragged=ragged,
+            mesh_size=mesh_shape[0] if mesh_shape else 1,
+        )
         combos = itertools.product(opts, repeat=len(mesh_shape))
         per_input.append([c for c in combos if _valid(t, mesh, c)])
     everything = list(itertools.product(*per_input))
@@ -145,6 +169,7 @@ def run_oracle(
     mesh_shapes: Sequence[tuple[int, ...]] = MESH_SHAPES,
     partial: bool = True,
     interleaved: bool = False,
+    ragged: bool = False,
     grad: bool = True,
     max_cases: int = 24,
     atol: float = 1e-5,
@@ -154,7 +179,8 @@ def run_oracle(
     count = 0
     for mesh_shape in mesh_shapes:
         cases = placement_cases(
-            mesh_shape, tensors, partial=partial, interleaved=interleaved, max_cases=max_cases
+            mesh_shape, tensors, partial=partial, interleaved=interleaved, ragged=ragged,
+            max_cases=max_cases,
         )
         for case in cases:
             check_op(fn, tensors, mesh_shape, case, grad=grad, atol=atol, rtol=rtol)

@@ -1,5 +1,6 @@
 """The demo end to end, with few steps: sharded training equals single-device training in one
-process (replicate and fully_shard) and over two gloo processes, and its exit code says so."""
+process (replicate and fully_shard) and over two gloo processes, and its exit code says so; it
+prints nothing stray, and arguments it cannot run with are refused in one line."""
 
 from __future__ import annotations
 
@@ -73,7 +74,60 @@ def test_demo_over_two_processes_prints_the_same_losses() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stdout
+    assert "USDT" not in proc.stdout + proc.stderr  # kineto's trace lines from the memory table
     losses = _losses(proc.stdout)  # rank 0's table: sharded over both processes vs one device
     assert len(losses) == 2
     for sharded, single in losses:
         assert abs(sharded - single) <= 2e-6
+
+
+def _demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "shardwise", "demo", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_a_demo_run_prints_its_report_and_nothing_else() -> None:
+    proc = _demo("--steps", "1", "--mesh", "1x2", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sharded training matches" in proc.stdout
+    assert "USDT" not in proc.stdout
+    assert proc.stderr == ""  # kineto's profiler_start/stop lines held back
+
+
+def test_nproc_that_does_not_divide_the_mesh_is_refused_before_starting() -> None:
+    proc = _demo("--nproc", "3", "--steps", "1", "--no-progress", timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "[0]" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == [
+        "shardwise demo: error: --nproc 3 does not divide the 4 devices of --mesh 2x2: use "
+        "--nproc 1, 2 or 4, or a mesh whose size is a multiple of 3 (such as --mesh 3x1)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        (["--steps", "-3"], "argument --steps: must be at least 1, got -3"),
+        (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
+        (["--layers", "0"], "argument --layers: must be at least 1, got 0"),
+        (["--nproc", "0"], "argument --nproc: must be at least 1, got 0"),
+        (["--lr", "-1"], "argument --lr: must be a positive number, got -1"),
+        (["--lr", "nan"], "argument --lr: must be a positive number, got nan"),
+        (["--mesh", "1x3"], "--mesh 1x3: the tensor-parallel size must divide the model's 4 "
+                            "attention heads, so TP is one of [1, 2, 4]"),
+        (["--mesh", "2x2", "--nproc", "8"], "--nproc 8 does not divide the 4 devices"),
+    ],
+)
+def test_arguments_the_demo_cannot_run_with_are_refused_in_one_line(
+    args: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main([*args, "--no-progress"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and said in errors[0], captured.err
+    assert "matches" not in captured.out

@@ -20,6 +20,8 @@ _NAMES: dict[str, str] = {
     "AsyncCollectiveTensor": "dtensor",
     "AsyncDTensor": "dtensor",
     "CommCounter": "comm",
+    "CommBudget": "budget",
+    "comm_budget": "budget",
     "get_collective_timeout": "comm",
     "set_collective_timeout": "comm",
     "set_debug_checks": "comm",
@@ -31,10 +33,14 @@ _NAMES: dict[str, str] = {
     "distribute_tensor": "dtensor",
     "DTensor": "dtensor",
     "local_components": "dtensor",
+    "reshard": "dtensor",
     "CheckpointMismatchError": "errors",
     "CollectiveError": "errors",
     "CollectiveMismatchError": "errors",
     "CollectiveTimeoutError": "errors",
+    "CommBudgetExceededError": "errors",
+    "CommBudgetWarning": "errors",
+    "ShardwiseWarning": "errors",
     "DataParallelError": "errors",
     "DeferredInitError": "errors",
     "DTensorCollectiveError": "errors",
@@ -94,6 +100,7 @@ _NAMES: dict[str, str] = {
     "ValidationReport": "ops.validate",
     "distribute_module": "parallel",
     "InterleavedShard": "placements",
+    "RaggedShard": "placements",
     "Partial": "placements",
     "Placement": "placements",
     "Replicate": "placements",
@@ -128,6 +135,7 @@ __all__ = [
     "OpArgumentError",
     "UnsafeCheckpointError",
     "local_components",
+    "reshard",
     "OpSchema",
     "OpStrategy",
     "OutputSharding",
@@ -150,7 +158,12 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CommBudget",
+    "CommBudgetExceededError",
+    "CommBudgetWarning",
     "CommCounter",
+    "ShardwiseWarning",
+    "comm_budget",
     "DataParallelError",
     "DTensorCollectiveError",
     "DeferredInitError",
@@ -160,6 +173,7 @@ __all__ = [
     "DeviceMesh",
     "ImplicitRedistributeError",
     "InterleavedShard",
+    "RaggedShard",
     "InvalidArgumentError",
     "InvalidPlacementError",
     "Layout",
@@ -264,6 +278,7 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
+    from .budget import CommBudget, comm_budget
     from .comm import CommCounter, get_collective_timeout, set_collective_timeout, set_debug_checks
     from .custom_sharding import register_sharding
     from .debug import explain_redistribute
@@ -275,6 +290,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         DTensor,
         distribute_tensor,
         local_components,
+        reshard,
     )
     from .errors import (
         CheckpointCorruptError,
@@ -282,6 +298,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         CollectiveError,
         CollectiveMismatchError,
         CollectiveTimeoutError,
+        CommBudgetExceededError,
+        CommBudgetWarning,
         DataParallelError,
         DeferredInitError,
         DTensorCollectiveError,
@@ -298,6 +316,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         ParallelStyleError,
         ShardwiseError,
         ShardwiseTypeError,
+        ShardwiseWarning,
         StateDictMismatchError,
         StrategyValidationError,
         UnsafeCheckpointError,
@@ -332,7 +351,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
     )
     from .ops.validate import ValidationReport, validate_strategy
     from .parallel import distribute_module
-    from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
+    from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
     from .redistribute import RedistributePlan, Step
     from .spec import DTensorSpec, TensorMeta
     from .tf_dtensor import (

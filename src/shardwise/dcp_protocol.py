@@ -65,13 +65,16 @@ def _is_writer(spec: DTensorSpec, device: int) -> bool:
 
 def _local_boxes(dtensor: DTensor) -> list[tuple[int, Box]]:
     """(local index, box) for every box of every local component that loads the value, in
-    chunk-list order."""
+    chunk-list order; empty boxes only for an empty tensor (an empty ragged piece may share
+    its offset with a full one)."""
     spec = dtensor._spec
+    empty = dtensor.numel() == 0
     return [
         (i, box)
         for i, device in enumerate(spec.mesh.local_device_ids)
         if _is_reader(spec, device)
         for box in boxes(spec, device)
+        if empty or math.prod(box[1])
     ]
 
 

@@ -14,20 +14,43 @@ from typing import Any, TextIO
 import torch
 
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
+from . import settings
+from .budget import CommBudget
 from .comm import CommCounter, CommRecord
 from .comm.safety import current_description
 from .dtensor import DTensor
 from .errors import InvalidArgumentError
-from .placements import Placement
-from .redistribute import RedistributePlan, lower_bound_bytes, plan_redistribute
+from .mesh import DeviceMesh
+from .placements import Placement, RaggedShard
+from .redistribute import (
+    CrossMeshPlan,
+    RedistributePlan,
+    cross_mesh_lower_bound_bytes,
+    lower_bound_bytes,
+    plan_cross_mesh,
+    plan_redistribute,
+)
+from .redistribute.cross_mesh import check_meshes
 from .spec import validate_placements
 
 
-def explain_redistribute(dtensor: DTensor, placements: Sequence[Placement]) -> RedistributePlan:
+def explain_redistribute(
+    dtensor: DTensor, placements: Sequence[Placement], device_mesh: DeviceMesh | None = None
+) -> RedistributePlan | CrossMeshPlan:
     """The plan ``dtensor.redistribute(placements=placements)`` would run: its steps, each with
     its collective, mesh dim and the bytes this process's devices would receive, and beside
-    its ``global_bytes`` the ``lower_bound`` no plan can beat (bytes over all devices)."""
+    its ``global_bytes`` the ``lower_bound`` no plan can beat (bytes over all devices). With
+    another ``device_mesh``, the ``CrossMeshPlan`` of ``reshard`` to that mesh, with its bound."""
     spec = dtensor._spec
+    if device_mesh is not None and device_mesh != spec.mesh:
+        target = validate_placements(dtensor.shape, device_mesh, placements)
+        shape, itemsize = tuple(spec.shape), spec.component_dtype.itemsize
+        check_meshes(shape, spec.mesh, spec.placements, device_mesh, target)
+        plan = plan_cross_mesh(shape, itemsize, spec.mesh, spec.placements, device_mesh, target)
+        bound = cross_mesh_lower_bound_bytes(
+            shape, itemsize, spec.mesh, spec.placements, device_mesh, target
+        )
+        return dataclasses.replace(plan, lower_bound=bound)
     target = validate_placements(dtensor.shape, dtensor.device_mesh, placements)
     plan = plan_redistribute(spec, target)
     bound = lower_bound_bytes(
@@ -69,7 +92,8 @@ class CommDebugMode(CommCounter):
     ``m.comm_module_counts[fqn]["forward" | "backward"]`` are the counts of one module (and its
     children; ``"Global"`` is everything), ``get_comm_counts()`` / ``get_total_counts()`` the
     totals, ``get_sharding_info()`` the placements of each DTensor parameter,
-    ``generate_comm_debug_tracing_table()`` all of it as text.
+    ``generate_comm_debug_tracing_table()`` all of it as text, with the use of every
+    ``comm_budget`` active while it counted (limit, used and remaining per limit).
     """
 
     def __init__(self) -> None:
@@ -79,6 +103,12 @@ class CommDebugMode(CommCounter):
         self._parameters: dict[str, dict[str, torch.Tensor]] = {}
         self._depth: dict[str, int] = {}
         self._tracker: Any = None
+        # the comm_budget blocks seen while counting, by identity: (budget, nesting depth)
+        self._budgets: dict[int, tuple[CommBudget, int]] = {}
+
+    def _note_budgets(self) -> None:
+        for depth, budget in enumerate(settings.COMM_BUDGETS.get()):
+            self._budgets.setdefault(id(budget), (budget, depth))
 
     def __enter__(self) -> CommDebugMode:
         from torch.distributed._tools.mod_tracker import ModTracker
@@ -91,6 +121,8 @@ class CommDebugMode(CommCounter):
         self.cross_process_bytes.clear()
         self.meta_bytes.clear()
         self._depth = {"Global": 0}
+        self._budgets = {}
+        self._note_budgets()
         self._tracker = ModTracker()
         self._tracker.register_user_hooks(pre_fw_hook=self._enter_module)
         self._tracker.__enter__()
@@ -112,6 +144,7 @@ class CommDebugMode(CommCounter):
 
     def add(self, record: CommRecord) -> None:
         super().add(record)
+        self._note_budgets()
         tracker = self._tracker
         modules = tracker.parents if tracker is not None else {"Global"}
         phase = "backward" if tracker is not None and tracker.is_bw else "forward"
@@ -174,7 +207,24 @@ class CommDebugMode(CommCounter):
                             f"{indent}      {record.kind} on mesh dim {record.mesh_dim}: "
                             f"{record.bytes} bytes{detail}"
                         )
+        lines += self._budget_lines()
         return "\n".join(lines) + "\n"
+
+    def _budget_lines(self) -> list[str]:
+        """Each ``comm_budget`` seen (nested ones indented): per limit, used and remaining."""
+        if not self._budgets:
+            return []
+        lines = ["Communication budgets (bytes this process's devices received):"]
+        for budget, depth in self._budgets.values():
+            indent = "  " * (depth + 1)
+            lines.append(f"{indent}{budget!r}")
+            for scope, limit, used in budget.table_rows():
+                if limit is None:
+                    lines.append(f"{indent}  {scope}: used {used}, no limit")
+                    continue
+                left = f"remaining {limit - used}" if used <= limit else f"over by {used - limit}"
+                lines.append(f"{indent}  {scope}: limit {limit}, used {used}, {left}")
+        return lines
 
     def log_comm_debug_tracing_table_to_file(
         self, file_name: str = "comm_mode_log.txt", noise_level: int = 3
@@ -248,6 +298,9 @@ def visualize_sharding(dtensor: DTensor, header: str = "", file: TextIO | None =
         lines.append(" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
         if i == 0:
             lines.append("-+-".join("-" * w for w in widths))
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, RaggedShard):
+            lines.append(f"ragged dim {p.dim} over mesh dim {m}: extents {list(p.sizes)}")
     empty = [d for d in devices if any(sum(b - a for a, b in runs) == 0 for runs in held[d])]
     if empty:
         lines.append(f"devices holding no elements (uneven shards): {empty}")

@@ -217,6 +217,26 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return dp, tp
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardwise demo",
@@ -227,18 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", type=parse_mesh, default=(2, 2), metavar="DPxTP",
                         help="mesh shape: data-parallel x tensor-parallel size (default 2x2; "
                         "4x1, 1x4... work too)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    parser.add_argument("--batch", type=int, default=16, help="global batch size (default 16)")
-    parser.add_argument("--lr", type=float, default=1e-2,
+    parser.add_argument("--steps", type=_at_least_one,
+                        default=30, help="training steps (default 30)")
+    parser.add_argument("--batch", type=_at_least_one,
+                        default=16, help="global batch size (default 16)")
+    parser.add_argument("--lr", type=_positive_float, default=1e-2,
                         help="AdamW learning rate (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--layers", type=_at_least_one,
+                        default=2, help="transformer blocks (default 2)")
     parser.add_argument("--tied", action="store_true",
                         help="tie the output head to the token embedding")
     parser.add_argument("--fsdp", action="store_true",
                         help="data parallel by fully_shard (parameters and optimizer state "
                         "Shard(0) on the data dim) instead of replicate")
-    parser.add_argument("--nproc", type=int, default=1,
+    parser.add_argument("--nproc", type=_at_least_one, default=1,
                         help="run over this many gloo processes on this host (the mesh size "
                         "must be a multiple of it); prints the same losses")
     parser.add_argument("--plot", metavar="FILE",
@@ -484,7 +507,11 @@ def plot(result: DemoResult, path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``shardwise demo``: run (or launch over ``--nproc`` processes) and check the result."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = _mesh_problem(args.mesh, args.nproc)
+    if problem:
+        parser.error(problem)
     if args.nproc > 1:
         from .launch import launch
 
@@ -492,6 +519,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch("shardwise", ["demo", *forwarded], nproc=args.nproc, module=True)
     result = run(args)
     return 0 if result.max_difference <= result.tolerance else 1
+
+
+def _mesh_problem(mesh: tuple[int, int], nproc: int) -> str | None:
+    """Why the demo cannot run on ``mesh`` over ``nproc`` processes, in one line (None: it
+    can)."""
+    dp, tp = mesh
+    heads = GPTConfig().heads
+    if heads % tp:
+        fits = [n for n in range(1, heads + 1) if heads % n == 0]
+        return (f"--mesh {dp}x{tp}: the tensor-parallel size must divide the model's {heads} "
+                f"attention heads, so TP is one of {fits}")
+    size = dp * tp
+    if size % nproc:
+        fits = [n for n in range(1, size + 1) if size % n == 0]
+        choices = ", ".join(map(str, fits[:-1])) + f" or {fits[-1]}" if len(fits) > 1 else "1"
+        return (f"--nproc {nproc} does not divide the {size} devices of --mesh {dp}x{tp}: use "
+                f"--nproc {choices}, or a mesh whose size is a multiple of {nproc} (such as "
+                f"--mesh {nproc}x1)")
+    return None
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

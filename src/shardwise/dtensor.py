@@ -20,20 +20,19 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import comm, settings
+from . import budget, comm, settings
 from .comm import background
 from .comm.reduction import reduce_op_problem
 from .comm.safety import redistribution
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
 from .geometry import extract_local
 from .mesh import DeviceMesh, Mesh, mesh_or_current
-from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from .redistribute import execute_plan, plan_redistribute
+from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
+from .redistribute import cross_mesh, execute_plan, plan_redistribute
 from .spec import (
     LOW_PRECISION,
     DTensorSpec,
     TensorMeta,
-    check_same_mesh,
     contiguous_meta,
     make_tensor_meta,
     validate_placements,
@@ -233,20 +232,23 @@ class DTensor(torch.Tensor):
         dtype); ``backward_dtype`` runs the backward collectives in that dtype, the gradient
         coming back in this DTensor's dtype (PyTorch's keywords, for low-precision traffic).
         ``async_op``: return at once, the collectives run in the background; the first use
-        of the result (or ``wait()``) waits for them.
+        of the result (or ``wait()``) waits for them. Another ``device_mesh`` moves the value
+        there (``reshard``).
         """
-        if device_mesh is not None:
-            check_same_mesh(
-                self.device_mesh,
-                device_mesh,
-                f"redistribute of a DTensor of shape {list(self.shape)} with placements "
-                f"{list(self.placements)}",
-            )
         if placements is None:
             raise InvalidPlacementError(
                 f"redistribute of a DTensor of shape {list(self.shape)} with placements "
                 f"{list(self.placements)} needs target placements"
             )
+        if device_mesh is not None and device_mesh != self.device_mesh:
+            if forward_dtype is not None or backward_dtype is not None or async_op:
+                raise InvalidArgumentError(
+                    f"redistribute of a DTensor of shape {list(self.shape)} from "
+                    f"{self.device_mesh} with placements {list(self.placements)} to "
+                    f"{device_mesh} with placements {placements}: forward_dtype, "
+                    f"backward_dtype and async_op are for moves within one mesh; cast first"
+                )
+            return reshard(self, device_mesh, placements)
         target = validate_placements(self.shape, self.device_mesh, placements)
         if not self._components:  # a process outside the mesh takes no part (PyTorch's rule)
             spec = self._spec.with_placements(target)
@@ -422,7 +424,10 @@ def _infer_global_shape(
         members = [
             d for d in mesh.device_ids if _differs_only(mesh, d, base, mesh_dims)
         ]
-        if all(d in index for d in members):
+        ragged = [placements[m] for m in mesh_dims if isinstance(placements[m], RaggedShard)]
+        if len(mesh_dims) == 1 and ragged:  # the sizes say it, wherever the pieces are
+            shape[dim] = sum(ragged[0].sizes)
+        elif all(d in index for d in members):
             shape[dim] = sum(components[index[d]].shape[dim] for d in members)
         else:
             factor = 1
@@ -446,7 +451,9 @@ def _spec_from_components(
 ) -> DTensorSpec:
     ndim = components[0].ndim
     local_shapes = f"local component shapes {[list(c.shape) for c in components]}"
-    normalized = validate_placements([0] * ndim, mesh, placements, described=local_shapes)
+    normalized = validate_placements(
+        [0] * ndim, mesh, placements, described=local_shapes, sizes=False
+    )
     if shape is None:
         shape = _infer_global_shape(components, mesh, normalized)
     elif len(shape) != ndim:
@@ -696,6 +703,65 @@ class _Unpack(torch.autograd.Function):
         return DTensor(components, spec), None
 
 
+def reshard(
+    dtensor: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None
+) -> DTensor:
+    """The same global value on another mesh (other devices, shape or size) with
+    ``placements`` (default: Replicate everywhere), moved point to point: every device receives
+    only what the same physical device did not hold before (``redistribute.cross_mesh``).
+    Every process of either mesh takes part; others return a DTensor they hold nothing of."""
+    if not isinstance(device_mesh, DeviceMesh):
+        raise InvalidArgumentError(
+            f"reshard of a DTensor of shape {list(dtensor.shape)} on {dtensor.device_mesh} "
+            f"needs a DeviceMesh to move to, got {type(device_mesh).__name__}"
+        )
+    if placements is None:
+        placements = [Replicate()] * device_mesh.ndim
+    target = validate_placements(dtensor.shape, device_mesh, placements)
+    source = dtensor._spec
+    if device_mesh == source.mesh:
+        return dtensor.redistribute(placements=target)
+    shape = tuple(dtensor.shape)
+    cross_mesh.check_meshes(shape, source.mesh, source.placements, device_mesh, target)
+    spec = DTensorSpec(device_mesh, target, source.tensor_meta)
+    check_partials(spec)
+    union = cross_mesh.union_mesh(source.mesh, device_mesh)[0]
+    if not union.local_device_ids:  # a process of neither mesh takes no part
+        return DTensor([], spec, requires_grad=dtensor.requires_grad)
+    sample = torch.empty(0, dtype=dtensor.dtype, device=union.device_of(union.local_device_ids[0]))
+    what = (f"reshard from {cross_mesh.describe(source.mesh, source.placements)} to "
+            f"{cross_mesh.describe(device_mesh, target)}")
+    comm.agree(union, what, {
+        "shape": list(shape), "dtype": str(dtensor.dtype),
+        "source": cross_mesh.describe(source.mesh, source.placements),
+        "target": cross_mesh.describe(device_mesh, target),
+    }, sample)
+    return _Reshard.apply(dtensor, spec)
+
+
+class _Reshard(torch.autograd.Function):
+    """A cross-mesh move; the gradient moves back to the source mesh (Partial as Replicate)."""
+
+    @staticmethod
+    def forward(ctx, dtensor: DTensor, spec: DTensorSpec):  # noqa: ANN001, ANN205
+        source = dtensor._spec
+        ctx.source = source
+        held = source.component_dtype
+        plan = cross_mesh.plan_cross_mesh(
+            tuple(dtensor.shape), held.itemsize, source.mesh,
+            source.placements, spec.mesh, spec.placements,
+        )
+        with comm.moving(lambda: f"reshard of {source} to {spec}"):
+            components = cross_mesh.run_cross_mesh(plan, dtensor._components, held)
+        return DTensor(components, spec)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # noqa: ANN001, ANN205
+        source = ctx.source
+        back = [Replicate() if p.is_partial() else p for p in source.placements]
+        return reshard(grad, source.mesh, back), None
+
+
 class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: ANN205
@@ -713,8 +779,11 @@ class _Redistribute(torch.autograd.Function):
             components = [c.to(forward_dtype) for c in components]
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
         plan = plan_redistribute(spec, target)
-        with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
-                         spec=lambda: redistribution(spec, tuple(target))):
+        with (
+            comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
+                        spec=lambda: redistribution(spec, tuple(target))),
+            budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]),
+        ):
             components = execute_plan(plan, spec.mesh, components)
         return DTensor(components, spec.with_placements(target))
 
@@ -884,7 +953,9 @@ class _AsyncRedistribute(_Redistribute):
                              spec=lambda: redistribution(spec, tuple(target))):
                 return execute_plan(plan, spec.mesh, dtensor._components)
 
-        work = background.submit(job, f"redistribute of {spec} to {list(target)}")
+        # checked against the budgets now; the job charges them in this context's copy
+        with budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]):
+            work = background.submit(job, f"redistribute of {spec} to {list(target)}")
         return AsyncDTensor(work, spec.with_placements(target))
 
 
@@ -935,6 +1006,6 @@ def _rebuild_dtensor(cls: type, state: dict, requires_grad: bool) -> DTensor:
 
 # torch.load(weights_only=True), torch's default, accepts saved DTensors and meshes
 torch.serialization.add_safe_globals(
-    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Mesh, Shard, InterleavedShard,
+    [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Mesh, Shard, InterleavedShard, RaggedShard,
      Replicate, Partial, _rebuild_dtensor]
 )

@@ -51,6 +51,11 @@ class ImplicitRedistributeError(ShardwiseError, RuntimeError):
     """An op needs its inputs redistributed while implicit redistribution is off."""
 
 
+class CommBudgetExceededError(ShardwiseError, RuntimeError):
+    """Communication inside ``comm_budget(..., on_exceed="raise")`` would go (or, where the
+    plan was not known ahead, went) past one of its limits."""
+
+
 class ShardwiseTypeError(ShardwiseError, TypeError):
     """An argument of the wrong kind: a variable where a tensor is needed, mixed dtypes..."""
 
@@ -146,3 +151,11 @@ class StateDictMismatchError(ShardwiseError, RuntimeError):
     """``Module.load_state_dict`` got an entry that does not fit a DTensor parameter or buffer
     (other global shape or mesh, a plain tensor for a DTensor or the reverse); nothing is
     loaded. A RuntimeError, as torch's own load errors are."""
+
+
+class ShardwiseWarning(UserWarning):
+    """Base class of the warnings shardwise gives."""
+
+
+class CommBudgetWarning(ShardwiseWarning):
+    """Communication went past a limit of ``comm_budget(..., on_exceed="warn")``."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from .errors import InvalidPlacementError
-from .placements import InterleavedShard, Partial, Placement, Shard
+from .placements import InterleavedShard, Partial, Placement, RaggedShard, Shard
 
 if TYPE_CHECKING:  # only named: geometry reads a mesh's shape and coordinates
     from .mesh import DeviceMesh
@@ -63,6 +63,16 @@ def chunk_bounds(length: int, n: int, index: int) -> tuple[int, int]:
 def split_segments(segments: Segments, placement: Shard, n: int, index: int) -> Segments:
     """The part of ``segments`` that coordinate ``index`` of ``n`` keeps under ``placement``."""
     length = segments_size(segments)
+    if isinstance(placement, RaggedShard):
+        sizes = placement.sizes
+        if len(sizes) != n or sum(sizes) != length:
+            raise InvalidPlacementError(
+                f"{placement!r} needs one size per device of the mesh dim ({n}) summing to the "
+                f"size {length} of dim {placement.dim}, got {len(sizes)} sizes summing to "
+                f"{sum(sizes)}"
+            )
+        lo = sum(sizes[:index])
+        return _merge(_pick(segments, lo, lo + sizes[index]))
     if isinstance(placement, InterleavedShard):
         k = placement.interleaved_size
         if length % k:

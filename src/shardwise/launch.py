@@ -6,7 +6,9 @@ give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTE
 into one world (``--threads``: N rank threads of one process instead, see
 ``shardwise.rank_threads``). Every line a process prints comes out prefixed with its rank
 (``[0] ...``, as torchrun's ``--tee``/``--role`` output). If one process fails the others are
-stopped and its exit code is returned.
+stopped and its exit code is returned. SIGINT, SIGTERM and SIGHUP sent to the launcher are
+forwarded to every process, and ``--timeout`` bounds the whole run; either way each process's
+process group (the rank and what it started) is stopped, killed after a grace period.
 
 The launcher uses the standard library only (the package loads lazily, so nothing imports torch
 here) and the processes start at once; it returns as soon as they have all exited.
@@ -27,6 +29,9 @@ from collections.abc import Sequence
 from typing import BinaryIO
 
 _GRACE_S = 5.0
+_POLL_S = 0.05  # how often the launcher looks at signals and the deadline
+_TIMEOUT_CODE = 124  # as coreutils' timeout
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _free_port() -> int:
@@ -35,16 +40,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535 (0: a free one), got {port}")
+    return port
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m shardwise.launch",
         description="Run a shardwise script in N local processes (gloo on CPU), like torchrun.",
     )
     parser.add_argument(
-        "--nproc", "--nproc-per-node", dest="nproc", type=int, required=True,
+        "--nproc", "--nproc-per-node", dest="nproc", type=_positive_int, required=True,
         help="number of processes to start",
     )
-    parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (0: free)")
+    parser.add_argument("--master-port", type=_port, default=0, help="rendezvous port (0: free)")
+    parser.add_argument(
+        "--timeout", type=_seconds, metavar="SECONDS",
+        help="limit on the whole run: past it the processes still running are stopped and the "
+             "exit code is 124",
+    )
     parser.add_argument(
         "--threads", action="store_true",
         help="run the N ranks as threads of this one process instead (each rank thread sees its "
@@ -56,23 +96,34 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("script", help="the script (or module, with -m) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
-    if ns.nproc < 1:
-        parser.error(f"--nproc must be at least 1, got {ns.nproc}")
+    if ns.threads and ns.timeout is not None:
+        parser.error("--timeout applies to processes, not to --threads")
     return ns
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Terminate the processes still running, then kill those that outlive the grace period."""
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` to the process group ``proc`` leads (the rank and what it started)."""
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):  # the whole group is gone already
+        pass
+
+
+def _stop(procs: list[subprocess.Popen], signum: int = signal.SIGTERM) -> None:
+    """Send ``signum`` to every process group, wait for the processes (SIGKILL to the groups
+    that outlive the grace period), then kill what the processes left behind in their groups."""
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            _signal_group(p, signum)
     deadline = time.monotonic() + _GRACE_S
     for p in procs:
         try:
             p.wait(timeout=max(deadline - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:
-            p.kill()
+            _signal_group(p, signal.SIGKILL)
             p.wait()
+    for p in procs:  # grandchildren got the signal with their parent and as long to go
+        _signal_group(p, signal.SIGKILL)
 
 
 def _exit_code(returncode: int) -> int:
@@ -122,15 +173,41 @@ def launch(
     nproc: int,
     master_port: int = 0,
     module: bool = False,
+    timeout: float | None = None,
 ) -> int:
     """Run ``script`` in ``nproc`` processes; return 0 if all succeed, else the first failing
-    process's exit code (the others are stopped)."""
+    process's exit code (the others are stopped). SIGINT, SIGTERM or SIGHUP to this process
+    (when called from the main thread) stops them all and returns 128 + the signal; past
+    ``timeout`` seconds they are stopped and the result is 124."""
     port = master_port or _free_port()
     command = [sys.executable, *(["-m", script] if module else [script]), *args]
+    received: list[int] = []
+    previous = _catch_signals(received)
+    try:
+        return _run(command, nproc, port, timeout, received)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _catch_signals(received: list[int]) -> dict[int, object]:
+    """Record SIGINT/SIGTERM/SIGHUP in ``received`` instead of dying; the previous handlers
+    (nothing outside the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {
+        signum: signal.signal(signum, lambda got, _frame: received.append(got))
+        for signum in _FORWARDED
+    }
+
+
+def _run(
+    command: list[str], nproc: int, port: int, timeout: float | None, received: list[int]
+) -> int:
     procs = [
-        subprocess.Popen(
+        subprocess.Popen(  # each rank leads its own process group: stopping reaches its children
             command, env=_child_env(rank, nproc, port), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True,
         )
         for rank in range(nproc)
     ]
@@ -145,25 +222,37 @@ def launch(
         threading.Thread(target=_report_exit, args=(rank, p, exits), daemon=True).start()
     for t in pumps:
         t.start()
-    code = 0
-    try:
-        for _ in procs:
-            rank, returncode = exits.get()
-            if returncode != 0:
-                code = _exit_code(returncode)
-                _stop(procs)
-                _drain(pumps)
-                sys.stdout.flush()
-                print(
-                    f"shardwise.launch: process {rank} exited with code {code}; "
-                    f"stopped the others",
-                    file=sys.stderr,
-                )
-                return code
-    except KeyboardInterrupt:
-        _stop(procs)
-        code = 128 + signal.SIGINT
+    deadline = None if timeout is None else time.monotonic() + timeout
+    running = set(range(nproc))
+    while running:
+        if received:
+            signum = received[0]
+            _stop(procs, signum)
+            return _finish(pumps, 128 + signum, f"received {signal.Signals(signum).name}; "
+                           "stopped the processes")
+        if deadline is not None and time.monotonic() >= deadline:
+            _stop(procs)
+            return _finish(pumps, _TIMEOUT_CODE, f"timed out after {timeout:g} s; stopped the "
+                           f"processes still running: {sorted(running)}")
+        try:
+            rank, returncode = exits.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+        running.discard(rank)
+        if returncode != 0:
+            code = _exit_code(returncode)
+            _stop(procs)
+            return _finish(pumps, code, f"process {rank} exited with code {code}; "
+                           "stopped the others")
     _drain(pumps)
+    return 0
+
+
+def _finish(pumps: list[threading.Thread], code: int, message: str) -> int:
+    """Let the processes' last lines out, then say in one line why the run ended."""
+    _drain(pumps)
+    sys.stdout.flush()
+    print(f"shardwise.launch: {message}", file=sys.stderr)
     return code
 
 
@@ -182,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return launch_threads(ns.script, ns.args, nproc=ns.nproc, module=ns.module)
     return launch(
-        ns.script, ns.args, nproc=ns.nproc, master_port=ns.master_port, module=ns.module
+        ns.script, ns.args, nproc=ns.nproc, master_port=ns.master_port, module=ns.module,
+        timeout=ns.timeout,
     )
 
 

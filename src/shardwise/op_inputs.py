@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import settings
+from . import budget, settings
 from .dtensor import DTensor, distribute_tensor
 from .errors import ImplicitRedistributeError, MeshError
 from .mesh import DeviceMesh
@@ -178,7 +178,8 @@ def run_moves(
     """The components of ``dtensors`` after running the plans of ``moves`` ((input index,
     plan, function running it on the components) triples); ``moving``, the (index, plan)
     pairs that communicate, must be allowed."""
-    if moving and not settings.IMPLICIT_REDISTRIBUTE.get() and (
+    budgeted = bool(moving) and bool(settings.COMM_BUDGETS.get())
+    if moving and not budgeted and not settings.IMPLICIT_REDISTRIBUTE.get() and (
         torch._C._current_graph_task_id() == -1
     ):
         lines = []
@@ -196,11 +197,16 @@ def run_moves(
         )
     components = [dt._components for dt in dtensors]
     log_moves = bool(moving) and settings.LOG_REDISTRIBUTE.get()
-    for i, plan, run in moves:
-        dt = dtensors[i]
-        if log_moves and any(s.collective != "local" for s in plan.steps):
-            log.info(
-                "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, _call_site()
-            )
-        components[i] = run(dt._components)
+    scope = budget.planned(
+        str(func), [(f"input {i}", dtensors[i]._spec, p) for i, p in moving]
+    ) if budgeted else contextlib.nullcontext()
+    with scope:  # a comm_budget allows the moves it has room for, checked before any runs
+        for i, plan, run in moves:
+            dt = dtensors[i]
+            if log_moves and any(s.collective != "local" for s in plan.steps):
+                log.info(
+                    "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps,
+                    _call_site()
+                )
+            components[i] = run(dt._components)
     return components

@@ -89,6 +89,30 @@ class InterleavedShard(Shard):
         return f"InterleavedShard(dim={self.dim}, interleaved_size={self.interleaved_size})"
 
 
+@dataclass(frozen=True, repr=False)
+class RaggedShard(Shard):
+    """The tensor dim ``dim`` split in pieces of arbitrary ``sizes`` over the mesh dim (one
+    entry per device along it, in coordinate order, zeros allowed, summing to the size of
+    ``dim`` there), as veScale's RaggedShard: e.g. FSDP shards aligned to whole blocks."""
+
+    sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        sizes = self.sizes
+        if not isinstance(sizes, (list, tuple)) or not sizes or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
+        ):
+            raise InvalidPlacementError(
+                f"RaggedShard(dim={self.dim}) needs sizes as a non-empty tuple of ints >= 0, "
+                f"one per device along the mesh dim, got {sizes!r}"
+            )
+        object.__setattr__(self, "sizes", tuple(sizes))
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(dim={self.dim}, sizes={self.sizes})"
+
+
 @dataclass(frozen=True)
 class Replicate(Placement):
     """Every device of the mesh dim holds the whole tensor."""
@@ -143,4 +167,21 @@ def normalize_placement(placement: Placement, ndim: int) -> Placement:
         return placement
     if isinstance(placement, InterleavedShard):
         return InterleavedShard(dim + ndim, placement.interleaved_size)
+    if isinstance(placement, RaggedShard):
+        return RaggedShard(dim + ndim, placement.sizes)
     return Shard(dim + ndim)
+
+
+def with_dim(p: Shard, dim: int) -> Shard:
+    """A shard of the same kind as ``p`` (plain, interleaved or ragged) on tensor dim ``dim``."""
+    if isinstance(p, InterleavedShard):
+        return InterleavedShard(dim, p.interleaved_size)
+    if isinstance(p, RaggedShard):
+        return RaggedShard(dim, p.sizes)
+    return Shard(dim)
+
+
+def is_special_shard(p: Placement) -> bool:
+    """An InterleavedShard or RaggedShard: a shard whose layout is not ``Shard(dim)``'s, which
+    op rules offer only as an input already has it (``with_dim`` moves it to another dim)."""
+    return isinstance(p, Shard) and type(p) is not Shard

@@ -97,6 +97,11 @@ MOVING: Setting[tuple] = Setting("moving", ())
 MESHES: Setting[tuple] = Setting("meshes", ())
 # The ``CommCounter``s entered in this context (innermost last).
 COMM_COUNTERS: Setting[tuple] = Setting("comm_counters", ())
+# The ``comm_budget`` blocks of this context (outermost first): every collective is charged to
+# each of them.
+COMM_BUDGETS: Setting[tuple] = Setting("comm_budgets", ())
+# The operation whose collectives are being charged to the budgets (``budget.planned``).
+BUDGET_OPERATION: Setting[Any] = Setting("budget_operation", None)
 
 
 class ReplicaThread:

@@ -11,7 +11,7 @@ import torch
 
 from .errors import InvalidPlacementError, MeshError
 from .geometry import Segments, segments_size, shard_segments
-from .placements import InterleavedShard, Placement, normalize_placement
+from .placements import InterleavedShard, Placement, RaggedShard, normalize_placement
 
 if TYPE_CHECKING:  # only named: a spec holds a mesh, it does not build one
     from .mesh import DeviceMesh
@@ -106,9 +106,11 @@ def validate_placements(
     placements: Sequence[Placement],
     *,
     described: str | None = None,
+    sizes: bool = True,
 ) -> tuple[Placement, ...]:
     """Check that ``placements`` fit a tensor of ``shape`` on ``mesh``; return them normalized.
-    ``described`` names the tensor in error messages (default: its shape)."""
+    ``described`` names the tensor in error messages (default: its shape); ``sizes=False``
+    checks the placements without the sizes of ``shape`` (only its rank is known yet)."""
     tensor = described or f"tensor shape {list(shape)}"
     if isinstance(placements, Placement) or not isinstance(placements, (list, tuple)):
         raise InvalidPlacementError(
@@ -125,7 +127,7 @@ def validate_placements(
         if not isinstance(p, Placement):
             raise InvalidPlacementError(
                 f"{p!r} is not a placement; use Shard(dim), Replicate(), Partial(op) or "
-                f"InterleavedShard(dim, size) ({tensor}, {mesh})"
+                f"InterleavedShard(dim, size) or RaggedShard(dim, sizes) ({tensor}, {mesh})"
             )
     try:
         normalized = tuple(normalize_placement(p, len(shape)) for p in placements)
@@ -133,9 +135,12 @@ def validate_placements(
         raise InvalidPlacementError(
             f"{err} ({tensor}, placements {list(placements)}, {mesh})"
         ) from None
-    if any(isinstance(p, InterleavedShard) for p in normalized):
+    if sizes and any(isinstance(p, (InterleavedShard, RaggedShard)) for p in normalized):
         try:
-            for device_id in mesh.local_device_ids or mesh.device_ids[:1]:
+            ragged = any(isinstance(p, RaggedShard) for p in normalized)
+            for device_id in mesh.device_ids if ragged else (
+                mesh.local_device_ids or mesh.device_ids[:1]
+            ):
                 shard_segments(tuple(shape), mesh.shape, normalized, mesh.coordinate_of(device_id))
         except InvalidPlacementError as err:
             raise InvalidPlacementError(

@@ -10,8 +10,9 @@ meshes are registered constants (made before the compiled region, compared with 
 placements, often made inside the region, cross the boundary as tuples of plain values (None,
 which it refuses too, as a marker tuple).
 
-Shardwise's eager machinery (``DTensor.__new__``, ``__torch_dispatch__``, its autograd
-functions' backwards) also runs for real inside a compiled region: in the eager stretches
+Shardwise's eager machinery (``DTensor.__new__``, ``__torch_dispatch__``, the subclass's
+flatten and unflatten, gradient and data-parallel hooks) also runs for real inside a compiled
+region: in the eager stretches
 between graphs (``loss.backward()`` after a graph break, a frame dynamo gave up on) and when AOT
 autograd's runtime rebuilds DTensors from a graph's outputs. ``eager_under_dynamo`` marks such
 code so that dynamo runs it, and everything it calls, as it is, instead of tracing it frame by
@@ -29,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
 
 from .mesh import DeviceMesh
-from .placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,6 +43,8 @@ def encode_placement(p: Placement) -> tuple:
     """``p`` as a tuple of plain values (``decode_placement`` inverts it)."""
     if isinstance(p, InterleavedShard):
         return (_MARK, "I", p.dim, p.interleaved_size)
+    if isinstance(p, RaggedShard):
+        return (_MARK, "G", p.dim, tuple(p.sizes))
     if isinstance(p, Shard):
         return (_MARK, "S", p.dim)
     if isinstance(p, Partial):
@@ -49,12 +52,12 @@ def encode_placement(p: Placement) -> tuple:
     return (_MARK, "R")
 
 
-_NONE = (_MARK, "None")  # nonstrict_trace takes no None argument
+_NONE = (_MARK, "None")  # dynamo refuses None as an input of a nonstrict_trace call
 
 
 def _encode(value: Any) -> Any:
-    """A placement, or a non-empty sequence of placements, as a tuple of plain values (and
-    None as a marker tuple)."""
+    """A placement, or a non-empty sequence of placements, as a tuple of plain values (None
+    as a marker tuple too)."""
     if value is None:
         return _NONE
     if isinstance(value, Placement):
@@ -77,6 +80,8 @@ def decode_placement(code: tuple | list) -> Placement:
     kind = code[1]
     if kind == "I":
         return InterleavedShard(code[2], code[3])
+    if kind == "G":
+        return RaggedShard(code[2], tuple(code[3]))
     if kind == "S":
         return Shard(code[2])
     if kind == "P":

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from .. import settings
+from .. import budget, settings
+from .safety import current_description
 
 
 def all_gather_received(piece_bytes: Sequence[int], index: int) -> int:
@@ -111,10 +113,17 @@ def record(
     *,
     cross_process_bytes: int = 0,
     meta_bytes: int = 0,
+    mesh: Any = None,
 ) -> None:
-    """Report one collective to every active ``CommCounter``."""
+    """Report one collective to every active ``CommCounter`` and charge it to every active
+    ``comm_budget`` (``mesh``, the collective's, names its dims for per-dim limits)."""
     counters = settings.COMM_COUNTERS.get()
     if counters:
         entry = CommRecord(kind, mesh_dim, nbytes, label, cross_process_bytes, meta_bytes)
         for counter in counters:
             counter.add(entry)
+    budgets = settings.COMM_BUDGETS.get()
+    if budgets:
+        budget.charge(
+            budgets, kind, mesh, mesh_dim, nbytes, cross_process_bytes, current_description
+        )

@@ -69,9 +69,12 @@ def _across(
     return traffic
 
 
-def _record(kind: str, mesh_dim: int, received: int, traffic: distributed.Traffic) -> None:
+def _record(
+    kind: str, mesh_dim: int, received: int, traffic: distributed.Traffic, mesh: DeviceMesh
+) -> None:
     accounting.record(
-        kind, mesh_dim, received, cross_process_bytes=traffic.payload, meta_bytes=traffic.meta
+        kind, mesh_dim, received, cross_process_bytes=traffic.payload, meta_bytes=traffic.meta,
+        mesh=mesh,
     )
 
 
@@ -117,7 +120,7 @@ def all_reduce(
         for k, i in enumerate(indices)
         if i is not None
     )
-    _record("all_reduce", mesh_dim, received, traffic)
+    _record("all_reduce", mesh_dim, received, traffic, mesh)
     return out
 
 
@@ -133,7 +136,7 @@ def all_gather(
             out[i] = [_to(p, mesh, members[k]) for p in pieces]
     traffic = _across(out, "all_gather", mesh, mesh_dim, across, components)
     received = _per_piece_received(inside + across, out, accounting.all_gather_received)
-    _record("all_gather", mesh_dim, received, traffic)
+    _record("all_gather", mesh_dim, received, traffic, mesh)
     return out
 
 
@@ -156,7 +159,7 @@ def all_gather_tensor(
         for i in indices
         if i is not None
     )
-    _record("all_gather", mesh_dim, received, traffic)
+    _record("all_gather", mesh_dim, received, traffic, mesh)
     return out
 
 
@@ -177,7 +180,7 @@ def reduce_scatter(
             out[i] = _to(reduce_terms([pieces[j][k] for j in indices], op), mesh, members[k])
     traffic = _across(out, "reduce_scatter", mesh, mesh_dim, across, pieces, op)
     received = _per_piece_received(inside + across, pieces, accounting.reduce_scatter_received)
-    _record("reduce_scatter", mesh_dim, received, traffic)
+    _record("reduce_scatter", mesh_dim, received, traffic, mesh)
     return out
 
 
@@ -198,7 +201,7 @@ def all_to_all(
         for k, i in enumerate(indices)
         if i is not None
     )
-    _record("all_to_all", mesh_dim, received, traffic)
+    _record("all_to_all", mesh_dim, received, traffic, mesh)
     return out
 
 
@@ -219,7 +222,7 @@ def broadcast(
         for k, i in enumerate(indices)
         if i is not None
     )
-    _record("broadcast", mesh_dim, received, traffic)
+    _record("broadcast", mesh_dim, received, traffic, mesh)
     return out
 
 
@@ -239,7 +242,7 @@ def scatter_from(
     with one_thread(f"scatter from process {src} over {mesh}"):
         pieces, traffic = distributed.scatter(mesh, src, piece, local_shapes, sample)
     received = 0 if runtime.rank_and_world()[0] == src else sum(_nbytes(p) for p in pieces)
-    _record("scatter", -1, received, traffic)
+    _record("scatter", -1, received, traffic, mesh)
     return [_to(p, mesh, d) for p, d in zip(pieces, local, strict=True)]
 
 
@@ -289,5 +292,5 @@ def exchange(
                 row.append(remote[(i, n)])
             received += _nbytes(row[-1])
         out.append(row)
-    _record("exchange", mesh_dims, received, traffic)
+    _record("exchange", mesh_dims, received, traffic, mesh)
     return out

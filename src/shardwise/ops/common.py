@@ -23,7 +23,15 @@ from ..errors import InvalidPlacementError, MeshError
 from ..geometry import shard_segments
 from ..mesh import DeviceMesh
 from ..op_inputs import implicitly_replicated, redistribute_inputs
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from ..placements import (
+    InterleavedShard,
+    Partial,
+    Placement,
+    RaggedShard,
+    Replicate,
+    Shard,
+    with_dim,
+)
 from ..spec import DTensorSpec, TensorMeta, contiguous_meta, make_tensor_meta
 from .registry import OpSchema, OpStrategy, PlacementStrategy
 
@@ -80,8 +88,6 @@ def product_strategy(
     per_dim = [options(m) if callable(options) else options for m in range(mesh.ndim)]
     found, seen = [], set()
     for combo in itertools.product(*per_dim):
-        if valid is not None and not valid(combo):
-            continue
         ins = tuple(tuple(c[0][i] for c in combo) for i in range(len(combo[0][0])))
         outs = tuple(tuple(c[1][j] for c in combo) for j in range(len(combo[0][1])))
         if (ins, outs) in seen:
@@ -90,6 +96,8 @@ def product_strategy(
         if shapes is not None and not all(
             fits(s, mesh, p) for s, p in zip(shapes, ins, strict=False)
         ):
+            continue
+        if valid is not None and not valid(combo):
             continue
         if multi:
             outs_or_none = [None if any(p is None for p in o) else o for o in outs]
@@ -215,10 +223,8 @@ def aligned(a: Sequence[Placement], b: Sequence[Placement], dims: Sequence[int])
 
 
 def same_kind(p: Shard, dim: int) -> Shard:
-    """A shard of the same kind as ``p`` (plain or interleaved) on tensor dim ``dim``."""
-    if isinstance(p, InterleavedShard):
-        return InterleavedShard(dim, p.interleaved_size)
-    return Shard(dim)
+    """A shard of the same kind as ``p`` (plain, interleaved or ragged) on tensor dim ``dim``."""
+    return with_dim(p, dim)
 
 
 def shard_like(current: Sequence[Placement], dim: int) -> Shard:
@@ -236,7 +242,7 @@ def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, ...]]:
 
 def fits(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> bool:
     """True when ``placements`` can place a tensor of ``shape`` (interleaves divide sizes)."""
-    if not any(isinstance(p, InterleavedShard) for p in placements):
+    if not any(isinstance(p, (InterleavedShard, RaggedShard)) for p in placements):
         return True
     try:
         for coord in mesh_coords(mesh):

@@ -46,7 +46,7 @@ from ..dtensor import DTensor
 from ..errors import ImplicitRedistributeError, InvalidArgumentError
 from ..geometry import extract_local
 from ..mesh import DeviceMesh
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard, with_dim
 from ..spec import DTensorSpec, contiguous_meta, make_tensor_meta
 from .common import (
     DimOption,
@@ -442,7 +442,7 @@ def searchsorted_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
                 options.append(((rep, shard) + (rep,) * (n_in - 2), (shard,)))
             elif seq.shape[d] == values.shape[d]:
                 options.append(((Shard(d),) * n_in, (Shard(d),)))
-    return product_strategy(mesh, options)
+    return product_strategy(mesh, options, shapes=[s.shape for s in ins])
 
 
 # ----- cdist -------------------------------------------------------------------------------------
@@ -464,13 +464,14 @@ def cdist_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     x1, x2 = input_strategies(schema)
     rep = Replicate()
     n = max(x1.ndim, x2.ndim)
+    rows = shard_like(x1.output_spec.placements, x1.ndim - 2)  # interleaved/ragged kept
     options: list[DimOption] = [
         ((rep, rep), (rep,)),
-        ((shard_like(x1.output_spec.placements, x1.ndim - 2), rep), (Shard(n - 2),)),
+        ((rows, rep), (with_dim(rows, n - 2),)),
         ((rep, Shard(x2.ndim - 2)), (Shard(n - 1),)),
     ]
     options += [((Shard(d), Shard(d)), (Shard(d),)) for d in _batch_dims(x1, x2)]
-    return product_strategy(mesh, options)
+    return product_strategy(mesh, options, shapes=[x1.shape, x2.shape])
 
 
 @register_op_strategy(aten._cdist_backward.default, schema_info=RuntimeSchemaInfo(3))
@@ -512,7 +513,8 @@ def embedding_bag_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     others = (rep,) * (len(ins) - 1)
     options: list[DimOption] = [((rep,) + others, (rep,) * 4)]
     split = shard_like(ins[0].output_spec.placements, 1)
-    options.append(((split,) + others, (Shard(1), rep, rep, Shard(1) if mode == 2 else rep)))
+    out = with_dim(split, 1)  # the output's embedding dim is laid out as the weight's
+    options.append(((split,) + others, (out, rep, rep, out if mode == 2 else rep)))
     if mode in (0, 1):
         for op in ("sum", "avg"):
             options.append(((Partial(op),) + others, (Partial(op), rep, rep, rep)))
@@ -520,7 +522,9 @@ def embedding_bag_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     def valid(combo: tuple[DimOption, ...]) -> bool:
         return no_empty_shard(mesh, ins[0].shape, [c[0][0] for c in combo], [1])
 
-    return product_strategy(mesh, options, multi=True, valid=valid)
+    return product_strategy(
+        mesh, options, multi=True, valid=valid, shapes=[s.shape for s in ins]
+    )
 
 
 @register_op_strategy(aten._embedding_bag_backward.default, schema_info=RuntimeSchemaInfo(6))

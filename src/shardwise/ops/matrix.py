@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard, is_special_shard, with_dim
 from ..spec import DTensorSpec
 from .common import DimOption, input_strategies, product_strategy, same_kind
 from .registry import OpSchema, OpStrategy, RuntimeSchemaInfo, register_op_strategy
@@ -38,14 +38,11 @@ BIASED = {
 }
 LINEAR_PARTIALS = ("sum", "avg")
 
-def _shard_kinds(current: Sequence[Placement]) -> list[int]:
-    """Interleave sizes to try on a mesh dim: 1 (plain Shard) and any the operands carry."""
-    sizes = {p.interleaved_size for p in current if isinstance(p, InterleavedShard)}
-    return [1, *sorted(sizes)]
-
-
-def _make(dim: int, k: int) -> Shard:
-    return Shard(dim) if k == 1 else InterleavedShard(dim, k)
+def _shard_kinds(current: Sequence[Placement]) -> list[Shard]:
+    """Shard kinds to try on a mesh dim: plain Shard, and the interleaved or ragged shards the
+    operands carry (moved to each operand's dim of the label by ``with_dim``; the shapes
+    check drops those that do not fit)."""
+    return [Shard(0), *dict.fromkeys(p for p in current if is_special_shard(p))]
 
 
 def mesh_dim_choices(
@@ -56,8 +53,8 @@ def mesh_dim_choices(
     choices = [((rep,) * len(labels), rep)]
     for letter in dict.fromkeys("".join(labels)):
         for k in _shard_kinds(current):
-            ins = tuple(_make(lbl.index(letter), k) if letter in lbl else rep for lbl in labels)
-            result = _make(out.index(letter), k) if letter in out else Partial("sum")
+            ins = tuple(with_dim(k, lbl.index(letter)) if letter in lbl else rep for lbl in labels)
+            result = with_dim(k, out.index(letter)) if letter in out else Partial("sum")
             choices.append((ins, result))
     for op in LINEAR_PARTIALS:
         if any(isinstance(p, Partial) and p.reduce_op == op for p in current):

@@ -61,6 +61,12 @@ def _pad_options(
     return options
 
 
+def _shapes(schema: OpSchema) -> list:
+    """The DTensor inputs' shapes: an input's interleaved or ragged shard offered on every
+    mesh dim fits only some of them (``product_strategy`` drops the others)."""
+    return [s.shape for s in input_strategies(schema)]
+
+
 def _kernel_accepts(
     mesh: DeviceMesh, schema: OpSchema, n_padded: int
 ) -> Callable[[tuple[DimOption, ...]], bool]:
@@ -81,7 +87,9 @@ def pad_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """Reflect/replicate padding copies values within the padded dims."""
     n = PADDED_DIMS[schema.op]
     options = _pad_options(schema, n, ALL_REDUCE_OPS, 1)
-    return product_strategy(mesh, options, valid=_kernel_accepts(mesh, schema, n))
+    return product_strategy(
+        mesh, options, valid=_kernel_accepts(mesh, schema, n), shapes=_shapes(schema)
+    )
 
 
 @register_op_strategy(list(BACKWARD_PADDED_DIMS), schema_info=RuntimeSchemaInfo(2))
@@ -90,7 +98,9 @@ def pad_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     (``self`` only gives the shape, so it follows grad's shards)."""
     n = BACKWARD_PADDED_DIMS[schema.op]
     options = _pad_options(schema, n, ("sum", "avg"), 2)
-    return product_strategy(mesh, options, valid=_kernel_accepts(mesh, schema, n))
+    return product_strategy(
+        mesh, options, valid=_kernel_accepts(mesh, schema, n), shapes=_shapes(schema)
+    )
 
 
 @register_op_strategy(aten.constant_pad_nd.default, schema_info=RuntimeSchemaInfo(1))
@@ -100,7 +110,9 @@ def constant_pad_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     value = schema.args_schema[2] if len(schema.args_schema) > 2 else 0
     value = schema.kwargs_schema.get("value", value)
     ops = ALL_REDUCE_OPS if value == 0 else ("avg", "max", "min")
-    return product_strategy(mesh, _pad_options(schema, len(pad) // 2, ops, 1))
+    return product_strategy(
+        mesh, _pad_options(schema, len(pad) // 2, ops, 1), shapes=_shapes(schema)
+    )
 
 
 def _channel_split_aligns(channels: int, block: int, n: int) -> bool:

@@ -2,7 +2,8 @@
 ``masked_fill``, their in-place variants and the ``*_backward`` ops autograd emits for them.
 
 One generic strategy (``pointwise_strategy``) lists, per mesh dim, every way an elementwise op
-can run without communication: all Replicate; Shard (or InterleavedShard) of an output dim,
+can run without communication: all Replicate; Shard (or the inputs' InterleavedShard or
+RaggedShard: equal sizes stay sharded, others move) of an output dim,
 with every input that has that dim at full size sharded alike and the broadcast ones
 replicated; and the Partial placements the op passes through. Partial passes through an op
 when the op is linear in a group of its arguments (``add``, ``mul`` by a replicated factor,
@@ -21,7 +22,14 @@ from typing import Any
 import torch
 
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from ..placements import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    is_special_shard,
+    with_dim,
+)
 from .common import DimOption, is_inplace, keep_self_inplace, product_strategy
 from .registry import (
     OpSchema,
@@ -136,13 +144,14 @@ def _partial_options(
 def _shard_options(
     out_shape: Sequence[int],
     shapes: list[torch.Size],
-    interleaved: Iterable[InterleavedShard],
+    special: Iterable[Shard],
 ) -> list[DimOption]:
     """Per-mesh-dim options sharding one output dim: inputs with that dim at full size are
-    sharded alike, broadcast ones replicated; at least one input must be sharded."""
+    sharded alike (plain, or the interleaved/ragged kinds in ``special``), broadcast ones
+    replicated; at least one input must be sharded."""
     rank = len(out_shape)
     kinds: list[Shard] = [Shard(d) for d in range(rank)]
-    kinds += [p for p in interleaved if p not in kinds]
+    kinds += [p for p in special if p not in kinds]
     options: list[DimOption] = []
     for kind in kinds:
         d = kind.dim
@@ -150,11 +159,7 @@ def _shard_options(
         for shape in shapes:
             offset = rank - len(shape)
             if d >= offset and shape[d - offset] == out_shape[d]:
-                local = d - offset
-                ins.append(
-                    InterleavedShard(local, kind.interleaved_size)
-                    if isinstance(kind, InterleavedShard) else Shard(local)
-                )
+                ins.append(with_dim(kind, d - offset))
             else:
                 ins.append(Replicate())
         if any(isinstance(p, Shard) for p in ins):
@@ -162,16 +167,20 @@ def _shard_options(
     return options
 
 
-def _interleaved_in_output(
-    shapes: list[torch.Size], placements: list[tuple[Placement, ...]], rank: int
-) -> list[InterleavedShard]:
-    """The InterleavedShard placements of the inputs, moved to output dims."""
-    found: list[InterleavedShard] = []
+def _special_in_output(
+    shapes: list[torch.Size],
+    placements: list[tuple[Placement, ...]],
+    out_shape: Sequence[int],
+) -> list[Shard]:
+    """The InterleavedShard and RaggedShard placements of the inputs that shard a dim at the
+    output's full size, moved to output dims."""
+    rank = len(out_shape)
+    found: list[Shard] = []
     for shape, ps in zip(shapes, placements, strict=True):
         for p in ps:
-            if isinstance(p, InterleavedShard):
-                q = InterleavedShard(p.dim + rank - len(shape), p.interleaved_size)
-                if q not in found:
+            if is_special_shard(p):
+                q = with_dim(p, p.dim + rank - len(shape))
+                if shape[p.dim] == out_shape[q.dim] and q not in found:
                     found.append(q)
     return found
 
@@ -191,11 +200,10 @@ def pointwise_strategy(
     out_shape = list(shapes[0] if inplace else torch.broadcast_shapes(
         *shapes, *_plain_shapes(schema)
     ))
-    rank = len(out_shape)
     options: list[DimOption] = [(tuple(Replicate() for _ in args), (Replicate(),))]
-    options += _shard_options(out_shape, shapes, _interleaved_in_output(shapes, current, rank))
+    options += _shard_options(out_shape, shapes, _special_in_output(shapes, current, out_shape))
     options += _partial_options(schema, positions, linear)
-    return keep_self_inplace(schema, product_strategy(mesh, options))
+    return keep_self_inplace(schema, product_strategy(mesh, options, shapes=shapes))
 
 
 # ----- registration ----------------------------------------------------------------------------

@@ -29,13 +29,14 @@ from ..comm.reduction import cast_keeps_partial
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import (
-    InterleavedShard,
     Partial,
     Placement,
     Replicate,
     Shard,
+    is_special_shard,
     norm_order,
     norm_partial,
+    with_dim,
 )
 from ..redistribute import execute_plan, plan_redistribute
 from ..spec import DTensorSpec
@@ -90,9 +91,7 @@ def reduced_dims(dim: Any, ndim: int) -> list[int]:
 
 def _moved(p: Placement, dim_map: dict[int, int]) -> Placement:
     """A Shard placement on an input dim, moved to the output dim ``dim_map`` gives."""
-    if isinstance(p, InterleavedShard):
-        return InterleavedShard(dim_map[p.dim], p.interleaved_size)
-    return Shard(dim_map[p.dim])
+    return with_dim(p, dim_map[p.dim])
 
 
 def reduction_strategy(
@@ -111,7 +110,7 @@ def reduction_strategy(
     dim_map = {d: d if keepdim else kept.index(d) for d in kept}
     pairs: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
     shards: list[Shard] = [Shard(d) for d in range(ndim)]
-    shards += [p for p in current if isinstance(p, InterleavedShard) and p not in shards]
+    shards += [p for p in current if is_special_shard(p) and p not in shards]
     for p in shards:
         if p.dim in dim_map:
             pairs.append((p, _moved(p, dim_map)))
@@ -140,7 +139,10 @@ def reduction_strategy(
 
     needs_rows = kind.over_shard in ("max", "min", "norminf")  # no identity for empty pieces
     checked = needs_rows or kind.uneven is not None
-    return product_strategy(mesh, options, multi=kind.outputs > 1, valid=valid if checked else None)
+    return product_strategy(
+        mesh, options, multi=kind.outputs > 1, valid=valid if checked else None,
+        shapes=[spec.shape],
+    )
 
 
 def _evenly_reduced(
@@ -225,7 +227,7 @@ def _scan_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     current = source.output_spec.placements
     kept: list[Placement] = [Replicate()]
     kept += [Shard(d) for d in range(ndim) if d != dim]
-    kept += [p for p in current if isinstance(p, InterleavedShard) and p.dim != dim]
+    kept += [p for p in current if is_special_shard(p) and p.dim != dim]
     linear = schema.op in (aten.cumsum.default, aten.cumsum_.default)
     if linear:
         dtype = schema.kwargs_schema.get("dtype") or (
@@ -234,7 +236,7 @@ def _scan_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         kept += [Partial(op) for op in keeps]
     outputs = len(schema.op._schema.returns)
     options: list[DimOption] = [((p,), (p,) * outputs) for p in kept]
-    return product_strategy(mesh, options, multi=outputs > 1)
+    return product_strategy(mesh, options, multi=outputs > 1, shapes=[source.output_spec.shape])
 
 
 # ----- mean: Partial("avg") of local means ----------------------------------------------------

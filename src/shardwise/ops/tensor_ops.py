@@ -12,7 +12,7 @@ from ..comm.reduction import cast_keeps_partial
 from ..errors import InvalidArgumentError
 from ..factories import keeps_value
 from ..mesh import DeviceMesh
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard, with_dim
 from ..spec import DTensorSpec, TensorMeta, contiguous_meta
 from .common import (
     bind,
@@ -201,7 +201,7 @@ def _broadcast_placement(p: Placement, self_shape: Sequence[int], src_shape: Seq
     d = p.dim - (len(self_shape) - len(src_shape))
     if d < 0 or src_shape[d] == 1:
         return Replicate()
-    return Shard(d) if type(p) is Shard else type(p)(d, p.interleaved_size)
+    return with_dim(p, d)
 
 
 @register_op_strategy(aten.copy_.default, schema_info=RuntimeSchemaInfo(2))

@@ -19,7 +19,15 @@ import torch
 from ..errors import InvalidArgumentError, InvalidPlacementError
 from ..geometry import Segments, shard_segments
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
+from ..placements import (
+    InterleavedShard,
+    Partial,
+    Placement,
+    RaggedShard,
+    Replicate,
+    Shard,
+    is_special_shard,
+)
 from ..spec import DTensorSpec
 from .common import (
     DimOption,
@@ -50,14 +58,14 @@ def _norm(dim: int, ndim: int) -> int:
 
 def _options(current: Placement, dim_map: DimMap, n_outputs: int = 1) -> list[DimOption]:
     """Per-mesh-dim choices of a unary data-movement op: Partial passes through; otherwise
-    Replicate, or a shard of any mapped dim (interleaved kept when the input has one).
+    Replicate, or a shard of any mapped dim (interleaved or ragged kept when the input has one).
     ``n_outputs``: a list-returning op whose outputs all take the same placement."""
     if isinstance(current, Partial):
         pairs: list[tuple[Placement, Placement]] = [(current, current)]
     else:
         pairs = [(Replicate(), Replicate())]
         pairs += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
-        if isinstance(current, InterleavedShard) and current.dim in dim_map:
+        if is_special_shard(current) and current.dim in dim_map:
             pairs.append((current, same_kind(current, dim_map[current.dim])))
     return [((p,), (q,) * n_outputs) for p, q in pairs]
 
@@ -192,7 +200,8 @@ def _view_options(
 ) -> list[DimOption]:
     """Candidate choices for one mesh dim of a view (checked by ``view_is_local`` later): a
     shard of any input dim onto any output dim of its group, an interleaved input onto the
-    inner dim of a [k, n] split, and a shard of an inner dim onto an interleaved merge."""
+    inner dim of a [k, n] split, a shard of an inner dim onto an interleaved merge, and a
+    ragged input onto the dims of its group (``_ragged_view_options``)."""
     if isinstance(current, Partial):
         return [((current,), (current,))]
     options: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
@@ -208,7 +217,26 @@ def _view_options(
             options += [(current, InterleavedShard(e, k)) for e in go]
             options += [(current, Shard(go[pos])) for pos in range(1, len(go))
                         if prod(out_shape[e] for e in go[:pos]) == k]
+        if isinstance(current, RaggedShard) and current.dim in gi:
+            options += _ragged_view_options(current, in_shape, out_shape, gi, go)
     return [((p,), (q,)) for p, q in options]
+
+
+def _ragged_view_options(
+    current: RaggedShard, in_shape: Sequence[int], out_shape: Sequence[int],
+    gi: list[int], go: list[int],
+) -> list[tuple[Placement, Placement]]:
+    """A ragged input dim onto each output dim of its view group, its sizes scaled by the
+    ratio of the elements after the two dims (a merge into an outer dim multiplies them, a
+    split off an outer dim divides them); ``view_is_local`` keeps those that are local."""
+    inner = prod(in_shape[d] for d in gi[gi.index(current.dim) + 1:])
+    options: list[tuple[Placement, Placement]] = []
+    for pos, e in enumerate(go):
+        after = prod(out_shape[f] for f in go[pos + 1:])
+        sizes = [s * inner for s in current.sizes]
+        if after and all(s % after == 0 for s in sizes):
+            options.append((current, RaggedShard(e, tuple(s // after for s in sizes))))
+    return options
 
 
 @register_op_strategy(

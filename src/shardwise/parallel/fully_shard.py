@@ -22,7 +22,7 @@ from torch import nn
 from ..deferred_init import materialize_if_root
 from ..errors import DataParallelError
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Placement, Shard
+from ..placements import InterleavedShard, Placement, RaggedShard, Shard
 from .data_parallel import (
     MANAGED,
     DataParallelMeshDims,
@@ -139,7 +139,9 @@ def fully_shard(
     2-D DTensors on the root's sub-mesh over both); or, with ``dp_mesh_dims``, the full mesh
     the parameters live on. Default: one dim over every process. ``reshard_after_forward``:
     None frees gathered parameters after forward except in the outermost module.
-    ``shard_placement_fn(param)`` may return a ``Shard(dim)`` to shard on instead of dim 0.
+    ``shard_placement_fn(param)`` may return a ``Shard(dim)`` to shard on instead of dim 0,
+    or a ``RaggedShard(dim, sizes)`` (one size per data-parallel device) to align the shards
+    to blocks.
     A list of modules is one group (FSDP2's ``fully_shard([a, b])``). Returns the module(s),
     now instances of ``FSDPModule``; build the optimizer after.
     """
@@ -213,6 +215,32 @@ def _storage(
     for p, size in zip(compute[d + 1:], mesh.shape[d + 1:], strict=True):
         if type(p) is Shard and p.dim == dim:
             inner *= size
+    if isinstance(shard, RaggedShard):
+        return _ragged_storage(param, compute, mesh, d, RaggedShard(dim, shard.sizes), name)
     if inner > 1 and param.shape[dim] % inner == 0:
         return InterleavedShard(dim, interleaved_size=inner)
     return Shard(dim)
+
+
+def _ragged_storage(
+    param: Any, compute: list[Placement], mesh: DeviceMesh, d: int, shard: RaggedShard,
+    name: str,
+) -> RaggedShard:
+    """A ``RaggedShard`` from ``shard_placement_fn`` (shards aligned to blocks, as veScale):
+    one size per device of the data-parallel mesh dim, summing to the parameter's dim, which
+    no other mesh dim may shard."""
+    where = (
+        f"fully_shard: shard_placement_fn returned {shard!r} for parameter {name!r} of shape "
+        f"{list(param.shape)} on {mesh} (data-parallel mesh dim {d} of size {mesh.shape[d]})"
+    )
+    if any(isinstance(p, Shard) and p.dim == shard.dim for p in compute):
+        raise DataParallelError(
+            f"{where}: tensor parallelism shards dim {shard.dim} too; a ragged data-parallel "
+            f"shard needs a dim no other mesh dim shards"
+        )
+    if len(shard.sizes) != mesh.shape[d] or sum(shard.sizes) != param.shape[shard.dim]:
+        raise DataParallelError(
+            f"{where}: its sizes need one entry per device of that mesh dim summing to "
+            f"{param.shape[shard.dim]}"
+        )
+    return shard

@@ -26,7 +26,7 @@ from .. import comm, settings
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import InvalidArgumentError, InvalidPlacementError, MeshError, UnsupportedOpError
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Placement, Replicate, Shard
+from ..placements import Placement, Replicate, Shard, is_special_shard
 from ..plain_tensors import plain_is_local
 from ..spec import DTensorSpec, contiguous_meta
 from .boundary import to_layout
@@ -109,7 +109,7 @@ def _row_placements(logits: DTensor) -> tuple[Placement, ...]:
     cd = _class_dim(logits)
     out: list[Placement] = []
     for p in logits.placements:
-        if isinstance(p, InterleavedShard) or p.is_partial():
+        if is_special_shard(p) or p.is_partial():
             raise InvalidPlacementError(
                 f"loss_parallel needs logits sharded on plain dims (Shard/Replicate), got "
                 f"{logits}; redistribute them first"

@@ -2,20 +2,25 @@
 run them (``run``, with the point to point ``exchange``; ``traced`` while torch.compile traces).
 
 Every module here imports only from the modules before it in this order, and from the layers
-above (``geometry``, ``spec``, ``comm``): exchange, plan, run, traced.
+above (``geometry``, ``spec``, ``comm``): exchange, plan, run, traced. ``cross_mesh`` (a move
+between two meshes) imports ``exchange`` only.
 """
 
 from ..geometry import lower_bound_bytes
+from .cross_mesh import CrossMeshPlan, cross_mesh_lower_bound_bytes, plan_cross_mesh
 from .plan import RedistributePlan, Step, plan_redistribute
 from .run import run_plan
 from .traced import compile_plan, execute_plan
 
 __all__ = [
+    "CrossMeshPlan",
     "RedistributePlan",
     "Step",
     "compile_plan",
+    "cross_mesh_lower_bound_bytes",
     "execute_plan",
     "lower_bound_bytes",
+    "plan_cross_mesh",
     "plan_redistribute",
     "run_plan",
 ]

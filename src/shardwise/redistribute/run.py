@@ -36,7 +36,7 @@ def _split(t: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
     (``torch.chunk`` geometry as one ``tensor_split``, half the cost of a narrow per piece)."""
     dim = placement.dim
     length = t.shape[dim]
-    if not isinstance(placement, InterleavedShard):
+    if type(placement) is Shard:
         return list(t.tensor_split([chunk_bounds(length, n, k)[1] for k in range(n - 1)], dim))
     return [_piece(t, dim, runs) for runs in _split_runs(length, placement, n)]
 
