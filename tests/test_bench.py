@@ -86,7 +86,12 @@ def _fake_results() -> dict:
                 "heads": 4, "models": {"mlp": {
                     "shardwise": {**kind, "step_ms": 12.0}, "hand": kind, "torch_dt": kind,
                     "ratio_step_vs_hand": 1.2, "ratio_step_vs_torch_dt": 1.2,
-                    "ratio_fwd_bwd_vs_hand": 1.0, "ratio_fwd_bwd_vs_torch_dt": 1.0}}}
+                    "ratio_fwd_bwd_vs_hand": 1.0, "ratio_fwd_bwd_vs_torch_dt": 1.0,
+                    "full": {"shardwise": {**kind, "step_ms": 9.0, "recompiles": 0},
+                             "hand": {**kind, "recompiles": 0},
+                             "torch_dt": {**kind, "recompiles": 1},
+                             "ratio_step_vs_hand": 0.9, "ratio_step_vs_torch_dt": 0.9}}},
+                "load_avg": [5.0, 6.0, 7.0]}
     ok = {"seconds": 1.0, "returncode": 0}
     return {
         "date": "2026-01-01 00:00 UTC", "quick": False, "seconds": 100.0,
@@ -146,6 +151,11 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
     # the compiled step is 12 / 10 = 1.2x hand-written: a gap, with its reason
     assert status["Compiled TP step within 1.1x of hand-written"] == "gap"
     assert "worst step 1.20x" in text
+    # the whole step compiled, optimizer included: 9 / 10, no recompiles of shardwise's
+    assert status["Compiled whole step (optimizer included) <= compiled hand-written, "
+                  "no recompiles"] == "met"
+    assert "| mlp | 9.00 | 10.00 | 10.00 | 0.90 | 0.90 | 0 / 0 / 1 |" in text
+    assert "Load average during the run: 5.0, 6.0, 7.0" in text
     groups = run_all.ratios(results)
     assert math.isclose(dict(groups["dispatch (warm, 1 device)"])["add"], 0.75)
     assert dict(groups["TP training, 2 procs"])["mlp time"] == pytest.approx(10 / 12)

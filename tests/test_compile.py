@@ -5,7 +5,9 @@ dynamo and AOT autograd trace dispatch's local ops and in-process collectives in
 from __future__ import annotations
 
 import copy
+import functools
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,7 @@ import shardwise as sw
 from mp_harness import run_in_processes
 from shardwise import Replicate, Shard
 from shardwise import parallel as tp
+from shardwise.parallel import replicate
 
 
 def _mlp_loss(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -227,3 +230,120 @@ def test_plan_op_replans_from_its_key_alone() -> None:
     with mode:
         fake = torch.ops.shardwise.execute_plan(fakes, key)
     assert [list(f.shape) for f in fake] == [[7, 2], [7, 2], [7, 1]]
+
+
+# ----- the whole training step compiled, optimizer included ------------------------------------
+
+_OPTIMIZERS = {
+    "Adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, foreach=True),
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "AdamW-fused": lambda params: torch.optim.AdamW(params, lr=0.01, amsgrad=True, fused=True),
+}
+
+
+def _parallelize(module: nn.Module, layout: str) -> nn.Module:
+    """Tensor parallel on a (2,) mesh, or FSDP x TP (DDP x TP) on a ("dp", "tp") (2, 2) mesh."""
+    plan = {"up": tp.ColwiseParallel(), "down": tp.RowwiseParallel()}
+    if layout == "tp":
+        return tp.parallelize_module(module, sw.init_device_mesh("cpu", (2,)), plan)
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp.parallelize_module(module, mesh, plan, tp_mesh_dim=1)
+    if layout == "ddp_tp":
+        return replicate(module, mesh["dp"])
+    tp.fully_shard(module.up, mesh=mesh["dp"])
+    return tp.fully_shard(module, mesh=mesh["dp"])
+
+
+def _break_kinds() -> set[str]:
+    """What dynamo graph-broke on so far (the first line of each reason)."""
+    return {reason.split("\n")[0] for reason in torch._dynamo.utils.counters["graph_break"]}
+
+
+def _full_step_run(layout: str | None, optimizer: str, compiled: bool, inputs: list) -> dict:
+    """Train with ``step`` = zero_grad, forward, loss, backward, optimizer step, compiled as one
+    function (aot_eager) or eager; ``layout`` None: the unsharded model on one device."""
+    torch.manual_seed(0)
+    module = _MLP(8)
+    if layout is not None:
+        module = _parallelize(module, layout)
+    opt = _OPTIMIZERS[optimizer](module.parameters())
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = _plain(module(x)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    counters = torch._dynamo.utils.counters
+    if compiled:
+        torch._dynamo.reset()
+        counters.clear()
+        step = torch.compile(step, backend="aot_eager")
+    losses, graphs = [], []
+    for x in inputs:
+        losses.append(step(x))
+        graphs.append((counters["stats"]["unique_graphs"], counters["frames"]["total"]))
+    params = [_plain(p).detach().clone() for p in module.parameters()]
+    return {"losses": torch.stack(losses), "params": params, "graphs": graphs,
+            "breaks": _break_kinds() if compiled else set()}
+
+
+def _inputs_of_steps() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(6, 8, generator=g) for _ in range(3)]
+
+
+@functools.cache
+def _unsharded_runs(optimizer: str) -> tuple[dict, dict]:
+    """The unsharded model's eager and compiled runs (shared by the layouts)."""
+    inputs = _inputs_of_steps()
+    return (_full_step_run(None, optimizer, False, inputs),
+            _full_step_run(None, optimizer, True, inputs))
+
+
+def _check_full_step(layout: str, optimizer: str) -> list[float]:
+    single, single_compiled = _unsharded_runs(optimizer)
+    inputs = _inputs_of_steps()
+    compiled = _full_step_run(layout, optimizer, True, inputs)
+    eager = _full_step_run(layout, optimizer, False, inputs)
+    for other in (eager, single, single_compiled):
+        torch.testing.assert_close(compiled["losses"], other["losses"])
+        for c, o in zip(compiled["params"], other["params"], strict=True):
+            torch.testing.assert_close(c, o)
+    # the optimizer state exists from the second step on: nothing compiles after it
+    assert compiled["graphs"][1] == compiled["graphs"][-1], compiled["graphs"]
+    # dynamo breaks where it breaks on the unsharded step (zero_grad, backward, the optimizer's
+    # own graph_break()), and for data parallel where its forward hooks run eagerly, as FSDP2's
+    allowed = set(single_compiled["breaks"])
+    if layout != "tp":
+        allowed.add("Skip calling `torch.compiler.disable()`d function")
+    assert compiled["breaks"] <= allowed, compiled["breaks"] - allowed
+    return compiled["losses"].tolist()
+
+
+@pytest.mark.parametrize("optimizer", sorted(_OPTIMIZERS))
+@pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
+def test_compiled_full_step_with_optimizer_equals_eager_and_one_device(
+    layout: str, optimizer: str
+) -> None:
+    """forward, backward and ``optimizer.step()`` in one compiled function over DTensor
+    parameters: the optimizer's math is traced (dynamo's fused multiply-adds included), the
+    values are eager's and the unsharded model's, and no step after the second compiles."""
+    _check_full_step(layout, optimizer)
+
+
+def test_compiled_full_step_with_replicate_and_tensor_parallel() -> None:
+    """The same with ``replicate`` (DDP) on the data-parallel dim."""
+    _check_full_step("ddp_tp", "AdamW")
+
+
+def _full_step_job() -> list[list[float]]:
+    return [_check_full_step(layout, "AdamW") for layout in ("tp", "fsdp_tp")]
+
+
+def test_compiled_full_step_across_two_processes() -> None:
+    """The same over two gloo processes (TP: one device each; FSDP x TP: two each)."""
+    losses = run_in_processes(_full_step_job, 2, timeout=300)
+    assert losses[0] == losses[1]

@@ -37,7 +37,7 @@ from .spec import (
     make_tensor_meta,
     validate_placements,
 )
-from .tracing import dynamo_opaque
+from .tracing import dynamo_opaque, eager_under_dynamo
 
 DispatchHandler = Callable[..., Any]  # (cls, func, types, args=(), kwargs=None)
 
@@ -45,7 +45,7 @@ DispatchHandler = Callable[..., Any]  # (cls, func, types, args=(), kwargs=None)
 def set_dispatch_handler(handler: DispatchHandler) -> None:
     """Install the ``__torch_dispatch__`` implementation (the ``dispatch`` layer does this):
     the handler becomes the classmethod itself, so an op pays no extra Python frame."""
-    DTensor.__torch_dispatch__ = classmethod(handler)
+    DTensor.__torch_dispatch__ = classmethod(eager_under_dynamo(handler))
 
 
 def check_partials(spec: DTensorSpec) -> None:
@@ -74,6 +74,7 @@ class DTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
+    @eager_under_dynamo
     def __new__(
         cls, components: Sequence[torch.Tensor], spec: DTensorSpec, *, requires_grad: bool = False
     ) -> DTensor:
@@ -109,6 +110,7 @@ class DTensor(torch.Tensor):
         )
 
     # ----- tracing (torch.compile sees a DTensor as its components plus a constant spec) -----
+    @eager_under_dynamo  # AOT autograd's runtime calls these for real, also in a backward
     def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:
         return [f"_component_{i}" for i in range(len(self._components))], self._spec
 
@@ -118,6 +120,7 @@ class DTensor(torch.Tensor):
         raise AttributeError(f"'DTensor' object has no attribute {name!r}")
 
     @staticmethod
+    @eager_under_dynamo
     def __tensor_unflatten__(
         inner: dict[str, torch.Tensor], spec: DTensorSpec, outer_size: Any, outer_stride: Any
     ) -> DTensor:

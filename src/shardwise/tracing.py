@@ -7,7 +7,16 @@ breaks.
 
 Dynamo passes only tensors, Python constants and registered pytree constants into such a call:
 meshes are registered constants (made before the compiled region, compared with ``==``), and
-placements, often made inside the region, cross the boundary as tuples of plain values.
+placements, often made inside the region, cross the boundary as tuples of plain values (None,
+which it refuses too, as a marker tuple).
+
+Shardwise's eager machinery (``DTensor.__new__``, ``__torch_dispatch__``, the subclass's
+flatten and unflatten, gradient and data-parallel hooks) also runs for real inside a compiled
+region: in the eager stretches
+between graphs (``loss.backward()`` after a graph break, a frame dynamo gave up on) and when AOT
+autograd's runtime rebuilds DTensors from a graph's outputs. ``eager_under_dynamo`` marks such
+code so that dynamo runs it, and everything it calls, as it is, instead of tracing it frame by
+frame (which fails on the wrapper-subclass constructor). Eager programs pay nothing for it.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
+from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
 
 from .mesh import DeviceMesh
 from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
@@ -80,7 +90,7 @@ def decode_placement(code: tuple | list) -> Placement:
 
 
 def _decode(value: Any) -> Any:
-    if value == _NONE:
+    if type(value) is tuple and value == _NONE:
         return None
     if _is_code(value):
         return decode_placement(value)
@@ -104,3 +114,11 @@ def dynamo_opaque(fn: F) -> F:
         return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]
+
+
+def eager_under_dynamo(fn: F) -> F:
+    """``fn`` itself, its code marked so that dynamo skips it and every frame it calls when it
+    runs inside a compiled region (it is never traced; inlining by dynamo is unaffected)."""
+    code = getattr(fn, "__func__", fn).__code__
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return fn

@@ -1,4 +1,5 @@
-"""``aten._foreach_*`` ops (what foreach optimizers run): element i of every tensor list takes
+"""``aten._foreach_*`` ops (what foreach optimizers run) and the fused optimizer steps
+(``aten._fused_adamw_``...): element i of every tensor list takes
 the placements of element i of the first list; Partial elements are reduced first, except for
 scaling by Python scalars, which is linear."""
 
@@ -27,6 +28,13 @@ FOREACH_OPS = [
     and s.name[6:] not in _NOT_ELEMENTWISE
     and "out" not in s.overload_name
 ]
+# fused optimizer steps (``fused=True``): elementwise over their tensor lists, in place
+FUSED_OPTIMIZER_OPS = [
+    getattr(getattr(aten, name), overload)
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+    if hasattr(aten, name)
+    for overload in getattr(aten, name).overloads()
+]
 _LINEAR_SCALAR = ("_foreach_mul", "_foreach_div", "_foreach_neg", "_foreach_zero")
 
 
@@ -36,7 +44,7 @@ def _is_linear(op) -> bool:
     return name in _LINEAR_SCALAR and overload in ("Scalar", "ScalarList", "default", "")
 
 
-@register_op_strategy(FOREACH_OPS)
+@register_op_strategy(FOREACH_OPS + FUSED_OPTIMIZER_OPS)
 def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """One strategy: every list aligned with the first list's placements, element by element."""
     lists = [a for a in schema.args_schema if isinstance(a, (list, tuple))]
@@ -45,7 +53,8 @@ def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     targets: list[tuple[Placement, ...]] = []
     for i, element in enumerate(first):
         placements = element.output_spec.placements
-        column = [lst[i] for lst in lists if isinstance(lst[i], OpStrategy)]
+        # an empty list (a fused step's max_exp_avg_sqs without amsgrad) aligns with none
+        column = [lst[i] for lst in lists if i < len(lst) and isinstance(lst[i], OpStrategy)]
         if not linear and any(p.is_partial() for s in column for p in s.output_spec.placements):
             placements = tuple(Replicate() if p.is_partial() else p for p in placements)
         targets.append(placements)

@@ -35,6 +35,7 @@ from .registry import (
     OpSchema,
     OpStrategy,
     RuntimeSchemaInfo,
+    register_deferred,
     register_op_strategy,
 )
 
@@ -321,6 +322,19 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+def _register_fma() -> None:
+    """``prims.fma(a, b, c)`` = a * b + c, which dynamo writes for in-place ``addcmul_``,
+    ``addcdiv_`` and ``add_`` with a tensor ``alpha`` (optimizer steps): linear in (a, c) and
+    in (b, c)."""
+    fma = Linearity(groups=((0, 2), (1, 2)))
+    register_op_strategy([torch.ops.prims.fma.default], schema_info=RuntimeSchemaInfo())(
+        lambda mesh, schema: pointwise_strategy(mesh, schema, fma)
+    )
+
+
+register_deferred("prims::fma", _register_fma)
 
 
 # Special functions (``torch.special``), complex helpers and shrinkage: elementwise as well.

@@ -289,8 +289,24 @@ def remove_hooks(ops: OpOverload | Iterable[OpOverload]) -> None:
     _changed()
 
 
+# qualified op name -> what registers it, for ops that exist only once torch loads a module
+# later (``prims::fma`` arrives with torch.compile's inductor prims)
+_DEFERRED: dict[str, Callable[[], None]] = {}
+
+
+def register_deferred(name: str, register: Callable[[], None]) -> None:
+    """Run ``register`` the first time an op named ``name`` (``"prims::fma"``) is looked up."""
+    _DEFERRED[name] = register
+
+
 def registration(op: OpOverload) -> Registration | None:
-    return _REGISTRY.get(op)
+    reg = _REGISTRY.get(op)
+    if reg is None and _DEFERRED:
+        register = _DEFERRED.pop(getattr(op, "_name", ""), None)
+        if register is not None:
+            register()
+            reg = _REGISTRY.get(op)
+    return reg
 
 
 def registered_ops() -> dict[OpOverload, Registration]:

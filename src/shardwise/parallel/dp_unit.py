@@ -18,6 +18,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate
 from ..plain_tensors import plain_is_local
+from ..tracing import eager_under_dynamo
 from .data_parallel import (
     DataParallelDims,
     GatheredView,
@@ -180,6 +181,7 @@ class DataParallelUnit:
             output = _cast_floating(output, self.mp.output_dtype)
         return output
 
+    @eager_under_dynamo  # autograd calls it for real, also from a compiled forward
     def _pack(self, tensor: torch.Tensor) -> Any:
         """What autograd saves: a gathered parameter (or a view of it) is replaced by how to
         rebuild it from the stored shards."""
@@ -193,6 +195,7 @@ class DataParallelUnit:
         spec = tensor._spec if isinstance(tensor, DTensor) else None
         return (k, spec, views)
 
+    @eager_under_dynamo
     def _unpack(self, view: str, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
@@ -210,6 +213,7 @@ class DataParallelUnit:
         return DTensor(pieces, spec) if spec is not None else pieces[0]
 
     # ----- gradients -------------------------------------------------------------------------
+    @eager_under_dynamo  # backward runs it eagerly, also after a compiled forward
     def _on_grad(self, k: int, param: torch.Tensor) -> None:
         if not self.requires_gradient_sync:
             return  # accumulate the pending reduction; a later synced backward reduces it
@@ -282,6 +286,7 @@ class _Buckets:
         if len(self.waiting[b]) == len(self.buckets[b]):
             self._flush(b)
 
+    @eager_under_dynamo
     def _finish(self) -> None:
         for b in range(len(self.buckets)):
             if self.waiting[b]:

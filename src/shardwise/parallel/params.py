@@ -17,6 +17,7 @@ from torch import nn
 from ..dtensor import DTensor, distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
+from ..tracing import eager_under_dynamo
 
 
 def distribute_parameter(
@@ -64,6 +65,7 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh, tp_dim: int | None = Non
 
 
 def _reduce_on(tp_dim: int, placements: tuple[Placement, ...]):  # noqa: ANN202
+    @eager_under_dynamo  # backward runs it eagerly, also after a compiled forward
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if not isinstance(grad, DTensor):
             return grad
