@@ -59,3 +59,68 @@ def test_deepcopy_fully_sharded_module() -> None:
     out = clone(x)  # a plain batch in one process with 4 devices is global data, split on dim 0
     torch.testing.assert_close(out.full_tensor(), ref(x))
     torch.testing.assert_close(out.full_tensor(), model(x).full_tensor())
+
+
+# ----- bounded caches ---------------------------------------------------------------------------
+
+
+def _decisions() -> int:
+    from shardwise import dispatch
+
+    return sum(len(op.decisions) for op in dispatch._OPS.values())
+
+
+def test_dispatch_decisions_bounded_with_variable_shapes(monkeypatch) -> None:  # noqa: ANN001
+    from shardwise import dispatch
+
+    monkeypatch.setattr(dispatch, "DECISION_CACHE_SIZE", 40)
+    dispatch.clear_sharding_cache()
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    w_full = torch.randn(6, 5)
+    w = distribute_tensor(w_full, mesh, [Replicate(), Shard(1)])
+    try:
+        for length in range(1, 61):  # a variable sequence length: 60 shapes, 3 ops each
+            x_full = torch.randn(length, 6)
+            x = distribute_tensor(x_full, mesh, [Shard(0), Replicate()])
+            y = (x @ w).relu().sum(0)
+            torch.testing.assert_close(y.full_tensor(), (x_full @ w_full).relu().sum(0))
+            assert _decisions() <= 40
+        # an evicted decision is decided again, correctly
+        x_full = torch.randn(1, 6)
+        x = distribute_tensor(x_full, mesh, [Shard(0), Replicate()])
+        torch.testing.assert_close((x @ w).full_tensor(), x_full @ w_full)
+    finally:
+        dispatch.clear_sharding_cache()
+    assert dispatch.DECISION_CACHE_SIZE == 40  # the default (4096) is restored by monkeypatch
+
+
+def test_redistribution_plan_caches_bounded(monkeypatch) -> None:  # noqa: ANN001
+    import random
+
+    from shardwise.redistribute import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "PLAN_CACHE_SIZE", 30)
+    plan_module._PLANS.clear()
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    rng = random.Random(0)
+    choices = [Shard(0), Shard(1), Replicate()]
+    for _ in range(80):
+        full = torch.randn(rng.randint(1, 20), rng.randint(1, 20))
+        d = distribute_tensor(full, mesh, [rng.choice(choices), rng.choice(choices)])
+        e = d.redistribute(mesh, [rng.choice(choices), rng.choice(choices)])
+        assert torch.equal(e.full_tensor(), full)
+        assert len(plan_module._PLANS) <= 30
+    plan_module._PLANS.clear()
+
+
+def test_every_cache_has_a_bound() -> None:
+    from shardwise import dispatch, geometry
+    from shardwise.redistribute import plan as plan_module
+    from shardwise.redistribute import traced
+
+    assert 0 < dispatch.DECISION_CACHE_SIZE <= 65536
+    assert 0 < plan_module.PLAN_CACHE_SIZE <= 65536
+    assert 0 < traced.TRACED_CACHE_SIZE <= 65536
+    for cached in (dispatch._is_view, dispatch._is_inplace, geometry.pieces,
+                   geometry.shard_segments, plan_module._plan):
+        assert cached.cache_parameters()["maxsize"] is not None
