@@ -124,3 +124,61 @@ def test_every_cache_has_a_bound() -> None:
     for cached in (dispatch._is_view, dispatch._is_inplace, geometry.pieces,
                    geometry.shard_segments, plan_module._plan):
         assert cached.cache_parameters()["maxsize"] is not None
+
+
+# ----- loss_parallel labels -------------------------------------------------------------------
+
+
+def test_loss_parallel_out_of_range_label_raises_like_torch() -> None:
+    import pytest
+    import torch.nn.functional as F
+
+    from shardwise.errors import LabelOutOfRangeError
+    from shardwise.parallel import loss_parallel
+
+    mesh = DeviceMesh("cpu", [0, 1, 2, 3])
+    logits = torch.randn(4, 10)
+    for bad in (10, 37, -3):
+        labels = torch.tensor([1, bad, 2, 3])
+        with pytest.raises(IndexError):  # torch's own behaviour
+            F.cross_entropy(logits, labels)
+        d = distribute_tensor(logits, mesh, [Shard(1)])
+        match = f"label {bad} .*10 classes"
+        with loss_parallel(), pytest.raises(LabelOutOfRangeError, match=match):
+            F.cross_entropy(d, labels)
+    # ignore_index stays allowed, and matches torch
+    labels = torch.tensor([1, -100, 9, 0])
+    d = distribute_tensor(logits, mesh, [Shard(1)])
+    with loss_parallel():
+        loss = F.cross_entropy(d, labels)
+    torch.testing.assert_close(loss.full_tensor(), F.cross_entropy(logits, labels))
+    labels = torch.tensor([1, 12, 9, 12])
+    with loss_parallel():
+        loss = F.cross_entropy(d, labels, ignore_index=12)
+    torch.testing.assert_close(loss.full_tensor(), F.cross_entropy(logits, labels, ignore_index=12))
+
+
+def _loss_label_job() -> str:
+    import pytest
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from shardwise.errors import LabelOutOfRangeError
+    from shardwise.parallel import loss_parallel
+
+    mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
+    logits = torch.randn(3, 9, generator=torch.Generator().manual_seed(1))
+    d = distribute_tensor(logits, mesh, [Shard(1)])
+    with loss_parallel(), pytest.raises(LabelOutOfRangeError, match="label 9 "):
+        F.cross_entropy(d, torch.tensor([0, 9, 2]))
+    labels = torch.tensor([0, -100, 8])  # every rank goes on working after the error
+    with loss_parallel():
+        loss = F.cross_entropy(d, labels)
+    torch.testing.assert_close(loss.full_tensor(), F.cross_entropy(logits, labels))
+    return "ok"
+
+
+def test_loss_parallel_out_of_range_label_two_processes() -> None:
+    from mp_harness import run_in_processes
+
+    assert run_in_processes(_loss_label_job, 2, timeout=120) == ["ok", "ok"]

@@ -146,3 +146,17 @@ class StateDictMismatchError(ShardwiseError, RuntimeError):
     """``Module.load_state_dict`` got an entry that does not fit a DTensor parameter or buffer
     (other global shape or mesh, a plain tensor for a DTensor or the reverse); nothing is
     loaded. A RuntimeError, as torch's own load errors are."""
+
+
+class LabelOutOfRangeError(ShardwiseError, IndexError):
+    """A class-index label (``loss_parallel``'s cross entropy) outside ``[0, classes)`` and
+    not ``ignore_index``: an IndexError, as torch's own cross entropy raises."""
+
+
+class CheckpointNotFoundError(ShardwiseError, FileNotFoundError):
+    """``shardwise.checkpoint.load`` got a directory that does not exist or holds no
+    ``.metadata`` (no checkpoint was ever completed there)."""
+
+
+class CheckpointBusyError(ShardwiseError, RuntimeError):
+    """Another save (a thread or a process) is writing a checkpoint into the same directory."""
