@@ -182,3 +182,84 @@ def test_loss_parallel_out_of_range_label_two_processes() -> None:
     from mp_harness import run_in_processes
 
     assert run_in_processes(_loss_label_job, 2, timeout=120) == ["ok", "ok"]
+
+
+# ----- shardwise errors instead of raw ones -----------------------------------------------------
+
+
+def test_invalid_regex_plan_key_is_a_plan_error() -> None:
+    import pytest
+
+    from shardwise.errors import ParallelPlanError
+
+    mesh = DeviceMesh("cpu", [0, 1])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ParallelPlanError, match=r"'re:\['.*regular expression"):
+        parallelize_module(model, mesh, {"re:[": ColwiseParallel()})
+
+
+def test_mesh_argument_that_is_not_a_mesh() -> None:
+    import pytest
+
+    from shardwise import DTensor
+    from shardwise.errors import ShardwiseTypeError
+    from shardwise.parallel import replicate
+
+    x = torch.randn(4, 4)
+    calls = [
+        ("distribute_tensor", "str 'notamesh'",
+         lambda: distribute_tensor(x, "notamesh", [Shard(0)])),
+        ("parallelize_module", "int 3",
+         lambda: parallelize_module(torch.nn.Linear(4, 4), 3, {"": ColwiseParallel()})),
+        ("from_local", r"list \[0, 1\]",
+         lambda: DTensor.from_local(x, device_mesh=[0, 1], placements=[Shard(0)])),
+        ("fully_shard", "int 2", lambda: fully_shard(torch.nn.Linear(4, 4), mesh=2)),
+        ("replicate", "str 'x'", lambda: replicate(torch.nn.Linear(4, 4), device_mesh="x")),
+    ]
+    for what, given, call in calls:
+        with pytest.raises(ShardwiseTypeError, match=f"{what}.*mesh must be .*got {given}"):
+            call()
+
+
+def test_mirrored_variable_wrong_shape_and_integer_mean() -> None:
+    import pytest
+
+    import shardwise.distribute as swd
+    from shardwise.errors import DistributeValueError
+
+    strategy = swd.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        v = swd.Variable(torch.zeros(3))
+        counter = swd.Variable(torch.zeros(3, dtype=torch.int64),
+                               aggregation=swd.VariableAggregation.MEAN)
+    with pytest.raises(DistributeValueError, match=r"shape \[4\].*shape \[3\]"):
+        v.assign(torch.zeros(4))
+    v.assign(torch.ones(3))  # a fitting value (and a broadcast scalar) still assigns
+    v.assign_add(1.0)
+    assert torch.equal(v.value(), torch.full((3,), 2.0))
+
+    def step() -> None:
+        counter.assign_add(torch.full((3,), 4, dtype=torch.int64))
+
+    strategy.run(step)  # integer MEAN over two replicas: (4 + 4) / 2 added, no raw error
+    assert counter.value().dtype == torch.int64
+    assert torch.equal(counter.value(), torch.full((3,), 4, dtype=torch.int64))
+
+
+def test_missing_checkpoint_is_a_file_not_found_shardwise_error(tmp_path) -> None:  # noqa: ANN001
+    import pytest
+
+    from shardwise import checkpoint
+    from shardwise.errors import CheckpointCorruptError, ShardwiseError
+
+    net = torch.nn.Linear(2, 2)
+    for where in (tmp_path / "nowhere", tmp_path):  # missing, and a directory with nothing
+        with pytest.raises(FileNotFoundError, match="no checkpoint at") as err:
+            checkpoint.load(where, net)
+        assert isinstance(err.value, ShardwiseError) and str(where) in str(err.value)
+    saved = tmp_path / "ck"
+    checkpoint.save(saved, net)
+    (saved / ".metadata").unlink()
+    with pytest.raises(FileNotFoundError, match=r"\.metadata") as err:
+        checkpoint.load(saved, net)
+    assert isinstance(err.value, CheckpointCorruptError)

@@ -154,8 +154,13 @@ class LabelOutOfRangeError(ShardwiseError, IndexError):
 
 
 class CheckpointNotFoundError(ShardwiseError, FileNotFoundError):
-    """``shardwise.checkpoint.load`` got a directory that does not exist or holds no
-    ``.metadata`` (no checkpoint was ever completed there)."""
+    """``shardwise.checkpoint.load`` got a path that does not exist, or a directory with no
+    checkpoint file in it (no save ever finished there)."""
+
+
+class CheckpointFileMissingError(CheckpointCorruptError, FileNotFoundError):
+    """A checkpoint's directory lacks one of its files (``.metadata``, a data file): corrupt,
+    and also a FileNotFoundError."""
 
 
 class CheckpointBusyError(ShardwiseError, RuntimeError):

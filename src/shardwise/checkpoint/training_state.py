@@ -36,11 +36,20 @@ from ..dtensor import DTensor
 from ..errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     ShardwiseError,
     ShardwiseTypeError,
 )
 from .extra import decode, encode
-from .storage import Checkpoint, DigestWriter, VerifiedReader, load_plain, open_checkpoint
+from .storage import (
+    METADATA,
+    RECORD,
+    Checkpoint,
+    DigestWriter,
+    VerifiedReader,
+    load_plain,
+    open_checkpoint,
+)
 
 PROGRESS_BYTES = 64 << 20  # show a progress bar by default from this many bytes on
 HEADER = "shardwise"  # the state key of the JSON header: step and the extra tree
@@ -271,7 +280,14 @@ def _resolve(path: Path) -> Path:
     if not path.exists() and old.exists():
         return old
     if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {str(path)!r}")
+        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: the path does not exist")
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: it is not a directory")
+    if not (path / RECORD).exists() and not (path / METADATA).exists():
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {str(path)!r}: the directory holds neither {RECORD} nor "
+            f"{METADATA} (no save finished there)"
+        )
     return path
 
 
