@@ -263,3 +263,78 @@ def test_missing_checkpoint_is_a_file_not_found_shardwise_error(tmp_path) -> Non
     with pytest.raises(FileNotFoundError, match=r"\.metadata") as err:
         checkpoint.load(saved, net)
     assert isinstance(err.value, CheckpointCorruptError)
+
+
+# ----- concurrent saves to one path -------------------------------------------------------------
+
+
+def _net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+
+
+def _save_repeatedly(path: str, seed: int, times: int, start, errors) -> None:  # noqa: ANN001
+    from shardwise import checkpoint
+
+    net = _net(seed)
+    start.wait()
+    for step in range(times):
+        try:
+            checkpoint.save(path, net, step=step, extra={"seed": seed})
+        except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+            errors.put(f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _check_final(path) -> None:  # noqa: ANN001
+    from shardwise import checkpoint
+
+    target = _net(99)
+    info = checkpoint.load(path, target)
+    reference = _net(info["extra"]["seed"])  # the last save is one whole save
+    for p, q in zip(target.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+def test_concurrent_saves_from_two_processes_serialize(tmp_path) -> None:  # noqa: ANN001
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    start, errors = ctx.Event(), ctx.Queue()
+    path = tmp_path / "ck"
+    procs = [ctx.Process(target=_save_repeatedly, args=(str(path), seed, 6, start, errors))
+             for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(timeout=240)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not alive and not failures, failures
+    assert all(p.exitcode == 0 for p in procs)
+    _check_final(path)
+
+
+def test_concurrent_saves_from_two_threads_serialize(tmp_path) -> None:  # noqa: ANN001
+    import queue
+    import threading
+
+    start, errors = threading.Event(), queue.Queue()
+    path = tmp_path / "ck"
+    threads = [threading.Thread(target=_save_repeatedly, args=(str(path), seed, 4, start, errors))
+               for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    start.set()
+    for t in threads:
+        t.join(timeout=240)
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not any(t.is_alive() for t in threads) and not failures, failures
+    _check_final(path)

@@ -47,6 +47,9 @@ _NAMES: dict[str, str] = {
     "NotEagerError": "errors",
     "OpArgumentError": "errors",
     "CheckpointCorruptError": "errors",
+    "CheckpointFileMissingError": "errors",
+    "CheckpointNotFoundError": "errors",
+    "LabelOutOfRangeError": "errors",
     "UnsafeCheckpointError": "errors",
     "PackError": "errors",
     "ParallelPlanError": "errors",
@@ -125,6 +128,9 @@ _NAMES: dict[str, str] = {
 
 __all__ = [
     "CheckpointCorruptError",
+    "CheckpointFileMissingError",
+    "CheckpointNotFoundError",
+    "LabelOutOfRangeError",
     "OpArgumentError",
     "UnsafeCheckpointError",
     "local_components",
@@ -278,7 +284,9 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
     )
     from .errors import (
         CheckpointCorruptError,
+        CheckpointFileMissingError,
         CheckpointMismatchError,
+        CheckpointNotFoundError,
         CollectiveError,
         CollectiveMismatchError,
         CollectiveTimeoutError,
@@ -288,6 +296,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         ImplicitRedistributeError,
         InvalidArgumentError,
         InvalidPlacementError,
+        LabelOutOfRangeError,
         LayoutError,
         LocalComponentsError,
         MeshError,

@@ -161,7 +161,3 @@ class CheckpointNotFoundError(ShardwiseError, FileNotFoundError):
 class CheckpointFileMissingError(CheckpointCorruptError, FileNotFoundError):
     """A checkpoint's directory lacks one of its files (``.metadata``, a data file): corrupt,
     and also a FileNotFoundError."""
-
-
-class CheckpointBusyError(ShardwiseError, RuntimeError):
-    """Another save (a thread or a process) is writing a checkpoint into the same directory."""
