@@ -53,6 +53,9 @@ _NAMES: dict[str, str] = {
     "NotEagerError": "errors",
     "OpArgumentError": "errors",
     "CheckpointCorruptError": "errors",
+    "CheckpointFileMissingError": "errors",
+    "CheckpointNotFoundError": "errors",
+    "LabelOutOfRangeError": "errors",
     "UnsafeCheckpointError": "errors",
     "PackError": "errors",
     "ParallelPlanError": "errors",
@@ -132,6 +135,9 @@ _NAMES: dict[str, str] = {
 
 __all__ = [
     "CheckpointCorruptError",
+    "CheckpointFileMissingError",
+    "CheckpointNotFoundError",
+    "LabelOutOfRangeError",
     "OpArgumentError",
     "UnsafeCheckpointError",
     "local_components",
@@ -294,7 +300,9 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
     )
     from .errors import (
         CheckpointCorruptError,
+        CheckpointFileMissingError,
         CheckpointMismatchError,
+        CheckpointNotFoundError,
         CollectiveError,
         CollectiveMismatchError,
         CollectiveTimeoutError,
@@ -306,6 +314,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         ImplicitRedistributeError,
         InvalidArgumentError,
         InvalidPlacementError,
+        LabelOutOfRangeError,
         LayoutError,
         LocalComponentsError,
         MeshError,

@@ -176,6 +176,11 @@ def _applying(
 _OPS: dict[int, _Op] = {}  # by ``id(func)``: OpOverload hashes in Python
 _publish = threading.Lock()
 _generation = [0]
+# Decisions kept, over all ops: a variable sequence length makes new shapes, new keys, so the
+# cache is bounded. Past the bound the oldest published decision goes (oldest first, which keeps
+# the hit path free of bookkeeping); one still in use is decided again on its next call.
+DECISION_CACHE_SIZE = 4096
+_published: dict[tuple[_Op, tuple], None] = {}  # (op, key) in publishing order
 
 
 def clear_sharding_cache() -> None:
@@ -183,6 +188,7 @@ def clear_sharding_cache() -> None:
     with _publish:
         _generation[0] += 1
         _OPS.clear()
+        _published.clear()
 
 
 registry.on_registry_change(clear_sharding_cache)
@@ -597,6 +603,12 @@ def _dispatch_cold(
     entry.complete(op, _complete(func, args, kwargs, entry, decision, results[0]))
     with _publish:
         if _generation[0] == generation:
+            if key not in op.decisions:
+                _published[op, key] = None
+                if len(_published) > DECISION_CACHE_SIZE:
+                    old_op, old_key = next(iter(_published))
+                    del _published[old_op, old_key]
+                    old_op.decisions.pop(old_key, None)
             op.decisions[key] = entry
     out = _finish(op, func, entry, results, dtensors, components)
     return out if entry.post is None else entry.post(func, out, *given)
@@ -845,7 +857,7 @@ def _new_dtensor(components: list[torch.Tensor], spec: DTensorSpec) -> DTensor:
     return out
 
 
-@functools.cache
+@functools.lru_cache(maxsize=8192)  # one entry per op overload
 def _is_view(func: Any) -> bool:
     """An op whose output aliases its input (``view``, ``select``, ``transpose``...)."""
     schema = getattr(func, "_schema", None)
@@ -855,7 +867,7 @@ def _is_view(func: Any) -> bool:
     return alias is not None and not alias.is_write
 
 
-@functools.cache
+@functools.lru_cache(maxsize=8192)  # one entry per op overload
 def _is_inplace(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:

@@ -14,6 +14,7 @@ plan on the same components.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -271,6 +272,29 @@ class DTensor(torch.Tensor):
         # local device does not return (third-party kernels need its pointer): pickle the
         # instance state (components, spec) and rebuild from it
         return _rebuild_dtensor, (type(self), dict(self.__dict__), self.requires_grad)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:
+        """An independent copy: every local component copied, the same spec (and mesh, which is
+        shared, never copied), ``requires_grad``, ``grad`` and attributes such as a parameter's
+        flag. Works however many devices this process owns (torch's default reads ``data_ptr``)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                f"deepcopy of a DTensor of shape {list(self.shape)} that is not a graph leaf: "
+                f"as for torch.Tensor, only leaves (e.g. parameters, detached tensors) can be "
+                f"deep-copied; detach() it first"
+            )
+        with torch.no_grad():
+            components = [c.detach().clone() for c in self._components]
+        out = DTensor(components, self._spec, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        if self.grad is not None:
+            out.grad = copy.deepcopy(self.grad, memo)
+        for key, value in self.__dict__.items():
+            if key not in ("_spec", "_components", "_ready", "_work"):
+                out.__dict__[key] = copy.deepcopy(value, memo)
+        return out
 
     def data_ptr(self) -> int:
         """The local component's data pointer (for third-party kernels); with several local

@@ -153,6 +153,21 @@ class StateDictMismatchError(ShardwiseError, RuntimeError):
     loaded. A RuntimeError, as torch's own load errors are."""
 
 
+class LabelOutOfRangeError(ShardwiseError, IndexError):
+    """A class-index label (``loss_parallel``'s cross entropy) outside ``[0, classes)`` and
+    not ``ignore_index``: an IndexError, as torch's own cross entropy raises."""
+
+
+class CheckpointNotFoundError(ShardwiseError, FileNotFoundError):
+    """``shardwise.checkpoint.load`` got a path that does not exist, or a directory with no
+    checkpoint file in it (no save ever finished there)."""
+
+
+class CheckpointFileMissingError(CheckpointCorruptError, FileNotFoundError):
+    """A checkpoint's directory lacks one of its files (``.metadata``, a data file): corrupt,
+    and also a FileNotFoundError."""
+
+
 class ShardwiseWarning(UserWarning):
     """Base class of the warnings shardwise gives."""
 

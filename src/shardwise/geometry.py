@@ -90,7 +90,7 @@ def split_segments(segments: Segments, placement: Shard, n: int, index: int) -> 
     return _merge(_pick(segments, lo, hi))
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=16384)
 def shard_segments(
     shape: tuple[int, ...],
     mesh_shape: tuple[int, ...],
@@ -141,7 +141,7 @@ class Pieces(NamedTuple):
     keys: tuple[int, ...] | None
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=8192)
 def pieces(mesh: DeviceMesh, shape: tuple[int, ...], placements: Placements) -> Pieces:
     """Every device's ``Pieces`` under ``placements`` (shared by every plan on that mesh and
     shape)."""

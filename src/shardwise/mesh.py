@@ -27,11 +27,22 @@ def current_mesh() -> DeviceMesh | None:
     return meshes[-1] if meshes else None
 
 
+def require_mesh(device_mesh: Any, what: str, argument: str = "device_mesh") -> DeviceMesh:
+    """``device_mesh`` itself when it is a ``DeviceMesh``; else a ``ShardwiseTypeError`` naming
+    ``what`` took it, the argument and what was given."""
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ShardwiseTypeError(
+            f"{what}: {argument} must be a shardwise DeviceMesh (shardwise.init_device_mesh or "
+            f"DeviceMesh(device_type, ids)), got {type(device_mesh).__name__} {device_mesh!r:.80}"
+        )
+    return device_mesh
+
+
 def mesh_or_current(device_mesh: DeviceMesh | None, what: str) -> DeviceMesh:
     """``device_mesh``, or when it is None the current mesh (PyTorch's default for ``what``);
-    ``MeshError`` when there is none."""
+    ``MeshError`` when there is none, ``ShardwiseTypeError`` when it is not a mesh."""
     if device_mesh is not None:
-        return device_mesh
+        return require_mesh(device_mesh, what)
     mesh = current_mesh()
     if mesh is None:
         raise MeshError(

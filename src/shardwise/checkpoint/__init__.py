@@ -6,7 +6,19 @@
 """
 
 from .. import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
-from ..errors import CheckpointCorruptError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointFileMissingError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+)
 from .training_state import load, save
 
-__all__ = ["CheckpointCorruptError", "UnsafeCheckpointError", "load", "save"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointFileMissingError",
+    "CheckpointNotFoundError",
+    "UnsafeCheckpointError",
+    "load",
+    "save",
+]

@@ -28,7 +28,12 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ..errors import CheckpointCorruptError, ShardwiseError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointFileMissingError,
+    ShardwiseError,
+    UnsafeCheckpointError,
+)
 from .metadata import check_metadata, data_file, unpickle_metadata
 
 RECORD = "shardwise.json"
@@ -153,6 +158,11 @@ def open_checkpoint(directory: Path) -> Checkpoint:
     file = data_file(directory, METADATA, what=str(directory))
     try:
         data = file.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointFileMissingError(
+            f"{str(file)!r} is missing: the checkpoint in {str(directory)!r} is incomplete or "
+            f"damaged; nothing was loaded"
+        ) from None
     except OSError as exc:
         raise CheckpointCorruptError(f"{str(file)!r} cannot be read ({exc})") from None
     if hashlib.sha256(data).hexdigest() != metadata_digest:

@@ -13,13 +13,15 @@ leaves them as they were.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import operator
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -37,11 +39,20 @@ from ..dtensor import DTensor
 from ..errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     ShardwiseError,
     ShardwiseTypeError,
 )
 from .extra import decode, encode
-from .storage import Checkpoint, DigestWriter, VerifiedReader, load_plain, open_checkpoint
+from .storage import (
+    METADATA,
+    RECORD,
+    Checkpoint,
+    DigestWriter,
+    VerifiedReader,
+    load_plain,
+    open_checkpoint,
+)
 
 PROGRESS_BYTES = 64 << 20  # show a progress bar by default from this many bytes on
 HEADER = "shardwise"  # the state key of the JSON header: step and the extra tree
@@ -238,6 +249,44 @@ def save(
     tqdm bar (default: for states from 64 MiB on)."""
     header, tensors = _header(step, extra)
     path = Path(path)
+    with _exclusive(path) if _rank0() else contextlib.nullcontext():
+        _save(path, model, optimizer, header, tensors, progress)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold ``<path>.lock`` (an exclusive ``flock``) while saving to ``path``: a concurrent
+    save to the same path (a thread, or a process of another job) waits here for this one to
+    finish, so saves to one path run one after the other. The lock file is removed before the
+    lock is released; a waiter that locked a removed file opens the new one again. The kernel
+    releases the lock of a killed process."""
+    lock = path.with_name(path.name + ".lock")
+    while True:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if current:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+        os.close(fd)
+
+
+def _save(
+    path: Path, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+    header: str, tensors: list[torch.Tensor], progress: bool | None,
+) -> None:
     saving = path.with_name(path.name + ".saving")
     old = path.with_name(path.name + ".old")
     if _rank0():
@@ -271,7 +320,14 @@ def _resolve(path: Path) -> Path:
     if not path.exists() and old.exists():
         return old
     if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {str(path)!r}")
+        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: the path does not exist")
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: it is not a directory")
+    if not (path / RECORD).exists() and not (path / METADATA).exists():
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {str(path)!r}: the directory holds neither {RECORD} nor "
+            f"{METADATA} (no save finished there)"
+        )
     return path
 
 

@@ -215,6 +215,7 @@ class LocalVariable(Variable):
             )
         with torch.no_grad():
             v = torch.as_tensor(value, dtype=self._tensor.dtype).to(self._tensor.device)
+            _check_shape(self.name, kind, tuple(self._tensor.shape), tuple(v.shape))
             if kind == "assign":
                 self._tensor.copy_(v)
             elif kind == "assign_add":
@@ -231,6 +232,19 @@ class LocalVariable(Variable):
 
     def assign_sub(self, delta: Any) -> LocalVariable:
         return self._apply("assign_sub", delta)
+
+
+def _check_shape(name: str, kind: str, shape: tuple[int, ...], given: tuple[int, ...]) -> None:
+    """A value of a shape that does not fit (broadcast to) the variable's is an error."""
+    try:
+        fits = torch.broadcast_shapes(shape, given) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise DistributeValueError(
+            f"{kind} of variable {name!r}: a value of shape {list(given)} does not fit the "
+            f"variable's shape {list(shape)}"
+        )
 
 
 def _check_strategy(var: DistributedVariable, what: str) -> context.Mode:

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import runtime
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import DataParallelError
-from ..mesh import DeviceMesh, init_device_mesh
+from ..mesh import DeviceMesh, init_device_mesh, require_mesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..plain_tensors import plain_is_local
 from ..spec import DTensorSpec, TensorMeta
@@ -112,6 +112,7 @@ def resolve_dims(
         )
     if mesh is None:
         mesh = next(iter(meshes)) if dp_mesh_dims is not None and meshes else _default_mesh()
+    mesh = require_mesh(mesh, what, "mesh" if what == "fully_shard" else "device_mesh")
     if dp_mesh_dims is not None:
         shard = tuple(mesh.dim_index(n) for n in dp_mesh_dims.shard_names)
         rep = tuple(mesh.dim_index(n) for n in dp_mesh_dims.replicate_names)

@@ -24,7 +24,13 @@ from torch.overrides import TorchFunctionMode
 
 from .. import comm, settings
 from ..dtensor import DTensor, distribute_tensor
-from ..errors import InvalidArgumentError, InvalidPlacementError, MeshError, UnsupportedOpError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidPlacementError,
+    LabelOutOfRangeError,
+    MeshError,
+    UnsupportedOpError,
+)
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard, is_special_shard
 from ..plain_tensors import plain_is_local
@@ -184,6 +190,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         spec, mesh = logits._spec, logits.device_mesh
         cd, dims = _class_dim(logits), _class_mesh_dims(logits)
         parts = logits._components
+        _check_labels(target._components, logits.shape[cd], ignore_index)
         with comm.moving(lambda: f"loss_parallel cross entropy of {spec}"):
             maxes = _all_reduce(mesh, dims, [_row_max(x, cd) for x in parts], "max")
             sums = [(x - m).exp().sum(cd, keepdim=True) for x, m in zip(parts, maxes, strict=True)]
@@ -232,6 +239,19 @@ def _row_max(x: torch.Tensor, cd: int) -> torch.Tensor:
         shape[cd] = 1
         return torch.full(shape, float("-inf"), dtype=x.dtype, device=x.device)
     return x.detach().amax(cd, keepdim=True)
+
+
+def _check_labels(targets: list[torch.Tensor], classes: int, ignore_index: int) -> None:
+    """Raise, as torch does, for a label outside ``[0, classes)`` that is not ignored (every
+    device sharing these rows sees the same labels, so they all raise before communicating)."""
+    for t in targets:
+        bad = ((t < 0) | (t >= classes)) & (t != ignore_index)
+        if bool(bad.any()):
+            value = int(t[bad].flatten()[0])
+            raise LabelOutOfRangeError(
+                f"loss_parallel cross entropy: label {value} is out of range for {classes} "
+                f"classes (labels must be in [0, {classes}) or equal ignore_index={ignore_index})"
+            )
 
 
 def _local_target(t: torch.Tensor, start: int, n: int, ignore_index: int):  # noqa: ANN202

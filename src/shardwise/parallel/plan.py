@@ -33,7 +33,12 @@ def name_matcher(key: PlanKey, *, regex: bool = False):  # noqa: ANN201
             f"plan key {key!r} must be a module name, a glob, a 're:' string or a compiled regex"
         )
     if regex or key.startswith("re:"):
-        pattern = re.compile(key[3:] if key.startswith("re:") else key)
+        try:
+            pattern = re.compile(key[3:] if key.startswith("re:") else key)
+        except re.error as exc:
+            raise ParallelPlanError(
+                f"plan key {key!r} is not a valid regular expression: {exc}"
+            ) from exc
         return lambda name: pattern.fullmatch(name) is not None
     if _GLOB_CHARS & set(key):
         parts = key.split(".")

@@ -616,8 +616,10 @@ def _plan(
     return RedistributePlan(source, target, search.path(), shape)
 
 
+# plans by (spec, target), bounded: oldest first out past the bound (the plans themselves are
+# shared with ``_plan``'s cache, so this bound also bounds how many plans stay alive)
 _PLANS: dict[tuple[DTensorSpec, State], RedistributePlan] = {}
-_MAX_PLANS = 65536
+PLAN_CACHE_SIZE = 8192
 
 
 def plan_redistribute(spec: DTensorSpec, placements: Sequence[Placement]) -> RedistributePlan:
@@ -637,7 +639,10 @@ def plan_redistribute(spec: DTensorSpec, placements: Sequence[Placement]) -> Red
         else:
             plan = _plan(spec.mesh, tuple(meta.shape), meta.dtype.itemsize, spec.placements,
                          key[1])
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
+        while len(_PLANS) >= PLAN_CACHE_SIZE:
+            try:
+                del _PLANS[next(iter(_PLANS))]
+            except (KeyError, StopIteration, RuntimeError):  # another thread evicted it first
+                break
         _PLANS[key] = plan
     return plan

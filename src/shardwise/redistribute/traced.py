@@ -28,6 +28,7 @@ from .run import local_splits, run_plan
 
 # key -> (plan, mesh, local output shapes)
 _entries: dict[str, tuple[RedistributePlan, DeviceMesh, list[torch.Size]]] = {}
+TRACED_CACHE_SIZE = 4096
 _lock = threading.Lock()
 
 
@@ -73,6 +74,8 @@ def _store(key: str, plan: RedistributePlan, mesh: DeviceMesh, dtype: torch.dtyp
     with _lock:
         if key not in _entries:
             spec = DTensorSpec(mesh, plan.target, contiguous_meta(plan.shape, dtype))
+            if len(_entries) >= TRACED_CACHE_SIZE:  # oldest out: it is planned again if used
+                del _entries[next(iter(_entries))]
             _entries[key] = (plan, mesh, [spec.local_shape(d) for d in mesh.local_device_ids])
 
 
