@@ -3,9 +3,10 @@ torch.distributed.tensor's planners in the same run.
 
 Every transition between placement tuples of Shard(0), Shard(1), Shard(2), Replicate and
 Partial on meshes (4,), (2, 2) and (2, 2, 2) is planned by both libraries for one tensor (the
-targets with a Partial summed apart, as "MESH to Partial"), and on (2, 2, 2) again for a tensor
-whose shards are uneven (some empty). Planning time is cold (the plan caches cleared, shard and
-mesh geometry kept): per transition the median of 5 plans, timed in rounds over the whole sweep.
+targets with a Partial summed apart: "to_partial", printed as "MESH to Partial"), and on
+(2, 2, 2) again for a tensor whose shards are uneven (some empty). Planning time is cold (the
+plan caches cleared, shard and mesh geometry kept): per transition the median of 5 plans, timed
+in rounds over the whole sweep.
 Bytes are those all devices receive under the ring model of DESIGN.md; DTensor's steps are
 priced by the same model (its flattened steps move what the per-dim steps they merge move, so
 they are priced unflattened). The bound is ``shardwise.geometry.lower_bound_bytes``.
@@ -109,7 +110,7 @@ def _time_rounds(rows: list[dict], timers: list[dict]) -> None:
 
 
 def run(meshes: list[tuple[int, ...]] = MESHES) -> dict:
-    results: dict = {"meshes": {}, "named": []}
+    results: dict = {"meshes": {}, "to_partial": {}, "named": []}
     sweeps = [(m, SHAPE, str(m)) for m in meshes]
     if (2, 2, 2) in meshes:
         sweeps.append(((2, 2, 2), UNEVEN, f"(2, 2, 2) uneven {'x'.join(map(str, UNEVEN))}"))
@@ -128,7 +129,7 @@ def run(meshes: list[tuple[int, ...]] = MESHES) -> dict:
         _time_rounds(rows, timers)
         _time_rounds(to_partial, partial_timers)
         results["meshes"][name] = _summary(rows)
-        results["meshes"][f"{name} to Partial"] = _summary(to_partial)
+        results["to_partial"][name] = _summary(to_partial)
     cube = sw.DeviceMesh("meta", torch.arange(8).reshape(2, 2, 2))
     their_cube = torch_dt.DeviceMesh("cpu", torch.arange(8).reshape(2, 2, 2))
     timers = []
@@ -227,12 +228,14 @@ def main() -> None:
           "devices / lower bound, cold planning ms")
     print(f"{'mesh':<24}{'pairs':>6}{'sw at bound':>13}{'sw worst':>10}{'DT at bound':>13}"
           f"{'DT worst':>10}{'sw ms':>8}{'sw max':>8}{'DT ms':>8}")
-    for mesh, s in results["meshes"].items():
+    sweeps = [*results["meshes"].items(),
+              *((f"{m} to Partial", s) for m, s in results["to_partial"].items())]
+    for mesh, s in sweeps:
         print(f"{mesh:<24}{s['transitions']:>6}{s['shardwise']['at_bound']:>13}"
               f"{s['shardwise']['worst_ratio']:>10.2f}{s['dtensor_greedy']['at_bound']:>13}"
               f"{s['dtensor_greedy']['worst_ratio']:>10.2f}{s['shardwise_plan_ms_median']:>8.2f}"
               f"{s['shardwise_plan_ms_max']:>8.2f}{s['dtensor_greedy_ms_median']:>8.2f}")
-    for mesh, s in results["meshes"].items():
+    for mesh, s in sweeps:
         print(f"slowest cold plans on {mesh}: "
               + ", ".join(f"{t} {ms:.2f} ms" for t, ms in s["shardwise_slowest"].items()))
     print(f"\n{'2x2x2 transition':<26}{'sw':>7}{'DT greedy':>11}{'DT graph':>10}{'sw ms':>8}"
