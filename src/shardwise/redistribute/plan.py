@@ -364,7 +364,8 @@ class _Search:
 
     An exchange is taken only when it moves fewer bytes than the named collectives. The bytes
     any plan from a state still moves (``Pricer.lacking``, the lower bound) guide the search
-    (not towards a Partial target: zeros or the identity of max and min would do there); so
+    (not towards a Partial target, where the guess is 0 bytes: a sum group needs the value on
+    one member only, which ``lacking`` does not model, so a spread may cost nothing); so
     do the collectives and steps still needed without an exchange (a mesh dim leaves a
     placement other than Replicate only by a collective on it, but a Shard spreads to a
     Partial("sum") or p-norm target locally). An exchange straight from the
