@@ -10,6 +10,7 @@ import torch
 
 import shardwise as sw
 from conftest import check_components, components_for, fits, make_tensor
+from mp_harness import run_in_processes
 from shardwise import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
 from shardwise.redistribute import lower_bound_bytes
 
@@ -127,3 +128,22 @@ def test_spread_gradient(source: Placement, grad_placement: Placement) -> None:
     out.backward(grad)
     assert leaf.grad.placements == (source,)
     torch.testing.assert_close(leaf.grad.full_tensor(), w)
+
+
+def _spread_in_processes() -> list:
+    """Per source: whether the spread's full tensor is the value, and the bytes counted."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = make_tensor((6, 3), torch.float32, 8)
+    out = []
+    for source in [Shard(0), InterleavedShard(0, 3), RaggedShard(0, (5, 1)), Shard(1)]:
+        dt = sw.distribute_tensor(x, mesh, [source])
+        with sw.CommCounter() as counter:
+            spread = dt.redistribute(placements=[Partial()])
+        out.append((torch.equal(spread.full_tensor(), x), counter.total_bytes,
+                    tuple(spread.to_local().shape)))
+    return out
+
+
+def test_spread_across_processes() -> None:
+    for rank in run_in_processes(_spread_in_processes, 2, timeout=180):
+        assert rank == [(True, 0, (6, 3))] * 4
