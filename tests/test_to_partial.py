@@ -147,3 +147,14 @@ def _spread_in_processes() -> list:
 def test_spread_across_processes() -> None:
     for rank in run_in_processes(_spread_in_processes, 2, timeout=180):
         assert rank == [(True, 0, (6, 3))] * 4
+
+
+@pytest.mark.parametrize("op", ["norm2", "norminf"])
+def test_spread_to_a_pending_norm(op: str) -> None:
+    """A p-norm target holds a value on one member and zeros elsewhere, as Replicate -> it
+    does: a spread moves nothing and the norm of the pieces is the (non-negative) value."""
+    mesh = sw.init_device_mesh("cpu", (4,))
+    x = make_tensor((7, 3), torch.float32, 9).abs()
+    dt = sw.distribute_tensor(x, mesh, [Shard(0)])
+    assert sw.explain_redistribute(dt, [Partial(op)]).global_bytes == 0
+    torch.testing.assert_close(dt.redistribute(placements=[Partial(op)]).full_tensor(), x)
