@@ -24,6 +24,7 @@ import torch
 from ..dtensor import DTensor
 from ..errors import UnsupportedOpError
 from ..mesh import DeviceMesh
+from ..op_inputs import register_plain_making_decomposition
 from ..placements import Placement, Shard
 from ..spec import DTensorSpec
 from .common import DimOption, P, R, input_strategies, product_strategy
@@ -143,3 +144,10 @@ def _fix_shapes(_op: Any, result: tuple, _args: tuple, _kwargs: dict) -> tuple:
 for _op in (FLASH, FLASH_BACKWARD):
     register_local_args(_op, _empty_safe_args)
     register_post_patch(_op, _fix_shapes)
+
+
+# F.scaled_dot_product_attention on inputs the fused kernel does not take (3-d, a mask that
+# needs a gradient) runs torch's math variant, which makes its causal mask as a plain tensor
+register_plain_making_decomposition(
+    aten._scaled_dot_product_attention_math.default, "the causal mask (is_causal=True)"
+)
