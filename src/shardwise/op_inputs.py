@@ -1,6 +1,8 @@
 """An op's inputs brought where its sharding needs them: plain tensors among DTensors taken as
-replicated (or refused), and DTensor inputs moved to the chosen placements under the
-explicit-redistribution rule (a move that needs a collective raises
+replicated by PyTorch's rule (small constants, ``implicit_replication()``, autograd's backward)
+or refused, composite ops whose decomposition makes plain tensors named as exceptions
+(``register_plain_making_decomposition``), and DTensor inputs moved to the chosen placements
+under the explicit-redistribution rule (a move that needs a collective raises
 ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on or autograd's
 backward runs). ``dispatch`` uses it for every op, handlers that bypass dispatch
 (``ops/common``) through the same functions.
@@ -57,7 +59,7 @@ SMALL_CONSTANT_NUMEL = 16
 @contextlib.contextmanager
 def implicit_replication(enabled: bool = True) -> Iterator[None]:
     """Within the block, plain tensors mixed with DTensors are taken as replicated global
-    values (PyTorch's ``implicit_replication``), e.g. masks that decompositions create."""
+    values (PyTorch's ``implicit_replication``), e.g. a mask the user built whole on every rank."""
     with settings.IMPLICIT_REPLICATION.override(bool(enabled)):
         yield
 

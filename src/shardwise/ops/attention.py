@@ -13,6 +13,11 @@ rest replicated gives Partial results. An ``attn_mask`` follows the dim it broad
 The CPU kernel dies with a floating point exception on an empty head or sequence dim, which
 uneven shards produce (3 heads on 4 devices): those devices run it on a batch-0 stand-in and a
 post-patch gives their (empty, or zero Partial) results the right shape.
+
+Other inputs (3-d, or a mask that needs a gradient) take torch's math variant, a decomposition
+into matmuls and softmax that builds its causal mask as a plain tensor: it is registered with
+``op_inputs.register_plain_making_decomposition``, so that mask is taken as replicated while an
+``attn_mask`` the user passes as a plain tensor is refused.
 """
 
 from __future__ import annotations
