@@ -115,11 +115,12 @@ def register_plain_making_decomposition(op: Any, makes: str) -> None:
         raise TypeError(f"{op} is not CompositeImplicitAutograd: it has no decomposition")
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        first = next((a for a in args if isinstance(a, DTensor)), None)
+        values = (*args, *kwargs.values())
+        first = next((a for a in values if isinstance(a, DTensor)), None)
         if first is None:
             return op._op_dk(composite, *args, **kwargs)
         mesh = first.device_mesh
-        for a in (*args, *kwargs.values()):
+        for a in values:
             if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim and (
                 _refused(op, a, mesh)
             ):
