@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise import OpSchema, OpStrategy, Partial, Replicate, Shard
+from shardwise.op_inputs import PLAIN_MAKING_DECOMPOSITIONS
 from shardwise.ops import registry
 from shardwise.ops.common import product_strategy
 from shardwise.ops.validate import adversarial_components
@@ -97,12 +98,24 @@ def test_validate_strategy_needs_a_registered_strategy() -> None:
 
 def test_tensors_made_by_decompositions_are_replicated_but_the_users_are_refused() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
-    q = torch.randn(3, 5, 4)
-    dq = sw.distribute_tensor(q, mesh, [Shard(0)])
+    q = torch.randn(3, 5, 4, requires_grad=True)  # 3-d: torch's math variant, not the fused one
+    dq = sw.distribute_tensor(q.detach(), mesh, [Shard(0)]).requires_grad_()
+    math = aten._scaled_dot_product_attention_math.default
+    assert math in PLAIN_MAKING_DECOMPOSITIONS
     out = F.scaled_dot_product_attention(dq, dq, dq, is_causal=True)  # C++-made causal mask
-    torch.testing.assert_close(
-        out.full_tensor(), F.scaled_dot_product_attention(q, q, q, is_causal=True)
-    )
+    want = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out.full_tensor(), want)
+    out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(dq.grad.full_tensor(), q.grad)
+    attn_mask = torch.randn(5, 5)
+    with pytest.raises(sw.MeshError, match=r"_scaled_dot_product_attention_math.*\[5, 5\]"):
+        F.scaled_dot_product_attention(dq, dq, dq, attn_mask=attn_mask)  # the user's own mask
+    with sw.implicit_replication():
+        torch.testing.assert_close(
+            F.scaled_dot_product_attention(dq, dq, dq, attn_mask=attn_mask).full_tensor(),
+            F.scaled_dot_product_attention(q, q, q, attn_mask=attn_mask),
+        )
     x = torch.randn(6, 7)
     mask = torch.rand(6, 7, generator=torch.Generator().manual_seed(0)) > 0.3
     dx = sw.distribute_tensor(x, mesh, [Shard(0)])

@@ -1,6 +1,8 @@
 """An op's inputs brought where its sharding needs them: plain tensors among DTensors taken as
-replicated (or refused), and DTensor inputs moved to the chosen placements under the
-explicit-redistribution rule (a move that needs a collective raises
+replicated by PyTorch's rule (small constants, ``implicit_replication()``, autograd's backward)
+or refused, composite ops whose decomposition makes plain tensors named as exceptions
+(``register_plain_making_decomposition``), and DTensor inputs moved to the chosen placements
+under the explicit-redistribution rule (a move that needs a collective raises
 ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on or autograd's
 backward runs). ``dispatch`` uses it for every op, handlers that bypass dispatch
 (``ops/common``) through the same functions.
@@ -10,10 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
-import os
-import sys
 import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -60,79 +59,78 @@ SMALL_CONSTANT_NUMEL = 16
 @contextlib.contextmanager
 def implicit_replication(enabled: bool = True) -> Iterator[None]:
     """Within the block, plain tensors mixed with DTensors are taken as replicated global
-    values (PyTorch's ``implicit_replication``), e.g. masks that decompositions create."""
+    values (PyTorch's ``implicit_replication``), e.g. a mask the user built whole on every rank."""
     with settings.IMPLICIT_REPLICATION.override(bool(enabled)):
         yield
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(__file__) + os.sep
+def _refused(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> bool:
+    """True if the plain ``tensor`` cannot be taken as replicated beside ``func``'s DTensors:
+    it is larger than a small constant (one element per rank, see ``plain_tensors``), outside
+    autograd's backward and outside ``implicit_replication()``."""
+    small = 1 if plain_is_local(mesh) else SMALL_CONSTANT_NUMEL
+    return (
+        tensor.numel() > small
+        and torch._C._current_graph_task_id() == -1
+        and not settings.IMPLICIT_REPLICATION.get()
+    )
 
 
-def _holds(values: Any, tensor: torch.Tensor) -> bool:
-    """True if ``tensor`` is one of ``values`` or inside one of their lists, tuples, dicts."""
-    for v in values:
-        if v is tensor:
-            return True
-        if isinstance(v, (list, tuple)) and any(x is tensor for x in v):
-            return True
-        if isinstance(v, dict) and any(x is tensor for x in v.values()):
-            return True
-        if isinstance(v, torch.nn.Module) and any(
-            x is tensor for x in (*v._parameters.values(), *v._buffers.values())
-        ):
-            return True
-    return False
-
-
-def made_by_torch(tensor: torch.Tensor) -> bool:
-    """True if a plain tensor reaching dispatch was made by torch's own decomposition of the
-    op the user called (SDPA's causal mask, ``masked.var``'s count, fractional max pooling's
-    samples), not passed by the user: it is neither a variable of the user's calling frame
-    nor an argument the user gave the torch function running the decomposition, nor a
-    parameter or buffer of a module in reach, nor a tensor that requires grad."""
-    if tensor.requires_grad or isinstance(tensor, torch.nn.Parameter):
-        return False
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
-        frame = frame.f_back
-    entry = None  # the outermost torch frame: the torch function the user called
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
-        entry, frame = frame, frame.f_back
-    if entry is not None:
-        code = entry.f_code
-        n_args = code.co_argcount + code.co_kwonlyargcount
-        n_args += bool(code.co_flags & inspect.CO_VARARGS) + bool(
-            code.co_flags & inspect.CO_VARKEYWORDS
-        )
-        names = code.co_varnames[:n_args]
-        return not _holds([entry.f_locals.get(n) for n in names], tensor)
-    # the user's code called an op (or a C++ composite) directly: its variables are its own
-    return frame is not None and not (
-        _holds(frame.f_locals.values(), tensor) or _holds(frame.f_globals.values(), tensor)
+def _refusal(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> MeshError:
+    return MeshError(
+        f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)}; "
+        f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)) or "
+        f"take it as replicated inside `with shardwise.implicit_replication():`"
     )
 
 
 def implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """A plain tensor among DTensor arguments is taken as replicated when it is a small
-    constant (TF DTensor's rule; per rank, one element), when autograd's backward or one of
-    torch's decompositions made it (``made_by_torch``), or inside ``implicit_replication()``;
-    otherwise (the user's own tensor) it is refused."""
-    # per rank (plain_tensors.py) a plain tensor is this rank's data, which may differ from
-    # its peers': only a one-element constant is taken as replicated there
-    small = 1 if plain_is_local(mesh) else SMALL_CONSTANT_NUMEL
-    if (
-        tensor.numel() > small
-        and torch._C._current_graph_task_id() == -1
-        and not settings.IMPLICIT_REPLICATION.get()
-        and not made_by_torch(tensor)
-    ):
-        raise MeshError(
-            f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)}; "
-            f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)) or "
-            f"take it as replicated inside `with shardwise.implicit_replication():`"
-        )
+    constant (TF DTensor's rule; per rank, one element), when autograd's backward made it, or
+    inside ``implicit_replication()`` (which ``register_plain_making_decomposition`` turns on
+    for the decompositions it names); otherwise it is refused with a ``MeshError``."""
+    if _refused(func, tensor, mesh):
+        raise _refusal(func, tensor, mesh)
     return distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+
+
+# ----- composite ops whose decomposition makes plain tensors -----------------------------------
+
+#: the CompositeImplicitAutograd ops whose decomposition creates plain tensors of its own (what
+#: it makes), registered with ``register_plain_making_decomposition``
+PLAIN_MAKING_DECOMPOSITIONS: dict[Any, str] = {}
+_LIBRARY = torch.library.Library("aten", "IMPL")  # holds the kernels registered below
+_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA")
+
+
+def register_plain_making_decomposition(op: Any, makes: str) -> None:
+    """Name ``op`` (an ``aten`` CompositeImplicitAutograd overload, e.g. SDPA's math variant)
+    as one whose decomposition creates plain tensors (``makes`` says which): called with
+    DTensors, its own plain tensor arguments are checked by the usual rule (the user's are
+    refused), then its decomposition runs inside ``implicit_replication()``, so the tensors
+    torch makes there are taken as replicated. The kernel sits at the op's autograd keys,
+    above ``__torch_dispatch__``; without DTensor arguments it runs torch's decomposition."""
+    composite = torch._C.DispatchKey.CompositeImplicitAutograd
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), composite):
+        raise TypeError(f"{op} is not CompositeImplicitAutograd: it has no decomposition")
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        values = (*args, *kwargs.values())
+        first = next((a for a in values if isinstance(a, DTensor)), None)
+        if first is None:
+            return op._op_dk(composite, *args, **kwargs)
+        mesh = first.device_mesh
+        for a in values:
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim and (
+                _refused(op, a, mesh)
+            ):
+                raise _refusal(op, a, mesh)
+        with settings.IMPLICIT_REPLICATION.override(True):
+            return op._op_dk(composite, *args, **kwargs)
+
+    for key in _AUTOGRAD_KEYS:
+        _LIBRARY.impl(op, kernel, key)
+    PLAIN_MAKING_DECOMPOSITIONS[op] = makes
 
 
 # ----- moves -----------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ rest replicated gives Partial results. An ``attn_mask`` follows the dim it broad
 The CPU kernel dies with a floating point exception on an empty head or sequence dim, which
 uneven shards produce (3 heads on 4 devices): those devices run it on a batch-0 stand-in and a
 post-patch gives their (empty, or zero Partial) results the right shape.
+
+Other inputs (3-d, or a mask that needs a gradient) take torch's math variant, a decomposition
+into matmuls and softmax that builds its causal mask as a plain tensor: it is registered with
+``op_inputs.register_plain_making_decomposition``, so that mask is taken as replicated while an
+``attn_mask`` the user passes as a plain tensor is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from ..dtensor import DTensor
 from ..errors import UnsupportedOpError
 from ..mesh import DeviceMesh
+from ..op_inputs import register_plain_making_decomposition
 from ..placements import Placement, Shard
 from ..spec import DTensorSpec
 from .common import DimOption, P, R, input_strategies, product_strategy
@@ -143,3 +149,10 @@ def _fix_shapes(_op: Any, result: tuple, _args: tuple, _kwargs: dict) -> tuple:
 for _op in (FLASH, FLASH_BACKWARD):
     register_local_args(_op, _empty_safe_args)
     register_post_patch(_op, _fix_shapes)
+
+
+# F.scaled_dot_product_attention on inputs the fused kernel does not take (3-d, a mask that
+# needs a gradient) runs torch's math variant, which makes its causal mask as a plain tensor
+register_plain_making_decomposition(
+    aten._scaled_dot_product_attention_math.default, "the causal mask (is_causal=True)"
+)
