@@ -44,14 +44,14 @@ KINDS = ("shardwise", "hand", "torch_dt")
 VARIANTS = ("fwd", "full")
 
 
-def _compiled_loss(module: torch.nn.Module, backend: str):  # noqa: ANN202
+def _compiled_loss(module: torch.nn.Module, backend: str):
     def loss(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(_local(module(x)), target)
 
     return torch.compile(loss, backend=backend, fullgraph=True)
 
 
-def _compiled_step(module: torch.nn.Module, opt: torch.optim.Optimizer, backend: str):  # noqa: ANN202
+def _compiled_step(module: torch.nn.Module, opt: torch.optim.Optimizer, backend: str):
     """The whole training step as one compiled function (dynamo splits it where it must)."""
 
     def step(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _frames() -> int:
     return torch._dynamo.utils.counters["frames"]["total"]
 
 
-def _one_step(variant: str, fn, opt, x, target) -> tuple[float, float, float]:  # noqa: ANN001
+def _one_step(variant: str, fn, opt, x, target) -> tuple[float, float, float]:
     """(loss, seconds to the end of backward, seconds in all) for one step."""
     start = time.perf_counter()
     if variant == "full":

@@ -69,7 +69,7 @@ _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _raw(code_src: str, code_dst: str, full: torch.Tensor):  # noqa: ANN202
+def _raw(code_src: str, code_dst: str, full: torch.Tensor):
     """The plain-tensor collective moving what the transition moves into a new tensor (a
     redistribution returns one, and a fresh buffer costs its page faults), and its name."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -85,7 +85,7 @@ def _raw(code_src: str, code_dst: str, full: torch.Tensor):  # noqa: ANN202
     return "local slice", lambda: full.chunk(world, 0)[rank].clone()
 
 
-def _plain_moves(code_src: str, code_dst: str, full: torch.Tensor, n: int):  # noqa: ANN202
+def _plain_moves(code_src: str, code_dst: str, full: torch.Tensor, n: int):
     """The transition written by hand on the pieces of ``n`` simulated devices in one process:
     every device's new piece, made with plain torch ops."""
     shards = [p.contiguous() for p in full.chunk(n, 0)]
@@ -101,7 +101,7 @@ def _plain_moves(code_src: str, code_dst: str, full: torch.Tensor, n: int):  # n
     return lambda: [full.chunk(n, 0)[j].clone() for j in range(n)]
 
 
-def _synced_ms(fns: list, repeat: int, sync) -> list[float]:  # noqa: ANN001
+def _synced_ms(fns: list, repeat: int, sync) -> list[float]:
     """Median ms of each of ``fns``, interleaved, each call ended by ``sync``."""
     for fn in fns:
         fn()

@@ -94,11 +94,11 @@ class _CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         return x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
         dist.all_reduce(grad)
         return grad
@@ -108,13 +108,13 @@ class _ReduceFromTP(torch.autograd.Function):
     """Megatron's g: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x)
         return x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 

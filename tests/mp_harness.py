@@ -62,7 +62,7 @@ def _child(
         torch.save(value, buffer)
         payload: Any = buffer.getvalue()
         ok = True
-    except BaseException:  # noqa: BLE001 - report everything to the parent
+    except BaseException:
         payload = traceback.format_exc()
     results.put((rank, ok, payload))
     if ok and dist.is_initialized():

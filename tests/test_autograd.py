@@ -52,7 +52,7 @@ def grad_components(
 
 def _identity_through(
     mesh: DeviceMesh, source: tuple[Placement, ...], target: tuple[Placement, ...]
-):  # noqa: ANN202
+):
     def f(x: torch.Tensor) -> torch.Tensor:
         dt = sw.DTensor.from_local(grad_components(x, mesh, source), mesh, source)
         return dt.redistribute(placements=target).full_tensor()

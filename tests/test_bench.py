@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN_ALL = ROOT / "bench" / "run_all.py"
 
 
-def _run_all_module():  # noqa: ANN202
+def _run_all_module():
     spec = importlib.util.spec_from_file_location("bench_run_all", RUN_ALL)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

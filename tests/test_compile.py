@@ -131,7 +131,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, sw.DTensor) else t
 
 
-def _train(module: nn.Module, step, inputs: list) -> tuple[list[float], list]:  # noqa: ANN001
+def _train(module: nn.Module, step, inputs: list) -> tuple[list[float], list]:
     """Losses and final gradients of SGD steps (the optimizer runs eagerly)."""
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     losses = []

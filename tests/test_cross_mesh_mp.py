@@ -16,7 +16,7 @@ from mp_harness import run_in_processes
 SHAPE = (5, 7)
 
 
-def _source(x: torch.Tensor, mesh, placements: tuple):  # noqa: ANN001, ANN202
+def _source(x: torch.Tensor, mesh, placements: tuple):
     """``x`` on ``mesh``, with real Partial terms (integers, so every order sums exactly)."""
     import shardwise as sw
     from shardwise.geometry import extract_local, shard_segments

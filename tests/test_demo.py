@@ -18,7 +18,7 @@ from shardwise import demo
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def _args(*extra: str):  # noqa: ANN202
+def _args(*extra: str):
     return demo.build_parser().parse_args(["--steps", "2", "--no-progress", *extra])
 
 

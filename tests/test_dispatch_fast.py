@@ -19,7 +19,7 @@ MESH1 = sw.init_device_mesh("cpu", (1,))
 MESH2 = sw.init_device_mesh("cpu", (2,))
 
 
-def _entry(func):  # noqa: ANN001, ANN202
+def _entry(func):
     (entry,) = sw_dispatch._OPS[id(func)].decisions.values()
     return entry
 
@@ -29,7 +29,7 @@ class _Seen(TorchDispatchMode):
         super().__init__()
         self.ops: list = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func)
         return func(*args, **(kwargs or {}))
 
@@ -88,7 +88,7 @@ def test_a_torch_function_mode_sees_no_local_kernel_call() -> None:
             super().__init__()
             self.names: list = []
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        def __torch_function__(self, func, types, args=(), kwargs=None):
             self.names.append(getattr(func, "__name__", str(func)))
             return func(*args, **(kwargs or {}))
 
@@ -131,7 +131,7 @@ def test_a_post_patch_with_a_predicate_runs_only_where_it_applies() -> None:
     op = aten.neg.default
     calls: list = []
 
-    def patch(func, result, args, kwargs):  # noqa: ANN001, ANN202
+    def patch(func, result, args, kwargs):
         calls.append(result.placements)
         return result
 

@@ -19,4 +19,4 @@ def test_doc_examples_run(path: Path) -> None:
     namespace: dict = {"__name__": f"doc_{path.stem}"}
     for i, block in enumerate(blocks):
         code = compile(block, f"{path.name} block {i + 1}", "exec")
-        exec(code, namespace)  # noqa: S102 - the documentation's own examples
+        exec(code, namespace)

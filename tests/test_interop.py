@@ -37,11 +37,11 @@ def _(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _axpy_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+def _axpy_backward(ctx, grad: torch.Tensor):
     return grad * ctx.alpha, grad, None
 
 
-def _axpy_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _axpy_setup(ctx, inputs, output) -> None:
     ctx.alpha = inputs[2]
 
 
@@ -49,7 +49,7 @@ axpy.register_autograd(_axpy_backward, setup_context=_axpy_setup)
 
 
 @sw.register_sharding(torch.ops.shardwise_test.axpy.default)
-def _axpy_sharding(x, y, alpha):  # noqa: ANN001, ANN202
+def _axpy_sharding(x, y, alpha):
     """Elementwise: any tensor dim sharded alike on x, y and the output, or all replicated."""
     options = [([Replicate()], [Replicate(), Replicate(), None])]
     for dim in range(x.ndim):

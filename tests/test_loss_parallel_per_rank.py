@@ -42,7 +42,7 @@ def _global_batch(dp: int, ignore: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, labels
 
 
-def _reference(logits: torch.Tensor, labels: torch.Tensor, reduction: str, grad=None):  # noqa: ANN001, ANN202
+def _reference(logits: torch.Tensor, labels: torch.Tensor, reduction: str, grad=None):
     x = logits.clone().requires_grad_()
     loss = F.cross_entropy(x.flatten(0, 1), labels.flatten(0, 1), reduction=reduction)
     loss.backward(grad)

@@ -21,11 +21,11 @@ def test_input_and_output_fns_of_either_form(form: str) -> None:
     model.load_state_dict(ref.state_dict())
     seen = []
 
-    def place(inputs, device_mesh):  # noqa: ANN001, ANN202
+    def place(inputs, device_mesh):
         seen.append(device_mesh)
         return tuple(sw.distribute_tensor(x, device_mesh, [Shard(0)]) for x in inputs)
 
-    def gather(outputs, device_mesh):  # noqa: ANN001, ANN202
+    def gather(outputs, device_mesh):
         return outputs.redistribute(device_mesh, [Replicate()]).full_tensor()
 
     if form == "three":

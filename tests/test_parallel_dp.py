@@ -32,7 +32,7 @@ def _batches(steps: int, rows: int = 7) -> list[tuple[torch.Tensor, torch.Tensor
             for _ in range(steps)]
 
 
-def _train(model, params, batches, target_placements=None, mesh=None):  # noqa: ANN001
+def _train(model, params, batches, target_placements=None, mesh=None):
     opt = torch.optim.AdamW(params, lr=0.02, weight_decay=0.1)
     losses, counters = [], []
     for x, y in batches:
@@ -48,13 +48,13 @@ def _train(model, params, batches, target_placements=None, mesh=None):  # noqa: 
     return losses, counters
 
 
-def _reference(model: nn.Module, batches) -> tuple[list[torch.Tensor], nn.Module]:  # noqa: ANN001
+def _reference(model: nn.Module, batches) -> tuple[list[torch.Tensor], nn.Module]:
     ref = copy.deepcopy(model)
     losses, _ = _train(ref, ref.parameters(), batches)
     return losses, ref
 
 
-def _assert_same(losses, ref_losses, model, ref) -> None:  # noqa: ANN001
+def _assert_same(losses, ref_losses, model, ref) -> None:
     for got, want in zip(losses, ref_losses, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):

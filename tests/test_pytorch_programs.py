@@ -21,8 +21,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "pytorch_programs"))
-from harness import PROGRAMS, Run, largest_difference, prepare, run  # noqa: E402
-from port import UnportableImport, port  # noqa: E402
+from harness import PROGRAMS, Run, largest_difference, prepare, run
+from port import UnportableImport, port
 
 PASSING = [  # (program, processes, shardwise's ranks as threads of one process)
     ("tensor_parallel_example", 2, False),

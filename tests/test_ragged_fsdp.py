@@ -25,7 +25,7 @@ def block_sizes(rows: int, devices: int, block: int = BLOCK) -> tuple[int, ...]:
     return tuple(sum(blocks[k * per:(k + 1) * per]) for k in range(devices))
 
 
-def aligned(devices: int):  # noqa: ANN201
+def aligned(devices: int):
     def fn(param: nn.Parameter) -> RaggedShard:
         return RaggedShard(0, block_sizes(param.shape[0], devices))
     return fn

@@ -250,7 +250,7 @@ def test_concurrent_dispatch_on_different_meshes() -> None:
                 x = sw.distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
                 y = (x * 2).transpose(0, 1).sum(0)
                 assert torch.equal(y.full_tensor(), (torch.arange(12.0).reshape(6, 2) * 2).sum(1))
-        except Exception as err:  # noqa: BLE001 - reported below
+        except Exception as err:
             errors.append(err)
 
     threads = [threading.Thread(target=work, args=(m,)) for m in meshes]

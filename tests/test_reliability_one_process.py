@@ -70,7 +70,7 @@ def _decisions() -> int:
     return sum(len(op.decisions) for op in dispatch._OPS.values())
 
 
-def test_dispatch_decisions_bounded_with_variable_shapes(monkeypatch) -> None:  # noqa: ANN001
+def test_dispatch_decisions_bounded_with_variable_shapes(monkeypatch) -> None:
     from shardwise import dispatch
 
     monkeypatch.setattr(dispatch, "DECISION_CACHE_SIZE", 40)
@@ -94,7 +94,7 @@ def test_dispatch_decisions_bounded_with_variable_shapes(monkeypatch) -> None:  
     assert dispatch.DECISION_CACHE_SIZE == 40  # the default (4096) is restored by monkeypatch
 
 
-def test_redistribution_plan_caches_bounded(monkeypatch) -> None:  # noqa: ANN001
+def test_redistribution_plan_caches_bounded(monkeypatch) -> None:
     import random
 
     from shardwise.redistribute import plan as plan_module
@@ -246,7 +246,7 @@ def test_mirrored_variable_wrong_shape_and_integer_mean() -> None:
     assert torch.equal(counter.value(), torch.full((3,), 4, dtype=torch.int64))
 
 
-def test_missing_checkpoint_is_a_file_not_found_shardwise_error(tmp_path) -> None:  # noqa: ANN001
+def test_missing_checkpoint_is_a_file_not_found_shardwise_error(tmp_path) -> None:
     import pytest
 
     from shardwise import checkpoint
@@ -273,7 +273,7 @@ def _net(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
 
 
-def _save_repeatedly(path: str, seed: int, times: int, start, errors) -> None:  # noqa: ANN001
+def _save_repeatedly(path: str, seed: int, times: int, start, errors) -> None:
     from shardwise import checkpoint
 
     net = _net(seed)
@@ -281,11 +281,11 @@ def _save_repeatedly(path: str, seed: int, times: int, start, errors) -> None:  
     for step in range(times):
         try:
             checkpoint.save(path, net, step=step, extra={"seed": seed})
-        except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        except BaseException as exc:
             errors.put(f"{type(exc).__name__}: {exc}"[:300])
 
 
-def _check_final(path) -> None:  # noqa: ANN001
+def _check_final(path) -> None:
     from shardwise import checkpoint
 
     target = _net(99)
@@ -296,7 +296,7 @@ def _check_final(path) -> None:  # noqa: ANN001
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
 
 
-def test_concurrent_saves_from_two_processes_serialize(tmp_path) -> None:  # noqa: ANN001
+def test_concurrent_saves_from_two_processes_serialize(tmp_path) -> None:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -320,7 +320,7 @@ def test_concurrent_saves_from_two_processes_serialize(tmp_path) -> None:  # noq
     _check_final(path)
 
 
-def test_concurrent_saves_from_two_threads_serialize(tmp_path) -> None:  # noqa: ANN001
+def test_concurrent_saves_from_two_threads_serialize(tmp_path) -> None:
     import queue
     import threading
 

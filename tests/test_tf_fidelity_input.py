@@ -131,7 +131,7 @@ def test_replica_id_of_a_kept_replica_context() -> None:
         (VA.ONLY_FIRST_REPLICA, lambda a: a[0]),
     ],
 )
-def test_as_tensor_of_sync_on_read_is_the_aggregate(aggregation: VA, combine) -> None:  # noqa: ANN001
+def test_as_tensor_of_sync_on_read_is_the_aggregate(aggregation: VA, combine) -> None:
     s = mirrored(3)
     with s.scope():
         v = swd.Variable(torch.zeros(2), synchronization=VS.ON_READ, aggregation=aggregation)

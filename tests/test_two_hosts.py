@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "pytorch_programs"))
-import two_hosts as th  # noqa: E402
-from harness import PROGRAMS, largest_difference, run  # noqa: E402
+import two_hosts as th
+from harness import PROGRAMS, largest_difference, run
 
 RTOL = 1e-5  # float32: same program, same library; only the transport differs
 

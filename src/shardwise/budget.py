@@ -44,7 +44,7 @@ class CommBudget:
 
     def __init__(
         self,
-        bytes: int | None = None,  # noqa: A002 - the keyword the user writes
+        bytes: int | None = None,
         per_op: int | None = None,
         per_dim: Mapping[Key, int] | None = None,
         cross_process_bytes: int | None = None,
@@ -162,7 +162,7 @@ class CommBudget:
 
 
 def comm_budget(
-    bytes: int | None = None,  # noqa: A002 - the keyword the user writes
+    bytes: int | None = None,
     per_op: int | None = None,
     *,
     per_dim: Mapping[Key, int] | None = None,
@@ -226,7 +226,7 @@ def _plan_text(what: str, spec: Any, plan: Any) -> str:
     try:
         bound = str(lower_bound_bytes(spec.mesh, tuple(spec.shape), spec.tensor_meta.dtype.itemsize,
                                       plan.source, plan.target))
-    except Exception:  # noqa: BLE001 - a layout the bound does not cover: say so
+    except Exception:
         bound = "unknown"
     steps = "".join(f"\n      {_step_text(s)}" for s in plan.steps)
     return (f"  {what}: shape {list(spec.shape)} {spec.tensor_meta.dtype} on {spec.mesh}, "

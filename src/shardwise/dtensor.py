@@ -100,7 +100,7 @@ class DTensor(torch.Tensor):
         return out
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # replaced by ``set_dispatch_handler`` when the dispatch layer is imported (the first
         # name taken from the package imports it; importing only submodules may not)
         from .errors import UnsupportedOpError
@@ -137,7 +137,7 @@ class DTensor(torch.Tensor):
     def device_mesh(self) -> DeviceMesh:
         return self._spec.mesh
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         return (
             f"DTensor(shape={list(self.shape)}, dtype={self.dtype}, "
             f"placements={list(self.placements)}, mesh={self.device_mesh})"
@@ -309,7 +309,7 @@ class DTensor(torch.Tensor):
         return self._components[0].data_ptr()
 
     # torch.distributed.checkpoint's protocol for distributed tensors (dcp_protocol.py)
-    def __create_write_items__(self, fqn: str, obj: Any) -> list:  # noqa: ARG002
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
         from .dcp_protocol import create_write_items
 
         return create_write_items(fqn, self)
@@ -670,12 +670,12 @@ def local_components(dtensor: DTensor) -> list[torch.Tensor]:
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, spec: DTensorSpec, *components: torch.Tensor) -> DTensor:  # noqa: ANN001
+    def forward(ctx, spec: DTensorSpec, *components: torch.Tensor) -> DTensor:
         ctx.spec = spec
         return DTensor([c.view_as(c) for c in components], spec)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):  # noqa: ANN001
+    def backward(ctx, grad: DTensor):
         return (None, *_grad_components(grad, ctx.spec))
 
 
@@ -712,13 +712,13 @@ def _grad_spec(spec: DTensorSpec, grad_placements: Sequence[Placement], what: st
 
 class _Unpack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dtensor: DTensor, grad_spec: DTensorSpec | None = None):  # noqa: ANN001
+    def forward(ctx, dtensor: DTensor, grad_spec: DTensorSpec | None = None):
         ctx.spec = grad_spec or dtensor._spec
         dtype = dtensor.dtype  # a pending half-precision sum's float32 pieces, rounded
         return tuple(c.view_as(c) if c.dtype == dtype else c.to(dtype) for c in dtensor._components)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):  # noqa: ANN001
+    def backward(ctx, *grads: torch.Tensor | None):
         spec = ctx.spec
         components = [
             g if g is not None else torch.zeros(spec.local_shape(d), dtype=spec.tensor_meta.dtype)
@@ -767,7 +767,7 @@ class _Reshard(torch.autograd.Function):
     """A cross-mesh move; the gradient moves back to the source mesh (Partial as Replicate)."""
 
     @staticmethod
-    def forward(ctx, dtensor: DTensor, spec: DTensorSpec):  # noqa: ANN001, ANN205
+    def forward(ctx, dtensor: DTensor, spec: DTensorSpec):
         source = dtensor._spec
         ctx.source = source
         held = source.component_dtype
@@ -780,7 +780,7 @@ class _Reshard(torch.autograd.Function):
         return DTensor(components, spec)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):  # noqa: ANN001, ANN205
+    def backward(ctx, grad: DTensor):
         source = ctx.source
         back = [Replicate() if p.is_partial() else p for p in source.placements]
         return reshard(grad, source.mesh, back), None
@@ -788,8 +788,8 @@ class _Reshard(torch.autograd.Function):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(  # noqa: ANN205
-        ctx,  # noqa: ANN001
+    def forward(
+        ctx,
         dtensor: DTensor,
         target: tuple[Placement, ...],
         forward_dtype: torch.dtype | None = None,
@@ -812,7 +812,7 @@ class _Redistribute(torch.autograd.Function):
         return DTensor(components, spec.with_placements(target))
 
     @staticmethod
-    def backward(ctx, grad: DTensor):  # noqa: ANN001
+    def backward(ctx, grad: DTensor):
         target = [Replicate() if p.is_partial() else p for p in ctx.source]
         backward_dtype, input_dtype = ctx.dtypes
         if backward_dtype is not None and backward_dtype != grad.dtype:
@@ -830,14 +830,14 @@ class _FirstComponent(torch.autograd.Function):
     """A replicated DTensor's value as a plain tensor; the gradient is replicated back."""
 
     @staticmethod
-    def forward(  # noqa: ANN205
-        ctx, dtensor: DTensor, grad_spec: DTensorSpec | None = None  # noqa: ANN001
+    def forward(
+        ctx, dtensor: DTensor, grad_spec: DTensorSpec | None = None
     ):
         ctx.spec = grad_spec or dtensor._spec
         return dtensor._components[0].view_as(dtensor._components[0])
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
         components = [
             grad.to(spec.mesh.device_of(d)) if i == 0 else grad.to(spec.mesh.device_of(d)).clone()
@@ -906,7 +906,7 @@ class AsyncDTensor(DTensor):
             self.device_mesh.device_of(device),
         )
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         state = "pending" if self.is_pending() else "ready"
         return f"Async{super().__repr__()[:-1]}, {state})"
 
@@ -938,7 +938,7 @@ class AsyncCollectiveTensor(torch.Tensor):
         return not self._work.done()
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         def unwrap(t: Any) -> Any:
             return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
@@ -954,7 +954,7 @@ class AsyncCollectiveTensor(torch.Tensor):
     def numpy(self, *, force: bool = False) -> Any:
         return self.wait().numpy(force=force)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         state = "pending" if self.is_pending() else repr(self.wait())
         return f"AsyncCollectiveTensor({state})"
 
@@ -966,7 +966,7 @@ class _AsyncRedistribute(_Redistribute):
     """``_Redistribute`` whose forward hands the plan to the background worker."""
 
     @staticmethod
-    def forward(ctx, dtensor: DTensor, target: tuple[Placement, ...]) -> DTensor:  # noqa: ANN001
+    def forward(ctx, dtensor: DTensor, target: tuple[Placement, ...]) -> DTensor:
         spec = dtensor._spec
         ctx.source = spec.placements
         ctx.dtypes = (None, dtensor.dtype)  # the blocking backward, without dtype changes
@@ -990,7 +990,7 @@ def redistribute_async(dtensor: DTensor, target: tuple[Placement, ...]) -> Async
 
 class _AsyncFromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, spec: DTensorSpec, run_check: bool, *components: torch.Tensor) -> DTensor:  # noqa: ANN001
+    def forward(ctx, spec: DTensorSpec, run_check: bool, *components: torch.Tensor) -> DTensor:
         ctx.spec = spec
 
         def job() -> list[torch.Tensor]:
@@ -1003,7 +1003,7 @@ class _AsyncFromLocal(torch.autograd.Function):
         return AsyncDTensor(background.submit(job, f"from_local of {spec}"), spec)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):  # noqa: ANN001
+    def backward(ctx, grad: DTensor):
         return (None, None, *_grad_components(grad, ctx.spec))
 
 

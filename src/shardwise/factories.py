@@ -271,7 +271,7 @@ class _ReplicatedFactories(TorchFunctionMode):
         super().__init__()
         self.mesh = mesh
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         random = func in _RANDOM_FACTORIES
         if (

@@ -61,7 +61,7 @@ class _FirstCall(TorchDispatchMode):
         self.expected = (func, args, kwargs)
         self.seen = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         want, want_args, want_kwargs = self.expected
         kwargs = kwargs or {}
         if self.seen or func is not want or not (

@@ -198,7 +198,7 @@ class _RankRandom(TorchFunctionMode):
         super().__init__()
         self._generators = generators
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         random = getattr(func, "__name__", None) in _RANDOM or (
             getattr(func, "__module__", None) == "torch.nn.init"  # calls Tensor.uniform_ inside
@@ -291,7 +291,7 @@ def _run_rank(
                 done.put((rank.rank, False, err, "", time.monotonic()))
             else:
                 done.put((rank.rank, True, None, "", time.monotonic()))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller
+        except BaseException as err:
             done.put((rank.rank, False, err, traceback.format_exc(), time.monotonic()))
         else:
             done.put((rank.rank, True, result, "", time.monotonic()))

@@ -144,7 +144,7 @@ def check_layout(tensor: Any, layout: Layout) -> None:
         raise LayoutError(f"expected {layout} but {_describe(tensor)} has layout {actual}")
 
 
-def relayout(tensor: Any, layout: Layout, name: str | None = None) -> DTensor:  # noqa: ARG001
+def relayout(tensor: Any, layout: Layout, name: str | None = None) -> DTensor:
     """The same global value with ``layout`` (differentiable); MATCH axes keep their sharding
     (``LayoutError`` when that mesh dim is also named by another axis of ``layout``).
 
@@ -338,7 +338,7 @@ class DVariable(DTensor):
                 op(dst, src)
         return self
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"DVariable(shape={list(self.shape)}, dtype={self.dtype}, layout={self._layout})"
 
 
@@ -397,7 +397,7 @@ def _current_mesh_of(kind: str) -> DeviceMesh | None:
 def create_distributed_mesh(
     mesh_dims: Sequence[tuple[str, int]],
     mesh_name: str = "",
-    local_devices: Sequence[Any] | None = None,  # noqa: ARG001 - TF's; devices follow the rank
+    local_devices: Sequence[Any] | None = None,
     device_type: str | None = None,
 ) -> Mesh:
     """TF: a mesh over every client's devices, ``[("batch", 4), ("model", 2)]``, ids row-major.
@@ -477,11 +477,11 @@ class _CopyToMesh(torch.autograd.Function):
     copy_to_mesh gradient)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:  # noqa: ANN001
+    def forward(ctx, tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
         return distribute_tensor(tensor.detach(), mesh, placements)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):  # noqa: ANN001
+    def backward(ctx, grad: DTensor):
         return grad.full_tensor(), None, None
 
 

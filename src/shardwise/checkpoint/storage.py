@@ -232,7 +232,7 @@ class VerifiedReader(FileSystemReader):
             for chunk in getattr(md, "chunks", ())
         }
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:  # noqa: ARG002
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._checkpoint.metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:

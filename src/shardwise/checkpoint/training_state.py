@@ -105,7 +105,7 @@ class _SavePlanner(dcp.DefaultSavePlanner):
         super().__init__()
         self._progress, self._bar = progress, None
 
-    def create_local_plan(self):  # noqa: ANN201
+    def create_local_plan(self):
         plan = super().create_local_plan()
         total = sum(
             math.prod(item.tensor_data.chunk.sizes)
@@ -116,7 +116,7 @@ class _SavePlanner(dcp.DefaultSavePlanner):
         self._bar = _progress(total, "checkpoint save", self._progress)
         return plan
 
-    def resolve_data(self, write_item):  # noqa: ANN001, ANN201
+    def resolve_data(self, write_item):
         data = super().resolve_data(write_item)
         if self._bar is not None and isinstance(data, torch.Tensor):
             self._bar.update(data.numel() * data.element_size())
@@ -132,7 +132,7 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
         super().__init__()
         self._progress, self._bar = progress, None
 
-    def create_local_plan(self):  # noqa: ANN201
+    def create_local_plan(self):
         plan = super().create_local_plan()
         total = 0
         for item in plan.items:
@@ -143,12 +143,12 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
         self._bar = _progress(total, "checkpoint load", self._progress)
         return plan
 
-    def load_bytes(self, read_item, value) -> None:  # noqa: ANN001
+    def load_bytes(self, read_item, value) -> None:
         # DCP's own unpickles with weights_only=False, which runs whatever the bytes name
         set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
                     load_plain(value))
 
-    def commit_tensor(self, read_item, tensor) -> None:  # noqa: ANN001
+    def commit_tensor(self, read_item, tensor) -> None:
         super().commit_tensor(read_item, tensor)
         if self._bar is not None:
             self._bar.update(tensor.numel() * tensor.element_size())

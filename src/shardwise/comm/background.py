@@ -53,7 +53,7 @@ class Work(Generic[T]):
         """Run ``fn`` in the submitter's context (its settings and ``CommCounter``s)."""
         try:
             self._result = context.run(self._described, fn)
-        except BaseException as err:  # noqa: BLE001 - kept and raised at wait()
+        except BaseException as err:
             self._error = err
         finally:
             self._done.set()

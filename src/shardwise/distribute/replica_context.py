@@ -136,13 +136,13 @@ class _AllReduce(torch.autograd.Function):
     gradients, itself a merge point of the replicas' backward passes."""
 
     @staticmethod
-    def forward(ctx, rc: ReplicaContext, op: ReduceOp, *flat: torch.Tensor):  # noqa: ANN001
+    def forward(ctx, rc: ReplicaContext, op: ReduceOp, *flat: torch.Tensor):
         ctx.rc = rc
         ctx.op = op
         return tuple(rc._all_reduce_plain(op, [t.detach() for t in flat]))
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # noqa: ANN001
+    def backward(ctx, *grads: torch.Tensor):
         with context.entered(context.Mode(ctx.rc._strategy, ctx.rc)):
             reduced = ctx.rc._all_reduce_plain(ctx.op, list(grads))
         return (None, None, *reduced)

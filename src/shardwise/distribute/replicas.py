@@ -220,7 +220,7 @@ class ReplicaRunner:
             rep.state = "done"
         except _Aborted:
             rep.state = "aborted"
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+        except BaseException as e:
             rep.error = e
             rep.state = "error"
         self._release(rep)

@@ -82,7 +82,7 @@ class Mirrored(DistributedValues):
         return self.closest()[index]
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         args, kwargs = _unwrap_mirrored((args, kwargs or {}))
         return func(*args, **kwargs)
 

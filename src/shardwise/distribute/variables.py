@@ -134,14 +134,14 @@ class Variable(metaclass=_VariableMeta):
         return -self.value()
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         args, kwargs = _unwrap((args, kwargs or {}))
         return func(*args, **kwargs)
 
     def __repr__(self) -> str:
         try:
             shown = self.read_value().tolist()
-        except Exception:  # noqa: BLE001 - repr must not fail (e.g. NONE sync-on-read)
+        except Exception:
             shown = "..."
         return f"<{type(self).__name__} {self.name!r} shape={list(self.shape)} value={shown}>"
 

@@ -608,7 +608,7 @@ def _splits_blocks(
     )
 
 
-def _split_local_args(args, kwargs, input_specs, _output_specs, device):  # noqa: ANN001, ANN202
+def _split_local_args(args, kwargs, input_specs, _output_specs, device):
     """A split of interleaved blocks splits each device's component into its local blocks."""
     spec = input_specs[0]
     dim = _norm(args[2] if len(args) > 2 else kwargs.get("dim", 0), spec.ndim)

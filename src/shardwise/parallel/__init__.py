@@ -30,10 +30,10 @@ __all__ = [
 ]
 
 # data parallel (composable with the styles above on a 2-D mesh)
-from .data_parallel import DataParallelMeshDims  # noqa: E402
-from .fully_shard import FSDPModule, fully_shard  # noqa: E402
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
-from .replicate import replicate  # noqa: E402
+from .data_parallel import DataParallelMeshDims
+from .fully_shard import FSDPModule, fully_shard
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .replicate import replicate
 
 __all__ += [
     "CPUOffloadPolicy",

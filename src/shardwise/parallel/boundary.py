@@ -92,11 +92,11 @@ class _Distribute(torch.autograd.Function):
     gradient), where ``distribute_tensor`` itself makes a leaf."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
         return distribute_tensor(x.detach(), mesh, placements)
 
     @staticmethod
-    def backward(ctx, grad: DTensor) -> tuple:  # noqa: ANN001
+    def backward(ctx, grad: DTensor) -> tuple:
         return grad.full_tensor(), None, None
 
 

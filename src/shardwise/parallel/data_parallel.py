@@ -342,7 +342,7 @@ class GatheredView(torch.autograd.Function):
     globally as it came (the batch was sharded over those dims)."""
 
     @staticmethod
-    def forward(  # noqa: ANN205
+    def forward(
         ctx, stored: DTensor, compute: tuple, dp: DataParallelDims, view: str, sub: Any,
         dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, scale: float,
     ):
@@ -360,7 +360,7 @@ class GatheredView(torch.autograd.Function):
         return DTensor([piece], DTensorSpec(sub, placements, meta))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN205
+    def backward(ctx, grad: torch.Tensor):
         dp: DataParallelDims = ctx.dp
         dtype = ctx.reduce_dtype or grad.dtype
         if ctx.scale != 1.0:

@@ -52,7 +52,7 @@ def loss_parallel() -> Iterator[None]:
 
 
 class _LossParallelMode(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.cross_entropy:
             bound = _SIGNATURE.bind(*args, **kwargs)
@@ -73,7 +73,7 @@ def _class_mesh_dims(logits: DTensor) -> list[int]:
 
 
 def _cross_entropy(
-    input: DTensor,  # noqa: A002 - F.cross_entropy's name
+    input: DTensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
     size_average: Any,
@@ -176,7 +176,7 @@ def _acting_device(mesh: DeviceMesh) -> int:
     return ids[0]
 
 
-def _all_reduce(mesh: DeviceMesh, dims: list[int], parts: list[torch.Tensor], op: str):  # noqa: ANN202
+def _all_reduce(mesh: DeviceMesh, dims: list[int], parts: list[torch.Tensor], op: str):
     for m in dims:
         parts = comm.all_reduce(mesh, m, parts, op)
     return parts
@@ -186,7 +186,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-row ``logsumexp(x) - x[target]`` (0 at ignored rows) from class-sharded logits."""
 
     @staticmethod
-    def forward(ctx, logits: DTensor, target: DTensor, ignore_index: int) -> DTensor:  # noqa: ANN001
+    def forward(ctx, logits: DTensor, target: DTensor, ignore_index: int) -> DTensor:
         spec, mesh = logits._spec, logits.device_mesh
         cd, dims = _class_dim(logits), _class_mesh_dims(logits)
         parts = logits._components
@@ -214,7 +214,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return DTensor(losses, out_spec)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):  # noqa: ANN001
+    def backward(ctx, grad: DTensor):
         spec, target_spec, targets, locals_, ignore_index = ctx.state
         grad = grad.redistribute(placements=target_spec.placements)
         cd = 0 if spec.ndim == 1 else 1
@@ -254,7 +254,7 @@ def _check_labels(targets: list[torch.Tensor], classes: int, ignore_index: int) 
             )
 
 
-def _local_target(t: torch.Tensor, start: int, n: int, ignore_index: int):  # noqa: ANN202
+def _local_target(t: torch.Tensor, start: int, n: int, ignore_index: int):
     """(index into this device's classes (clamped), whether the target class is here)."""
     hit = (t >= start) & (t < start + n) & (t != ignore_index)
     return (t - start).clamp(0, max(n - 1, 0)), hit

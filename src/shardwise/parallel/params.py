@@ -64,7 +64,7 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh, tp_dim: int | None = Non
                 placed[id(value)] = slots[name]
 
 
-def _reduce_on(tp_dim: int, placements: tuple[Placement, ...]):  # noqa: ANN202
+def _reduce_on(tp_dim: int, placements: tuple[Placement, ...]):
     @eager_under_dynamo  # backward runs it eagerly, also after a compiled forward
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if not isinstance(grad, DTensor):

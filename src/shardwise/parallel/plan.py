@@ -23,7 +23,7 @@ def key_text(key: PlanKey) -> str:
     return f"re.compile(r'{key.pattern}')" if isinstance(key, re.Pattern) else f"'{key}'"
 
 
-def name_matcher(key: PlanKey, *, regex: bool = False):  # noqa: ANN201
+def name_matcher(key: PlanKey, *, regex: bool = False):
     """A predicate on full names for ``key`` (``regex``: plain strings are regular
     expressions, veScale's convention)."""
     if isinstance(key, re.Pattern):

@@ -79,11 +79,11 @@ def _check(
     module: nn.Module,
     state_dict: dict,
     prefix: str,
-    local_metadata: Any,  # noqa: ARG001
-    strict: bool,  # noqa: ARG001 - mismatches raise either way, as torch's size mismatches do
-    missing_keys: list,  # noqa: ARG001
-    unexpected_keys: list,  # noqa: ARG001
-    error_msgs: list,  # noqa: ARG001
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list,
+    unexpected_keys: list,
+    error_msgs: list,
     *,
     recurse: bool,
 ) -> None:
@@ -113,7 +113,7 @@ def _check(
         state_dict[key] = state_dict[key].detach().redistribute(placements=placements)
 
 
-def _on_registration(module: nn.Module, name: str, value: Any) -> None:  # noqa: ARG001
+def _on_registration(module: nn.Module, name: str, value: Any) -> None:
     if isinstance(value, DTensor):
         guard_loading(module, recurse=False)
 

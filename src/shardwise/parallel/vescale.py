@@ -133,7 +133,7 @@ def _place(x: Any, mesh: DeviceMesh, tp_dim: int, placements: Any, entry: str) -
     return to_layout(dx, on_tp_dim(mesh, tp_dim, placements, base=dx.placements))
 
 
-def _input_hook(mesh: DeviceMesh, tp_dim: int, layouts: Any, entry: str):  # noqa: ANN202
+def _input_hook(mesh: DeviceMesh, tp_dim: int, layouts: Any, entry: str):
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         if isinstance(layouts, Mapping):
             bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
@@ -158,7 +158,7 @@ def _input_hook(mesh: DeviceMesh, tp_dim: int, layouts: Any, entry: str):  # noq
     return hook
 
 
-def _output_hook(mesh: DeviceMesh, tp_dim: int, layouts: Any, entry: str):  # noqa: ANN202
+def _output_hook(mesh: DeviceMesh, tp_dim: int, layouts: Any, entry: str):
     def hook(module: nn.Module, _args: tuple, out: Any) -> Any:
         if isinstance(layouts, Mapping):
             for k in layouts:
