@@ -103,8 +103,6 @@ def _step_kind(a: Placement, b: Placement, mesh_size: int) -> Collective | None:
         return "local"
     if isinstance(a, Replicate):
         return "local"  # Replicate -> Shard takes a chunk; Replicate -> Partial partitions
-    if isinstance(a, Shard) and isinstance(b, Partial) and b.zeros_elsewhere:
-        return "local"  # each device keeps its piece in place, zeros around it (a spread)
     if isinstance(b, Replicate):
         return "all_reduce" if isinstance(a, Partial) else "all_gather"
     if isinstance(a, Partial):
@@ -364,11 +362,9 @@ class _Search:
 
     An exchange is taken only when it moves fewer bytes than the named collectives. The bytes
     any plan from a state still moves (``Pricer.lacking``, the lower bound) guide the search
-    (not towards a Partial target, where the guess is 0 bytes: a sum group needs the value on
-    one member only, which ``lacking`` does not model, so a spread may cost nothing); so
+    (not towards a Partial target: zeros or the identity of max and min would do there); so
     do the collectives and steps still needed without an exchange (a mesh dim leaves a
-    placement other than Replicate only by a collective on it, but a Shard spreads to a
-    Partial("sum") or p-norm target locally). An exchange straight from the
+    placement other than Replicate only by a collective on it). An exchange straight from the
     source already moves the fewest bytes any schedule can (see ``exchange_cost``), so it
     bounds the search: states that cannot beat it are never expanded, and no later exchange
     can do better. Only mixed reduce ops, which it cannot resolve, need exchanges from states
@@ -392,8 +388,6 @@ class _Search:
                    for o, n in zip(options, sizes, strict=True)]
         self.moves = [_moves(tuple(o), n) for o, n in zip(options, sizes, strict=True)]
         self.replicate = [[p.is_replicate() for p in o] for o in options]
-        # per mesh dim, whether its target is a Partial a Shard reaches locally (a spread)
-        self.spread = [isinstance(p, Partial) and p.zeros_elsewhere for p in target]
         self.partial = [[p.is_partial() for p in o] for o in options]
         self.pending = [[p.is_partial() and p.reduce_op in ("sum", "avg") for p in o]
                         for o in options]
@@ -438,7 +432,6 @@ class _Search:
         if left is None:
             changed = [m for m, i in enumerate(state) if i != self.goal[m]]
             collectives = sum(self.sizes[m] > 1 and not self.replicate[m][state[m]]
-                              and not (self.spread[m] and self.shard[m][state[m]] is not None)
                               for m in changed)
             left = self._left[state] = (collectives, len(changed))
         return left
