@@ -273,10 +273,10 @@ def _net(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
 
 
-def _save_repeatedly(path: str, seed: int, times: int, start, errors) -> None:
+def _save_repeatedly(path: str, seed: int, times: int, start, errors, net=None) -> None:
     from shardwise import checkpoint
 
-    net = _net(seed)
+    net = _net(seed) if net is None else net  # threads: made beforehand (one global generator)
     start.wait()
     for step in range(times):
         try:
@@ -326,7 +326,8 @@ def test_concurrent_saves_from_two_threads_serialize(tmp_path) -> None:
 
     start, errors = threading.Event(), queue.Queue()
     path = tmp_path / "ck"
-    threads = [threading.Thread(target=_save_repeatedly, args=(str(path), seed, 4, start, errors))
+    threads = [threading.Thread(target=_save_repeatedly,
+                                args=(str(path), seed, 4, start, errors, _net(seed)))
                for seed in (1, 2)]
     for t in threads:
         t.start()

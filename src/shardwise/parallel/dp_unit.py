@@ -139,6 +139,9 @@ class DataParallelUnit:
         self.held.clear()
 
     # ----- forward hooks ---------------------------------------------------------------------
+    # under torch.compile they run eagerly around the compiled forward, as FSDP2's; registered
+    # as bound methods, so copy.deepcopy of the module rebinds them to the copied unit
+    @torch.compiler.disable
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         view, outermost = choose_view(self.dp, args, kwargs)
         token = enter_view(view) if outermost else None
@@ -163,6 +166,7 @@ class DataParallelUnit:
         self.active.append((token, saving, view, stored))
         return args, kwargs
 
+    @torch.compiler.disable
     def after_forward(self, module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> Any:
         token, saving, view, stored = self.active.pop()
         if saving is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
-import torch
 from torch import nn
 
 from ..deferred_init import materialize_if_root
@@ -187,11 +186,8 @@ def fully_shard(
     )
     for m in modules:
         guard_loading(m)
-        # under torch.compile the hooks run eagerly around the compiled forward, as FSDP2's
-        m.register_forward_pre_hook(torch.compiler.disable(unit.before_forward), with_kwargs=True)
-        m.register_forward_hook(
-            torch.compiler.disable(unit.after_forward), with_kwargs=True, always_call=True
-        )
+        m.register_forward_pre_hook(unit.before_forward, with_kwargs=True)
+        m.register_forward_hook(unit.after_forward, with_kwargs=True, always_call=True)
         _as_fsdp_module(m, unit)
     return modules if isinstance(module, Sequence) else modules[0]
 

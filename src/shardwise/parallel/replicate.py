@@ -10,7 +10,6 @@ once per backward, bucketed (``dp_unit``): one all-reduce per bucket, dim and dt
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..deferred_init import materialize_if_root
@@ -57,9 +56,6 @@ def replicate(
         offload_policy=OffloadPolicy(), bucket_cap=int(bucket_cap_mb * 2**20),
     )
     guard_loading(module)
-    # under torch.compile the hooks run eagerly around the compiled forward (as fully_shard's)
-    module.register_forward_pre_hook(torch.compiler.disable(unit.before_forward),
-                                     with_kwargs=True)
-    module.register_forward_hook(torch.compiler.disable(unit.after_forward), with_kwargs=True,
-                                 always_call=True)
+    module.register_forward_pre_hook(unit.before_forward, with_kwargs=True)
+    module.register_forward_hook(unit.after_forward, with_kwargs=True, always_call=True)
     return module
