@@ -341,6 +341,10 @@ def _run_candidate(
     dflat = list(flat)
     for i, spec in zip(tensor_at, ins, strict=True):
         t = flat[i].detach().clone()
+        if not (t.is_floating_point() or t.is_complex()) and any(
+            isinstance(p, Partial) and p.reduce_op == "avg" for p in spec.placements
+        ):
+            return ""  # no DTensor of this dtype is a pending mean: the input cannot occur
         if not _fits(t, mesh, spec.placements):
             return f"input placements {list(spec.placements)} do not fit shape {list(t.shape)}"
         dflat[i] = adversarial_components(t, mesh, spec.placements, seed)
