@@ -28,6 +28,7 @@ from . import runtime
 from .comm import CommCounter
 from .deferred_init import deferred_init
 from .dtensor import DTensor, distribute_tensor
+from .launch import positive_int
 from .memory import track_allocations
 from .mesh import DeviceMesh, init_device_mesh
 from .op_inputs import allow_implicit_redistribute
@@ -217,16 +218,6 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return dp, tp
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -247,21 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", type=parse_mesh, default=(2, 2), metavar="DPxTP",
                         help="mesh shape: data-parallel x tensor-parallel size (default 2x2; "
                         "4x1, 1x4... work too)")
-    parser.add_argument("--steps", type=_at_least_one,
+    parser.add_argument("--steps", type=positive_int,
                         default=30, help="training steps (default 30)")
-    parser.add_argument("--batch", type=_at_least_one,
+    parser.add_argument("--batch", type=positive_int,
                         default=16, help="global batch size (default 16)")
     parser.add_argument("--lr", type=_positive_float, default=1e-2,
                         help="AdamW learning rate (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
-    parser.add_argument("--layers", type=_at_least_one,
+    parser.add_argument("--layers", type=positive_int,
                         default=2, help="transformer blocks (default 2)")
     parser.add_argument("--tied", action="store_true",
                         help="tie the output head to the token embedding")
     parser.add_argument("--fsdp", action="store_true",
                         help="data parallel by fully_shard (parameters and optimizer state "
                         "Shard(0) on the data dim) instead of replicate")
-    parser.add_argument("--nproc", type=_at_least_one, default=1,
+    parser.add_argument("--nproc", type=positive_int, default=1,
                         help="run over this many gloo processes on this host (the mesh size "
                         "must be a multiple of it); prints the same losses")
     parser.add_argument("--plot", metavar="FILE",

@@ -50,7 +50,8 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (launcher and demo counts)."""
     try:
         value = int(text)
     except ValueError:
@@ -76,7 +77,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Run a shardwise script in N local processes (gloo on CPU), like torchrun.",
     )
     parser.add_argument(
-        "--nproc", "--nproc-per-node", dest="nproc", type=_positive_int, required=True,
+        "--nproc", "--nproc-per-node", dest="nproc", type=positive_int, required=True,
         help="number of processes to start",
     )
     parser.add_argument("--master-port", type=_port, default=0, help="rendezvous port (0: free)")
