@@ -74,7 +74,7 @@ class _Op:
     input specs and static arguments)."""
 
     __slots__ = ("func", "bypass", "pre", "post", "hooked", "local_args", "static_argnum",
-                 "static_kwargs", "inplace", "view", "call", "binding", "decisions")
+                 "static_kwargs", "inplace", "written", "view", "call", "binding", "decisions")
 
     def __init__(self, func: Any) -> None:
         self.func = func  # keeps ``id(func)``, the key of ``_OPS``, from being reused
@@ -91,6 +91,7 @@ class _Op:
         self.static_kwargs = (frozenset(info.static_kwargkey)
                               if info is not None and info.static_kwargkey is not None else None)
         self.inplace = _is_inplace(func)
+        self.written = _written_arguments(func)
         self.view = _is_view(func)
         # the kernel without OpOverload.__call__'s Python frame
         self.call = func._op if type(func) is torch._ops.OpOverload else func
@@ -103,8 +104,9 @@ class _Entry:
     inputs that move (and whether any needs communication), the specs the inputs move to,
     the op's hooks that apply to this decision, and the complete output spec(s)."""
 
-    __slots__ = ("decision", "where", "top", "moves", "communicates", "moved_self", "moved_specs",
-                 "devices", "local_args", "post", "direct", "single", "call")
+    __slots__ = ("decision", "where", "top", "moves", "communicates", "moved_self",
+                 "moved_written", "moved_specs", "devices", "local_args", "post", "direct",
+                 "single", "call")
 
     def __init__(
         self, op: _Op, decision: Decision, specs: list[DTensorSpec], where: tuple
@@ -123,6 +125,12 @@ class _Entry:
         )
         self.communicates = communicating(self.moves)
         self.moved_self = targets[0] != specs[0].placements
+        # the written arguments that move (every element of a foreach op's written lists, a
+        # fused optimizer's states): each must then live where it was written
+        self.moved_written = tuple(
+            n for n, (w, s, t) in enumerate(zip(where, specs, targets, strict=True))
+            if w[0] in op.written and s.placements != t
+        )
         self.moved_specs = [
             DTensorSpec(s.mesh, p, s.tensor_meta) for s, p in zip(specs, targets, strict=True)
         ]
@@ -138,7 +146,7 @@ class _Entry:
         self.direct = (
             self.top is not None and len(self.devices) == 1 and not self.moves
             and self.local_args is None and self.post is None
-            and not (op.inplace and self.moved_self) and not decision.widen
+            and not self.moved_written and not decision.widen
         )
         self.single: DTensorSpec | None = None  # set by ``complete``
         # the op's binding once a call through it was checked (``fast_call``), else None
@@ -701,11 +709,12 @@ def _finish(
     """Update self when an in-place op moved it (``components``: the moved inputs), wrap the
     outputs, mark views."""
     decision = entry.decision
-    if op.inplace and entry.moved_self:
-        # the op needed self elsewhere: self now lives there (same global value, updated)
-        self = dtensors[0]
-        self._components = components[0]
-        self._spec = entry.moved_specs[0]
+    for n in entry.moved_written:
+        # the op needed a written argument elsewhere: it now lives there (same global value,
+        # updated)
+        written = dtensors[n]
+        written._components = components[n]
+        written._spec = entry.moved_specs[n]
     result = _wrap(func, decision, results, dtensors, op.inplace)
     if op.view:
         # a view of a moved input aliases a temporary copy, not the input: writes would be lost
@@ -868,6 +877,19 @@ def _is_view(func: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=8192)  # one entry per op overload
+def _written_arguments(func: Any) -> frozenset:
+    """The positions and names of the arguments the op writes (its schema's ``(a!)``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return frozenset()
+    return frozenset(
+        key
+        for i, arg in enumerate(schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+        for key in ((arg.name,) if arg.kwarg_only else (i, arg.name))
+    )
+
+
 def _is_inplace(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:
