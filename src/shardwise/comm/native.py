@@ -21,9 +21,11 @@ pieces' split sizes; broadcast by the backend's broadcast. Reductions stay bit-i
 embedded transport, which combines terms in coordinate order (``reduction.combine``): an
 all_to_all brings member k chunk k of every term, which it combines in that order, and
 all_reduce all-gathers the reduced chunks (the bytes of a ring all_reduce), the terms landing
-in the result's own memory; reduce_scatter is the first half. Two processes exchange whole
-components (the same bytes) when forecast, and otherwise sum two terms of a dtype the backend
-adds exactly as torch does (one addition per element, which commutes) by its own all_reduce."""
+in the result's own memory; reduce_scatter is the first half. all_reduce runs on the
+backend's own all_reduce, after the headers, wherever its bits cannot depend on the order it
+adds in: integers at any count (associative, no NaN), and a sum of two terms (a + b == b + a)
+in a dtype it adds exactly as torch does; other reductions between two processes exchange
+whole components (a ring's bytes), with the headers when forecast, and combine them."""
 
 from __future__ import annotations
 
@@ -44,6 +46,21 @@ from .reduction import combine, finish
 # dtypes whose sum of two terms the backend computes exactly as ``reduction.combine`` does (half
 # types accumulate in float32 there; max/min differ on NaN)
 _PAIR_EXACT = (torch.float32, torch.float64, torch.int32, torch.int64)
+# dtypes whose sum, max and min the backend computes as ``reduction.combine`` does in any order
+# and over any number of terms: integers (addition wraps alike and is associative; no NaN, on
+# which the backend's max and min differ from torch's) that gloo and NCCL both reduce
+_ORDER_FREE = (torch.int8, torch.uint8, torch.int32, torch.int64)
+_BACKEND_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                "min": dist.ReduceOp.MIN}
+
+
+def _backend_reduces(op: str, dtype: torch.dtype, n: int) -> bool:
+    """Whether the backend's own all_reduce of ``n`` terms gives the bits of the coordinate
+    order: integers at any count; two terms summed (a + b == b + a) in a dtype it adds as
+    torch does (avg is that sum, divided after)."""
+    if dtype in _ORDER_FREE:
+        return op in ("sum", "max", "min")
+    return n == 2 and op in ("sum", "avg") and dtype in _PAIR_EXACT
 
 
 @lru_cache(maxsize=1024)
@@ -91,7 +108,8 @@ class _Native:
         the shapes it announced and (if every piece came inline) the bytes it sent here.
 
         ``wire`` says which pieces could ride along ("all_gather": ``outgoing[0]`` to everyone;
-        "all_to_all": ``outgoing[k]`` to member k; None: headers only), ``sent`` the bytes a
+        "all_to_all": ``outgoing[k]`` to member k; None: headers only; any dtype and strides, made
+        dense only to ride along), ``sent`` the bytes a
         member sends, from its announced shapes (the same rule in every process decides who
         sent inline). Each peer gets one message of the header and the forecast bytes, or, for
         a large forecast, the header and then the piece on its own, received in place: in
@@ -102,7 +120,8 @@ class _Native:
         header = self._header(shapes, extra)
         hb = header.numel()
         f_wire, f_size = self.forecast.predict()
-        inline = f_size > 0 and wire == f_wire and all(t.numel() <= f_size for t in outgoing)
+        inline = f_size > 0 and wire == f_wire and all(
+            t.numel() * t.element_size() <= f_size for t in outgoing)
         apart = f_size >= protocol.APART_FROM
         peers = [j for j in range(self.n) if j != self.k]
         device = header.device
@@ -121,7 +140,7 @@ class _Native:
             """The forecast bytes for member j (exactly ``f_size``)."""
             if not inline:
                 return junk
-            piece = outgoing[j if wire == "all_to_all" else 0]
+            piece = as_bytes(outgoing[j if wire == "all_to_all" else 0])
             if piece.numel() == f_size:
                 return piece
             padded = torch.empty(f_size, dtype=torch.uint8, device=device)
@@ -176,9 +195,12 @@ class _Native:
                 arrived.append(landing[j][:size] if apart else inbox[j][hb : hb + size])
                 continue
             mine = outgoing[self.k if wire == "all_to_all" else 0]
-            if own:  # a result of its own, not a view of the input
-                mine = landing[j][:size].copy_(mine) if apart else mine.clone()
-            arrived.append(mine)
+            if own:  # a result of its own, not a view of the input: one copy, strided or not
+                slot = landing[j][:size] if apart else self._buffer(size, None)
+                _typed(slot, mine.dtype, mine.shape).copy_(mine)
+                arrived.append(slot)
+            else:
+                arrived.append(as_bytes(mine))
         call.traffic.meta += message_bytes - sum(
             a.numel() for j, a in enumerate(arrived) if j != self.k
         )
@@ -363,7 +385,7 @@ def all_gather(
         g = _Native(call, group)
         piece = components[g.local]
         announced, arrived = g.first_round(
-            "all_gather", [piece.shape], [as_bytes(piece)],
+            "all_gather", [piece.shape], [piece],
             lambda shapes: [_nbytes(shapes[0], sample.dtype)], own=True,
         )
         shapes = [s[0] for s in announced]
@@ -408,15 +430,16 @@ def all_to_all(
         g = _Native(call, group)
         mine = pieces[g.local]
         announced, received = g.first_round(
-            "all_to_all", [p.shape for p in mine], [as_bytes(p) for p in mine],
+            "all_to_all", [p.shape for p in mine], mine,
             lambda shapes: [_nbytes(s, sample.dtype) for s in shapes], own=True,
         )
         shapes = [announced[j][g.k] for j in range(g.n)]
         if received is None:
-            received = Received(g.all_to_all(mine, [_nbytes(s, sample.dtype) for s in shapes]))
+            received = g.all_to_all(mine, [_nbytes(s, sample.dtype) for s in shapes])
         else:
             g.count_arrived(received)
-        out[g.local] = type(received)(
+        # fresh buffers either way (the own piece copied too): ``join`` may view them
+        out[g.local] = Received(
             _typed(r, sample.dtype, s) for r, s in zip(received, shapes, strict=True)
         )
     return out, call.traffic
@@ -440,7 +463,7 @@ def reduce_scatter(
         g = _Native(call, group)
         mine = pieces[g.local]
         announced, terms = g.first_round(
-            "all_to_all", [p.shape for p in mine], [as_bytes(p) for p in mine],
+            "all_to_all", [p.shape for p in mine], mine,
             lambda shapes: [_nbytes(s, sample.dtype) for s in shapes], OPS.index(op),
         )
         g.same_shapes(announced)
@@ -470,8 +493,9 @@ def all_reduce(
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """Member k reduces chunk k of every component in coordinate order (after an all_to_all of
     the chunks, inline with the headers when forecast), then the reduced chunks are
-    all-gathered into the result buffer. Two processes exchange their whole components (the
-    same bytes as a ring), in the header's message when forecast."""
+    all-gathered into the result buffer. The backend's all_reduce where its bits are those
+    (``_backend_reduces``); else two processes exchange their whole components (the same
+    bytes as a ring), with the headers when forecast."""
     sample = components[0]
     call = Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})",
                 transport=protocol.NATIVE)
@@ -482,9 +506,10 @@ def all_reduce(
         g = _Native(call, group)
         component = components[g.local]
         bounds = _chunks(component.numel(), g.n)
+        backend = _backend_reduces(op, sample.dtype, g.n)
         if g.n == 2:  # the ring's bytes: each process gets the other's whole component
             announced, terms = g.first_round(
-                "all_gather", [component.shape], [as_bytes(component)],
+                "all_gather", [component.shape], [component],
                 lambda shapes: [_nbytes(shapes[0], sample.dtype)], OPS.index(op),
             )
             g.same_shapes(announced)
@@ -498,11 +523,14 @@ def all_reduce(
                     reduced = combine(typed, op)
                 out[g.local] = finish(reduced, op, g.n, sample.dtype)
                 continue
-        if g.n == 2 and op in ("sum", "avg") and sample.dtype in _PAIR_EXACT:
-            # one addition per element, a + b == b + a: the backend's sum is the embedded one
+        elif backend:  # headers alone: the pieces would not ride along
+            g.same_shapes(g.first_round(None, [component.shape], extra=OPS.index(op))[0])
+        if backend:
             result = component.clone(memory_format=torch.contiguous_format)
-            g.run(lambda r=result, g=g: dist.all_reduce(r, group=g.pg, async_op=True))
-            call.traffic.payload += result.numel() * item  # a ring's two halves
+            if result.numel():
+                g.run(lambda r=result, g=g: dist.all_reduce(
+                    r, op=_BACKEND_OPS[op], group=g.pg, async_op=True))
+            call.traffic.payload += 2 * (g.n - 1) * result.numel() * item // g.n  # a ring's
             out[g.local] = finish(result, op, g.n, sample.dtype)
             continue
         flat = as_bytes(component)
