@@ -16,16 +16,18 @@ diverge; a wrong forecast only costs the padding, and the data follows as withou
 
 The data, when it did not come with the header: all_gather point to point into the result
 (gloo's all_gather copies through a flat buffer of the whole result, and measured slower at
-every size); all_to_all by ``all_to_all_single`` with the
-pieces' split sizes; broadcast by the backend's broadcast. Reductions stay bit-identical to the
-embedded transport, which combines terms in coordinate order (``reduction.combine``): an
-all_to_all brings member k chunk k of every term, which it combines in that order, and
-all_reduce all-gathers the reduced chunks (the bytes of a ring all_reduce), the terms landing
-in the result's own memory; reduce_scatter is the first half. all_reduce runs on the
-backend's own all_reduce, after the headers, wherever its bits cannot depend on the order it
-adds in: integers at any count (associative, no NaN), and a sum of two terms (a + b == b + a)
-in a dtype it adds exactly as torch does; other reductions between two processes exchange
-whole components (a ring's bytes), with the headers when forecast, and combine them."""
+every size); all_to_all point to point too, each piece received into its slot of the result
+and made dense once on its way out (``all_to_all_single`` packs them all into one buffer, and
+copies the own piece once more); broadcast by the backend's broadcast. Reductions stay
+bit-identical to the embedded transport, which combines terms in coordinate order
+(``reduction.combine``): an all_to_all brings member k chunk k of every term, which it
+combines in that order, and all_reduce all-gathers the reduced chunks (the bytes of a ring
+all_reduce), the terms landing in the result's own memory; reduce_scatter is the first half.
+all_reduce runs on the backend's own all_reduce, after the headers, wherever its bits cannot
+depend on the order it adds in: integers at any count (associative, no NaN), and a sum of two
+terms (a + b == b + a) in a dtype it adds exactly as torch does; other reductions between two
+processes exchange whole components (a ring's bytes), with the headers when forecast, and
+combine them."""
 
 from __future__ import annotations
 
@@ -88,8 +90,6 @@ class _Native:
         self.ranks = call.ranks[members]
         self.pg = group_for_ranks(self.ranks)
         self.owners = [call.owner(d) for d in members]
-        self.slot = [self.ranks.index(o) for o in self.owners]  # group rank of member k
-        self.member_at = [self.slot.index(r) for r in range(self.n)]  # member of group rank r
         self.k = next(k for k, i in enumerate(indices) if i is not None)
         self.local = first_local(group)
         self.forecast = protocol.forecast(self.ranks)
@@ -271,21 +271,40 @@ class _Native:
 
     def all_to_all(
         self, send: Sequence[torch.Tensor], receive: Sequence[int],
-        into: torch.Tensor | None = None,
-    ) -> list:
-        """Member k gets ``send[k]``; returns the byte views of what each member sent here,
-        ``receive[j]`` bytes from member j, received into ``into`` (bytes) if large enough."""
-        outgoing = [send[self.member_at[r]] for r in range(self.n)]
-        buffer = _packed(outgoing)
-        in_splits = [t.numel() * t.element_size() for t in outgoing]
-        out_splits = [receive[self.member_at[r]] for r in range(self.n)]
-        out = self._buffer(sum(out_splits), into)
-        # every process calls it, even with nothing to move here (its peers may have)
-        self.run(lambda: dist.all_to_all_single(out, buffer, out_splits, in_splits,
-                                                group=self.pg, async_op=True))
-        self.call.traffic.payload += out.numel() - out_splits[self.slot[self.k]]
-        by_rank = out.split(out_splits)
-        return [by_rank[self.slot[j]] for j in range(self.n)]
+        into: torch.Tensor | None = None, own: bool = True,
+    ) -> list[torch.Tensor]:
+        """Member k gets ``send[k]`` (any dtype and strides); returns the bytes each member
+        sent here, ``receive[j]`` from member j, received point to point straight into their
+        slots of one buffer in member order (``into`` when large enough). Each piece is made
+        dense once, on its way out (not at all where it already is: rows of a component), and
+        this member's own piece is copied into its slot while the others travel (``own``; else
+        its bytes as they are). gloo's all_to_all_single would take every piece packed into one
+        buffer and copy the own piece once more."""
+        out = self._buffer(sum(receive), into)
+        slots = list(out.split(list(receive)))
+        self.call.traffic.payload += out.numel() - receive[self.k]
+        outgoing = []  # kept alive until the sends complete
+
+        def start() -> list:
+            works = []
+            for j in range(self.n):
+                if j != self.k and slots[j].numel():
+                    works.append(dist.irecv(slots[j], src=self.owners[j], group=self.pg,
+                                            tag=HEADER_TAG))
+            for j in range(self.n):
+                if j != self.k and send[j].numel():
+                    outgoing.append(as_bytes(send[j]))
+                    works.append(dist.isend(outgoing[-1], dst=self.owners[j], group=self.pg,
+                                            tag=HEADER_TAG))
+            mine = send[self.k]
+            if own:
+                _typed(slots[self.k], mine.dtype, mine.shape).copy_(mine)
+            else:
+                slots[self.k] = as_bytes(mine)
+            return works
+
+        self.run(start)
+        return slots
 
     def gather_into(self, parts: Sequence[torch.Tensor], mine: torch.Tensor) -> None:
         """Fill ``parts[j]`` (views of one result buffer) with member j's ``mine``, point to
@@ -320,19 +339,6 @@ def _adjacent(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
         offset += p.numel() * p.element_size()
     joined = torch.empty(0, dtype=torch.uint8, device=first.device)
     return joined.set_(first.untyped_storage(), start, (offset - start,))
-
-
-def _packed(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The bytes of ``pieces`` one after the other: a view where they already are, else one
-    copy of each into a fresh buffer."""
-    joined = _adjacent(pieces)
-    if joined is not None:
-        return joined
-    sizes = [p.numel() * p.element_size() for p in pieces]
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=pieces[0].device)
-    for p, part in zip(pieces, buffer.split(sizes), strict=True):
-        part.view(p.dtype).view(p.shape).copy_(p)
-    return buffer
 
 
 class Received(list):
@@ -470,7 +476,7 @@ def reduce_scatter(
         shape = mine[g.k].shape
         size = _nbytes(shape, sample.dtype)
         if terms is None:
-            terms = g.all_to_all(mine, [size] * g.n)
+            terms = g.all_to_all(mine, [size] * g.n, own=False)
         else:
             g.count_arrived(terms)
         reduced = combine([_typed(t, sample.dtype, shape) for t in terms], op)
@@ -549,7 +555,7 @@ def all_reduce(
             g.same_shapes(announced)
         start, stop = bounds[g.k]
         if terms is None:
-            terms = g.all_to_all(chunks, [(stop - start) * item] * g.n, raw)
+            terms = g.all_to_all(chunks, [(stop - start) * item] * g.n, raw, own=False)
         else:
             g.count_arrived(terms)
         reduced = finish(
