@@ -43,6 +43,7 @@ import torch.distributed as dist
 from ..errors import CollectiveError, CollectiveMismatchError
 from ..mesh import DeviceMesh
 from . import protocol
+from .accounting import all_reduce_received
 from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks, wait_all
 from .protocol import HEADER_TAG, INLINE_MAX, MAX_NDIM, OPS
 from .reduction import combine, finish
@@ -538,7 +539,7 @@ def all_reduce(
             if result.numel():
                 g.run(lambda r=result, g=g: dist.all_reduce(
                     r, op=_BACKEND_OPS[op], group=g.pg, async_op=True))
-            call.traffic.payload += 2 * (g.n - 1) * result.numel() * item // g.n  # a ring's
+            call.traffic.payload += all_reduce_received(result.numel(), item, g.n, g.k)
             out[g.local] = finish(result, op, g.n, sample.dtype)
             continue
         flat = as_bytes(component)
