@@ -19,9 +19,12 @@ REDUCTIONS = [
     (torch.float32, "sum"), (torch.float32, "avg"), (torch.float32, "max"),
     (torch.float32, "min"), (torch.float16, "sum"), (torch.float16, "avg"),
     (torch.float16, "max"), (torch.bfloat16, "sum"), (torch.float64, "avg"),
-    (torch.int64, "sum"), (torch.int64, "max"),
+    (torch.int64, "sum"), (torch.int64, "max"), (torch.int8, "sum"), (torch.uint8, "min"),
+    (torch.int32, "max"), (torch.int16, "sum"),
 ]
 REDUCE_SHAPES = [(4, 6), (7, 3), (0, 3), ()]
+# integers that gloo and NCCL reduce (not int16): order-free, on the backend's own all_reduce
+BACKEND_INTEGERS = (torch.int8, torch.uint8, torch.int32, torch.int64)
 
 
 def _values(shape: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -254,6 +257,11 @@ def _check_forecast(order: list[int], per_rank: list[dict]) -> None:
             elif kind in ("all_gather", "all_to_all") or kind[0] == "reduce_scatter":
                 # header, then data: one operation with the data inline once forecast
                 assert (learnt, forecast) == (2, 1), f"{name}: {learnt} then {forecast} waits"
+            elif (kind[0] == "all_reduce" and n > 2 and "(0, 3)" not in name
+                  and any(f"{dtype} " in name for dtype in BACKEND_INTEGERS)):
+                # integers, order-free: the headers, then the backend's all_reduce, forecast
+                # or not (as many waits as the chunks inline and their all_gather)
+                assert (learnt, forecast) == (2, 2), f"{name}: {learnt} then {forecast} waits"
             elif kind[0] == "all_reduce" and "(0, 3)" not in name:
                 # two processes: both components inline; more: the chunks inline, then the
                 # all_gather of the reduced chunks
