@@ -103,10 +103,14 @@ def _cheapest_1d(
     full = math.prod(shape) * itemsize
     if n == 1 or source == target or isinstance(source, Replicate):
         return 0
+    if isinstance(source, Shard) and isinstance(target, Partial) and target.zeros_elsewhere:
+        return 0  # each device keeps its piece in place, zeros around it
     gather = (n - 1) * full  # every device receives what the n-1 others hold
     if isinstance(source, Partial):
-        # reduce_scatter straight to a shard; otherwise all_reduce (2(n-1)/n per device)
-        return gather if isinstance(target, Shard) else 2 * gather
+        # reduce_scatter straight to a shard (then spread to a sum); else all_reduce (2(n-1)/n
+        # per device)
+        spread = isinstance(target, Partial) and target.zeros_elsewhere
+        return gather if isinstance(target, Shard) or spread else 2 * gather
     if type(source) is Shard and type(target) is Shard:
         d, e = source.dim, target.dim
         rest = full // (shape[d] * shape[e]) if shape[d] * shape[e] else 0

@@ -802,7 +802,8 @@ class _Redistribute(torch.autograd.Function):
         if forward_dtype is not None and forward_dtype != dtensor.dtype:
             components = [c.to(forward_dtype) for c in components]
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
-        plan = plan_redistribute(spec, target)
+        # asked for by name: a Shard may spread to a Partial target (op input moves never do)
+        plan = plan_redistribute(spec, target, spread=True)
         with (
             comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
                         spec=lambda: redistribution(spec, tuple(target))),
@@ -970,7 +971,7 @@ class _AsyncRedistribute(_Redistribute):
         spec = dtensor._spec
         ctx.source = spec.placements
         ctx.dtypes = (None, dtensor.dtype)  # the blocking backward, without dtype changes
-        plan = plan_redistribute(spec, target)
+        plan = plan_redistribute(spec, target, spread=True)
 
         def job() -> list[torch.Tensor]:
             with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
