@@ -227,7 +227,9 @@ class DTensor(torch.Tensor):
         backward_dtype: torch.dtype | None = None,
         async_op: bool = False,
     ) -> DTensor:
-        """The same global value with new ``placements`` (cheapest plan, differentiable).
+        """The same global value with new ``placements`` (cheapest plan, differentiable). A
+        Shard goes to a Partial("sum") or p-norm target by a spread: its piece in place, zeros
+        around it, nothing moved (an op's input moves never spread).
 
         ``forward_dtype`` casts the components before the collectives (the result has that
         dtype); ``backward_dtype`` runs the backward collectives in that dtype, the gradient
