@@ -29,19 +29,23 @@ from ..geometry import Pieces, Placements, block_transfers, box_overlap, pieces,
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import LOW_PRECISION, DTensorSpec, pending_sum
+from .cross_mesh import plan_cross_mesh
 from .exchange import exchange_cost
 
 State = Placements
 Cost = tuple[int, int, int, int]  # bytes all devices receive, exchanges, collectives, steps
 Index = tuple[int, ...]  # a state as the index of each mesh dim's placement in its options
 Collective = Literal[
-    "local", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "exchange"
+    "local", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "exchange", "send/recv"
 ]
 
 
 @dataclass(frozen=True)
 class Step:
-    """One change of placement on one mesh dim, with the collective it needs."""
+    """One change of placement on one mesh dim, with the collective it needs. A "send/recv"
+    step (explicit redistribution only, see ``plan_redistribute``) is the whole move at once,
+    ``cross_mesh``'s point to point plan with the mesh as its own target: ``source`` and
+    ``target`` are whole placement tuples, ``mesh_dim`` the dims its messages cross."""
 
     mesh_dim: int | tuple[int, ...]  # an exchange changes several mesh dims at once
     source: Placement | tuple[Placement, ...]
@@ -87,6 +91,8 @@ class RedistributePlan:
 
 def after_step(state: State, step: Step) -> State:
     """The placements after ``step``."""
+    if step.collective == "send/recv":
+        return step.target
     if step.collective == "exchange":
         after = list(state)
         for m, p in zip(step.mesh_dim, step.target, strict=True):
@@ -640,6 +646,26 @@ def _spreads_to(target: Sequence[Placement]) -> bool:
     return any(isinstance(p, Partial) and p.zeros_elsewhere for p in target)
 
 
+def _point_to_point(spec: DTensorSpec, plan: RedistributePlan) -> RedistributePlan:
+    """``plan``, or where it moves more bytes over all devices, one "send/recv" step: the
+    cross-mesh plan with ``spec``'s mesh as its own target. It reaches what per-mesh-dim steps
+    cannot: a Partial("sum") target needs each block on one member of each sum group only, so
+    a group that lacks it receives it once, not once per collective group of the other dims.
+    Bytes are in the components' dtype (a float32 pending sum for a half-precision tensor)."""
+    mesh = spec.mesh
+    ops = {p.reduce_op for p, n in zip(plan.source, mesh.shape, strict=True)
+           if isinstance(p, Partial) and n > 1}
+    if len(ops) > 1:  # the cross-mesh plan reduces one op only
+        return plan
+    route = plan_cross_mesh(plan.shape, spec.component_dtype.itemsize, mesh, plan.source, mesh,
+                            plan.target)
+    if route.global_bytes >= plan.global_bytes:
+        return plan
+    step = Step(route.crossed_dims, plan.source, plan.target, "send/recv", route.bytes,
+                route.global_bytes, route.rounds)
+    return dataclasses.replace(plan, steps=(step,))
+
+
 # plans by (spec, target, spread), bounded: oldest first out past the bound (the plans
 # themselves are shared with ``_plan``'s cache, so this bound also bounds how many stay alive)
 _PLANS: dict[tuple[DTensorSpec, State, bool], RedistributePlan] = {}
@@ -658,7 +684,9 @@ def plan_redistribute(
     tensor along that dim. Only an explicit redistribution (``DTensor.redistribute``,
     ``explain_redistribute``), whose caller asked for that Partial, passes it: an op's input
     moves never do, or a zero-byte spread would beat every real move, so ops in explicit mode
-    would stop refusing and their components would grow to the whole tensor."""
+    would stop refusing and their components would grow to the whole tensor. With ``spread``
+    the plan is one point to point "send/recv" step instead where that moves fewer bytes
+    (``_point_to_point``)."""
     target = tuple(placements)
     spread = spread and _spreads_to(target)
     key = (spec, target, spread)
@@ -674,6 +702,8 @@ def plan_redistribute(
         else:
             plan = _plan(spec.mesh, tuple(meta.shape), meta.dtype.itemsize, spec.placements,
                          target, None, spread)
+        if spread:
+            plan = _point_to_point(spec, plan)
         while len(_PLANS) >= PLAN_CACHE_SIZE:
             try:
                 del _PLANS[next(iter(_PLANS))]

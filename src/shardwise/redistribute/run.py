@@ -12,6 +12,7 @@ from ..geometry import Segments, chunk_bounds, segments_size, shard_segments, sp
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Replicate, Shard
 from ..spec import DTensorSpec, pending_sum
+from .cross_mesh import plan_cross_mesh, run_cross_mesh
 from .exchange import run_exchange
 from .plan import RedistributePlan, Step, after_step
 
@@ -130,6 +131,18 @@ def _run_step(step: Step, mesh: DeviceMesh, components: list[torch.Tensor]) -> l
     return [comm.join(p, a.dim) for p in comm.all_to_all(mesh, m, pieces)]
 
 
+def _run_point_to_point(
+    mesh: DeviceMesh, shape: tuple[int, ...], state: tuple, after: tuple,
+    components: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """A "send/recv" step: the cross-mesh plan with ``mesh`` as its own target (its routes do
+    not depend on the item size; the components' dtype is what travels)."""
+    if not components:
+        return components
+    route = plan_cross_mesh(shape, components[0].element_size(), mesh, state, mesh, after)
+    return run_cross_mesh(route, components, components[0].dtype)
+
+
 def run_plan(
     plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -142,6 +155,8 @@ def run_plan(
         after = after_step(state, step)
         if step.collective == "exchange":
             out = run_exchange(mesh, plan.shape, state, after, step.mesh_dim, out)
+        elif step.collective == "send/recv":
+            out = _run_point_to_point(mesh, plan.shape, state, after, out)
         elif (step.collective == "local" and isinstance(step.source, Shard)
               and isinstance(step.target, Partial) and mesh.shape[step.mesh_dim] > 1):
             out = _run_spread(step, mesh, plan.shape, state, out)
