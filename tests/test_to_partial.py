@@ -14,7 +14,9 @@ import shardwise as sw
 from conftest import check_components, components_for, fits, make_tensor
 from mp_harness import run_in_processes
 from shardwise import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
+from shardwise.debug import CommDebugMode
 from shardwise.redistribute import lower_bound_bytes, plan_redistribute, traced
+from shardwise.spec import DTensorSpec, contiguous_meta
 
 TARGET_OPS = [Partial("sum"), Partial("avg"), Partial("max"), Partial("min")]
 
@@ -282,3 +284,100 @@ def test_spreads_on_four_processes_and_two_devices_each_on_two() -> None:
     for world in (4, 2):
         for rank in run_in_processes(_spreads_on_four, world, timeout=300):
             assert rank == [(True, 0, 0, 0)] * 5, (world, rank)
+
+
+SRP = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
+P2P_SHAPE = (8, 4, 6)
+
+
+def _point_to_point_pairs(mesh: sw.DeviceMesh) -> list[tuple[tuple, tuple]]:
+    """The pairs on the (2, 2) ``mesh`` to a Partial target that explicit redistribution plans
+    as one send/recv step (per-mesh-dim steps would move more than the lower bound)."""
+    spec = DTensorSpec(mesh, (Replicate(), Replicate()), contiguous_meta(P2P_SHAPE, torch.float32))
+    states = list(itertools.product(SRP, repeat=2))
+    return [(s, t) for s in states for t in states if any(p.is_partial() for p in t)
+            and [step.collective for step in plan_redistribute(
+                spec.with_placements(s), t, spread=True).steps] == ["send/recv"]]
+
+
+def test_point_to_point_step_where_per_dim_steps_miss_the_bound() -> None:
+    """Such pairs exist (each member of a sum group would receive what one member needs),
+    and the op input plan of each (never spread, never point to point) moves more."""
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    pairs = _point_to_point_pairs(mesh)
+    assert pairs
+    for source, target in pairs:
+        spec = DTensorSpec(mesh, source, contiguous_meta(P2P_SHAPE, torch.float32))
+        explicit = plan_redistribute(spec, target, spread=True)
+        assert [s.collective for s in explicit.steps] == ["send/recv"]
+        assert explicit.global_bytes == lower_bound_bytes(mesh, P2P_SHAPE, 4, source, target)
+        implicit = plan_redistribute(spec, target)
+        assert all(s.collective != "send/recv" for s in implicit.steps)
+        assert implicit.global_bytes > explicit.global_bytes, (source, target)
+
+
+def test_point_to_point_step_is_charged_to_the_mesh_dims_it_crosses() -> None:
+    """(Partial, Shard(0)) -> (Shard(0), Partial): target group i (mesh row i) needs rows of
+    half i summed once; device (i, i) holds term i of them and receives term 1 - i from
+    (1 - i, i), across mesh dim 0 only. A budget charges its bytes to dim 0, none to dim 1,
+    and refuses it before moving when dim 0 allows less."""
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    x = make_tensor((8, 6), torch.float32, 21)
+    source, target = (Partial(), Shard(0)), (Shard(0), Partial())
+    dt = sw.DTensor.from_local(components_for(x, mesh, source, 3), mesh, source, shape=(8, 6))
+    plan = sw.explain_redistribute(dt, target)
+    (step,) = plan.steps
+    assert (step.collective, step.mesh_dim) == ("send/recv", (0,))
+    assert plan.global_bytes == plan.lower_bound == 2 * 4 * 4 * 6  # two devices, 4 x 6 each
+    with sw.comm_budget(per_dim={"a": plan.bytes, "b": 0}) as budget, \
+            CommDebugMode() as debug:
+        out = dt.redistribute(placements=target)
+    assert budget.used == plan.bytes and budget.used_per_dim == {"a": plan.bytes, "b": 0}
+    assert debug.get_comm_counts()["exchange"] == 1 and debug.total_bytes == plan.bytes
+    check_components(sw.local_components(out), x, mesh, target)
+    with pytest.raises(sw.CommBudgetExceededError, match="send/recv"), \
+            sw.comm_budget(per_dim={0: plan.bytes - 1}):
+        dt.redistribute(placements=target)
+
+
+def _point_to_point_in_processes() -> list:
+    """Every point to point pair on a 2x2 mesh: whether the value is exact and the local
+    shapes are the reference's, and the bytes this process counted, the plan priced here, the
+    mesh dims the step crosses, the cross-process payload counted and charged to a budget."""
+    from shardwise.geometry import shard_segments
+
+    x = make_tensor(P2P_SHAPE, torch.float32, 22)
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    out = []
+    for source, target in _point_to_point_pairs(mesh):
+        comps = components_for(x, mesh, source, 5)
+        dt = sw.DTensor.from_local([comps[d] for d in mesh.local_device_ids], mesh,
+                                   list(source), shape=P2P_SHAPE)
+        plan = sw.explain_redistribute(dt, list(target))
+        with sw.CommCounter() as counter, sw.comm_budget(cross_process_bytes=10**9) as budget:
+            moved = dt.redistribute(placements=list(target))
+        shapes = [tuple(sum(b - a for a, b in r) for r in shard_segments(
+            P2P_SHAPE, mesh.shape, target, mesh.coordinate_of(d))) for d in mesh.local_device_ids]
+        ok = torch.equal(moved.full_tensor(), x) and shapes == [
+            tuple(c.shape) for c in sw.local_components(moved)]
+        out.append((ok, counter.total_bytes, plan.bytes, plan.steps[0].mesh_dim,
+                    counter.total_cross_process_bytes, budget.used_cross_process,
+                    plan.global_bytes == plan.lower_bound))
+    return out
+
+
+def test_point_to_point_on_four_processes_and_two_devices_each_on_two() -> None:
+    """The point to point pairs one device per process (every message crosses processes) and
+    two per process (devices (i, 0) and (i, 1) share process i: only mesh dim 0 crosses):
+    values, bytes as priced, at the bound, cross-process payload counted and charged."""
+    for world in (4, 2):
+        ranks = run_in_processes(_point_to_point_in_processes, world, timeout=300)
+        for cases in zip(*ranks, strict=True):
+            assert all(c[0] and c[1] == c[2] and c[4] == c[5] and c[6] for c in cases), cases
+            dims = cases[0][3]
+            moved = sum(c[1] for c in cases)
+            crossed = sum(c[4] for c in cases)
+            if world == 4 or dims == (0, 1):
+                assert crossed == moved if world == 4 else 0 < crossed <= moved, cases
+            else:
+                assert crossed == (moved if dims == (0,) else 0), cases

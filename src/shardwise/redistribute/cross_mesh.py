@@ -351,12 +351,14 @@ def union_mesh(source: DeviceMesh, target: DeviceMesh) -> tuple[DeviceMesh, dict
 
 
 def _send(
-    union: DeviceMesh, dims: tuple[int, ...], held: dict[int, torch.Tensor], route: dict[int, tuple[Fill, ...]],
-    src_ids: dict[int, int], dst_ids: dict[int, int], dtype: torch.dtype,
+    union: DeviceMesh, dims: tuple[int, ...], held: dict[int, torch.Tensor],
+    route: dict[int, tuple[Fill, ...]], src_ids: dict[int, int], dst_ids: dict[int, int],
+    dtype: torch.dtype,
 ) -> dict[int, list[torch.Tensor]]:
     """One round: every block ``route`` asks for from another physical device travels through
-    ``comm.exchange`` over the union mesh; returns, per local target device, what it received
-    in route order. ``held`` maps a sender (by its id in the sending mesh) to its piece."""
+    ``comm.exchange`` over the union mesh (its mesh dims ``dims``); returns, per local target
+    device, what it received in route order. ``held`` maps a sender (by its id in the sending
+    mesh) to its piece."""
     local = union.local_device_ids
     index = {u: i for i, u in enumerate(local)}
     sends: list[list] = [[] for _ in local]
