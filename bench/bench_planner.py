@@ -32,7 +32,7 @@ from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cach
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardwise as sw
-from shardwise.redistribute import lower_bound_bytes, plan_redistribute
+from shardwise.redistribute import lower_bound_bytes, plan_cross_mesh, plan_redistribute
 from shardwise.redistribute.exchange import exchange_cost
 from shardwise.redistribute.plan import _PLANS, Pricer, _moves, _plan, _step_kind
 from shardwise.spec import DTensorSpec, contiguous_meta
@@ -158,13 +158,16 @@ def _compare(
     source = tuple(_ours(c) for c in src)
     target = tuple(_ours(c) for c in dst)
     bound = lower_bound_bytes(mesh, shape, ITEMSIZE, source, target)
+    spec = DTensorSpec(mesh, source, contiguous_meta(shape, torch.float32))
 
     def plan_ours():  # cold: the plan caches cleared (shard and mesh geometry stay cached)
         _plan.cache_clear()
         exchange_cost.cache_clear()
         _moves.cache_clear()
+        plan_cross_mesh.cache_clear()
         _PLANS.clear()
-        return _plan(mesh, shape, ITEMSIZE, source, target, None, True)  # as redistribute()
+        # as redistribute(): spreads, and a point to point step where that moves fewer bytes
+        return plan_redistribute(spec, target, spread=True)
 
     ours = plan_ours().global_bytes
     meta = TorchMeta(torch.Size(shape), (shape[1] * shape[2], shape[2], 1), torch.float32)
