@@ -648,14 +648,17 @@ def _spreads_to(target: Sequence[Placement]) -> bool:
 
 def _point_to_point(spec: DTensorSpec, plan: RedistributePlan) -> RedistributePlan:
     """``plan``, or where it moves more bytes over all devices, one "send/recv" step: the
-    cross-mesh plan with ``spec``'s mesh as its own target. It reaches what per-mesh-dim steps
+    cross-mesh plan with ``spec``'s mesh as its own target (targets whose Partials are sums). It reaches what per-mesh-dim steps
     cannot: a Partial("sum") target needs each block on one member of each sum group only, so
     a group that lacks it receives it once, not once per collective group of the other dims.
     Bytes are in the components' dtype (a float32 pending sum for a half-precision tensor)."""
     mesh = spec.mesh
     ops = {p.reduce_op for p, n in zip(plan.source, mesh.shape, strict=True)
            if isinstance(p, Partial) and n > 1}
-    if len(ops) > 1:  # the cross-mesh plan reduces one op only
+    if len(ops) > 1 or any(isinstance(p, Partial) and p.reduce_op != "sum" and n > 1
+                           for p, n in zip(plan.target, mesh.shape, strict=True)):
+        # the cross-mesh plan reduces one op only, and its zeros are a target sum's: beside a
+        # target max, avg or p-norm (reduced in mesh dim order) they would change the value
         return plan
     route = plan_cross_mesh(plan.shape, spec.component_dtype.itemsize, mesh, plan.source, mesh,
                             plan.target)
