@@ -31,7 +31,7 @@ from conftest import (
     tensor_shapes,
 )
 from shardwise import DeviceMesh, InterleavedShard, Partial, Placement, Replicate, Shard
-from shardwise.redistribute import plan_redistribute
+from shardwise.redistribute import cross_mesh_lower_bound_bytes, plan_redistribute
 
 
 def _positive(p: Placement, rank: int) -> Placement:
@@ -308,6 +308,12 @@ def test_plan_steps_are_priced_by_the_ring_model(transition: tuple, seed: int) -
     rank, itemsize = len(case.shape), x.element_size()
     state = tuple(_positive(p, rank) for p in case.placements)
     for step in plan.steps:
+        if step.collective == "send/recv":  # the whole move point to point, at its own bound
+            assert step.source == state and plan.steps == (step,)
+            assert step.global_bytes == cross_mesh_lower_bound_bytes(
+                tuple(case.shape), itemsize, case.mesh, state, case.mesh, step.target)
+            state = step.target
+            continue
         dims = step.mesh_dim if step.collective == "exchange" else (step.mesh_dim,)
         sources = step.source if step.collective == "exchange" else (step.source,)
         targets = step.target if step.collective == "exchange" else (step.target,)

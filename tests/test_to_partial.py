@@ -333,7 +333,7 @@ def test_point_to_point_step_is_charged_to_the_mesh_dims_it_crosses() -> None:
             CommDebugMode() as debug:
         out = dt.redistribute(placements=target)
     assert budget.used == plan.bytes and budget.used_per_dim == {"a": plan.bytes, "b": 0}
-    assert debug.get_comm_counts()["exchange"] == 1 and debug.total_bytes == plan.bytes
+    assert debug.get_comm_counts()["send/recv"] == 1 and debug.total_bytes == plan.bytes
     check_components(sw.local_components(out), x, mesh, target)
     with pytest.raises(sw.CommBudgetExceededError, match="send/recv"), \
             sw.comm_budget(per_dim={0: plan.bytes - 1}):

@@ -356,7 +356,8 @@ def _send(
     dtype: torch.dtype,
 ) -> dict[int, list[torch.Tensor]]:
     """One round: every block ``route`` asks for from another physical device travels through
-    ``comm.exchange`` over the union mesh (its mesh dims ``dims``); returns, per local target
+    ``comm.exchange`` over the union mesh (its mesh dims ``dims``), counted as "send/recv"
+    (``CrossMeshPlan.collective``); returns, per local target
     device, what it received in route order. ``held`` maps a sender (by its id in the sending
     mesh) to its piece."""
     local = union.local_device_ids
@@ -373,7 +374,7 @@ def _send(
                     sends[index[u]].append((v, held[sender][where]))
                 if v in index:
                     receives[index[v]].append((u, block_shape))
-    got = comm.exchange(union, dims, sends, receives, dtype)
+    got = comm.exchange(union, dims, sends, receives, dtype, "send/recv")
     return {d: got[index[v]] for d, v in dst_ids.items() if v in index}
 
 

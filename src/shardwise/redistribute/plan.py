@@ -648,9 +648,10 @@ def _spreads_to(target: Sequence[Placement]) -> bool:
 
 def _point_to_point(spec: DTensorSpec, plan: RedistributePlan) -> RedistributePlan:
     """``plan``, or where it moves more bytes over all devices, one "send/recv" step: the
-    cross-mesh plan with ``spec``'s mesh as its own target (targets whose Partials are sums). It reaches what per-mesh-dim steps
-    cannot: a Partial("sum") target needs each block on one member of each sum group only, so
-    a group that lacks it receives it once, not once per collective group of the other dims.
+    cross-mesh plan with ``spec``'s mesh as its own target (targets whose Partials are sums).
+    It reaches what per-mesh-dim steps cannot: a Partial("sum") target needs each block on one
+    member of each sum group only, so a group that lacks it receives it once, not once per
+    collective group of the other dims.
     Bytes are in the components' dtype (a float32 pending sum for a half-precision tensor)."""
     mesh = spec.mesh
     ops = {p.reduce_op for p, n in zip(plan.source, mesh.shape, strict=True)
