@@ -183,12 +183,13 @@ REASONS = {
     "planner": "every swept pair reaches the bound (an exchange resolves Partials of one "
                "reduce op at one root per block, then forwards); a gap could only come from "
                "sources mixing reduce ops, which must reduce lowest mesh dim first",
-    "to_partial": "explicit redistribution spreads a Shard to Partial('sum') at no cost, and on "
-                  "one mesh dim every pair is at the bound; the 2-D pairs above it need a "
-                  "collective on the other mesh dim where one member of each sum group would "
-                  "do (a sub-group collective, or an exchange into the Partial target), which "
-                  "per-mesh-dim steps cannot express (reshard to another mesh reaches it point "
-                  "to point)",
+    "to_partial": "explicit redistribution spreads a Shard to Partial('sum') at no cost, and "
+                  "where another mesh dim still needs data takes one point to point send/recv "
+                  "step (each sum group's value on one member) when that moves less, so on "
+                  "(4,) and (2, 2) every pair is at the bound; on (2, 2, 2) some pairs from a "
+                  "pending sum stay above it, and some move less than geometry's "
+                  "lower_bound_bytes (the target group keeping the source's terms pending, "
+                  "which that bound does not model)",
     "cold_planning": "A* in Python, guided by the exact lower bound; the slowest are Partial "
                      "sources on 2x2x2 whose exchange at the bound must be shown to beat "
                      "every collective order (45 step prices and 33 bound evaluations for "
