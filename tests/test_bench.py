@@ -66,7 +66,9 @@ def _fake_results() -> dict:
                "dtensor_greedy": {"at_bound": 15, "worst_ratio": 2.0, "mean_ratio": 1.2},
                "shardwise_plan_ms_median": 0.3, "shardwise_plan_ms_max": 0.8,
                "dtensor_greedy_ms_median": 0.1}
+    short = {**summary, "transitions": 25, "shardwise": {**summary["shardwise"], "at_bound": 21}}
     planner = {"meshes": {"(4,)": summary, "(2, 2, 2)": summary}, "cached_lookup_us": 0.5,
+               "to_partial": {"(4,)": summary, "(2, 2)": short},
                "named": [{"transition": "(P,P,P)->(R,R,R)", "bound": 100, "shardwise": 100,
                           "shardwise_ms": 0.5, "dtensor_greedy": 171, "dtensor_greedy_ms": 0.1,
                           "dtensor_graph": 100, "dtensor_graph_ms": 20.0}]}
@@ -147,6 +149,9 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
     assert status["Plans at the lower bound (named transitions and all 1-D/2-D/3-D pairs)"] == \
         "met"
     assert status["Redistribution <= DTensor and within 1.2x of the raw collective"] == "met"
+    # Partial targets: their own table rows and target line, 21 of 25 at the bound a gap
+    assert status["Explicit redistribution to Partial targets at the lower bound"] == "gap"
+    assert "(2, 2): 21/25 at bound" in text and "| (2, 2) to Partial | 25 | 21 |" in text
     assert status["TP MLP and transformer step <= DTensor in time and peak memory"] == "met"
     # the compiled step is 12 / 10 = 1.2x hand-written: a gap, with its reason
     assert status["Compiled TP step within 1.1x of hand-written"] == "gap"

@@ -31,7 +31,7 @@ from conftest import (
     tensor_shapes,
 )
 from shardwise import DeviceMesh, InterleavedShard, Partial, Placement, Replicate, Shard
-from shardwise.redistribute import plan_redistribute
+from shardwise.redistribute import cross_mesh_lower_bound_bytes, plan_redistribute
 
 
 def _positive(p: Placement, rank: int) -> Placement:
@@ -103,10 +103,14 @@ def _cheapest_1d(
     full = math.prod(shape) * itemsize
     if n == 1 or source == target or isinstance(source, Replicate):
         return 0
+    if isinstance(source, Shard) and isinstance(target, Partial) and target.zeros_elsewhere:
+        return 0  # each device keeps its piece in place, zeros around it
     gather = (n - 1) * full  # every device receives what the n-1 others hold
     if isinstance(source, Partial):
-        # reduce_scatter straight to a shard; otherwise all_reduce (2(n-1)/n per device)
-        return gather if isinstance(target, Shard) else 2 * gather
+        # reduce_scatter straight to a shard (then spread to a sum); else all_reduce (2(n-1)/n
+        # per device)
+        spread = isinstance(target, Partial) and target.zeros_elsewhere
+        return gather if isinstance(target, Shard) or spread else 2 * gather
     if type(source) is Shard and type(target) is Shard:
         d, e = source.dim, target.dim
         rest = full // (shape[d] * shape[e]) if shape[d] * shape[e] else 0
@@ -304,6 +308,12 @@ def test_plan_steps_are_priced_by_the_ring_model(transition: tuple, seed: int) -
     rank, itemsize = len(case.shape), x.element_size()
     state = tuple(_positive(p, rank) for p in case.placements)
     for step in plan.steps:
+        if step.collective == "send/recv":  # the whole move point to point, at its own bound
+            assert step.source == state and plan.steps == (step,)
+            assert step.global_bytes == cross_mesh_lower_bound_bytes(
+                tuple(case.shape), itemsize, case.mesh, state, case.mesh, step.target)
+            state = step.target
+            continue
         dims = step.mesh_dim if step.collective == "exchange" else (step.mesh_dim,)
         sources = step.source if step.collective == "exchange" else (step.source,)
         targets = step.target if step.collective == "exchange" else (step.target,)

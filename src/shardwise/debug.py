@@ -52,7 +52,7 @@ def explain_redistribute(
         )
         return dataclasses.replace(plan, lower_bound=bound)
     target = validate_placements(dtensor.shape, dtensor.device_mesh, placements)
-    plan = plan_redistribute(spec, target)
+    plan = plan_redistribute(spec, target, spread=True)
     bound = lower_bound_bytes(
         spec.mesh, tuple(spec.shape), dtensor.element_size(), spec.placements, target
     )

@@ -227,7 +227,9 @@ class DTensor(torch.Tensor):
         backward_dtype: torch.dtype | None = None,
         async_op: bool = False,
     ) -> DTensor:
-        """The same global value with new ``placements`` (cheapest plan, differentiable).
+        """The same global value with new ``placements`` (cheapest plan, differentiable). A
+        Shard goes to a Partial("sum") or p-norm target by a spread: its piece in place, zeros
+        around it, nothing moved (an op's input moves never spread).
 
         ``forward_dtype`` casts the components before the collectives (the result has that
         dtype); ``backward_dtype`` runs the backward collectives in that dtype, the gradient
@@ -802,7 +804,8 @@ class _Redistribute(torch.autograd.Function):
         if forward_dtype is not None and forward_dtype != dtensor.dtype:
             components = [c.to(forward_dtype) for c in components]
             spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
-        plan = plan_redistribute(spec, target)
+        # asked for by name: a Shard may spread to a Partial target (op input moves never do)
+        plan = plan_redistribute(spec, target, spread=True)
         with (
             comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
                         spec=lambda: redistribution(spec, tuple(target))),
@@ -970,7 +973,7 @@ class _AsyncRedistribute(_Redistribute):
         spec = dtensor._spec
         ctx.source = spec.placements
         ctx.dtypes = (None, dtensor.dtype)  # the blocking backward, without dtype changes
-        plan = plan_redistribute(spec, target)
+        plan = plan_redistribute(spec, target, spread=True)
 
         def job() -> list[torch.Tensor]:
             with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",

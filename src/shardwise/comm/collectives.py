@@ -260,13 +260,14 @@ def exchange(
     sends: Sequence[Sequence[tuple[int, torch.Tensor]]],
     receives: Sequence[Sequence[tuple[int, Sequence[int]]]],
     dtype: torch.dtype,
+    kind: str = "exchange",
 ) -> list[list[torch.Tensor]]:
     """Point-to-point messages between any devices of the mesh (a collective permute over
-    ``mesh_dims``). ``sends[i]`` lists (destination device, tensor) from local device i,
-    ``receives[i]`` the (source device, shape) that local device i expects; messages between
-    one pair of devices arrive in the order they were listed. Returns, per local device, the
-    tensors received in ``receives`` order (all of ``dtype``). Every device of the mesh must
-    take part."""
+    ``mesh_dims``), counted as ``kind`` (a cross-mesh plan's are "send/recv"). ``sends[i]``
+    lists (destination device, tensor) from local device i, ``receives[i]`` the (source
+    device, shape) that local device i expects; messages between one pair of devices arrive in
+    the order they were listed. Returns, per local device, the tensors received in
+    ``receives`` order (all of ``dtype``). Every device of the mesh must take part."""
     local = mesh.local_device_ids
     index = {d: i for i, d in enumerate(local)}
     queues: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -292,5 +293,5 @@ def exchange(
                 row.append(remote[(i, n)])
             received += _nbytes(row[-1])
         out.append(row)
-    _record("exchange", mesh_dims, received, traffic, mesh)
+    _record(kind, mesh_dims, received, traffic, mesh)
     return out

@@ -11,13 +11,17 @@ them in coordinate order and forwards the value in a second round. A target Part
 hold zeros elsewhere (sum, p-norms) needs the value on one member of each group only; from a
 pending sum to a target sum a group may instead keep the terms spread over its members. Each
 block takes the cheapest of these (``_options``): ``cross_mesh_lower_bound_bytes`` in all.
+
+With the source mesh as its own target (an explicit redistribution's point to point plan, see
+``plan.plan_redistribute``) the messages go through the exchange over that mesh itself, on the
+mesh dims their senders' and receivers' coordinates differ in (``crossed_dims``).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from math import prod
 
 import torch
@@ -220,6 +224,21 @@ class CrossMeshPlan:
         local = set(self.target_mesh.local_device_ids)
         return sum(n for d, n in self.received.items() if d in local) * self.itemsize
 
+    @cached_property
+    def crossed_dims(self) -> tuple[int, ...]:
+        """On one mesh (source and target the same): the mesh dims in which the coordinates of
+        the sender and the receiver of some message differ (what a budget charges it to)."""
+        mesh = self.target_mesh
+        dims: set[int] = set()
+        for d in mesh.device_ids:
+            senders = [s for _, _, sources in self.first[d] for s, _ in sources]
+            senders += [s for _, _, sources in self.second[d] for s, _ in sources]
+            here = mesh.coordinate_of(d)
+            for s in senders:
+                dims.update(m for m, (a, b) in enumerate(
+                    zip(mesh.coordinate_of(s), here, strict=True)) if a != b)
+        return tuple(sorted(dims))
+
     def __repr__(self) -> str:
         bound = "" if self.lower_bound is None else f", lower_bound={self.lower_bound}"
         return (
@@ -332,12 +351,15 @@ def union_mesh(source: DeviceMesh, target: DeviceMesh) -> tuple[DeviceMesh, dict
 
 
 def _send(
-    union: DeviceMesh, held: dict[int, torch.Tensor], route: dict[int, tuple[Fill, ...]],
-    src_ids: dict[int, int], dst_ids: dict[int, int], dtype: torch.dtype,
+    union: DeviceMesh, dims: tuple[int, ...], held: dict[int, torch.Tensor],
+    route: dict[int, tuple[Fill, ...]], src_ids: dict[int, int], dst_ids: dict[int, int],
+    dtype: torch.dtype,
 ) -> dict[int, list[torch.Tensor]]:
     """One round: every block ``route`` asks for from another physical device travels through
-    ``comm.exchange`` over the union mesh; returns, per local target device, what it received
-    in route order. ``held`` maps a sender (by its id in the sending mesh) to its piece."""
+    ``comm.exchange`` over the union mesh (its mesh dims ``dims``), counted as "send/recv"
+    (``CrossMeshPlan.collective``); returns, per local target
+    device, what it received in route order. ``held`` maps a sender (by its id in the sending
+    mesh) to its piece."""
     local = union.local_device_ids
     index = {u: i for i, u in enumerate(local)}
     sends: list[list] = [[] for _ in local]
@@ -352,7 +374,7 @@ def _send(
                     sends[index[u]].append((v, held[sender][where]))
                 if v in index:
                     receives[index[v]].append((u, block_shape))
-    got = comm.exchange(union, (0,), sends, receives, dtype)
+    got = comm.exchange(union, dims, sends, receives, dtype, "send/recv")
     return {d: got[index[v]] for d, v in dst_ids.items() if v in index}
 
 
@@ -360,16 +382,21 @@ def run_cross_mesh(plan: CrossMeshPlan, components: list[torch.Tensor], dtype: t
                    ) -> list[torch.Tensor]:
     """This process's target pieces (ascending device id) from its source ``components``
     (ascending device id): the plan's blocks sent point to point, Partial terms reduced in
-    coordinate order at each block's root."""
+    coordinate order at each block's root. On one mesh the messages cross the mesh itself, on
+    its ``crossed_dims``; between two, a 1-D ``union_mesh``."""
     source, target = plan.source_mesh, plan.target_mesh
-    union, src_ids, dst_ids = union_mesh(source, target)
+    if source == target:
+        union, dims = source, plan.crossed_dims
+        src_ids = dst_ids = {d: d for d in source.device_ids}
+    else:
+        (union, src_ids, dst_ids), dims = union_mesh(source, target), (0,)
     if not union.local_device_ids:
         return []
     held = dict(zip(source.local_device_ids, components, strict=True))
     ops = {p.reduce_op for m, p in enumerate(plan.source)
            if isinstance(p, Partial) and source.shape[m] > 1}
     op = ops.pop() if ops else None
-    received = _send(union, held, plan.first, src_ids, dst_ids, dtype)
+    received = _send(union, dims, held, plan.first, src_ids, dst_ids, dtype)
     out: dict[int, torch.Tensor] = {}
     for d in target.local_device_ids:
         runs = pieces(target, plan.shape, plan.target).segments[target.device_ids.index(d)]
@@ -385,7 +412,7 @@ def run_cross_mesh(plan: CrossMeshPlan, components: list[torch.Tensor], dtype: t
             piece[dst] = terms[0] if len(terms) == 1 else comm.reduce_terms(terms, op)
         out[d] = piece
     if any(plan.second.values()):
-        received = _send(union, out, plan.second, dst_ids, dst_ids, dtype)
+        received = _send(union, dims, out, plan.second, dst_ids, dst_ids, dtype)
         for d in target.local_device_ids:
             for (dst, _, _), block in zip(plan.second[d], received[d], strict=True):
                 out[d][dst] = block

@@ -29,19 +29,23 @@ from ..geometry import Pieces, Placements, block_transfers, box_overlap, pieces,
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import LOW_PRECISION, DTensorSpec, pending_sum
+from .cross_mesh import plan_cross_mesh
 from .exchange import exchange_cost
 
 State = Placements
 Cost = tuple[int, int, int, int]  # bytes all devices receive, exchanges, collectives, steps
 Index = tuple[int, ...]  # a state as the index of each mesh dim's placement in its options
 Collective = Literal[
-    "local", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "exchange"
+    "local", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "exchange", "send/recv"
 ]
 
 
 @dataclass(frozen=True)
 class Step:
-    """One change of placement on one mesh dim, with the collective it needs."""
+    """One change of placement on one mesh dim, with the collective it needs. A "send/recv"
+    step (explicit redistribution only, see ``plan_redistribute``) is the whole move at once,
+    ``cross_mesh``'s point to point plan with the mesh as its own target: ``source`` and
+    ``target`` are whole placement tuples, ``mesh_dim`` the dims its messages cross."""
 
     mesh_dim: int | tuple[int, ...]  # an exchange changes several mesh dims at once
     source: Placement | tuple[Placement, ...]
@@ -72,6 +76,9 @@ class RedistributePlan:
     # the fewest bytes all devices must receive (``lower_bound_bytes``); filled in by
     # ``explain_redistribute``, not on the hot path
     lower_bound: int | None = None
+    # planned for an explicit redistribution, where a Shard may spread to a Partial target
+    # (``plan_redistribute``'s ``spread``; a traced plan's key carries it)
+    spread: bool = False
 
     @property
     def bytes(self) -> int:
@@ -84,6 +91,8 @@ class RedistributePlan:
 
 def after_step(state: State, step: Step) -> State:
     """The placements after ``step``."""
+    if step.collective == "send/recv":
+        return step.target
     if step.collective == "exchange":
         after = list(state)
         for m, p in zip(step.mesh_dim, step.target, strict=True):
@@ -96,13 +105,18 @@ def _shard_dim(p: Placement) -> int | None:
     return p.dim if isinstance(p, Shard) else None
 
 
-def _step_kind(a: Placement, b: Placement, mesh_size: int) -> Collective | None:
+def _step_kind(
+    a: Placement, b: Placement, mesh_size: int, spread: bool = False
+) -> Collective | None:
     """The collective that turns placement ``a`` into ``b`` on one mesh dim, None if no direct
-    step exists (such moves go through Replicate)."""
+    step exists (such moves go through Replicate). ``spread``: a Shard may reach a
+    Partial("sum") or p-norm locally (explicit redistribution only, see ``plan_redistribute``)."""
     if mesh_size == 1:
         return "local"
     if isinstance(a, Replicate):
         return "local"  # Replicate -> Shard takes a chunk; Replicate -> Partial partitions
+    if spread and isinstance(a, Shard) and isinstance(b, Partial) and b.zeros_elsewhere:
+        return "local"  # each device keeps its piece in place, zeros around it (a spread)
     if isinstance(b, Replicate):
         return "all_reduce" if isinstance(a, Partial) else "all_gather"
     if isinstance(a, Partial):
@@ -291,13 +305,13 @@ def _candidates(source: State, target: State, shape: tuple[int, ...]) -> list[li
 
 @lru_cache(maxsize=1024)
 def _moves(
-    options: tuple[Placement, ...], mesh_size: int
+    options: tuple[Placement, ...], mesh_size: int, spread: bool
 ) -> tuple[tuple[tuple[int, Collective], ...], ...]:
     """Per placement of ``options`` (distinct), the (index in ``options``, collective) of every
     other one a single step on a mesh dim of ``mesh_size`` reaches (a table of ``_step_kind``)."""
     return tuple(
         tuple((j, kind) for j, b in enumerate(options)
-              if i != j and (kind := _step_kind(a, b, mesh_size)) is not None)
+              if i != j and (kind := _step_kind(a, b, mesh_size, spread)) is not None)
         for i, a in enumerate(options)
     )
 
@@ -362,9 +376,11 @@ class _Search:
 
     An exchange is taken only when it moves fewer bytes than the named collectives. The bytes
     any plan from a state still moves (``Pricer.lacking``, the lower bound) guide the search
-    (not towards a Partial target: zeros or the identity of max and min would do there); so
+    (not towards a Partial target, where the guess is 0 bytes: a sum group needs the value on
+    one member only, which ``lacking`` does not model, so a spread may cost nothing); so
     do the collectives and steps still needed without an exchange (a mesh dim leaves a
-    placement other than Replicate only by a collective on it). An exchange straight from the
+    placement other than Replicate only by a collective on it, except a Shard spreading to a
+    Partial("sum") or p-norm target where ``spread`` allows it). An exchange straight from the
     source already moves the fewest bytes any schedule can (see ``exchange_cost``), so it
     bounds the search: states that cannot beat it are never expanded, and no later exchange
     can do better. Only mixed reduce ops, which it cannot resolve, need exchanges from states
@@ -373,7 +389,9 @@ class _Search:
     A state is searched as the indices of its placements in ``options`` (ints hash and
     compare in C, placements in Python); the source is all zeros."""
 
-    def __init__(self, pricer: Pricer, source: State, target: State) -> None:
+    def __init__(
+        self, pricer: Pricer, source: State, target: State, spread: bool = False
+    ) -> None:
         self.pricer, self.source, self.target = pricer, source, target
         self.sizes = sizes = pricer.mesh.shape
         self.options = options = _candidates(source, target, pricer.shape)
@@ -386,7 +404,11 @@ class _Search:
         # the reduce op of a Partial that needs reducing (mesh dim size > 1), else None
         self.op = [[p.reduce_op if isinstance(p, Partial) and n > 1 else None for p in o]
                    for o, n in zip(options, sizes, strict=True)]
-        self.moves = [_moves(tuple(o), n) for o, n in zip(options, sizes, strict=True)]
+        # per mesh dim, whether a Shard may spread locally to its target, a Partial (explicit
+        # redistribution only)
+        self.spread = [spread and isinstance(p, Partial) and p.zeros_elsewhere for p in target]
+        self.moves = [_moves(tuple(o), n, s)
+                      for o, n, s in zip(options, sizes, self.spread, strict=True)]
         self.replicate = [[p.is_replicate() for p in o] for o in options]
         self.partial = [[p.is_partial() for p in o] for o in options]
         self.pending = [[p.is_partial() and p.reduce_op in ("sum", "avg") for p in o]
@@ -432,6 +454,7 @@ class _Search:
         if left is None:
             changed = [m for m, i in enumerate(state) if i != self.goal[m]]
             collectives = sum(self.sizes[m] > 1 and not self.replicate[m][state[m]]
+                              and not (self.spread[m] and self.shard[m][state[m]] is not None)
                               for m in changed)
             left = self._left[state] = (collectives, len(changed))
         return left
@@ -603,9 +626,10 @@ def _plan(
     source: State,
     target: State,
     pending_itemsize: int | None = None,
+    spread: bool = False,
 ) -> RedistributePlan:
     """The cheapest plan for these data (a fresh search each time it is not cached)."""
-    search = _Search(Pricer(mesh, shape, itemsize, pending_itemsize), source, target)
+    search = _Search(Pricer(mesh, shape, itemsize, pending_itemsize), source, target, spread)
     search.bound()
     search.run()
     if search.goal not in search.best:
@@ -613,32 +637,77 @@ def _plan(
             f"no redistribution from {list(source)} to {list(target)} for shape {list(shape)} "
             f"on {mesh}"
         )
-    return RedistributePlan(source, target, search.path(), shape)
+    return RedistributePlan(source, target, search.path(), shape, spread=spread)
 
 
-# plans by (spec, target), bounded: oldest first out past the bound (the plans themselves are
-# shared with ``_plan``'s cache, so this bound also bounds how many plans stay alive)
-_PLANS: dict[tuple[DTensorSpec, State], RedistributePlan] = {}
+def _spreads_to(target: Sequence[Placement]) -> bool:
+    """Whether ``target`` has a Partial a Shard may spread to (sum, p-norms): where it has
+    none, a plan allowing spreads is the plan without them."""
+    return any(isinstance(p, Partial) and p.zeros_elsewhere for p in target)
+
+
+def _point_to_point(spec: DTensorSpec, plan: RedistributePlan) -> RedistributePlan:
+    """``plan``, or where it moves more bytes over all devices, one "send/recv" step: the
+    cross-mesh plan with ``spec``'s mesh as its own target (targets whose Partials are sums).
+    It reaches what per-mesh-dim steps cannot: a Partial("sum") target needs each block on one
+    member of each sum group only, so a group that lacks it receives it once, not once per
+    collective group of the other dims.
+    Bytes are in the components' dtype (a float32 pending sum for a half-precision tensor)."""
+    mesh = spec.mesh
+    ops = {p.reduce_op for p, n in zip(plan.source, mesh.shape, strict=True)
+           if isinstance(p, Partial) and n > 1}
+    if len(ops) > 1 or any(isinstance(p, Partial) and p.reduce_op != "sum" and n > 1
+                           for p, n in zip(plan.target, mesh.shape, strict=True)):
+        # the cross-mesh plan reduces one op only, and its zeros are a target sum's: beside a
+        # target max, avg or p-norm (reduced in mesh dim order) they would change the value
+        return plan
+    route = plan_cross_mesh(plan.shape, spec.component_dtype.itemsize, mesh, plan.source, mesh,
+                            plan.target)
+    if route.global_bytes >= plan.global_bytes:
+        return plan
+    step = Step(route.crossed_dims, plan.source, plan.target, "send/recv", route.bytes,
+                route.global_bytes, route.rounds)
+    return dataclasses.replace(plan, steps=(step,))
+
+
+# plans by (spec, target, spread), bounded: oldest first out past the bound (the plans
+# themselves are shared with ``_plan``'s cache, so this bound also bounds how many stay alive)
+_PLANS: dict[tuple[DTensorSpec, State, bool], RedistributePlan] = {}
 PLAN_CACHE_SIZE = 8192
 
 
-def plan_redistribute(spec: DTensorSpec, placements: Sequence[Placement]) -> RedistributePlan:
+def plan_redistribute(
+    spec: DTensorSpec, placements: Sequence[Placement], *, spread: bool = False
+) -> RedistributePlan:
     """The cheapest plan from ``spec`` to ``placements`` on the same mesh, cached per (spec,
     target) so a repeated redistribution costs one dictionary lookup (specs cache their hash);
-    ``_plan`` shares the planning itself between specs that differ only in strides."""
-    key = (spec, tuple(placements))
+    ``_plan`` shares the planning itself between specs that differ only in strides.
+
+    ``spread`` lets a Shard reach a Partial("sum") or p-norm target without moving data: each
+    device keeps its piece in place with zeros around it, a component as large as the whole
+    tensor along that dim. Only an explicit redistribution (``DTensor.redistribute``,
+    ``explain_redistribute``), whose caller asked for that Partial, passes it: an op's input
+    moves never do, or a zero-byte spread would beat every real move, so ops in explicit mode
+    would stop refusing and their components would grow to the whole tensor. With ``spread``
+    the plan is one point to point "send/recv" step instead where that moves fewer bytes
+    (``_point_to_point``)."""
+    target = tuple(placements)
+    spread = spread and _spreads_to(target)
+    key = (spec, target, spread)
     plan = _PLANS.get(key)
     if plan is None:
         meta = spec.tensor_meta
         if meta.dtype in LOW_PRECISION:
             plan = _plan(spec.mesh, tuple(meta.shape), meta.dtype.itemsize, spec.placements,
-                         key[1], torch.float32.itemsize)
-            start, end = spec.component_dtype, spec.with_placements(key[1]).component_dtype
+                         target, torch.float32.itemsize, spread)
+            start, end = spec.component_dtype, spec.with_placements(target).component_dtype
             if start != end:
                 plan = dataclasses.replace(plan, cast=end)
         else:
             plan = _plan(spec.mesh, tuple(meta.shape), meta.dtype.itemsize, spec.placements,
-                         key[1])
+                         target, None, spread)
+        if spread:
+            plan = _point_to_point(spec, plan)
         while len(_PLANS) >= PLAN_CACHE_SIZE:
             try:
                 del _PLANS[next(iter(_PLANS))]

@@ -8,10 +8,11 @@ from functools import lru_cache
 import torch
 
 from .. import comm
-from ..geometry import Segments, chunk_bounds, shard_segments, split_segments
+from ..geometry import Segments, chunk_bounds, segments_size, shard_segments, split_segments
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Partial, Shard
+from ..placements import InterleavedShard, Partial, Replicate, Shard
 from ..spec import DTensorSpec, pending_sum
+from .cross_mesh import plan_cross_mesh, run_cross_mesh
 from .exchange import run_exchange
 from .plan import RedistributePlan, Step, after_step
 
@@ -58,6 +59,44 @@ def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Te
     return t
 
 
+def _spread(t: torch.Tensor, dim: int, length: int, runs: Segments) -> torch.Tensor:
+    """Shard -> Partial("sum") (or a p-norm) without moving data: the piece ``t`` at its index
+    runs ``runs`` of a dim of ``length``, zeros around it (the sum over the mesh dim is the
+    whole value, exact for every dtype: each element has one nonzero term)."""
+    parts, pos, taken = [], 0, 0
+    for start, stop in runs:
+        if start > pos:
+            parts.append(_zeros(t, dim, start - pos))
+        parts.append(t.narrow(dim, taken, stop - start))
+        taken, pos = taken + stop - start, max(pos, stop)
+    if length > pos:
+        parts.append(_zeros(t, dim, length - pos))
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+
+
+def _zeros(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = length
+    return t.new_zeros(shape)
+
+
+def _run_spread(
+    step: Step, mesh: DeviceMesh, shape: tuple[int, ...], state: tuple,
+    components: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """A local Shard -> Partial step: each device spreads its piece over the length of the
+    tensor dim its mesh dim split (geometry of ``state`` with that mesh dim replicated)."""
+    m, a = step.mesh_dim, step.source
+    n = mesh.shape[m]
+    whole = state[:m] + (Replicate(),) + state[m + 1 :]
+    out = []
+    for t, device in zip(components, mesh.local_device_ids, strict=True):
+        coord = mesh.coordinate_of(device)
+        length = segments_size(shard_segments(shape, mesh.shape, whole, coord)[a.dim])
+        out.append(_spread(t, a.dim, length, _split_runs(length, a, n)[coord[m]]))
+    return out
+
+
 def _run_local(step: Step, mesh: DeviceMesh, components: list[torch.Tensor]) -> list[torch.Tensor]:
     """A step that moves no data: each device cuts its piece, or partitions a value."""
     m, b = step.mesh_dim, step.target
@@ -92,6 +131,18 @@ def _run_step(step: Step, mesh: DeviceMesh, components: list[torch.Tensor]) -> l
     return [comm.join(p, a.dim) for p in comm.all_to_all(mesh, m, pieces)]
 
 
+def _run_point_to_point(
+    mesh: DeviceMesh, shape: tuple[int, ...], state: tuple, after: tuple,
+    components: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """A "send/recv" step: the cross-mesh plan with ``mesh`` as its own target (its routes do
+    not depend on the item size; the components' dtype is what travels)."""
+    if not components:
+        return components
+    route = plan_cross_mesh(shape, components[0].element_size(), mesh, state, mesh, after)
+    return run_cross_mesh(route, components, components[0].dtype)
+
+
 def run_plan(
     plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -104,6 +155,11 @@ def run_plan(
         after = after_step(state, step)
         if step.collective == "exchange":
             out = run_exchange(mesh, plan.shape, state, after, step.mesh_dim, out)
+        elif step.collective == "send/recv":
+            out = _run_point_to_point(mesh, plan.shape, state, after, out)
+        elif (step.collective == "local" and isinstance(step.source, Shard)
+              and isinstance(step.target, Partial) and mesh.shape[step.mesh_dim] > 1):
+            out = _run_spread(step, mesh, plan.shape, state, out)
         else:
             out = _run_step(step, mesh, out)
         state = after

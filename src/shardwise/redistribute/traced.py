@@ -5,9 +5,9 @@ eager's executor, so results are bit-identical to eager), and its fake implement
 target local shapes without communicating.
 
 In one process the plan's local ops and in-process collectives are traced as they are, where
-the compiler can fuse them. The key is a JSON text of the mesh, the placements, the global shape
-and the dtype, so a graph loaded from torch's compile caches in another process finds its plan
-again (planning is deterministic).
+the compiler can fuse them. The key is a JSON text of the mesh, the placements, the global shape,
+the dtype and whether the plan may spread (an explicit redistribution's), so a graph loaded from
+torch's compile caches in another process finds its plan again (planning is deterministic).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def _key(plan: RedistributePlan, mesh: DeviceMesh, dtype: torch.dtype) -> str:
         "target": [encode_placement(p) for p in plan.target],
         "shape": list(plan.shape),
         "dtype": str(dtype).removeprefix("torch."),
+        "spread": plan.spread,
     })
 
 
@@ -66,7 +67,8 @@ def _replan(key: str) -> None:
                       mesh_dim_names=tuple(names) or None)
     meta = contiguous_meta(d["shape"], getattr(torch, d["dtype"]))
     source = DTensorSpec(mesh, tuple(decode_placement(c) for c in d["source"]), meta)
-    plan = plan_redistribute(source, tuple(decode_placement(c) for c in d["target"]))
+    plan = plan_redistribute(source, tuple(decode_placement(c) for c in d["target"]),
+                             spread=d["spread"])
     _store(key, plan, mesh, meta.dtype)
 
 
