@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import traceback
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -206,5 +207,40 @@ def run_moves(
                     "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps,
                     _call_site()
                 )
-            components[i] = run(dt._components)
+            components[i] = _cut(dt, run) if getattr(run, "cuts", False) else run(
+                dt._components
+            )
     return components
+
+
+# per DTensor (by id, dropped with it): (a weak reference to it, the compiled cuts, its
+# components, their versions, the cut views)
+_CUTS: dict[int, tuple] = {}
+
+
+def _cut(dt: DTensor, run: Any) -> list[torch.Tensor]:
+    """``run(dt._components)`` for a plan that only cuts (``compile_plan``'s ``cuts``), the
+    views kept for the next call while the DTensor holds the same components unchanged (a
+    replicated weight an op cuts to the shards' shape at every step is cut once): views of
+    its own components hold no memory of their own."""
+    comps = dt._components
+    versions = [c._version for c in comps]  # set_ and resize_ change a component in place
+    held = _CUTS.get(id(dt))
+    if held is not None and held[0]() is dt and held[1] is run and held[2] is comps and (
+        held[3] == versions
+    ):
+        return list(held[4])
+    out = run(comps)
+    if not torch._C._len_torch_dispatch_stack():  # not fake or traced components
+        key = id(dt)
+        ref = held[0] if held is not None and held[0]() is dt else weakref.ref(
+            dt, lambda r, key=key: _drop_cut(key, r)
+        )
+        _CUTS[key] = (ref, run, comps, versions, out)
+    return list(out)
+
+
+def _drop_cut(key: int, ref: weakref.ref) -> None:
+    held = _CUTS.get(key)
+    if held is not None and held[0] is ref:
+        del _CUTS[key]

@@ -34,12 +34,13 @@ def local_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple[tuple[int, ...]
     return tuple(groups.items())
 
 
-def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[list, list]:
+@lru_cache(maxsize=4096)
+def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
     """(groups all in this process, groups that span processes) along ``mesh_dim``."""
     inside, across = [], []
     for members, indices in local_groups(mesh, mesh_dim):
         (across if any(i is None for i in indices) else inside).append((members, indices))
-    return inside, across
+    return tuple(inside), tuple(across)
 
 
 def _to(t: torch.Tensor, mesh: DeviceMesh, device_id: int) -> torch.Tensor:
@@ -201,6 +202,63 @@ def all_to_all(
         for k, i in enumerate(indices)
         if i is not None
     )
+    _record("all_to_all", mesh_dim, received, traffic, mesh)
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _joinable_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, ...]:
+    """The groups along ``mesh_dim`` all in this process, each with the ``torch.device`` its
+    members keep their components on, or None when they use several."""
+    groups = []
+    for members, indices in _split_groups(mesh, mesh_dim)[0]:
+        devices = {mesh.device_of(d) for d in members}
+        groups.append((members, indices, devices.pop() if len(devices) == 1 else None))
+    return tuple(groups)
+
+
+_NO_TRAFFIC = distributed.Traffic()
+
+
+def all_to_all_tensor(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    components: Sequence[torch.Tensor],
+    split: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+    concat_dim: int,
+) -> list[torch.Tensor]:
+    """``all_to_all`` of every component's ``split`` pieces, each device's received pieces
+    joined along ``concat_dim`` in coordinate order (``split`` cuts along another dim, by that
+    dim's length only, one piece per group member). A group held in this process on one torch
+    device moves nothing: its components are joined once and ``split`` cuts every member's
+    result out of that, as views, instead of the n² pieces. The values and the bytes counted
+    are those of the pieces' all_to_all."""
+    out: list = [None] * len(components)
+    received = 0
+    for members, indices, device in _joinable_groups(mesh, mesh_dim):
+        if device is None:  # the pieces go to their devices
+            pieces = [split(components[j]) for j in indices]
+            for k, i in enumerate(indices):
+                out[i] = native.join([_to(p[k], mesh, members[k]) for p in pieces], concat_dim)
+                received += accounting.all_to_all_received([_nbytes(p[k]) for p in pieces], k)
+            continue
+        whole = torch.cat([components[i] for i in indices], concat_dim).to(device)
+        total = whole.shape[concat_dim]
+        for i, piece in zip(indices, split(whole), strict=True):
+            out[i] = piece
+            if total:  # its span of every other member's component (all_to_all_received)
+                received += piece.nbytes // total * (total - components[i].shape[concat_dim])
+    across = _split_groups(mesh, mesh_dim)[1]
+    traffic = _NO_TRAFFIC
+    if across:
+        lists: list = [[] for _ in components]
+        traffic = _across(lists, "all_to_all", mesh, mesh_dim, across,
+                          [split(c) for c in components])
+        for _, indices in across:
+            for k, i in enumerate(indices):
+                if i is not None:
+                    out[i] = native.join(lists[i], concat_dim)
+                    received += accounting.all_to_all_received([_nbytes(p) for p in lists[i]], k)
     _record("all_to_all", mesh_dim, received, traffic, mesh)
     return out
 
