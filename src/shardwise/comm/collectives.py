@@ -207,14 +207,15 @@ def all_to_all(
 
 
 @lru_cache(maxsize=4096)
-def _joinable_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, ...]:
-    """The groups along ``mesh_dim`` all in this process, each with the ``torch.device`` its
+def _joinable_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
+    """``_split_groups``, each group all in this process with the ``torch.device`` its
     members keep their components on, or None when they use several."""
+    inside, across = _split_groups(mesh, mesh_dim)
     groups = []
-    for members, indices in _split_groups(mesh, mesh_dim)[0]:
+    for members, indices in inside:
         devices = {mesh.device_of(d) for d in members}
         groups.append((members, indices, devices.pop() if len(devices) == 1 else None))
-    return tuple(groups)
+    return tuple(groups), across
 
 
 _NO_TRAFFIC = distributed.Traffic()
@@ -235,11 +236,12 @@ def all_to_all_tensor(
     are those of the pieces' all_to_all."""
     out: list = [None] * len(components)
     received = 0
-    for members, indices, device in _joinable_groups(mesh, mesh_dim):
+    inside, across = _joinable_groups(mesh, mesh_dim)
+    for members, indices, device in inside:
         if device is None:  # the pieces go to their devices
             pieces = [split(components[j]) for j in indices]
             for k, i in enumerate(indices):
-                out[i] = native.join([_to(p[k], mesh, members[k]) for p in pieces], concat_dim)
+                out[i] = torch.cat([_to(p[k], mesh, members[k]) for p in pieces], concat_dim)
                 received += accounting.all_to_all_received([_nbytes(p[k]) for p in pieces], k)
             continue
         whole = torch.cat([components[i] for i in indices], concat_dim).to(device)
@@ -248,7 +250,6 @@ def all_to_all_tensor(
             out[i] = piece
             if total:  # its span of every other member's component (all_to_all_received)
                 received += piece.nbytes // total * (total - components[i].shape[concat_dim])
-    across = _split_groups(mesh, mesh_dim)[1]
     traffic = _NO_TRAFFIC
     if across:
         lists: list = [[] for _ in components]
