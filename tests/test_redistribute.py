@@ -353,8 +353,8 @@ def test_in_process_shard_to_shard_counts_the_pieces_all_to_all(
 ) -> None:
     """In one process an all_to_all joins a group's components once and cuts the new pieces
     out of that (members on several torch devices send pieces): the values are torch.chunk's,
-    and the bytes counted are those the pieces' all_to_all moves (the reference geometry's),
-    uneven shards and 2-D meshes included."""
+    dense, and the bytes counted are those the pieces' all_to_all moves (the reference
+    geometry's), uneven shards and 2-D meshes included."""
     from shardwise.comm import collectives
 
     if not joined:  # as if every member kept its components on a torch device of its own
@@ -378,4 +378,5 @@ def test_in_process_shard_to_shard_counts_the_pieces_all_to_all(
             assert total == plan.bytes == expected * x.element_size()
             out = dt.redistribute(placements=after)
             check_components(out._components, x, mesh, after)
+            assert all(c.is_contiguous() for c in out._components)  # as joined pieces are
             assert torch.equal(out.full_tensor(), x)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import runtime
+from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh
 from . import accounting, background, distributed, native
 from .reduction import norm_terms, reduce_terms
@@ -225,28 +226,29 @@ def all_to_all_tensor(
     mesh: DeviceMesh,
     mesh_dim: int,
     components: Sequence[torch.Tensor],
-    split: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+    split_dim: int,
     concat_dim: int,
 ) -> list[torch.Tensor]:
-    """``all_to_all`` of every component's ``split`` pieces, each device's received pieces
-    joined along ``concat_dim`` in coordinate order (``split`` cuts along another dim, by that
-    dim's length only, one piece per group member). A group held in this process on one torch
-    device moves nothing: its components are joined once and ``split`` cuts every member's
-    result out of that, as views, instead of the n² pieces. The values and the bytes counted
-    are those of the pieces' all_to_all."""
+    """Every device gets its piece along ``split_dim`` (``torch.chunk`` geometry over its
+    group) of every member's component, joined along ``concat_dim`` in coordinate order: an
+    ``all_to_all`` of the chunks. A group held in this process on one torch device moves no
+    pieces: its components are joined once and every member's piece cut out of that, dense
+    (one copy for even chunks), instead of the n² pieces. The values, layouts and the bytes
+    counted are those of the pieces' all_to_all."""
     out: list = [None] * len(components)
     received = 0
     inside, across = _joinable_groups(mesh, mesh_dim)
+    n = mesh.shape[mesh_dim]
     for members, indices, device in inside:
         if device is None:  # the pieces go to their devices
-            pieces = [split(components[j]) for j in indices]
+            pieces = [_chunks(components[j], split_dim, n) for j in indices]
             for k, i in enumerate(indices):
                 out[i] = torch.cat([_to(p[k], mesh, members[k]) for p in pieces], concat_dim)
                 received += accounting.all_to_all_received([_nbytes(p[k]) for p in pieces], k)
             continue
         whole = torch.cat([components[i] for i in indices], concat_dim).to(device)
         total = whole.shape[concat_dim]
-        for i, piece in zip(indices, split(whole), strict=True):
+        for i, piece in zip(indices, _dense_chunks(whole, split_dim, n), strict=True):
             out[i] = piece
             if total:  # its span of every other member's component (all_to_all_received)
                 received += piece.nbytes // total * (total - components[i].shape[concat_dim])
@@ -254,7 +256,7 @@ def all_to_all_tensor(
     if across:
         lists: list = [[] for _ in components]
         traffic = _across(lists, "all_to_all", mesh, mesh_dim, across,
-                          [split(c) for c in components])
+                          [_chunks(c, split_dim, n) for c in components])
         for _, indices in across:
             for k, i in enumerate(indices):
                 if i is not None:
@@ -262,6 +264,21 @@ def all_to_all_tensor(
                     received += accounting.all_to_all_received([_nbytes(p) for p in lists[i]], k)
     _record("all_to_all", mesh_dim, received, traffic, mesh)
     return out
+
+
+def _chunks(t: torch.Tensor, dim: int, n: int) -> tuple[torch.Tensor, ...]:
+    """``t``'s ``n`` pieces along ``dim`` under ``torch.chunk`` geometry (views)."""
+    return t.split_with_sizes(chunk_sizes(t.shape[dim], n), dim)
+
+
+def _dense_chunks(t: torch.Tensor, dim: int, n: int) -> Sequence[torch.Tensor]:
+    """``_chunks``, each contiguous as a joined piece would be (kernels such as oneDNN's read
+    their inputs as dense, and LU factorizations follow the layout): even chunks in one copy
+    into one buffer, uneven ones one copy each."""
+    length = t.shape[dim]
+    if length % n:
+        return [p.contiguous() for p in _chunks(t, dim, n)]
+    return t.unflatten(dim, (n, length // n)).movedim(dim, 0).contiguous().unbind(0)
 
 
 def broadcast(

@@ -8,7 +8,7 @@ from functools import lru_cache
 import torch
 
 from .. import comm
-from ..geometry import Segments, chunk_bounds, shard_segments, split_segments
+from ..geometry import Segments, chunk_sizes, shard_segments, split_segments
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Shard
 from ..spec import DTensorSpec, pending_sum
@@ -31,19 +31,13 @@ def _piece(t: torch.Tensor, dim: int, runs: Segments) -> torch.Tensor:
     return torch.cat([t.narrow(dim, a, b - a) for a, b in runs], dim=dim)
 
 
-@lru_cache(maxsize=4096)
-def _chunk_sizes(length: int, n: int) -> list[int]:
-    """The sizes of the ``n`` chunks of ``length`` (``torch.chunk``, trailing ones empty)."""
-    return [b - a for a, b in (chunk_bounds(length, n, k) for k in range(n))]
-
-
 def _split(t: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
     """The ``n`` pieces of ``t`` that the coordinates of a mesh dim keep under ``placement``
     (``torch.chunk`` geometry as one ``split_with_sizes``, a third of a narrow per piece)."""
     dim = placement.dim
     length = t.shape[dim]
     if type(placement) is Shard:
-        return list(t.split_with_sizes(_chunk_sizes(length, n), dim))
+        return list(t.split_with_sizes(chunk_sizes(length, n), dim))
     return [_piece(t, dim, runs) for runs in _split_runs(length, placement, n)]
 
 
@@ -94,9 +88,8 @@ def _run_step(step: Step, mesh: DeviceMesh, components: list[torch.Tensor]) -> l
     n = mesh.shape[m]
     if kind == "reduce_scatter":
         return comm.reduce_scatter(mesh, m, [_split(t, b, n) for t in components], a.reduce_op)
-    # all_to_all: Shard(d) -> Shard(e); in one process, the group's components joined once
-    # and cut again as views
-    return comm.all_to_all_tensor(mesh, m, components, lambda t: _split(t, b, n), a.dim)
+    # all_to_all: Shard(d) -> Shard(e)
+    return comm.all_to_all_tensor(mesh, m, components, b.dim, a.dim)
 
 
 def run_plan(
