@@ -247,11 +247,17 @@ def all_to_all_tensor(
                 received += accounting.all_to_all_received([_nbytes(p[k]) for p in pieces], k)
             continue
         whole = torch.cat([components[i] for i in indices], concat_dim).to(device)
-        total = whole.shape[concat_dim]
-        for i, piece in zip(indices, _dense_chunks(whole, split_dim, n), strict=True):
+        pieces = _dense_chunks(whole, split_dim, n)
+        for i, piece in zip(indices, pieces, strict=True):
             out[i] = piece
-            if total:  # its span of every other member's component (all_to_all_received)
-                received += piece.nbytes // total * (total - components[i].shape[concat_dim])
+        # each member receives its chunk of every other member's component
+        # (all_to_all_received): with equal chunks, n - 1 chunks' worth in all
+        total = whole.shape[concat_dim]
+        if whole.shape[split_dim] % n == 0:
+            received += pieces[0].nbytes * (n - 1)
+        elif total:
+            received += sum(p.nbytes // total * (total - components[i].shape[concat_dim])
+                            for i, p in zip(indices, pieces, strict=True))
     traffic = _NO_TRAFFIC
     if across:
         lists: list = [[] for _ in components]
