@@ -206,6 +206,7 @@ def run_moves(
 def _run_each(
     func: Any, dtensors: list[DTensor], moves: tuple, log_moves: bool
 ) -> list[list[torch.Tensor]]:
+    """``run_moves``' moves, once allowed: each input's components after its plan."""
     components = [dt._components for dt in dtensors]
     for i, plan, run in moves:
         dt = dtensors[i]
