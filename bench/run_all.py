@@ -172,14 +172,17 @@ def plot(results: dict, path: Path) -> None:
 # the run does not meet; update them when the cause changes.
 REASONS = {
     "dispatch": "every op is at most DTensor's time on one device (its C++ fast path is "
-                "beaten by one Python frame that calls the op's checked Python binding, not "
-                "the boxed OpOverload); the per-device gap is the inputs' redistribution, "
-                "not dispatch (about 0.7 us of dispatch per device): cat moves its sharded "
-                "input Shard(0) -> Shard(1), the plan with fewest bytes, by an in-process "
-                "all_to_all of n^2 pieces (about 19 us per extra device) plus a local split "
-                "of the replicated one (3 us), and add cuts its piece of the replicated "
-                "input with one narrow per device in the compiled local step (about 2.3 us; "
-                "one tensor_split for 4 devices takes 3.7 us, 4 narrows 6.7 us)",
+                "beaten by one Python frame that calls the op's checked Python binding; ops "
+                "on a list of DTensors such as cat([a, a]) take that frame too); the "
+                "per-device gap is cat's input moves, not dispatch: its sharded input goes "
+                "Shard(0) -> Shard(1), the plan with fewest bytes, by an in-process "
+                "all_to_all that joins the components once and cuts them into dense pieces "
+                "in one copy (dense as the joined pieces were: layout-reading kernels such "
+                "as LU give other numbers on strided views), about 9 us of which most is "
+                "fixed (one cat, one copy, the pieces' views, accounting), the replicated "
+                "input's cut is reused while unchanged, and each device's cat then reads a "
+                "dense and a strided piece (about 1 us more than the local cat); from 4 to "
+                "8 devices cat costs about 2 us per device",
     "planner": "every swept pair reaches the bound (an exchange resolves Partials of one "
                "reduce op at one root per block, then forwards); a gap could only come from "
                "sources mixing reduce ops, which must reduce lowest mesh dim first",

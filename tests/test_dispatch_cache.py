@@ -196,3 +196,30 @@ def test_keyword_numbers_that_shard_are_still_keys() -> None:
     for alpha in (0.0, 2.0, -1.5):
         got = torch.add(r, p, alpha=alpha).full_tensor()
         assert torch.equal(got, torch.add(y, x, alpha=alpha))
+
+
+def test_a_replicated_input_is_cut_once_while_unchanged() -> None:
+    """The views a local Replicate -> Shard move cuts are kept with the DTensor: the next op
+    reuses them while the components are the same and unchanged, and they go with it."""
+    import gc
+
+    from shardwise import op_inputs
+
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    a = sw.distribute_tensor(x, MESH2, [Shard(1)])
+    b = sw.distribute_tensor(y, MESH2, [Replicate()])
+    assert torch.equal((a + b).full_tensor(), x + y)
+    cut = op_inputs._CUTS[id(b)][4]
+    assert torch.equal((a * b).full_tensor(), x * y)
+    assert op_inputs._CUTS[id(b)][4] is cut  # the same views, not cut again
+    b.mul_(2)  # written in place: the views see the new values
+    assert torch.equal((a + b).full_tensor(), x + 2 * y)
+    for c, z in zip(b._components, (torch.ones(8, 6), torch.zeros(8, 6)), strict=True):
+        c.set_(z)  # a component given other memory in place: cut again
+    expected = x + torch.cat([torch.ones(8, 3), torch.zeros(8, 3)], 1)
+    assert torch.equal((a + b).full_tensor(), expected)
+    assert op_inputs._CUTS[id(b)][4] is not cut
+    key = id(b)
+    del b
+    gc.collect()
+    assert key not in op_inputs._CUTS

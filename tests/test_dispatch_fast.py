@@ -156,3 +156,26 @@ def test_view_size_hook_on_several_devices_equals_torch() -> None:
 
 def test_dispatch_is_the_classmethod_itself() -> None:
     assert sw.DTensor.__torch_dispatch__.__func__ is sw_dispatch._torch_dispatch
+
+
+def test_ops_on_a_list_of_dtensors_take_the_direct_path() -> None:
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    a = sw.distribute_tensor(x, MESH1, [Shard(0)])
+    b = sw.distribute_tensor(y, MESH1, [Shard(0)])
+    sw.clear_sharding_cache()
+    for _ in range(2):  # the cold call, then the cached one
+        assert torch.equal(torch.cat([a, a], 1).full_tensor(), torch.cat([x, x], 1))
+        assert torch.equal(torch.cat((a, b), 0).full_tensor(), torch.cat((x, y), 0))
+        assert torch.equal(torch.stack([a, b, a]).full_tensor(), torch.stack([x, y, x]))
+    assert all(e.direct for e in sw_dispatch._OPS[id(aten.cat.default)].decisions.values())
+
+
+def test_ops_on_a_list_of_dtensors_on_several_devices_equal_torch() -> None:
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    a = sw.distribute_tensor(x, MESH2, [Shard(0)])
+    b = sw.distribute_tensor(y, MESH2, [Replicate()])
+    with sw.allow_implicit_redistribute():
+        for _ in range(2):
+            assert torch.equal(torch.cat([a, a], 1).full_tensor(), torch.cat([x, x], 1))
+            assert torch.equal(torch.cat((a, b), 0).full_tensor(), torch.cat((x, y), 0))
+            assert torch.equal(torch.stack([a, b]).full_tensor(), torch.stack([x, y]))

@@ -181,6 +181,22 @@ def test_lstm_forward_backward() -> None:
     assert cases > 0
 
 
+def test_lstm_on_a_replicated_input_cut_to_the_batch_split_equals_torch() -> None:
+    """The batch-split states make the replicated input be cut to its batch piece, a strided
+    view, which the oneDNN kernel would read as dense."""
+    lstm = torch.nn.LSTM(3, 4)
+    x, h, c = randn(5, 4, 3), randn(1, 4, 4), randn(1, 4, 4)
+    mesh = _mesh(2)
+    params = {n: sw.distribute_tensor(p.detach(), mesh, [sw.Replicate()])
+              for n, p in lstm.named_parameters()}
+    states = tuple(sw.distribute_tensor(s, mesh, [sw.Shard(1)]) for s in (h, c))
+    out = torch.func.functional_call(
+        lstm, params, (sw.distribute_tensor(x, mesh, [sw.Replicate()]), states)
+    )[0]
+    assert out.placements == (sw.Shard(1),)
+    torch.testing.assert_close(out.full_tensor(), lstm(x, (h, c))[0].detach())
+
+
 def _mesh(*shape: int) -> sw.DeviceMesh:
     return sw.init_device_mesh("cpu", shape)
 

@@ -352,3 +352,41 @@ def test_mixed_partials_reduce_lowest_mesh_dim_first_whatever_the_target() -> No
         [Replicate(), Partial("max")],
     ):
         assert torch.equal(dt.redistribute(placements=target).full_tensor(), value), target
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["one torch device", "several"])
+@pytest.mark.parametrize("mesh_shape", [(4,), (3,), (2, 3)])
+@pytest.mark.parametrize("shape", [(8, 12), (5, 7, 3), (2, 9)])
+def test_in_process_shard_to_shard_counts_the_pieces_all_to_all(
+    mesh_shape: tuple[int, ...], shape: tuple[int, ...], joined: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In one process an all_to_all joins a group's components once and cuts the new pieces
+    out of that (members on several torch devices send pieces): the values are torch.chunk's,
+    dense, and the bytes counted are those the pieces' all_to_all moves (the reference
+    geometry's), uneven shards and 2-D meshes included."""
+    from shardwise.comm import collectives
+
+    if not joined:  # as if every member kept its components on a torch device of its own
+        groups = collectives._joinable_groups
+        monkeypatch.setattr(collectives, "_joinable_groups", lambda mesh, m: (
+            tuple((members, indices, None) for members, indices, _ in groups(mesh, m)[0]),
+            groups(mesh, m)[1],
+        ))
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    x = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    for m in range(len(mesh_shape)):
+        for d, e in itertools.permutations(range(len(shape)), 2):
+            before = [Replicate()] * len(mesh_shape)
+            before[m] = Shard(d)
+            after = list(before)
+            after[m] = Shard(e)
+            dt = sw.distribute_tensor(x, mesh, before)
+            plan, counter, total = _run(dt, after)
+            assert [s.collective for s in plan.steps] == ["all_to_all"]
+            expected = _ref_step_bytes(shape, mesh, tuple(before), tuple(after), m, "all_to_all")
+            assert total == plan.bytes == expected * x.element_size()
+            out = dt.redistribute(placements=after)
+            check_components(out._components, x, mesh, after)
+            assert all(c.is_contiguous() for c in out._components)  # as joined pieces are
+            assert torch.equal(out.full_tensor(), x)

@@ -104,18 +104,27 @@ class _Entry:
     inputs that move (and whether any needs communication), the specs the inputs move to,
     the op's hooks that apply to this decision, and the complete output spec(s)."""
 
-    __slots__ = ("decision", "where", "top", "moves", "communicates", "moved_self",
+    __slots__ = ("decision", "where", "top", "seq", "moves", "communicates", "moved_self",
                  "moved_written", "moved_specs", "devices", "local_args", "post", "direct",
                  "single", "call")
 
     def __init__(
-        self, op: _Op, decision: Decision, specs: list[DTensorSpec], where: tuple
+        self, op: _Op, decision: Decision, specs: list[DTensorSpec], where: tuple,
+        args: tuple,
     ) -> None:
         self.decision = decision
         self.where = where
         # positions of the DTensors when all are positional arguments (the common case)
         self.top = tuple(i for i, _ in where) if all(
             isinstance(i, int) and j < 0 for i, j in where
+        ) else None
+        # the position of a list or tuple argument that holds the DTensors and nothing else
+        # (``cat``, ``stack``); the key fixes what the list holds, so it does on every hit
+        first = where[0][0]
+        self.seq = first if (
+            self.top is None and isinstance(first, int)
+            and all(p == (first, j) for j, p in enumerate(where))
+            and len(args[first]) == len(where)
         ) else None
         targets = decision.input_placements
         self.moves = tuple(  # (input index, plan, the plan compiled for its spec)
@@ -144,7 +153,8 @@ class _Entry:
         )
         # one kernel call on the components as they are: no per-device loop, no moves, no hook
         self.direct = (
-            self.top is not None and len(self.devices) == 1 and not self.moves
+            (self.top is not None or self.seq is not None)
+            and len(self.devices) == 1 and not self.moves
             and self.local_args is None and self.post is None
             and not self.moved_written and not decision.widen
         )
@@ -282,6 +292,16 @@ def _scan(
         elif t in _TYPED_ATOMS:
             parts.append((t, a) if i >= static_argnum else t)
         elif t is list or t is tuple:
+            specs = []
+            for x in a:  # DTensors only (``cat``, ``stack``): keyed by spec at any position
+                if type(x) is not DTensor:
+                    break
+                specs.append(x._spec)
+            else:
+                if specs:
+                    dtensors.extend(a)
+                    parts.append(tuple(specs))
+                    continue
             if _ATOMS.issuperset(map(type, a)):  # sizes, dims: no tensors
                 parts.append(tuple(a) if i >= static_argnum else tuple(map(type, a)))
                 continue
@@ -544,10 +564,17 @@ def _torch_dispatch(
     if entry.direct:  # one kernel call on the components as they are
         a = list(args)
         call = entry.call
-        for pos, d in zip(entry.top, dtensors, strict=True):
-            c = a[pos] = d._components[0]
-            if type(c) is not _Tensor:  # a tensor subclass: the boxed call, as checked
-                call = None
+        if entry.top is None:  # the DTensors fill one list argument
+            seq = [d._components[0] for d in dtensors]
+            for c in seq:
+                if type(c) is not _Tensor:  # a tensor subclass: the boxed call, as checked
+                    call = None
+            a[entry.seq] = seq if type(args[entry.seq]) is list else tuple(seq)
+        else:
+            for pos, d in zip(entry.top, dtensors, strict=True):
+                c = a[pos] = d._components[0]
+                if type(c) is not _Tensor:  # a tensor subclass: the boxed call, as checked
+                    call = None
         if call is None or _function_mode():
             call = op.call
         result = call(*a, **kwargs) if kwargs else call(*a)
@@ -600,7 +627,7 @@ def _dispatch_cold(
     where = _where(args, kwargs)
     if _may_widen(decision, specs):
         decision = _widen(func, args, kwargs, where, specs, decision)
-    entry = _Entry(op, decision, specs, where)
+    entry = _Entry(op, decision, specs, where, args)
     if op.inplace:
         _check_write_reaches_base(func, dtensors[0], entry.moved_self, decision.input_placements[0])
     components = run_moves(func, dtensors, entry.moves, entry.communicates) if entry.moves else [
@@ -674,6 +701,8 @@ def _run_local(
     top = entry.top
     local_args = entry.local_args
     widen = entry.decision.widen
+    seq = entry.seq
+    as_list = seq is not None and type(args[seq]) is list
     call = entry.call
     if call is None or _function_mode() or any(type(c[0]) is not _Tensor for c in components):
         call = op.call  # the boxed call, as checked (components of one input share a type)
@@ -682,6 +711,11 @@ def _run_local(
             a = list(args)
             for pos, comps in zip(top, components, strict=True):
                 a[pos] = comps[k]
+            kw = kwargs
+        elif seq is not None:
+            a = list(args)
+            pieces = [comps[k] for comps in components]
+            a[seq] = pieces if as_list else tuple(pieces)
             kw = kwargs
         else:
             a, kw = _place(args, kwargs, entry.where, [comps[k] for comps in components])

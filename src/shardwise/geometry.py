@@ -60,6 +60,13 @@ def chunk_bounds(length: int, n: int, index: int) -> tuple[int, int]:
     return min(index * chunk, length), min((index + 1) * chunk, length)
 
 
+@lru_cache(maxsize=4096)
+def chunk_sizes(length: int, n: int) -> tuple[int, ...]:
+    """The sizes of the ``n`` pieces of ``length`` under ``torch.chunk`` geometry (trailing
+    ones empty), as ``split_with_sizes`` takes them."""
+    return tuple(b - a for a, b in (chunk_bounds(length, n, k) for k in range(n)))
+
+
 def split_segments(segments: Segments, placement: Shard, n: int, index: int) -> Segments:
     """The part of ``segments`` that coordinate ``index`` of ``n`` keeps under ``placement``."""
     length = segments_size(segments)

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import traceback
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -193,18 +194,60 @@ def run_moves(
             + "\n".join(lines)
             + "\nor allow it with `with shardwise.allow_implicit_redistribute():`"
         )
-    components = [dt._components for dt in dtensors]
     log_moves = bool(moving) and settings.LOG_REDISTRIBUTE.get()
-    scope = budget.planned(
-        str(func), [(f"input {i}", dtensors[i]._spec, p) for i, p in moving]
-    ) if budgeted else contextlib.nullcontext()
-    with scope:  # a comm_budget allows the moves it has room for, checked before any runs
-        for i, plan, run in moves:
-            dt = dtensors[i]
-            if log_moves and any(s.collective != "local" for s in plan.steps):
-                log.info(
-                    "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps,
-                    _call_site()
-                )
-            components[i] = run(dt._components)
+    if budgeted:  # a comm_budget allows the moves it has room for, checked before any runs
+        with budget.planned(
+            str(func), [(f"input {i}", dtensors[i]._spec, p) for i, p in moving]
+        ):
+            return _run_each(func, dtensors, moves, log_moves)
+    return _run_each(func, dtensors, moves, log_moves)
+
+
+def _run_each(
+    func: Any, dtensors: list[DTensor], moves: tuple, log_moves: bool
+) -> list[list[torch.Tensor]]:
+    """``run_moves``' moves, once allowed: each input's components after its plan."""
+    components = [dt._components for dt in dtensors]
+    for i, plan, run in moves:
+        dt = dtensors[i]
+        if log_moves and any(s.collective != "local" for s in plan.steps):
+            log.info(
+                "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, _call_site()
+            )
+        components[i] = _cut(dt, plan, run) if getattr(run, "cuts", False) else run(
+            dt._components
+        )
     return components
+
+
+# per DTensor (by id, dropped with it): (a weak reference to it, the plan, its components,
+# their versions, the cut views)
+_CUTS: dict[int, tuple] = {}
+
+
+def _cut(dt: DTensor, plan: Any, run: Any) -> list[torch.Tensor]:
+    """``run(dt._components)`` for a ``plan`` that only cuts (``compile_plan``'s ``cuts``),
+    the views kept for the next move by that plan while the DTensor holds the same components
+    unchanged (a replicated weight that ops cut to the shards' shape at every step is cut
+    once): views of its own components hold no memory of their own."""
+    comps = dt._components
+    versions = [c._version for c in comps]  # set_ and resize_ change a component in place
+    held = _CUTS.get(id(dt))
+    if held is not None and held[0]() is dt and held[2] is comps and (
+        held[1] is plan or held[1] == plan
+    ) and held[3] == versions:
+        return list(held[4])
+    out = run(comps)
+    if not torch._C._len_torch_dispatch_stack():  # not fake or traced components
+        key = id(dt)
+        ref = held[0] if held is not None and held[0]() is dt else weakref.ref(
+            dt, lambda r, key=key: _drop_cut(key, r)
+        )
+        _CUTS[key] = (ref, plan, comps, versions, out)
+    return list(out)
+
+
+def _drop_cut(key: int, ref: weakref.ref) -> None:
+    held = _CUTS.get(key)
+    if held is not None and held[0] is ref:
+        del _CUTS[key]

@@ -7,12 +7,12 @@ from .collectives import (
     all_gather_tensor,
     all_reduce,
     all_to_all,
+    all_to_all_tensor,
     broadcast,
     exchange,
     reduce_scatter,
     scatter_from,
 )
-from .native import join
 from .reduction import reduce_terms
 from .safety import (
     debug_checks_enabled,
@@ -30,11 +30,11 @@ __all__ = [
     "all_gather_tensor",
     "all_reduce",
     "all_to_all",
+    "all_to_all_tensor",
     "broadcast",
     "exchange",
     "debug_checks_enabled",
     "get_collective_timeout",
-    "join",
     "moving",
     "reduce_scatter",
     "reduce_terms",

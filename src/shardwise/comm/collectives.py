@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import runtime
+from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh
 from . import accounting, background, distributed, native
 from .reduction import norm_terms, reduce_terms
@@ -34,12 +35,13 @@ def local_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple[tuple[int, ...]
     return tuple(groups.items())
 
 
-def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[list, list]:
+@lru_cache(maxsize=4096)
+def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
     """(groups all in this process, groups that span processes) along ``mesh_dim``."""
     inside, across = [], []
     for members, indices in local_groups(mesh, mesh_dim):
         (across if any(i is None for i in indices) else inside).append((members, indices))
-    return inside, across
+    return tuple(inside), tuple(across)
 
 
 def _to(t: torch.Tensor, mesh: DeviceMesh, device_id: int) -> torch.Tensor:
@@ -203,6 +205,86 @@ def all_to_all(
     )
     _record("all_to_all", mesh_dim, received, traffic, mesh)
     return out
+
+
+@lru_cache(maxsize=4096)
+def _joinable_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
+    """``_split_groups``, each group all in this process with the ``torch.device`` its
+    members keep their components on, or None when they use several."""
+    inside, across = _split_groups(mesh, mesh_dim)
+    groups = []
+    for members, indices in inside:
+        devices = {mesh.device_of(d) for d in members}
+        groups.append((members, indices, devices.pop() if len(devices) == 1 else None))
+    return tuple(groups), across
+
+
+_NO_TRAFFIC = distributed.Traffic()
+
+
+def all_to_all_tensor(
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    components: Sequence[torch.Tensor],
+    split_dim: int,
+    concat_dim: int,
+) -> list[torch.Tensor]:
+    """Every device gets its piece along ``split_dim`` (``torch.chunk`` geometry over its
+    group) of every member's component, joined along ``concat_dim`` in coordinate order: an
+    ``all_to_all`` of the chunks. A group held in this process on one torch device moves no
+    pieces: its components are joined once and every member's piece cut out of that, dense
+    (one copy for even chunks), instead of the n² pieces. The values, layouts and the bytes
+    counted are those of the pieces' all_to_all."""
+    out: list = [None] * len(components)
+    received = 0
+    inside, across = _joinable_groups(mesh, mesh_dim)
+    n = mesh.shape[mesh_dim]
+    for members, indices, device in inside:
+        if device is None:  # the pieces go to their devices
+            pieces = [_chunks(components[j], split_dim, n) for j in indices]
+            for k, i in enumerate(indices):
+                out[i] = torch.cat([_to(p[k], mesh, members[k]) for p in pieces], concat_dim)
+                received += accounting.all_to_all_received([_nbytes(p[k]) for p in pieces], k)
+            continue
+        whole = torch.cat([components[i] for i in indices], concat_dim).to(device)
+        pieces = _dense_chunks(whole, split_dim, n)
+        for i, piece in zip(indices, pieces, strict=True):
+            out[i] = piece
+        # each member receives its chunk of every other member's component
+        # (all_to_all_received): with equal chunks, n - 1 chunks' worth in all
+        total = whole.shape[concat_dim]
+        if whole.shape[split_dim] % n == 0:
+            received += pieces[0].nbytes * (n - 1)
+        elif total:
+            received += sum(p.nbytes // total * (total - components[i].shape[concat_dim])
+                            for i, p in zip(indices, pieces, strict=True))
+    traffic = _NO_TRAFFIC
+    if across:
+        lists: list = [[] for _ in components]
+        traffic = _across(lists, "all_to_all", mesh, mesh_dim, across,
+                          [_chunks(c, split_dim, n) for c in components])
+        for _, indices in across:
+            for k, i in enumerate(indices):
+                if i is not None:
+                    out[i] = native.join(lists[i], concat_dim)
+                    received += accounting.all_to_all_received([_nbytes(p) for p in lists[i]], k)
+    _record("all_to_all", mesh_dim, received, traffic, mesh)
+    return out
+
+
+def _chunks(t: torch.Tensor, dim: int, n: int) -> tuple[torch.Tensor, ...]:
+    """``t``'s ``n`` pieces along ``dim`` under ``torch.chunk`` geometry (views)."""
+    return t.split_with_sizes(chunk_sizes(t.shape[dim], n), dim)
+
+
+def _dense_chunks(t: torch.Tensor, dim: int, n: int) -> Sequence[torch.Tensor]:
+    """``_chunks``, each contiguous as a joined piece would be (kernels such as oneDNN's read
+    their inputs as dense, and LU factorizations follow the layout): even chunks in one copy
+    into one buffer, uneven ones one copy each."""
+    length = t.shape[dim]
+    if length % n:
+        return [p.contiguous() for p in _chunks(t, dim, n)]
+    return t.unflatten(dim, (n, length // n)).movedim(dim, 0).contiguous().unbind(0)
 
 
 def broadcast(

@@ -7,7 +7,9 @@ Op table notes (one line per op):
   replicated weights, unless a device would get no batch rows (the kernel fails on those); the
   hidden state couples every feature, so no other shard. Plain tensors that need no gradient
   (the zero initial states ``nn.LSTM`` creates) count as Replicate. The workspace output is an
-  opaque per-device buffer, marked Replicate.
+  opaque per-device buffer, marked Replicate. The oneDNN kernel reads its tensors as dense
+  (a strided input gives wrong numbers, as torch's own callers never pass one), so each
+  device's pieces are made contiguous first: a move may leave them as views.
 - ``aten.mkldnn_rnn_layer_backward``: batch split gives input/state gradients split and weight
   gradients Partial("sum"); linear in the incoming gradients, so Partial ones pass through.
 """
@@ -27,6 +29,7 @@ from .registry import (
     OpSchema,
     OpStrategy,
     RuntimeSchemaInfo,
+    register_local_args,
     register_op_strategy,
     register_pre_patch,
 )
@@ -53,6 +56,18 @@ def _replicate_plain_states(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, 
 register_pre_patch(
     [aten.mkldnn_rnn_layer.default, aten.mkldnn_rnn_layer_backward.default],
     _replicate_plain_states,
+)
+
+
+def _dense_pieces(
+    args: tuple, kwargs: dict, specs: list, outputs: Any, device: int
+) -> tuple[tuple, dict]:
+    """Each device's tensors contiguous: the oneDNN kernel ignores strides."""
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args), kwargs
+
+
+register_local_args(
+    [aten.mkldnn_rnn_layer.default, aten.mkldnn_rnn_layer_backward.default], _dense_pieces
 )
 
 

@@ -124,7 +124,8 @@ def compile_plan(
 ) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
     """``execute_plan(plan, spec.mesh, components)`` as a function of the components of a
     tensor of ``spec``; a plan of local splits only (Replicate -> Shard) gets each device's
-    cuts worked out once, for callers that run the same plan again and again (dispatch)."""
+    cuts worked out once, for callers that run the same plan again and again (dispatch), and
+    is marked ``cuts`` (its results are views of its arguments)."""
     mesh = spec.mesh
     splits = local_splits(plan, spec)
     if splits is None:
@@ -135,4 +136,5 @@ def compile_plan(
             return execute_plan(plan, mesh, components)
         return splits(components)
 
+    run.cuts = True  # type: ignore[attr-defined]  # views of the components, nothing moved
     return run
