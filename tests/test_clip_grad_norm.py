@@ -107,3 +107,34 @@ def test_foreach_paths_take_dtensors() -> None:
     from torch.optim.optimizer import _foreach_supported_types
 
     assert sw.DTensor in _foreach_supported_types
+
+
+def test_foreach_scaling_keeps_pending_sums_and_reduces_the_rest() -> None:
+    """``_foreach_mul_`` by a scalar (tensor or number) is linear: a Partial("sum") element stays
+    pending; a Partial("max") one (a negative factor flips it) and a pending scalar tensor are
+    reduced first. Values against single-device PyTorch."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    pieces = [torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    with sw.allow_implicit_redistribute():
+        _scale(mesh, pieces)
+
+
+def _scale(mesh: sw.DeviceMesh, pieces: list[torch.Tensor]) -> None:
+    for factor in (torch.tensor(-0.5), -0.5):
+        summed = [sw.DTensor.from_local([p.clone() for p in pieces], mesh, [sw.Partial("sum")])
+                  for _ in range(2)]
+        maxed = sw.DTensor.from_local([p.clone() for p in pieces], mesh, [sw.Partial("max")])
+        coef = factor if isinstance(factor, float) else sw.distribute_tensor(factor, mesh, [
+            Replicate()])
+        torch._foreach_mul_(summed, coef)
+        torch._foreach_mul_([maxed], coef)
+        for d in summed:
+            assert d.placements == (sw.Partial("sum"),)
+            torch.testing.assert_close(d.full_tensor(), (pieces[0] + pieces[1]) * -0.5)
+        assert maxed.placements == (Replicate(),)
+        torch.testing.assert_close(maxed.full_tensor(), torch.maximum(*pieces) * -0.5)
+    pending = sw.DTensor.from_local([torch.tensor(1.0), torch.tensor(2.0)], mesh,
+                                    [sw.Partial("sum")])
+    shard = sw.distribute_tensor(pieces[0].clone(), mesh, [Shard(0)])
+    torch._foreach_mul_([shard], pending)
+    torch.testing.assert_close(shard.full_tensor(), pieces[0] * 3.0)

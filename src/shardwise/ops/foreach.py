@@ -1,7 +1,8 @@
 """``aten._foreach_*`` ops (what foreach optimizers run) and the fused optimizer steps
 (``aten._fused_adamw_``...): element i of every tensor list takes
-the placements of element i of the first list; Partial elements are reduced first, except for
-scaling by Python scalars, which is linear."""
+the placements of element i of the first list; Partial elements are reduced first, except that
+scaling by Python scalars or by one replicated scalar tensor (``clip_grad_norm_``'s
+``_foreach_mul_(grads, coef)``) keeps a pending sum or average, which it scales linearly."""
 
 from __future__ import annotations
 
@@ -41,7 +42,17 @@ _LINEAR_SCALAR = ("_foreach_mul", "_foreach_div", "_foreach_neg", "_foreach_zero
 def _is_linear(op) -> bool:
     name = op._schema.name.split("::")[-1].rstrip("_")
     overload = op._overloadname
-    return name in _LINEAR_SCALAR and overload in ("Scalar", "ScalarList", "default", "")
+    return name in _LINEAR_SCALAR and overload in ("Scalar", "ScalarList", "Tensor", "default", "")
+
+
+def _settled(placements: tuple[Placement, ...], keep_linear: bool) -> tuple[Placement, ...]:
+    """``placements`` with each Partial replaced by Replicate, except pending sums and
+    averages under a linear op (a scaled max, min or norm is not the scaled reduction when
+    the factor is negative)."""
+    return tuple(
+        Replicate() if p.is_partial() and not (keep_linear and p.reduce_op in ("sum", "avg"))
+        else p for p in placements
+    )
 
 
 @register_op_strategy(FOREACH_OPS + FUSED_OPTIMIZER_OPS)
@@ -55,8 +66,8 @@ def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         placements = element.output_spec.placements
         # an empty list (a fused step's max_exp_avg_sqs without amsgrad) aligns with none
         column = [lst[i] for lst in lists if i < len(lst) and isinstance(lst[i], OpStrategy)]
-        if not linear and any(p.is_partial() for s in column for p in s.output_spec.placements):
-            placements = tuple(Replicate() if p.is_partial() else p for p in placements)
+        if any(p.is_partial() for s in column for p in s.output_spec.placements):
+            placements = _settled(placements, linear and len(column) == 1)
         targets.append(placements)
     input_specs = []
     for arg in schema.args_schema:
@@ -64,8 +75,8 @@ def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
             input_specs += [
                 spec_of(mesh, targets[i]) for i, s in enumerate(arg) if isinstance(s, OpStrategy)
             ]
-        elif isinstance(arg, OpStrategy):
-            input_specs.append(arg.output_spec)
+        elif isinstance(arg, OpStrategy):  # a scalar tensor: its reduced value scales
+            input_specs.append(spec_of(mesh, _settled(arg.output_spec.placements, False)))
     outputs = tuple(spec_of(mesh, t) for t in targets)
     return OpStrategy([PlacementStrategy(outputs, input_specs)])
 
