@@ -1,9 +1,14 @@
-"""Threads mode: per-step time of one tensor-parallel MLP training step (ColwiseParallel then
-RowwiseParallel on a 1-D mesh, SGD) with N ranks as threads of one process
+"""One process, many ranks. Per-rank: the time of one tensor-parallel MLP training step
+(ColwiseParallel then RowwiseParallel on a 1-D mesh, SGD) with N ranks as threads of one process
 (``shardwise.rank_threads``), as N gloo processes, and under PyTorch's ``LocalTensorMode``
-running the same program with ``torch.distributed.tensor``, in the same run.
+running the same program with ``torch.distributed.tensor``, in the same run; ratios against the
+threads. Embedded (global view): the demo's GPT training step (``shardwise.demo.sharded_step``)
+on a dp x tp mesh of simulated devices in this process against the single-device step
+(``demo.single_step``) times the number of devices, interleaved; wall and CPU time (the CPU
+time of this single-threaded process is what other load on the machine leaves alone).
 
-Run: python bench/bench_rank_threads.py [--nproc 2,4,8] [--steps 20] [--quick] [--json FILE]
+Run: python bench/bench_rank_threads.py [--nproc 2,4,8] [--mesh 2x4] [--steps 20] [--quick]
+[--json FILE]
 """
 
 from __future__ import annotations
@@ -109,10 +114,51 @@ def local_tensor_mode(n: int, steps: int) -> float:
         dist.destroy_process_group()
 
 
+def simulated_gpt(dp: int, tp: int, steps: int) -> dict:
+    """The demo's GPT step on ``dp`` x ``tp`` simulated devices against ``dp * tp`` times the
+    single-device step (medians after three warm-up steps, interleaved)."""
+    from shardwise import demo, init_device_mesh
+    from shardwise.ops.random import manual_seed
+
+    cfg = demo.GPTConfig()
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    manual_seed(0)
+    single = demo.GPT(cfg)
+    model = demo.sharded_model(cfg, mesh, 0)
+    opt_single = torch.optim.AdamW(single.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    wall: dict[str, list[float]] = {"single": [], "embedded": []}
+    cpu: dict[str, list[float]] = {"single": [], "embedded": []}
+    diff = 0.0
+    for step in range(steps + 3):
+        ids, targets = demo.make_batch(step, 16, cfg, 0)
+        for name, run, args in (("single", demo.single_step, (single, opt_single)),
+                                ("embedded", demo.sharded_step, (model, opt, mesh))):
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            loss = run(*args, ids, targets)
+            if step >= 3:
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.thread_time() - start_cpu)
+            if name == "single":
+                expected = loss.item()
+            else:
+                diff = max(diff, abs(loss.full_tensor().item() - expected))
+    n = dp * tp
+    out = {"mesh": f"{dp}x{tp}", "devices": n, "max_loss_diff": diff}
+    for kind, times in (("", wall), ("cpu_", cpu)):
+        single_ms = statistics.median(times["single"]) * 1e3
+        embedded_ms = statistics.median(times["embedded"]) * 1e3
+        out.update({f"single_{kind}ms": single_ms, f"embedded_{kind}ms": embedded_ms,
+                    f"{kind}ratio_vs_n_single": embedded_ms / (n * single_ms)})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nproc", default="2,4,8", help="comma-separated rank counts")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--mesh", default="2x4",
+                        help="the embedded GPT's simulated mesh, DPxTP (default 2x4: 8 devices)")
     parser.add_argument("--quick", action="store_true", help="N=2 only, 3 steps")
     parser.add_argument("--json", help="write the results to this file")
     ns = parser.parse_args()
@@ -124,13 +170,24 @@ def main() -> None:
         for name, fn in (("threads", in_threads), ("processes", in_processes),
                          ("local_tensor_mode", local_tensor_mode)):
             row[f"{name}_ms"] = fn(n, steps) * 1e3
+        row["local_tensor_mode_vs_threads"] = row["local_tensor_mode_ms"] / row["threads_ms"]
+        row["processes_vs_threads"] = row["processes_ms"] / row["threads_ms"]
         rows.append(row)
         print(f"N={n}: threads {row['threads_ms']:.2f} ms/step, processes "
               f"{row['processes_ms']:.2f} ms/step, torch LocalTensorMode "
-              f"{row['local_tensor_mode_ms']:.2f} ms/step", flush=True)
+              f"{row['local_tensor_mode_ms']:.2f} ms/step; LocalTensorMode / threads "
+              f"{row['local_tensor_mode_vs_threads']:.2f}, processes / threads "
+              f"{row['processes_vs_threads']:.2f}", flush=True)
+    dp, tp = (int(v) for v in ns.mesh.lower().split("x"))
+    gpt = simulated_gpt(dp, tp, 5 if ns.quick else ns.steps)
+    print(f"demo GPT step on {gpt['mesh']} simulated devices: {gpt['embedded_ms']:.2f} ms "
+          f"(CPU {gpt['embedded_cpu_ms']:.2f}), single device {gpt['single_ms']:.2f} ms "
+          f"(CPU {gpt['single_cpu_ms']:.2f}); / ({gpt['devices']} x single) "
+          f"{gpt['ratio_vs_n_single']:.2f} (CPU {gpt['cpu_ratio_vs_n_single']:.2f})", flush=True)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"hidden": HIDDEN, "batch": 32, "steps": steps, "rows": rows}, f, indent=1)
+            json.dump({"hidden": HIDDEN, "batch": 32, "steps": steps, "rows": rows,
+                       "simulated_gpt": gpt}, f, indent=1)
 
 
 if __name__ == "__main__":

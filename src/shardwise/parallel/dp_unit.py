@@ -322,12 +322,14 @@ class _Buckets:
         with comm.moving(lambda: f"replicate's gradient bucket of {len(grads)} tensors"):
             for d in dims:
                 flats = comm.all_reduce(mesh, d, flats, op)
-        for k, (p, g) in enumerate(zip(params, grads, strict=True)):
+        offsets = [0] * n_local
+        for p, g in zip(params, grads, strict=True):
             pieces = []
             for i in range(n_local):
-                offset = sum(grads[j]._components[i].numel() for j in range(k))
                 local = g._components[i]
-                pieces.append(flats[i][offset : offset + local.numel()].view_as(local))
+                end = offsets[i] + local.numel()
+                pieces.append(flats[i][offsets[i] : end].view_as(local))
+                offsets[i] = end
             placements = list(g.placements)
             for d in dims:
                 placements[d] = Replicate()
