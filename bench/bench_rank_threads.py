@@ -2,7 +2,9 @@
 (ColwiseParallel then RowwiseParallel on a 1-D mesh, SGD) with N ranks as threads of one process
 (``shardwise.rank_threads``), as N gloo processes, and under PyTorch's ``LocalTensorMode``
 running the same program with ``torch.distributed.tensor``, in the same run; ratios against the
-threads. Embedded (global view): the demo's GPT training step (``shardwise.demo.sharded_step``)
+threads, of rank 0's median wall time per step and of the CPU time per step of all ranks
+(process CPU time, summed over the processes), which other load on the machine leaves alone.
+Embedded (global view): the demo's GPT training step (``shardwise.demo.sharded_step``)
 on a dp x tp mesh of simulated devices in this process against the single-device step
 (``demo.single_step``) times the number of devices, interleaved; wall and CPU time (the CPU
 time of this single-threaded process is what other load on the machine leaves alone).
@@ -33,8 +35,9 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.ReLU(), nn.Linear(4 * HIDDEN, HIDDEN))
 
 
-def _steps(parallelize, mesh, steps: int) -> float:
-    """Median seconds per step after two warm-up steps."""
+def _steps(parallelize, mesh, steps: int) -> tuple[float, float]:
+    """Median wall seconds per step after two warm-up steps, and the CPU seconds this process
+    spent per step over those steps (all its threads: every rank of the threads mode)."""
     from torch.distributed.tensor.parallel import ColwiseParallel as TorchCol
     from torch.distributed.tensor.parallel import RowwiseParallel as TorchRow
 
@@ -47,17 +50,19 @@ def _steps(parallelize, mesh, steps: int) -> float:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, HIDDEN, generator=g), torch.randn(32, HIDDEN, generator=g)
     times = []
-    for _ in range(steps + 2):
+    for i in range(steps + 2):
+        if i == 2:
+            cpu = time.process_time()
         start = time.perf_counter()
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+    return statistics.median(times[2:]), (time.process_time() - cpu) / steps
 
 
-def shardwise_step(n: int, steps: int) -> float:
+def shardwise_step(n: int, steps: int) -> tuple[float, float]:
     """The per-rank program: join the world, build the mesh, time the steps."""
     import shardwise
     from shardwise.parallel import parallelize_module
@@ -79,7 +84,8 @@ def _process(rank: int, n: int, port: int, steps: int, out: mp.Queue) -> None:
     out.put((rank, shardwise_step(n, steps)))
 
 
-def in_processes(n: int, steps: int) -> float:
+def in_processes(n: int, steps: int) -> tuple[float, float]:
+    """Rank 0's median wall seconds per step; the CPU seconds per step of all processes."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
@@ -89,16 +95,16 @@ def in_processes(n: int, steps: int) -> float:
     times = dict(out.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    return times[0]
+    return times[0][0], sum(cpu for _, cpu in times.values())
 
 
-def in_threads(n: int, steps: int) -> float:
+def in_threads(n: int, steps: int) -> tuple[float, float]:
     from shardwise.rank_threads import run_threads
 
     return run_threads(shardwise_step, n, n, steps, timeout=600)[0]
 
 
-def local_tensor_mode(n: int, steps: int) -> float:
+def local_tensor_mode(n: int, steps: int) -> tuple[float, float]:
     """torch.distributed.tensor under LocalTensorMode (one thread simulates every rank)."""
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.device_mesh import init_device_mesh
@@ -169,15 +175,19 @@ def main() -> None:
         row = {"nproc": n}
         for name, fn in (("threads", in_threads), ("processes", in_processes),
                          ("local_tensor_mode", local_tensor_mode)):
-            row[f"{name}_ms"] = fn(n, steps) * 1e3
-        row["local_tensor_mode_vs_threads"] = row["local_tensor_mode_ms"] / row["threads_ms"]
-        row["processes_vs_threads"] = row["processes_ms"] / row["threads_ms"]
+            wall, cpu = fn(n, steps)
+            row[f"{name}_ms"], row[f"{name}_cpu_ms"] = wall * 1e3, cpu * 1e3
+        for other in ("local_tensor_mode", "processes"):
+            row[f"{other}_vs_threads"] = row[f"{other}_ms"] / row["threads_ms"]
+            row[f"{other}_vs_threads_cpu"] = row[f"{other}_cpu_ms"] / row["threads_cpu_ms"]
         rows.append(row)
         print(f"N={n}: threads {row['threads_ms']:.2f} ms/step, processes "
               f"{row['processes_ms']:.2f} ms/step, torch LocalTensorMode "
               f"{row['local_tensor_mode_ms']:.2f} ms/step; LocalTensorMode / threads "
               f"{row['local_tensor_mode_vs_threads']:.2f}, processes / threads "
-              f"{row['processes_vs_threads']:.2f}", flush=True)
+              f"{row['processes_vs_threads']:.2f}; CPU ms/step of all ranks: threads "
+              f"{row['threads_cpu_ms']:.2f}, processes {row['processes_cpu_ms']:.2f}, "
+              f"LocalTensorMode {row['local_tensor_mode_cpu_ms']:.2f}", flush=True)
     dp, tp = (int(v) for v in ns.mesh.lower().split("x"))
     gpt = simulated_gpt(dp, tp, 5 if ns.quick else ns.steps)
     print(f"demo GPT step on {gpt['mesh']} simulated devices: {gpt['embedded_ms']:.2f} ms "
