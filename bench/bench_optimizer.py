@@ -7,6 +7,11 @@ size (the world of this process: 1 without the launcher): the up projection's we
 ``Shard(0)``, the down projection's weight ``Shard(1)``, its bias ``Replicate()``; the plain
 tensors are each rank's local shards of them. Gradients are set once; a step is timed alone.
 
+Also ``torch.nn.utils.clip_grad_norm_`` over the DTensor gradients (foreach and not): the
+collectives it runs, counted by ``CommDebugMode`` (one scalar all-reduce is the target), and its
+time beside the same clip written by hand on the local gradients (local norms, one
+``all_reduce`` of the sum of their squares, ``_foreach_mul_``).
+
 Run: python -m shardwise.launch --nproc 2 bench/bench_optimizer.py [--json FILE] [--quick]
 """
 
@@ -44,6 +49,7 @@ def _params(mesh: sw.DeviceMesh) -> tuple[list[torch.nn.Parameter], list[torch.n
         p.grad = grad
         q = torch.nn.Parameter(value.to_local().clone())
         q.grad = grad.to_local().clone()
+        q.replicated = isinstance(placement, sw.Replicate)  # counted once by the hand clip
         sharded.append(p)
         plain.append(q)
     return sharded, plain
@@ -84,6 +90,59 @@ def measure(mesh: sw.DeviceMesh, world: int, steps: int) -> list[dict]:
     return rows
 
 
+def _hand_clip(params: list[torch.nn.Parameter], max_norm: float, world: int) -> torch.Tensor:
+    """2-norm clipping of sharded gradients by hand: one all-reduce of the local sums of
+    squares (a replicated gradient counted once: divided by the world size)."""
+    grads = [q.grad for q in params]
+    squares = torch.stack([
+        torch.linalg.vector_norm(q.grad) ** 2 / (world if q.replicated else 1) for q in params])
+    total = squares.sum()
+    if world > 1:
+        dist.all_reduce(total)
+    norm = total.sqrt()
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def clip(mesh: sw.DeviceMesh, world: int, repeats: int) -> list[dict]:
+    """clip_grad_norm_ over the DTensor gradients: collectives and time, beside by hand."""
+    from shardwise.debug import CommDebugMode
+
+    rows = []
+    for foreach in (False, True):
+        sharded, plain = _params(mesh)
+
+        def ours(sharded=sharded, foreach=foreach) -> torch.Tensor:
+            with sw.allow_implicit_redistribute():  # the norm's reduction
+                return torch.nn.utils.clip_grad_norm_(sharded, 1e9, foreach=foreach)
+
+        def hand(plain=plain) -> torch.Tensor:
+            return _hand_clip(plain, 1e9, world)
+
+        with CommDebugMode() as mode:
+            total = ours()
+        records = [(r.kind, max(r.bytes, r.cross_process_bytes)) for r in mode.records]
+        torch.testing.assert_close(total.full_tensor(), hand(), msg="clip norms differ")
+        times: dict[str, list[float]] = {"shardwise": [], "hand": []}
+        for _ in range(repeats):
+            for key, run in (("shardwise", ours), ("hand", hand)):
+                if world > 1:
+                    dist.barrier()
+                start = time.perf_counter()
+                run()
+                took = torch.tensor(time.perf_counter() - start)
+                if world > 1:
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                times[key].append(float(took))
+        sw_ms = statistics.median(times["shardwise"]) * 1e3
+        hand_ms = statistics.median(times["hand"]) * 1e3
+        rows.append({"foreach": foreach, "tensors": len(sharded), "collectives": len(records),
+                     "kinds": sorted({k for k, _ in records}),
+                     "max_bytes": max((b for _, b in records), default=0),
+                     "shardwise_ms": sw_ms, "hand_ms": hand_ms, "ratio_vs_hand": sw_ms / hand_ms})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
@@ -93,17 +152,23 @@ def main() -> None:
     torch.set_num_threads(1)
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     mesh = sw.init_device_mesh("cpu", (world,))
-    rows = measure(mesh, world, 5 if args.quick else args.steps)
+    steps = 5 if args.quick else args.steps
+    rows = measure(mesh, world, steps)
+    clips = clip(mesh, world, steps)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         for r in rows:
             print(f"{r['optimizer']:<6} foreach={r['foreach']!s:<5} {r['tensors']} tensors: "
                   f"DTensor {r['shardwise_ms']:.3f} ms, plain {r['plain_ms']:.3f} ms, "
                   f"ratio {r['ratio_vs_plain']:.2f}", flush=True)
+        for r in clips:
+            print(f"clip_grad_norm_ foreach={r['foreach']!s:<5}: {r['collectives']} collectives "
+                  f"{r['kinds']} (largest {r['max_bytes']} bytes), {r['shardwise_ms']:.3f} ms, "
+                  f"by hand {r['hand_ms']:.3f} ms, ratio {r['ratio_vs_hand']:.2f}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world_size": world, "dim": DIM, "layers": LAYERS, "rows": rows}, f,
-                          indent=1)
+                json.dump({"world_size": world, "dim": DIM, "layers": LAYERS, "rows": rows,
+                           "clip": clips}, f, indent=1)
 
 
 if __name__ == "__main__":
