@@ -97,6 +97,8 @@ class DataParallelUnit:
             return held[1]
         slot = self.slots[k]
         stored = slot.stored
+        if view == "global" and self._as_stored(slot, stored):
+            return stored  # replicate's parameter: the gathered view would be itself
         if isinstance(self.offload, CPUOffloadPolicy) and self.dp.mesh.device_type != "cpu":
             stored = stored.to(self.dp.mesh.device_type)
         tensor = GatheredView.apply(
@@ -106,6 +108,19 @@ class DataParallelUnit:
         for piece in _pieces(tensor):
             self.storages[piece.untyped_storage().data_ptr()] = k
         return tensor
+
+    def _as_stored(self, slot: Slot, stored: DTensor) -> bool:
+        """Whether the global view computes with the stored parameter itself: nothing to
+        gather, cast, move or scale (its gradient arrives pending over the data-parallel dims
+        either way, as the batch is sharded over them)."""
+        mp = self.mp
+        return (
+            slot.compute == tuple(stored.placements)
+            and mp.param_dtype in (None, stored.dtype)
+            and mp.reduce_dtype in (None, stored.dtype)
+            and self._scale(slot) == 1.0
+            and not isinstance(self.offload, CPUOffloadPolicy)
+        )
 
     def _scale(self, slot: Slot) -> float:
         """The factor on each rank's gradient: 1 averages over the data-parallel ranks;
