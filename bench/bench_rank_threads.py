@@ -3,7 +3,9 @@
 (``shardwise.rank_threads``), as N gloo processes, and under PyTorch's ``LocalTensorMode``
 running the same program with ``torch.distributed.tensor``, in the same run; ratios against the
 threads, of rank 0's median wall time per step and of the CPU time per step of all ranks
-(process CPU time, summed over the processes), which other load on the machine leaves alone.
+(process CPU time, summed over the processes), which other load on the machine leaves alone;
+beside them the same step written by hand on plain local shards (gloo all_reduce), run as
+threads: the floor of any per-rank program in threads mode.
 Embedded (global view): the demo's GPT training step (``shardwise.demo.sharded_step``)
 on a dp x tp mesh of simulated devices in this process against the single-device step
 (``demo.single_step``) times the number of devices, interleaved; wall and CPU time (the CPU
@@ -45,7 +47,10 @@ def _steps(parallelize, mesh, steps: int) -> tuple[float, float]:
 
     torch_api = parallelize.__module__.startswith("torch")
     col, row = (TorchCol, TorchRow) if torch_api else (ColwiseParallel, RowwiseParallel)
-    model = parallelize(_model(), mesh, {"0": col(), "2": row()})
+    return _time_steps(parallelize(_model(), mesh, {"0": col(), "2": row()}), steps)
+
+
+def _time_steps(model: nn.Module, steps: int) -> tuple[float, float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, HIDDEN, generator=g), torch.randn(32, HIDDEN, generator=g)
@@ -69,6 +74,26 @@ def shardwise_step(n: int, steps: int) -> tuple[float, float]:
 
     mesh = shardwise.init_device_mesh("cpu", (n,))
     return _steps(parallelize_module, mesh, steps)
+
+
+def hand_step(n: int, steps: int) -> tuple[float, float]:
+    """The same step written by hand on plain local shards (bench_training's Megatron f and
+    g around the linears, gloo all_reduce): the floor of any per-rank program."""
+    from bench_training import _hand_parallelize
+
+    dist.init_process_group("gloo")
+    try:
+        model = _model()
+        _hand_parallelize(model, {"0": "col", "2": "row"})
+        return _time_steps(model, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def hand_in_threads(n: int, steps: int) -> tuple[float, float]:
+    from shardwise.rank_threads import run_threads
+
+    return run_threads(hand_step, n, n, steps, timeout=600)[0]
 
 
 def _free_port() -> int:
@@ -174,7 +199,8 @@ def main() -> None:
     for n in counts:
         row = {"nproc": n}
         for name, fn in (("threads", in_threads), ("processes", in_processes),
-                         ("local_tensor_mode", local_tensor_mode)):
+                         ("local_tensor_mode", local_tensor_mode),
+                         ("hand_threads", hand_in_threads)):
             wall, cpu = fn(n, steps)
             row[f"{name}_ms"], row[f"{name}_cpu_ms"] = wall * 1e3, cpu * 1e3
         for other in ("local_tensor_mode", "processes"):
@@ -187,7 +213,9 @@ def main() -> None:
               f"{row['local_tensor_mode_vs_threads']:.2f}, processes / threads "
               f"{row['processes_vs_threads']:.2f}; CPU ms/step of all ranks: threads "
               f"{row['threads_cpu_ms']:.2f}, processes {row['processes_cpu_ms']:.2f}, "
-              f"LocalTensorMode {row['local_tensor_mode_cpu_ms']:.2f}", flush=True)
+              f"LocalTensorMode {row['local_tensor_mode_cpu_ms']:.2f}; hand-written per-rank "
+              f"code as threads {row['hand_threads_ms']:.2f} ms/step (CPU "
+              f"{row['hand_threads_cpu_ms']:.2f})", flush=True)
     dp, tp = (int(v) for v in ns.mesh.lower().split("x"))
     gpt = simulated_gpt(dp, tp, 5 if ns.quick else ns.steps)
     print(f"demo GPT step on {gpt['mesh']} simulated devices: {gpt['embedded_ms']:.2f} ms "

@@ -252,14 +252,17 @@ REASONS = {
                  "lists and the wrapping, about 50 us per foreach op for 16 parameters; "
                  "foreach=False pays the per-op dispatch (about 8 us) on each of the 3 (SGD) "
                  "to 10 (AdamW) ops per parameter, where the plain kernel costs a few us",
-    "threads": "rank threads run the per-rank Python program once per rank under one GIL: the "
-               "process's CPU time per step grows with N (per rank about 3 ms at N=2: "
-               "dispatch, the parallel styles' hooks, autograd, the native transport; gloo's "
-               "loop threads add about 2 ms), while LocalTensorMode runs the program once and "
-               "each op N times, its CPU per step nearly flat in N. Beating it 10x would need "
-               "a rank's step under a tenth of LocalTensorMode's whole step (about 1 ms at "
-               "N=2, 0.25 ms at N=8), below the Python cost of the dispatched ops alone; only "
-               "more cores than this machine's 2 (the kernels release the GIL) widen the lead",
+    "threads": "rank threads run the per-rank Python program once per rank under one GIL and "
+               "talk through gloo over loopback TCP, so the process's CPU per step grows with "
+               "N while LocalTensorMode runs the program once (each op N times) and its CPU "
+               "per step is nearly flat in N. The transport is the floor: the same step "
+               "written by hand on plain local shards, run as threads (no shardwise at all), "
+               "was measured at 2.2 ms CPU per step for N=2 but 14 ms for N=4 and 31 ms for "
+               "N=8 (gloo's loop threads), against LocalTensorMode's 14-22 ms; shardwise's own "
+               "per-rank cost adds about 1.5 ms per rank (dispatch, the styles' hooks, the "
+               "native transport's header round). 10x needs an in-process transport for rank "
+               "threads (tensors handed between threads, as torch's multi-threaded test "
+               "process group does) and a per-rank step near the hand-written one",
     "simulated": "the global view runs each op's kernel once per simulated device from Python "
                  "(dispatch's per-device loop, the view ops' per-device size hooks, in-process "
                  "redistribution of the sequence-parallel activations); the single-device "
@@ -419,18 +422,22 @@ def _section_tables(bench: dict) -> list[str]:
         rt = bench["rank_threads"]
         md += ["", "## One process, many ranks (tensor-parallel MLP step, ms, median)", "",
                "Wall: rank 0's median per step. CPU: the CPU time per step of all ranks "
-               "(process CPU time, summed over the processes), which other load leaves alone.",
+               "(process CPU time, summed over the processes), which other load leaves alone. "
+               "Hand-written: the same step on plain local shards with gloo all_reduce, run "
+               "as threads (the transport's floor).",
                ""]
         md += _table(
             ["ranks", "as threads", "as processes", "torch LocalTensorMode",
              "LocalTensorMode / threads", "processes / threads", "CPU threads",
-             "CPU processes", "CPU LocalTensorMode", "CPU LocalTensorMode / threads"],
+             "CPU processes", "CPU LocalTensorMode", "CPU LocalTensorMode / threads",
+             "hand-written as threads", "CPU hand-written as threads"],
             [[r["nproc"], r["threads_ms"], r["processes_ms"], r["local_tensor_mode_ms"],
               r["local_tensor_mode_ms"] / r["threads_ms"], r["processes_ms"] / r["threads_ms"],
               r.get("threads_cpu_ms", "-"), r.get("processes_cpu_ms", "-"),
               r.get("local_tensor_mode_cpu_ms", "-"),
               r["local_tensor_mode_cpu_ms"] / r["threads_cpu_ms"]
-              if "threads_cpu_ms" in r else "-"]
+              if "threads_cpu_ms" in r else "-",
+              r.get("hand_threads_ms", "-"), r.get("hand_threads_cpu_ms", "-")]
              for r in rt["rows"]],
         )
         gpt = rt.get("simulated_gpt")
