@@ -248,10 +248,11 @@ REASONS = {
             "per round (the terms reduced at a root, then forwarded)",
     "optimizer": "the foreach paths take DTensors (one dispatch per foreach op for all "
                  "parameters, never one per tensor), so their gap is dispatch's fixed cost per "
-                 "op over lists: the key scan of every element's spec, placing each device's "
-                 "lists and the wrapping, about 50 us per foreach op for 16 parameters; "
-                 "foreach=False pays the per-op dispatch (about 8 us) on each of the 3 (SGD) "
-                 "to 10 (AdamW) ops per parameter, where the plain kernel costs a few us",
+                 "op over lists, about 25 us per foreach op over 16 parameter pairs (in a "
+                 "profile: torch's C++ entry handing lists of subclasses to Python, dispatch's "
+                 "_place of each device's lists, the key scan of 32 specs); foreach=False pays "
+                 "the per-op dispatch (about 8 us) on each of the 3 (SGD) to 8 (AdamW) ops per "
+                 "parameter, where the plain kernel costs a few us",
     "threads": "rank threads run the per-rank Python program once per rank under one GIL and "
                "talk through gloo over loopback TCP, so the process's CPU per step grows with "
                "N while LocalTensorMode runs the program once (each op N times) and its CPU "
