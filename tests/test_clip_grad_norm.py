@@ -138,3 +138,34 @@ def _scale(mesh: sw.DeviceMesh, pieces: list[torch.Tensor]) -> None:
     shard = sw.distribute_tensor(pieces[0].clone(), mesh, [Shard(0)])
     torch._foreach_mul_([shard], pending)
     torch.testing.assert_close(shard.full_tensor(), pieces[0] * 3.0)
+
+
+@pytest.mark.parametrize("order", [2.0, 1.0, 3.0, math.inf, 0.0, -math.inf])
+def test_foreach_norm_at_once_equals_per_tensor_norms(order: float) -> None:
+    """``_foreach_norm`` over DTensors of several placements (uneven and interleaved shards, a
+    2-D mesh, replicated, pending) gives each tensor's ``linalg_vector_norm``: the same
+    placements and, reduced, single-device PyTorch's norm."""
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(3)
+    cases = [((5, 3), [Shard(0), Replicate()]), ((4, 6), [Replicate(), Shard(1)]),
+             ((6, 2), [sw.InterleavedShard(0, interleaved_size=3), Shard(1)]),
+             ((3,), [Replicate(), Replicate()]), ((1, 4), [Shard(0), Shard(1)])]
+    full = [torch.randn(shape, generator=g) for shape, _ in cases]
+    tensors = [sw.distribute_tensor(f, mesh, p) for f, (_, p) in zip(full, cases, strict=True)]
+    with_pending = [*tensors, sw.DTensor.from_local(
+        [torch.randn(2, generator=g) for _ in range(4)], mesh, [sw.Partial(), Replicate()])]
+    from shardwise.ops.foreach import _norms_at_once
+
+    # one _foreach_norm per device where the order is positive; the second and third groups
+    # fall back to one norm per tensor (a pending input; an empty shard under the inf-norm)
+    assert (_norms_at_once(tensors[:-1], order) is not None) == (order > 0)
+    assert _norms_at_once(with_pending, order) is None
+    for group in (tensors[:-1], with_pending, tensors):
+        with sw.allow_implicit_redistribute():
+            norms = torch._foreach_norm(group, order)
+            for d, n in zip(group, norms, strict=True):
+                alone = torch.linalg.vector_norm(d, order)
+                assert n.placements == alone.placements
+                torch.testing.assert_close(n.full_tensor(), alone.full_tensor())
+                torch.testing.assert_close(
+                    n.full_tensor(), torch.linalg.vector_norm(d.full_tensor(), order))

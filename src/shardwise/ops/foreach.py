@@ -6,10 +6,15 @@ scaling by Python scalars or by one replicated scalar tensor (``clip_grad_norm_`
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
 import torch
 
+from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate
+from ..placements import InterleavedShard, Placement, Replicate, Shard, norm_partial
+from ..spec import DTensorSpec, TensorMeta
 from .common import spec_of
 from .registry import (
     OpSchema,
@@ -82,12 +87,55 @@ def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
 
 
 def foreach_norm(op, args: tuple, kwargs: dict) -> list:
-    """``_foreach_norm`` (what ``clip_grad_norm_`` runs): the global norm of each tensor, by the
-    reductions family's ``linalg_vector_norm`` on every DTensor."""
+    """``_foreach_norm`` (what ``clip_grad_norm_`` runs): the global norm of each tensor. Where
+    every tensor is a DTensor of one mesh, sharded or replicated, and the order is positive,
+    one ``_foreach_norm`` per device on the components gives the pending norms at once;
+    otherwise the reductions family's ``linalg_vector_norm`` on every DTensor."""
     tensors = args[0]
     order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    if dtype is None:
+        at_once = _norms_at_once(tensors, order)
+        if at_once is not None:
+            return at_once
     return [aten.linalg_vector_norm.default(t, order, dtype=dtype) for t in tensors]
+
+
+def _norms_at_once(tensors: list, order: float) -> list[DTensor] | None:
+    """The norms of ``tensors`` from one ``_foreach_norm`` per local device: a shard's norm
+    is its part of the pending norm (``norm_partial``; an empty shard's 0 changes no finite
+    norm of positive order), a replicated tensor's is whole. None where that does not hold (a
+    pending input, a plain tensor, another mesh, an order that is not positive, an empty
+    shard under the inf-norm)."""
+    pending = norm_partial(float(order))
+    if pending is None or not float(order) > 0 or not tensors:
+        return None
+    mesh = tensors[0]._spec.mesh if type(tensors[0]) is DTensor else None
+    for t in tensors:
+        if (type(t) is not DTensor or (t._spec.mesh is not mesh and t._spec.mesh != mesh)
+                or not t._components or not _whole_or_sharded(t._spec.placements)):
+            return None
+    if math.isinf(order) and any(c.numel() == 0 for t in tensors for c in t._components):
+        return None  # the max of no elements has no value: torch refuses it
+    n_local = len(tensors[0]._components)
+    per_device = [torch._foreach_norm([t._components[i] for t in tensors], order)
+                  for i in range(n_local)]
+    return [DTensor([norms[j] for norms in per_device],
+                    _norm_spec(t._spec, pending, per_device[0][j].dtype))
+            for j, t in enumerate(tensors)]
+
+
+@lru_cache(maxsize=1024)
+def _whole_or_sharded(placements: tuple[Placement, ...]) -> bool:
+    return all(type(p) in (Shard, InterleavedShard) or p.is_replicate() for p in placements)
+
+
+@lru_cache(maxsize=4096)
+def _norm_spec(spec: DTensorSpec, pending: Placement, dtype: torch.dtype) -> DTensorSpec:
+    """The spec of the norm of a tensor of ``spec``: pending where it is sharded (one spec
+    object per input spec, so its Partials are checked once)."""
+    placements = tuple(pending if p.is_shard() else p for p in spec.placements)
+    return DTensorSpec(spec.mesh, placements, TensorMeta(torch.Size(()), (), dtype))
 
 
 bypass_dispatch([aten._foreach_norm.Scalar], foreach_norm)
