@@ -118,7 +118,17 @@ def _fake_results() -> dict:
                                                       "torchrun": 3.0}}},
             "rank_threads": {**ok, "results": {"hidden": 256, "batch": 32, "steps": 3, "rows": [
                 {"nproc": 2, "threads_ms": 10.0, "processes_ms": 25.0,
-                 "local_tensor_mode_ms": 400.0}]}},
+                 "local_tensor_mode_ms": 400.0, "threads_cpu_ms": 8.0, "processes_cpu_ms": 20.0,
+                 "local_tensor_mode_cpu_ms": 160.0}],
+                "simulated_gpt": {"mesh": "2x4", "devices": 8, "max_loss_diff": 1e-7,
+                                  "single_ms": 3.0, "embedded_ms": 30.0,
+                                  "ratio_vs_n_single": 1.25, "single_cpu_ms": 2.0,
+                                  "embedded_cpu_ms": 20.0, "cpu_ratio_vs_n_single": 1.25}}},
+            "optimizer_2": {**ok, "results": {"world_size": 2, "dim": 256, "layers": 4, "rows": [
+                {"optimizer": "SGD", "foreach": True, "tensors": 16, "shardwise_ms": 0.9,
+                 "plain_ms": 0.6, "ratio_vs_plain": 1.5}], "clip": [
+                {"foreach": True, "tensors": 16, "collectives": 1, "kinds": ["all_reduce"],
+                 "max_bytes": 4, "shardwise_ms": 0.6, "hand_ms": 0.4, "ratio_vs_hand": 1.5}]}},
             "redistribute_4": {"seconds": 300.0, "returncode": "timeout", "error": "..."},
             "compile_2": {**ok, "results": compiled},
         },
@@ -166,3 +176,55 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
     assert dict(groups["TP training, 2 procs"])["mlp time"] == pytest.approx(10 / 12)
     run_all.plot(results, tmp_path / "summary.png")
     assert (tmp_path / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_issue_22_targets(tmp_path: Path) -> None:
+    """Each target of issue 22 is met, a gap with its numbers and reason, or not measured
+    when no benchmark of the run records it."""
+    run_all = _run_all_module()
+    results = _fake_results()
+    bench = {k: v["results"] for k, v in results["benchmarks"].items() if "results" in v}
+    found = {t: (s, d) for t, s, d in run_all.targets_22(bench, tmp_path)}
+    assert len(found) == 11
+    status = {t: s for t, (s, _) in found.items()}
+    detail = {t: d for t, (_, d) in found.items()}
+    eager = next(t for t in found if t.startswith("Eager TP"))
+    # the fake training run has the MLP only, on 2 processes: 1.25x hand-written, a gap
+    assert status[eager] == "gap" and "time vs hand 1.25x" in detail[eager]
+    assert "llama on 2 proc" in detail[eager] and "mlp on 4 proc" in detail[eager]
+    dispatch = next(t for t in found if t.startswith("Warm dispatch"))
+    assert status[dispatch] == "gap" and "1.20x" in detail[dispatch]
+    assert "cat([a, a], 1) not measured" in detail[dispatch]
+    per_device = next(t for t in found if t.startswith("Each extra simulated device"))
+    assert status[per_device] == "gap" and "add 3.0 us" in detail[per_device]
+    raw = next(t for t in found if t.startswith("Redistribution within 1.2x"))
+    assert status[raw] == "met"
+    partial = next(t for t in found if t.startswith("Partial -> Replicate"))
+    assert status[partial] == "met" and "0.75x" in detail[partial]
+    clip = next(t for t in found if t.startswith("clip_grad_norm_"))
+    assert status[clip] == "met" and "1 all_reduce" in detail[clip]
+    opt = next(t for t in found if t.startswith("Optimizer step"))
+    assert status[opt] == "gap" and "SGD foreach=True on 2 proc 1.50x" in detail[opt]
+    assert "reason:" in detail[opt]
+    threads = next(t for t in found if t.startswith("Ranks as threads"))
+    # 400 / 10 = 40x LocalTensorMode at N=2, but N=4 and 8 were not measured
+    assert status[threads] == "gap" and "N=2 40.00x (CPU 20.00x)" in detail[threads]
+    assert "N=[4, 8] not measured" in detail[threads]
+    gpt = next(t for t in found if t.startswith("Demo GPT"))
+    assert status[gpt] == "met" and "1.25x" in detail[gpt]
+    compiled = next(t for t in found if t.startswith("Compiled TP and FSDP"))
+    assert status[compiled] == "gap" and "an FSDP x TP model" in detail[compiled]
+    gpu = next(t for t in found if t.startswith("bench/gpu_check.sh"))
+    assert status[gpu] == "not measured"
+    (tmp_path / "machine.json").write_text(json.dumps(
+        {"date": "2026-01-01 00:00 UTC", "gpu": "H100", "seconds": 200}))
+    assert ("met", "200 s on H100, 2026-01-01 00:00 UTC") in [
+        (s, d) for t, s, d in run_all.targets_22(bench, tmp_path) if t == gpu]
+    # nothing measured: every target says so
+    assert {s for _, s, _ in run_all.targets_22({}, tmp_path / "none")} == {"not measured"}
+    doc = tmp_path / "performance.md"
+    run_all.write_docs(results, doc)
+    text = doc.read_text()
+    assert "## Targets of issue 22" in text and "## Optimizer step, 2 processes" in text
+    assert "| foreach=True | 1 all_reduce | 4 | 0.60 | 0.40 | 1.50 |" in text
+    assert "| CPU | 2.00 | 20.00 | 1.25 |" in text

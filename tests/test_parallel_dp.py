@@ -160,3 +160,34 @@ def test_data_parallel_composes_with_tensor_parallel_on_2d_mesh(data_parallel: s
         assert ("all_reduce", 0) in dims and ("all_gather", 0) not in dims
     else:
         assert {("all_gather", 0), ("reduce_scatter", 0)} <= dims
+
+
+def test_replicate_reduces_gradients_pending_over_tp_in_its_bucket() -> None:
+    """The demo's GPT (sequence-parallel norms: their weights' gradients are pending over 'tp'
+    and stored replicated) under replicate on 'dp': after the bucket's all-reduce over 'dp',
+    one all-reduce over 'tp' for all of those gradients, not one per parameter; the trained
+    parameters equal one device's."""
+    from shardwise import demo
+
+    cfg = demo.GPTConfig()
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = demo.sharded_model(cfg, mesh, 0)
+    sw.manual_seed(0)
+    single = demo.GPT(cfg)
+    pending = [n for n, p in model.named_parameters() if p.placements == (Replicate(),) * 2]
+    assert len(pending) > 2  # the norms' weights and biases, the row-parallel biases
+    # SGD: AdamW would blow the noise of the key bias's zero gradient up to a whole step
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
+    for step in range(2):
+        ids, targets = demo.make_batch(step, 8, cfg, 0)
+        demo.single_step(single, opt_single, ids, targets)
+        with sw.CommCounter() as counter:
+            demo.sharded_step(model, opt, mesh, ids, targets)
+    for (name, p), q in zip(model.named_parameters(), single.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), atol=1e-5, rtol=1e-4, msg=name)
+    records = counter.records
+    bucket = max((i for i, r in enumerate(records) if r.kind == "all_reduce" and r.mesh_dim == 0),
+                 key=lambda i: records[i].bytes)  # the gradients' bucket: the largest
+    after = [r.mesh_dim for r in records[bucket + 1:] if r.kind == "all_reduce"]
+    assert after == [1], records  # (the positions' gradient, sequence-sharded, is gathered)

@@ -278,23 +278,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     manual_seed(args.seed)
     single = GPT(cfg)
     with track_allocations() as sharded_alloc:
-        manual_seed(args.seed)
-        model = deferred_init(GPT, cfg)  # meta: no memory until its shards are known
-        plan = tensor_parallel_plan(cfg)
-        if args.fsdp and not cfg.tied:
-            # the plan applied child by child keeps the model meta; the root's fully_shard
-            # then materializes it straight into its 2-D (dp x tp) shards
-            for name, child in model.named_children():
-                for key, style in _child_plan(plan, name):
-                    parallelize_module(child, mesh, style if key is None else {key: style})
-        else:
-            parallelize_module(model, mesh, plan)  # the root: materializes the tp shards
-        if args.fsdp:
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(model, mesh=mesh["dp"])
-        else:
-            replicate(model, mesh["dp"])
+        model = sharded_model(cfg, mesh, args.seed, args.fsdp)
     materialized = _local_bytes(model)
     memory = _memory(single, model, mesh)
     memory.update(sharded_peak=sharded_alloc.peak_bytes, materialized=materialized)
@@ -310,22 +294,11 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     losses_sharded, losses_single, bytes_per_step = [], [], []
     comm: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     names = mesh.mesh_dim_names or ()
-    batch_placements = [Shard(0), Replicate()]
     for step in _progress(range(args.steps), talk and not args.no_progress):
         ids, targets = make_batch(step, args.batch, cfg, args.seed)
-        loss = F.cross_entropy(single(ids).transpose(1, 2), targets)  # classes on dim 1
-        opt_single.zero_grad()
-        loss.backward()
-        opt_single.step()
-        losses_single.append(loss.item())
-        with allow_implicit_redistribute(), loss_parallel(), CommCounter() as counter:
-            # the global batch as a DTensor: one meaning in one process and across processes
-            logits = model(distribute_tensor(ids, mesh, batch_placements))
-            dtargets = distribute_tensor(targets, mesh, batch_placements)
-            dloss = F.cross_entropy(logits.transpose(1, 2), dtargets)
-            opt.zero_grad()
-            dloss.backward()
-            opt.step()
+        losses_single.append(single_step(single, opt_single, ids, targets).item())
+        with CommCounter() as counter:
+            dloss = sharded_step(model, opt, mesh, ids, targets)
         losses_sharded.append(dloss.full_tensor().item())
         bytes_per_step.append(counter.total_bytes)
         for record in counter.records:
@@ -354,6 +327,55 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
         plot(result, args.plot)
         say(f"plot written to {args.plot}")
     return result
+
+
+def sharded_model(cfg: GPTConfig, mesh: DeviceMesh, seed: int, fsdp: bool = False) -> GPT:
+    """The GPT of ``seed`` (the single-device one's values) on ``mesh`` ('dp' x 'tp'): tensor +
+    sequence parallel on 'tp', ``replicate`` (or ``fully_shard``) on 'dp'."""
+    manual_seed(seed)
+    model = deferred_init(GPT, cfg)  # meta: no memory until its shards are known
+    plan = tensor_parallel_plan(cfg)
+    if fsdp and not cfg.tied:
+        # the plan applied child by child keeps the model meta; the root's fully_shard
+        # then materializes it straight into its 2-D (dp x tp) shards
+        for name, child in model.named_children():
+            for key, style in _child_plan(plan, name):
+                parallelize_module(child, mesh, style if key is None else {key: style})
+    else:
+        parallelize_module(model, mesh, plan)  # the root: materializes the tp shards
+    if fsdp:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        replicate(model, mesh["dp"])
+    return model
+
+
+def single_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+    """One training step of the single-device model; its loss."""
+    loss = F.cross_entropy(model(ids).transpose(1, 2), targets)  # classes on dim 1
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def sharded_step(model: nn.Module, opt: torch.optim.Optimizer, mesh: DeviceMesh,
+                 ids: torch.Tensor, targets: torch.Tensor) -> DTensor:
+    """The same step of the sharded model on the global batch (split over 'dp'); its loss."""
+    placements = [Shard(0), Replicate()]
+    with allow_implicit_redistribute():
+        # the global batch as a DTensor: one meaning in one process and across processes
+        logits = model(distribute_tensor(ids, mesh, placements))
+        dtargets = distribute_tensor(targets, mesh, placements)
+        with loss_parallel():  # only around the loss: a torch function mode costs every op
+            loss = F.cross_entropy(logits.transpose(1, 2), dtargets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss
 
 
 def _rank() -> int:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.optim import optimizer as _optimizer
+from torch.utils import _foreach_utils
 
 from . import budget, comm, settings
 from .comm import background
@@ -1036,3 +1038,10 @@ torch.serialization.add_safe_globals(
     [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Mesh, Shard, InterleavedShard, RaggedShard,
      Replicate, Partial, _rebuild_dtensor]
 )
+
+# torch's foreach paths take DTensors as they take torch's own DTensor: clip_grad_norm_ and
+# the optimizers choose foreach by the parameters' type (``foreach=None``), so without this a
+# DTensor would fall back to one dispatch per tensor where plain tensors run one per list
+for _types in (_foreach_utils._foreach_supported_types, _optimizer._foreach_supported_types):
+    if DTensor not in _types:
+        _types.append(DTensor)

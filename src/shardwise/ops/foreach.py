@@ -1,14 +1,20 @@
 """``aten._foreach_*`` ops (what foreach optimizers run) and the fused optimizer steps
 (``aten._fused_adamw_``...): element i of every tensor list takes
-the placements of element i of the first list; Partial elements are reduced first, except for
-scaling by Python scalars, which is linear."""
+the placements of element i of the first list; Partial elements are reduced first, except that
+scaling by Python scalars or by one replicated scalar tensor (``clip_grad_norm_``'s
+``_foreach_mul_(grads, coef)``) keeps a pending sum or average, which it scales linearly."""
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
 import torch
 
+from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate
+from ..placements import InterleavedShard, Placement, Replicate, Shard, norm_partial
+from ..spec import DTensorSpec, TensorMeta
 from .common import spec_of
 from .registry import (
     OpSchema,
@@ -41,7 +47,17 @@ _LINEAR_SCALAR = ("_foreach_mul", "_foreach_div", "_foreach_neg", "_foreach_zero
 def _is_linear(op) -> bool:
     name = op._schema.name.split("::")[-1].rstrip("_")
     overload = op._overloadname
-    return name in _LINEAR_SCALAR and overload in ("Scalar", "ScalarList", "default", "")
+    return name in _LINEAR_SCALAR and overload in ("Scalar", "ScalarList", "Tensor", "default", "")
+
+
+def _settled(placements: tuple[Placement, ...], keep_linear: bool) -> tuple[Placement, ...]:
+    """``placements`` with each Partial replaced by Replicate, except pending sums and
+    averages under a linear op (a scaled max, min or norm is not the scaled reduction when
+    the factor is negative)."""
+    return tuple(
+        Replicate() if p.is_partial() and not (keep_linear and p.reduce_op in ("sum", "avg"))
+        else p for p in placements
+    )
 
 
 @register_op_strategy(FOREACH_OPS + FUSED_OPTIMIZER_OPS)
@@ -55,8 +71,8 @@ def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         placements = element.output_spec.placements
         # an empty list (a fused step's max_exp_avg_sqs without amsgrad) aligns with none
         column = [lst[i] for lst in lists if i < len(lst) and isinstance(lst[i], OpStrategy)]
-        if not linear and any(p.is_partial() for s in column for p in s.output_spec.placements):
-            placements = tuple(Replicate() if p.is_partial() else p for p in placements)
+        if any(p.is_partial() for s in column for p in s.output_spec.placements):
+            placements = _settled(placements, linear and len(column) == 1)
         targets.append(placements)
     input_specs = []
     for arg in schema.args_schema:
@@ -64,19 +80,62 @@ def foreach_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
             input_specs += [
                 spec_of(mesh, targets[i]) for i, s in enumerate(arg) if isinstance(s, OpStrategy)
             ]
-        elif isinstance(arg, OpStrategy):
-            input_specs.append(arg.output_spec)
+        elif isinstance(arg, OpStrategy):  # a scalar tensor: its reduced value scales
+            input_specs.append(spec_of(mesh, _settled(arg.output_spec.placements, False)))
     outputs = tuple(spec_of(mesh, t) for t in targets)
     return OpStrategy([PlacementStrategy(outputs, input_specs)])
 
 
 def foreach_norm(op, args: tuple, kwargs: dict) -> list:
-    """``_foreach_norm`` (what ``clip_grad_norm_`` runs): the global norm of each tensor, by the
-    reductions family's ``linalg_vector_norm`` on every DTensor."""
+    """``_foreach_norm`` (what ``clip_grad_norm_`` runs): the global norm of each tensor. Where
+    every tensor is a DTensor of one mesh, sharded or replicated, and the order is positive,
+    one ``_foreach_norm`` per device on the components gives the pending norms at once;
+    otherwise the reductions family's ``linalg_vector_norm`` on every DTensor."""
     tensors = args[0]
     order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    if dtype is None:
+        at_once = _norms_at_once(tensors, order)
+        if at_once is not None:
+            return at_once
     return [aten.linalg_vector_norm.default(t, order, dtype=dtype) for t in tensors]
+
+
+def _norms_at_once(tensors: list, order: float) -> list[DTensor] | None:
+    """The norms of ``tensors`` from one ``_foreach_norm`` per local device: a shard's norm
+    is its part of the pending norm (``norm_partial``; an empty shard's 0 changes no finite
+    norm of positive order), a replicated tensor's is whole. None where that does not hold (a
+    pending input, a plain tensor, another mesh, an order that is not positive, an empty
+    shard under the inf-norm)."""
+    pending = norm_partial(float(order))
+    if pending is None or not float(order) > 0 or not tensors:
+        return None
+    mesh = tensors[0]._spec.mesh if type(tensors[0]) is DTensor else None
+    for t in tensors:
+        if (type(t) is not DTensor or (t._spec.mesh is not mesh and t._spec.mesh != mesh)
+                or not t._components or not _whole_or_sharded(t._spec.placements)):
+            return None
+    if math.isinf(order) and any(c.numel() == 0 for t in tensors for c in t._components):
+        return None  # the max of no elements has no value: torch refuses it
+    n_local = len(tensors[0]._components)
+    per_device = [torch._foreach_norm([t._components[i] for t in tensors], order)
+                  for i in range(n_local)]
+    return [DTensor([norms[j] for norms in per_device],
+                    _norm_spec(t._spec, pending, per_device[0][j].dtype))
+            for j, t in enumerate(tensors)]
+
+
+@lru_cache(maxsize=1024)
+def _whole_or_sharded(placements: tuple[Placement, ...]) -> bool:
+    return all(type(p) in (Shard, InterleavedShard) or p.is_replicate() for p in placements)
+
+
+@lru_cache(maxsize=4096)
+def _norm_spec(spec: DTensorSpec, pending: Placement, dtype: torch.dtype) -> DTensorSpec:
+    """The spec of the norm of a tensor of ``spec``: pending where it is sharded (one spec
+    object per input spec, so its Partials are checked once)."""
+    placements = tuple(pending if p.is_shard() else p for p in spec.placements)
+    return DTensorSpec(spec.mesh, placements, TensorMeta(torch.Size(()), (), dtype))
 
 
 bypass_dispatch([aten._foreach_norm.Scalar], foreach_norm)

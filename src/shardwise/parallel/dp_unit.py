@@ -97,6 +97,8 @@ class DataParallelUnit:
             return held[1]
         slot = self.slots[k]
         stored = slot.stored
+        if view == "global" and self._as_stored(slot, stored):
+            return stored  # replicate's parameter: the gathered view would be itself
         if isinstance(self.offload, CPUOffloadPolicy) and self.dp.mesh.device_type != "cpu":
             stored = stored.to(self.dp.mesh.device_type)
         tensor = GatheredView.apply(
@@ -106,6 +108,19 @@ class DataParallelUnit:
         for piece in _pieces(tensor):
             self.storages[piece.untyped_storage().data_ptr()] = k
         return tensor
+
+    def _as_stored(self, slot: Slot, stored: DTensor) -> bool:
+        """Whether the global view computes with the stored parameter itself: nothing to
+        gather, cast, move or scale (its gradient arrives pending over the data-parallel dims
+        either way, as the batch is sharded over them)."""
+        mp = self.mp
+        return (
+            slot.compute == tuple(stored.placements)
+            and mp.param_dtype in (None, stored.dtype)
+            and mp.reduce_dtype in (None, stored.dtype)
+            and self._scale(slot) == 1.0
+            and not isinstance(self.offload, CPUOffloadPolicy)
+        )
 
     def _scale(self, slot: Slot) -> float:
         """The factor on each rank's gradient: 1 averages over the data-parallel ranks;
@@ -301,35 +316,63 @@ class _Buckets:
         entries, self.waiting[b] = self.waiting[b], []
         groups: dict[tuple, list[torch.Tensor]] = {}
         for k, p in entries:
-            grad, dp = p.grad, self.unit.slots[k].dp
+            grad, slot = p.grad, self.unit.slots[k]
+            dp = slot.dp
             if isinstance(grad, DTensor):
                 ops = tuple(grad.placements[d] for d in dp.dims)
                 if all(isinstance(q, Partial) for q in ops) and len(set(ops)) == 1:
+                    more: tuple[tuple[int, str], ...] = ()
+                    if self.unit.requires_all_reduce:  # pending over other dims, stored whole
+                        more = tuple(
+                            (d, q.reduce_op) for d, q in enumerate(grad.placements)
+                            if d not in dp.dims and isinstance(q, Partial)
+                            and isinstance(slot.storage[d], Replicate)
+                        )
                     key = (dp.mesh, dp.dims, ops[0].reduce_op, grad.dtype)
-                    groups.setdefault(key, []).append(p)
+                    groups.setdefault(key, []).append((p, more))
         for (mesh, dims, op, _dtype), members in groups.items():
-            self._all_reduce(members, mesh, dims, op)
+            members.sort(key=lambda m: m[1])  # those pending alike side by side
+            self._all_reduce([p for p, _ in members], mesh, dims, op, [m for _, m in members])
         for k, p in entries:
             self.unit.reduce(p, self.unit.slots[k])
 
     def _all_reduce(
-        self, params: list[torch.Tensor], mesh: DeviceMesh, dims: tuple[int, ...], op: str
+        self, params: list[torch.Tensor], mesh: DeviceMesh, dims: tuple[int, ...], op: str,
+        more: list[tuple[tuple[int, str], ...]],
     ) -> None:
-        """One all-reduce per data-parallel dim of the flattened gradients of ``params``."""
+        """One all-reduce per data-parallel dim of the flattened gradients of ``params``; then
+        one per (mesh dim, reduce op) in ``more`` (per parameter: the other dims its gradient
+        is pending over and stored whole on, such as a sequence-parallel norm's weight over
+        'tp') of the run of parameters that share it (``params`` lists them side by side)."""
         grads: list[DTensor] = [p.grad for p in params]
         n_local = len(mesh.local_device_ids)
         flats = [torch.cat([g._components[i].reshape(-1) for g in grads]) for i in range(n_local)]
         with comm.moving(lambda: f"replicate's gradient bucket of {len(grads)} tensors"):
             for d in dims:
                 flats = comm.all_reduce(mesh, d, flats, op)
-        for k, (p, g) in enumerate(zip(params, grads, strict=True)):
+            start, bounds = 0, [0] * n_local
+            for j in range(len(grads) + 1):
+                if j < len(grads) and (j == start or more[j] == more[start]):
+                    continue
+                ends = [bounds[i] + sum(g._components[i].numel() for g in grads[start:j])
+                        for i in range(n_local)]
+                if more[start]:
+                    run = [flats[i][bounds[i]:ends[i]] for i in range(n_local)]
+                    for d, run_op in more[start]:
+                        run = comm.all_reduce(mesh, d, run, run_op)
+                    for i in range(n_local):
+                        flats[i][bounds[i]:ends[i]] = run[i]
+                start, bounds = j, ends
+        offsets = [0] * n_local
+        for p, g, extra in zip(params, grads, more, strict=True):
             pieces = []
             for i in range(n_local):
-                offset = sum(grads[j]._components[i].numel() for j in range(k))
                 local = g._components[i]
-                pieces.append(flats[i][offset : offset + local.numel()].view_as(local))
+                end = offsets[i] + local.numel()
+                pieces.append(flats[i][offsets[i] : end].view_as(local))
+                offsets[i] = end
             placements = list(g.placements)
-            for d in dims:
+            for d in (*dims, *(d for d, _ in extra)):
                 placements[d] = Replicate()
             p.grad = DTensor(pieces, g._spec.with_placements(placements))
 
