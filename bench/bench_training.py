@@ -281,13 +281,15 @@ class _GatherParams(torch.autograd.Function):
     the same way (rank r's rows of every parameter together), averaged over the group."""
 
     @staticmethod
-    def forward(ctx, group, size: int, *shards: torch.Tensor):
+    def forward(ctx, group, rank: int, size: int, *shards: torch.Tensor):
         ctx.group, ctx.size = group, size
         ctx.shapes = [t.shape for t in shards]
         numels = [t.numel() for t in shards]
-        flat = torch.cat([t.reshape(-1) for t in shards])
-        gathered = flat.new_empty(size * flat.numel())
-        dist.all_gather_into_tensor(gathered, flat, group=group)
+        numel = sum(numels)
+        gathered = shards[0].new_empty(size * numel)
+        mine = gathered[rank * numel:(rank + 1) * numel]  # packed in place, as FSDP2 does
+        torch.cat([t.reshape(-1) for t in shards], out=mine)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
         pieces = gathered.view(size, -1).split(numels, dim=1)
         return tuple(piece.reshape(size * t.shape[0], *t.shape[1:])
                      for piece, t in zip(pieces, shards, strict=True))
@@ -300,7 +302,7 @@ class _GatherParams(torch.autograd.Function):
         dist.reduce_scatter_tensor(out, packed.view(-1), group=ctx.group)
         out.div_(size)
         numels = [math.prod(s) for s in ctx.shapes]
-        return (None, None, *(g.view(s) for g, s in
+        return (None, None, None, *(g.view(s) for g, s in
                               zip(out.split(numels), ctx.shapes, strict=True)))
 
 
@@ -318,7 +320,7 @@ def _hand_fully_shard(module: nn.Module, group, rank: int, size: int) -> None:
     module.fsdp_shards = nn.ParameterList(shards)
 
     def gather(m: nn.Module, args):
-        full = _GatherParams.apply(group, size, *m.fsdp_shards)
+        full = _GatherParams.apply(group, rank, size, *m.fsdp_shards)
         for owner, leaf, t in zip(owners, leaves, full, strict=True):
             object.__setattr__(owner, leaf, t)
 
