@@ -22,8 +22,9 @@ an AdamW update. The three variants:
   all-reduce-forward/identity-backward function after every row-parallel one (bias added after).
   FSDP by hand, as FSDP2 does it for one root unit: each rank stores its dp chunk (dim 0) of
   every local parameter; before the forward one all_gather_into_tensor over the dp group of the
-  chunks packed flat, the gathered parameters kept until backward; in backward one
-  reduce_scatter_tensor of the packed gradients, divided by the dp size.
+  chunks packed flat, the gathered parameters kept until backward; at the end of backward one
+  reduce_scatter_tensor of the packed gradients (the whole gradients and parameters freed
+  before its output is allocated), divided by the dp size.
 
 The losses of the three variants agree step by step (largest difference over ranks and steps,
 recorded): the run fails when one differs from the hand-written step by more than float noise.
@@ -275,61 +276,73 @@ def _row_output(lin: nn.Module, out: torch.Tensor, group, size: int) -> torch.Te
     return out if bias is None else out + bias
 
 
-class _GatherParams(torch.autograd.Function):
-    """FSDP2's collectives for one unit: forward, one all_gather_into_tensor of every
-    parameter's dp chunk packed flat; backward, one reduce_scatter_tensor of the gradients packed
-    the same way (rank r's rows of every parameter together), averaged over the group."""
+def _all_gather_packed(shards: list[torch.Tensor], group, rank: int,
+                       size: int) -> list[torch.Tensor]:
+    """FSDP2's all-gather: every shard packed flat straight into this rank's part of one buffer,
+    one all_gather_into_tensor, each whole parameter copied out of it."""
+    numels = [t.numel() for t in shards]
+    numel = sum(numels)
+    gathered = shards[0].new_empty(size * numel)
+    mine = gathered[rank * numel:(rank + 1) * numel]
+    torch.cat([t.reshape(-1) for t in shards], out=mine)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    pieces = gathered.view(size, -1).split(numels, dim=1)
+    return [piece.reshape(size * t.shape[0], *t.shape[1:])
+            for piece, t in zip(pieces, shards, strict=True)]
 
-    @staticmethod
-    def forward(ctx, group, rank: int, size: int, *shards: torch.Tensor):
-        ctx.group, ctx.size = group, size
-        ctx.shapes = [t.shape for t in shards]
-        numels = [t.numel() for t in shards]
-        numel = sum(numels)
-        gathered = shards[0].new_empty(size * numel)
-        mine = gathered[rank * numel:(rank + 1) * numel]  # packed in place, as FSDP2 does
-        torch.cat([t.reshape(-1) for t in shards], out=mine)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
-        pieces = gathered.view(size, -1).split(numels, dim=1)
-        return tuple(piece.reshape(size * t.shape[0], *t.shape[1:])
-                     for piece, t in zip(pieces, shards, strict=True))
 
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        size = ctx.size
-        packed = torch.cat([g.reshape(size, -1) for g in grads], dim=1)
-        out = packed.new_empty(packed.shape[1])
-        dist.reduce_scatter_tensor(out, packed.view(-1), group=ctx.group)
-        out.div_(size)
-        numels = [math.prod(s) for s in ctx.shapes]
-        return (None, None, None, *(g.view(s) for g, s in
-                              zip(out.split(numels), ctx.shapes, strict=True)))
+def _reduce_scatter_packed(full: list[torch.Tensor], shards: list[nn.Parameter], group,
+                           size: int) -> None:
+    """FSDP2's reduce-scatter: the gradients of the whole parameters packed rank by rank into
+    one buffer, freed with the whole parameters before the output is allocated, one
+    reduce_scatter_tensor, averaged; each shard's gradient a view of the output."""
+    packed = torch.cat([t.grad.reshape(size, -1) for t in full], dim=1)
+    for t in full:  # free the whole gradients and parameters (backward is over)
+        t.grad = None
+        t.untyped_storage().resize_(0)
+    out = packed.new_empty(packed.shape[1])
+    dist.reduce_scatter_tensor(out, packed.view(-1), group=group)
+    del packed
+    out.div_(size)
+    for shard, grad in zip(shards, out.split([t.numel() for t in shards]), strict=True):
+        shard.grad = grad.view(shard.shape)
 
 
 def _hand_fully_shard(module: nn.Module, group, rank: int, size: int) -> None:
-    """Store this rank's dp chunk (dim 0) of every parameter of ``module`` (one unit, the root);
-    gather them before its forward into plain attributes, freed when the forward ends (autograd
-    keeps what backward needs, as FSDP2 keeps a root's parameters unsharded until backward)."""
+    """Store this rank's dp chunk (dim 0) of every parameter of ``module`` (one unit, the root,
+    as FSDP2 handles a root: unsharded from its forward to the end of backward). Before the
+    forward the chunks are gathered into leaf tensors set as plain attributes (removed when the
+    forward ends: autograd keeps what backward needs); once backward is over, their gradients
+    are reduce-scattered into the chunks' gradients and they are freed."""
     names = [n for n, _ in module.named_parameters()]
     owners = [module.get_submodule(n.rpartition(".")[0]) for n in names]
     leaves = [n.rpartition(".")[2] for n in names]
-    shards = []
-    for owner, leaf in zip(owners, leaves, strict=True):
-        shards.append(nn.Parameter(owner._parameters.pop(leaf).detach().chunk(size, 0)[rank]
-                                   .clone()))
+    shards = [nn.Parameter(owner._parameters.pop(leaf).detach().chunk(size, 0)[rank].clone())
+              for owner, leaf in zip(owners, leaves, strict=True)]
     module.fsdp_shards = nn.ParameterList(shards)
+    gathered: list[torch.Tensor] = []
 
     def gather(m: nn.Module, args):
-        full = _GatherParams.apply(group, rank, size, *m.fsdp_shards)
-        for owner, leaf, t in zip(owners, leaves, full, strict=True):
+        with torch.no_grad():
+            gathered[:] = [t.requires_grad_() for t in
+                           _all_gather_packed(list(m.fsdp_shards), group, rank, size)]
+        for owner, leaf, t in zip(owners, leaves, gathered, strict=True):
             object.__setattr__(owner, leaf, t)
 
-    def free(m: nn.Module, args, out):
+    def after_backward() -> None:
+        _reduce_scatter_packed(gathered, shards, group, size)
+        gathered.clear()
+
+    def release(m: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
         for owner, leaf in zip(owners, leaves, strict=True):
             object.__delattr__(owner, leaf)
+        if out.requires_grad:  # when backward reaches the output: reduce at its end
+            out.register_hook(lambda grad: torch.autograd.Variable._execution_engine
+                              .queue_callback(after_backward))
+        return out
 
     module.register_forward_pre_hook(gather)
-    module.register_forward_hook(free)
+    module.register_forward_hook(release)
 
 
 def _fresh(model: str, dim: int, heads: int, seq: int, tp: int) -> nn.Module:
