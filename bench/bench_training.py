@@ -571,6 +571,7 @@ def main() -> None:
     try:
         results = run(args.quick, dim, batch, seq, heads, args.device,
                       tuple(args.models.split(",")))
+        dist.barrier()  # no rank tears down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
     if rank == 0:
