@@ -86,3 +86,21 @@ def test_a_group_of_modules_and_shard_placement_fn() -> None:
     with pytest.raises(DataParallelError, match="smaller world size"):
         fully_shard(_model(), mesh=mesh, reshard_after_forward=2)
 
+
+
+@pytest.mark.parametrize("from_dtensor", [False, True], ids=["plain", "replicated DTensor"])
+def test_a_stored_shard_owns_its_memory(from_dtensor: bool) -> None:
+    """Each device keeps only its chunk: no stored piece is a slice of the whole parameter's
+    storage (FSDP2 frees the unsharded parameter), and the values are the whole's chunks."""
+    mesh = sw.init_device_mesh("cpu", (4,))
+    ref, model = _model(), _model()
+    if from_dtensor:
+        for lin in (model[0], model[2]):
+            for name, p in list(lin.named_parameters()):
+                setattr(lin, name, nn.Parameter(sw.distribute_tensor(p.detach(), mesh,
+                                                                     [Replicate()])))
+    fully_shard(model, mesh=mesh)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        for c in sw.local_components(p):
+            assert c.untyped_storage().nbytes() == c.nbytes, (list(q.shape), list(c.shape))
+        torch.testing.assert_close(p.full_tensor(), q)

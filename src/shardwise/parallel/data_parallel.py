@@ -267,8 +267,19 @@ def stored_value(param: torch.Tensor, dp: DataParallelDims, storage: list[Placem
     if isinstance(param, DTensor) and is_meta(param):
         return placed_meta(param, storage)
     if isinstance(param, DTensor):
-        return param.detach().redistribute(placements=storage)
-    return distribute_tensor(param.detach(), dp.mesh, storage, src_data_rank=0)
+        return _owning(param.detach().redistribute(placements=storage))
+    return _owning(distribute_tensor(param.detach(), dp.mesh, storage, src_data_rank=0))
+
+
+def _owning(stored: DTensor) -> DTensor:
+    """``stored`` with every component that is a slice of a larger storage (a shard cut from
+    the whole parameter) copied into its own: a stored chunk must not keep the whole alive."""
+    stored._components = [
+        c.clone(memory_format=torch.contiguous_format)
+        if c.untyped_storage().nbytes() > c.nbytes else c
+        for c in stored._components
+    ]
+    return stored
 
 
 # ----- which view a forward runs in -----------------------------------------------------------
