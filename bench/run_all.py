@@ -254,10 +254,7 @@ REASONS = {
                      "parameter on its own (9 all_gathers and 9 reduce_scatters per Llama-"
                      "block step, each a point-to-point exchange with its header round) where "
                      "FSDP2 and the hand-written step call one packed all_gather_into_tensor "
-                     "and one reduce_scatter_tensor per unit; and each rank's stored chunk "
-                     "of a parameter is a slice of the whole one, whose storage it keeps "
-                     "(the Llama block's resident state 2.03 MiB per rank against FSDP2's "
-                     "1.63 on 2 processes: its peak memory 1.01x-1.05x)",
+                     "and one reduce_scatter_tensor per unit",
     "eager_missing": "the training benchmark does not run these models yet",
     "dispatch_cat": "cat([a, a], 1) of one Shard(0) tensor moves its input Shard(0) -> "
                     "Shard(1) in process (an all_to_all of n^2 pieces) where DTensor's C++ "
