@@ -121,7 +121,8 @@ def test_every_cache_has_a_bound() -> None:
     assert 0 < dispatch.DECISION_CACHE_SIZE <= 65536
     assert 0 < plan_module.PLAN_CACHE_SIZE <= 65536
     assert 0 < traced.TRACED_CACHE_SIZE <= 65536
-    for cached in (dispatch._is_view, dispatch._is_inplace, geometry.pieces,
+    for cached in (dispatch._is_view, dispatch._is_inplace, dispatch._written_arguments,
+                   geometry.pieces,
                    geometry.shard_segments, plan_module._plan):
         assert cached.cache_parameters()["maxsize"] is not None
 

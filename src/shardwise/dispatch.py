@@ -924,6 +924,7 @@ def _written_arguments(func: Any) -> frozenset:
     )
 
 
+@functools.lru_cache(maxsize=8192)  # one entry per op overload
 def _is_inplace(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:
