@@ -104,15 +104,16 @@ def _per_rank_job(kind: str, tp: int) -> tuple[list[float], dict[str, torch.Tens
     losses = []
     for x, y in batches:
         local_x, local_y = x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]
-        out = model(local_x, scale)
-        assert type(out) is torch.Tensor and out.shape == (ROWS, 3)  # this rank's rows
-        loss = F.mse_loss(out, local_y)
-        opt.zero_grad()
-        loss.backward()
+        with sw.CommCounter() as counter:
+            out = model(local_x, scale)
+            assert type(out) is torch.Tensor and out.shape == (ROWS, 3)  # this rank's rows
+            loss = F.mse_loss(out, local_y)
+            opt.zero_grad()
+            loss.backward()
         opt.step()
         losses.append(loss.item())
     state = {n: p.full_tensor() for n, p in model.named_parameters()}
-    return losses, state, [placements]
+    return losses, state, [placements, dict(counter.counts)]
 
 
 @pytest.mark.parametrize(("kind", "world", "tp"), [
@@ -137,6 +138,13 @@ def test_each_rank_trains_on_its_own_batch(kind: str, world: int, tp: int) -> No
         assert up == (("dp", "tp"), (stored, Shard(0)))
     else:
         assert up[1] == ((Shard(0),) if kind == "fully_shard" else (Replicate(),))
+    if kind == "fully_shard" and tp == 1:
+        # as FSDP2: one packed gather per unit (the two blocks and the root) in forward, one
+        # per block resharded after forward whose saved weights backward re-gathers, one
+        # packed reduce-scatter per unit (the head's uneven rows travel padded)
+        counts = results[0][2][1]
+        assert counts["reduce_scatter"] == 3, counts
+        assert counts["all_gather"] == 3 + 2, counts
 
 
 def _mixed_precision_job() -> tuple[list[float], dict[str, torch.Tensor], list[str]]:

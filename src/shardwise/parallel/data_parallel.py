@@ -22,7 +22,8 @@ parameter's last accumulation), unless gradient sync is off.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +31,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import runtime
+from .. import comm, runtime
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import DataParallelError
+from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh, init_device_mesh, require_mesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..plain_tensors import plain_is_local
@@ -350,17 +352,23 @@ class GatheredView(torch.autograd.Function):
     the sub-mesh of the other dims (``sub``, a plain tensor when there is none). Backward
     hands the gradient back as a pending reduction over the data-parallel dims, in
     ``reduce_dtype`` and times ``scale``: per rank a pending average (each rank's own batch),
-    globally as it came (the batch was sharded over those dims)."""
+    globally as it came (the batch was sharded over those dims). ``pieces``: the gathered
+    components when a packed gather (``gather_packed``) already brought them."""
 
     @staticmethod
     def forward(
         ctx, stored: DTensor, compute: tuple, dp: DataParallelDims, view: str, sub: Any,
         dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, scale: float,
+        pieces: list[torch.Tensor] | None = None,
     ):
         ctx.dp, ctx.view, ctx.reduce_dtype, ctx.scale = dp, view, reduce_dtype, scale
         ctx.stored_dtype = stored.dtype
-        source = stored if dtype is None or dtype == stored.dtype else stored.to(dtype)
-        gathered = source.redistribute(placements=compute)
+        if pieces is None:
+            source = stored if dtype is None or dtype == stored.dtype else stored.to(dtype)
+            gathered = source.redistribute(placements=compute)
+        else:
+            meta = dataclasses.replace(stored._spec.tensor_meta, dtype=pieces[0].dtype)
+            gathered = DTensor(list(pieces), DTensorSpec(stored.device_mesh, compute, meta))
         if view == "global":
             return gathered
         piece = gathered._components[0]
@@ -376,7 +384,7 @@ class GatheredView(torch.autograd.Function):
         dtype = ctx.reduce_dtype or grad.dtype
         if ctx.scale != 1.0:
             grad = grad * ctx.scale
-        rest_of_args = (None,) * 7
+        rest_of_args = (None,) * 8
         if ctx.view == "global":
             return grad.to(dtype), *rest_of_args
         if isinstance(grad, DTensor):
@@ -401,3 +409,116 @@ def reduce_gradient(param: DTensor, storage: tuple[Placement, ...]) -> None:
     target = [Replicate() if p.is_partial() else p for p in storage]
     reduced = grad.redistribute(placements=target)
     param.grad = reduced if reduced.dtype == param.dtype else reduced.to(param.dtype)
+
+
+# ----- packed collectives: one per unit instead of one per parameter ------------------------
+
+
+def packed_dim(
+    stored: torch.Tensor, compute: Sequence[Placement], storage: Sequence[Placement],
+    dp: DataParallelDims,
+) -> int | None:
+    """The data-parallel mesh dim over which this parameter's gather and gradient reduction
+    can travel in one packed collective with its unit's others (None: it goes on its own).
+    That is the common case: one shard dim, stored ``Shard(0)`` there, no other mesh dim (of
+    more than one device) splitting tensor dim 0, every other dim stored as it computes.
+    Uneven chunks travel padded to the largest (FSDP2's padding)."""
+    if len(dp.shard) != 1 or not isinstance(stored, DTensor) or stored.ndim == 0:
+        return None
+    d = dp.shard[0]
+    if type(storage[d]) is not Shard or storage[d].dim != 0 or not compute[d].is_replicate():
+        return None
+    if stored.shape[0] == 0:
+        return None
+    for e, (c, s) in enumerate(zip(compute, storage, strict=True)):
+        if e != d and (c != s or (getattr(c, "dim", None) == 0 and dp.mesh.shape[e] > 1)):
+            return None
+    return d
+
+
+def gather_packed(
+    stored: Sequence[DTensor], d: int, dtype: torch.dtype | None
+) -> list[list[torch.Tensor]]:
+    """Per parameter, its components gathered over mesh dim ``d`` (cast to ``dtype``), by one
+    ``all_gather_tensor`` of every parameter's flattened local chunk (each ``packed_dim`` ``d``,
+    on one mesh): FSDP2's packed all-gather, each chunk padded to the largest. Each gathered
+    component has its own storage."""
+    mesh = stored[0].device_mesh
+    n = mesh.shape[d]
+    n_local = len(stored[0]._components)
+    widths = [-(-s.shape[0] // n) for s in stored]  # rows of the largest chunk
+    with torch.no_grad():
+        flats = []
+        for i in range(n_local):
+            parts = []
+            for s, width in zip(stored, widths, strict=True):
+                parts += _padded(s._components[i], width, dtype)
+            flats.append(torch.cat(parts))
+        with comm.moving(lambda: f"fully_shard's packed gather of {len(stored)} parameters"):
+            gathered = comm.all_gather_tensor(mesh, d, flats, 0)
+        out: list[list[torch.Tensor]] = [[] for _ in stored]
+        for i in range(n_local):
+            rows = gathered[i].view(n, -1)
+            start = 0
+            for j, (s, width) in enumerate(zip(stored, widths, strict=True)):
+                rest = s._components[i].shape[1:]
+                end = start + width * rest.numel()
+                whole = rows[:, start:end].reshape(n * width, *rest)
+                out[j].append(whole if n * width == s.shape[0] else whole[: s.shape[0]])
+                start = end
+    return out
+
+
+def _padded(c: torch.Tensor, width: int, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """``c`` (a chunk of ``width`` rows or fewer) flattened, in ``dtype``, then the zeros that
+    pad it to ``width`` rows."""
+    flat = (c if dtype is None or c.dtype == dtype else c.to(dtype)).reshape(-1)
+    missing = (width - c.shape[0]) * c.shape[1:].numel()
+    return [flat, flat.new_zeros(missing)] if missing else [flat]
+
+
+def reducible_packed(param: DTensor, storage: Sequence[Placement], d: int) -> str | None:
+    """The reduce op when ``param.grad`` can join its unit's packed reduce-scatter over mesh
+    dim ``d``: pending there, on every other dim already as stored (else None)."""
+    grad = param.grad
+    if not isinstance(grad, DTensor) or not isinstance(grad.placements[d], Partial):
+        return None
+    for e, (g, s) in enumerate(zip(grad.placements, storage, strict=True)):
+        if e != d and g != s:
+            return None
+    return grad.placements[d].reduce_op
+
+
+def reduce_packed(
+    params: Sequence[DTensor], storages: Sequence[tuple[Placement, ...]], d: int, op: str
+) -> None:
+    """Each ``param.grad`` (``reducible_packed`` with ``op`` over ``d``, one mesh and dtype)
+    reduced to its stored placements by one ``reduce_scatter`` of all of them (FSDP2's packed
+    reduce-scatter, uneven chunks padded), in the parameter's dtype; the gradients are views
+    of its result."""
+    grads: list[DTensor] = [p.grad for p in params]
+    mesh = grads[0].device_mesh
+    n = mesh.shape[d]
+    n_local = len(grads[0]._components)
+    widths = [-(-g.shape[0] // n) for g in grads]
+    coords = [mesh.coordinate_of(device)[d] for device in mesh.local_device_ids]
+    with torch.no_grad():
+        pieces = []
+        for i in range(n_local):
+            packed = torch.cat([torch.cat(_padded(g._components[i], n * w, None)).view(n, -1)
+                                for g, w in zip(grads, widths, strict=True)], 1)
+            pieces.append(list(packed.unbind(0)))
+        with comm.moving(lambda: f"fully_shard's packed gradient of {len(grads)} parameters"):
+            reduced = comm.reduce_scatter(mesh, d, pieces, op)
+        starts = [0] * n_local
+        for p, g, storage, w in zip(params, grads, storages, widths, strict=True):
+            comps = []
+            sizes = chunk_sizes(g.shape[0], n)
+            for i in range(n_local):
+                rest = g._components[i].shape[1:]
+                end = starts[i] + w * rest.numel()
+                whole = reduced[i][starts[i] : end].view(w, *rest)
+                comps.append(whole[: sizes[coords[i]]])
+                starts[i] = end
+            grad = DTensor(comps, g._spec.with_placements(storage))
+            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)

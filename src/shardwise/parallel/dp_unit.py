@@ -1,7 +1,9 @@
 """One ``fully_shard`` or ``replicate`` call's parameters: the forward hooks that swap each
 stored parameter for the tensor the forward computes with (``data_parallel.GatheredView``),
 re-gathering what backward needs when they were freed after forward, and the reduction of
-their gradients once per backward (see ``data_parallel`` for the two views)."""
+their gradients once per backward (see ``data_parallel`` for the two views). Parameters
+stored alike (``data_parallel.packed_dim``) are gathered and reduce-scattered together, one
+packed collective per unit as FSDP2; the others each on their own."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .. import comm
+from ..deferred_init import is_meta
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate
@@ -24,9 +27,13 @@ from .data_parallel import (
     GatheredView,
     choose_view,
     enter_view,
+    gather_packed,
     leave_view,
     local_sub_mesh,
+    packed_dim,
     reduce_gradient,
+    reduce_packed,
+    reducible_packed,
     shard_batch,
 )
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -49,6 +56,11 @@ class Slot:
     @property
     def stored(self) -> DTensor:
         return self.owner._parameters[self.name]
+
+    @functools.cached_property
+    def packed(self) -> int | None:
+        """The mesh dim of its unit's packed collectives it joins (None: on its own)."""
+        return packed_dim(self.stored, self.compute, self.storage, self.dp)
 
 
 class DataParallelUnit:
@@ -74,10 +86,11 @@ class DataParallelUnit:
         self.gradient_divide_factor: float | None = None
         self.mp, self.offload = mp_policy, offload_policy
         self.held: dict[int, tuple[str, torch.Tensor, Any]] = {}  # k -> (view, tensor, version)
+        self.regathered: dict[int, tuple[list[torch.Tensor], Any]] = {}  # backward's, k -> ...
         self.storages: dict[int, int] = {}  # storage of a view's piece -> slot index
         self.active: list[tuple] = []  # per forward: (view token, saving, view, stored params)
         self.members: dict[int, list[int]] = {}  # id of a hooked module -> its slots
-        self.reducer = _Buckets(self, bucket_cap) if bucket_cap is not None else None
+        self.reducer = _Buckets(self, bucket_cap) if bucket_cap is not None else _Packed(self)
         for k, slot in enumerate(slots):
             if slot.stored.requires_grad:
                 slot.stored.register_post_accumulate_grad_hook(
@@ -89,9 +102,39 @@ class DataParallelUnit:
         stored = self.slots[k].stored
         return (id(stored), tuple(c._version for c in stored._components))
 
-    def view_of(self, k: int, view: str) -> torch.Tensor:
+    def views_of(self, ks: list[int], view: str) -> dict[int, torch.Tensor]:
+        """``view_of`` for each of the slots ``ks``, those to gather that share a packing key
+        (``_pack_key``) by one packed gather."""
+        out: dict[int, torch.Tensor] = {}
+        groups: dict[tuple, list[int]] = {}
+        for k in ks:
+            key = self._pack_key(k)
+            held = self.held.get(k)
+            if key is None or (held is not None and held[0] == view
+                               and held[2] == self._version(k)):
+                out[k] = self.view_of(k, view)
+            else:
+                groups.setdefault(key, []).append(k)
+        for (_dp, d, dtype), members in groups.items():
+            gathered = gather_packed([self.slots[k].stored for k in members], d, dtype)
+            for k, pieces in zip(members, gathered, strict=True):
+                out[k] = self.view_of(k, view, pieces)
+        return out
+
+    def _pack_key(self, k: int) -> tuple | None:
+        """What slot ``k``'s packed gather shares with the others it travels with (its mesh
+        and dims, the shard dim, the dtype it computes in); None when it goes on its own."""
+        slot = self.slots[k]
+        d = slot.packed
+        if d is None or isinstance(self.offload, CPUOffloadPolicy) or is_meta(slot.stored):
+            return None
+        return slot.dp, d, self.mp.param_dtype or slot.stored.dtype
+
+    def view_of(
+        self, k: int, view: str, pieces: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Slot ``k``'s parameter as the forward computes with it (held ones reused while the
-        stored parameter is unchanged)."""
+        stored parameter is unchanged; ``pieces``: its components a packed gather brought)."""
         held = self.held.get(k)
         if held is not None and held[0] == view and held[2] == self._version(k):
             return held[1]
@@ -103,7 +146,7 @@ class DataParallelUnit:
             stored = stored.to(self.dp.mesh.device_type)
         tensor = GatheredView.apply(
             stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
-            self.mp.reduce_dtype, self._scale(slot),
+            self.mp.reduce_dtype, self._scale(slot), pieces,
         )
         for piece in _pieces(tensor):
             self.storages[piece.untyped_storage().data_ptr()] = k
@@ -146,8 +189,8 @@ class DataParallelUnit:
     def unshard(self) -> None:
         """Gather every parameter now and hold it until ``reshard`` (or a change to it)."""
         view = "local" if plain_is_local(self.dp.mesh) else "global"
-        for k in range(len(self.slots)):
-            self.held[k] = (view, self.view_of(k, view), self._version(k))
+        for k, tensor in self.views_of(list(range(len(self.slots))), view).items():
+            self.held[k] = (view, tensor, self._version(k))
 
     def reshard(self) -> None:
         """Free the held gathered parameters."""
@@ -165,10 +208,10 @@ class DataParallelUnit:
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
         stored = {}
-        for k in self._slots_of(module):
+        for k, tensor in self.views_of(self._slots_of(module), view).items():
             slot = self.slots[k]
             stored[k] = slot.stored
-            slot.owner._parameters[slot.name] = self.view_of(k, view)
+            slot.owner._parameters[slot.name] = tensor
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = not outermost  # PyTorch: the root keeps its parameters for backward
@@ -223,7 +266,7 @@ class DataParallelUnit:
         with torch.no_grad():
             fresh = GatheredView.apply(
                 slot.stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
-                self.mp.reduce_dtype, 1.0,
+                self.mp.reduce_dtype, 1.0, self._regather(k),
             )
         pieces = [
             p.as_strided(shape, stride, offset)
@@ -231,15 +274,33 @@ class DataParallelUnit:
         ]
         return DTensor(pieces, spec) if spec is not None else pieces[0]
 
+    def _regather(self, k: int) -> list[torch.Tensor] | None:
+        """Backward's re-gather of slot ``k``: with a packing key, one packed gather of every
+        slot not held that shares it, kept until the unit's gradients are reduced (or this
+        backward ends); None: it goes on its own."""
+        key = self._pack_key(k)
+        if key is None:
+            return None
+        hit = self.regathered.get(k)
+        if hit is not None and hit[1] == self._version(k):
+            return hit[0]
+        members = [j for j in range(len(self.slots))
+                   if j not in self.held and self._pack_key(j) == key]
+        gathered = gather_packed([self.slots[j].stored for j in members], key[1], key[2])
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.regathered.clear)
+        except RuntimeError:  # not in a backward: nothing would drop them
+            return gathered[members.index(k)]
+        for j, pieces in zip(members, gathered, strict=True):
+            self.regathered[j] = (pieces, self._version(j))
+        return self.regathered[k][0]
+
     # ----- gradients -------------------------------------------------------------------------
     @eager_under_dynamo  # backward runs it eagerly, also after a compiled forward
     def _on_grad(self, k: int, param: torch.Tensor) -> None:
         if not self.requires_gradient_sync:
             return  # accumulate the pending reduction; a later synced backward reduces it
-        if self.reducer is not None:
-            self.reducer.ready(k, param)
-        else:
-            self.reduce(param, self.slots[k])
+        self.reducer.ready(k, param)
 
     def reduce(self, param: torch.Tensor, slot: Slot) -> None:
         """``param.grad`` (slot ``slot``'s) reduced to the stored placements."""
@@ -270,6 +331,57 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+class _Packed:
+    """``fully_shard``'s gradient reduction: the gradients of slots with a packing key wait
+    until every one of them has arrived (or backward ends), then those pending alike over
+    the same dim go in one packed reduce-scatter (``data_parallel.reduce_packed``); the others
+    are reduced on their own as they arrive."""
+
+    def __init__(self, unit: DataParallelUnit) -> None:
+        self.unit = unit
+        self.waiting: dict[int, torch.Tensor] = {}
+        self.expected = 0
+        self.pending = False
+
+    def ready(self, k: int, param: torch.Tensor) -> None:
+        unit = self.unit
+        if unit._pack_key(k) is None or not unit.requires_all_reduce:
+            unit.reduce(param, unit.slots[k])
+            return
+        if not self.pending:
+            self.pending = True
+            self.expected = sum(
+                1 for j, slot in enumerate(unit.slots)
+                if slot.stored.requires_grad and unit._pack_key(j) is not None
+            )
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self.waiting[k] = param
+        if len(self.waiting) == self.expected:
+            self._flush()
+
+    @eager_under_dynamo
+    def _finish(self) -> None:
+        if self.waiting:
+            self._flush()
+        self.pending = False
+
+    def _flush(self) -> None:
+        entries, self.waiting = self.waiting, {}
+        unit = self.unit
+        unit.regathered.clear()
+        groups: dict[tuple, list[int]] = {}
+        for k, param in entries.items():
+            slot = unit.slots[k]
+            op = reducible_packed(param, slot.storage, slot.packed)
+            if op is None:
+                unit.reduce(param, slot)
+            else:
+                key = (param.grad.device_mesh, slot.packed, op, param.grad.dtype)
+                groups.setdefault(key, []).append(k)
+        for (_mesh, d, op, _dtype), ks in groups.items():
+            reduce_packed([entries[k] for k in ks], [unit.slots[k].storage for k in ks], d, op)
 
 
 class _Buckets:
