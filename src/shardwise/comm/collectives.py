@@ -186,6 +186,27 @@ def reduce_scatter(
     return out
 
 
+def all_to_all(
+    mesh: DeviceMesh, mesh_dim: int, pieces: Sequence[Sequence[torch.Tensor]]
+) -> list[list[torch.Tensor]]:
+    """``pieces[i][k]`` goes from local device i to group member k; the result ``out[i][j]`` is
+    what member j sent to device i."""
+    out: list[list[torch.Tensor]] = [[] for _ in pieces]
+    inside, across = _split_groups(mesh, mesh_dim)
+    for members, indices in inside:
+        for k, i in enumerate(indices):
+            out[i] = [_to(pieces[j][k], mesh, members[k]) for j in indices]
+    traffic = _across(out, "all_to_all", mesh, mesh_dim, across, pieces)
+    received = sum(
+        accounting.all_to_all_received([_nbytes(p) for p in out[i]], k)
+        for _, indices in inside + across
+        for k, i in enumerate(indices)
+        if i is not None
+    )
+    _record("all_to_all", mesh_dim, received, traffic, mesh)
+    return out
+
+
 @lru_cache(maxsize=4096)
 def _joinable_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
     """``_split_groups``, each group all in this process with the ``torch.device`` its
