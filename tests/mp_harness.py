@@ -5,7 +5,7 @@ shardwise) joined by gloo on 127.0.0.1 (the multi-process fixture).
 or raises the first failing rank's traceback. Every run is bounded: past ``timeout`` the
 processes are killed and ``TimeoutError`` says which ranks had not answered. Spawning and gloo
 setup cost seconds, so a test should run many checks inside one job; ``fn`` must be a
-module-level function (spawn pickles it by name) and return picklable values (tensors too).
+module-level function (pickled by name) and return picklable values (tensors too).
 """
 
 from __future__ import annotations

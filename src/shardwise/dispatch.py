@@ -740,8 +740,8 @@ def _finish(
     op: _Op, func: Any, entry: _Entry, results: list, dtensors: list[DTensor],
     components: list | None,
 ) -> Any:
-    """Update self when an in-place op moved it (``components``: the moved inputs), wrap the
-    outputs, mark views."""
+    """Update each written argument the op moved (``components``: the moved inputs), wrap
+    the outputs, mark views."""
     decision = entry.decision
     for n in entry.moved_written:
         # the op needed a written argument elsewhere: it now lives there (same global value,
