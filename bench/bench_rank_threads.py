@@ -84,7 +84,7 @@ def hand_step(n: int, steps: int) -> tuple[float, float]:
     dist.init_process_group("gloo")
     try:
         model = _model()
-        _hand_parallelize(model, {"0": "col", "2": "row"})
+        _hand_parallelize(model, {"0": "col", "2": "row"}, None, dist.get_rank(), n)
         return _time_steps(model, steps)
     finally:
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 import shardwise
 from mp_harness import run_in_processes
 from shardwise import Replicate, Shard
+from shardwise.comm.wire import Mailbox
 from shardwise.errors import CollectiveTimeoutError, InvalidArgumentError
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from shardwise.rank_threads import RankFailedError, run_threads
@@ -174,6 +176,75 @@ def test_a_failing_rank_raises_in_the_caller():
         run_threads(_fails_on_rank_one, 3, 3, timeout=TIMEOUT)
     assert isinstance(info.value.__cause__, ValueError)
     assert time.monotonic() - start < 60
+
+
+def _fails_before_a_redistribution(n: int) -> int:
+    rank = _init()
+    mesh = shardwise.init_device_mesh("cpu", (n,))
+    d = shardwise.DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
+    if rank == 1:
+        raise ValueError("rank one broke")
+    d.redistribute(mesh, [Replicate()])  # waits on rank 1's piece: fails when it leaves
+    return rank
+
+
+def test_a_rank_failing_before_a_redistribution_stops_its_peers_at_once():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 of 3") as info:
+        run_threads(_fails_before_a_redistribution, 3, 3, timeout=TIMEOUT)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert time.monotonic() - start < 30  # the collective timeout is far longer
+
+
+def test_shardwise_messages_between_rank_threads_do_not_use_the_backend(monkeypatch):
+    """Between rank threads shardwise's collectives hand their bytes over in memory
+    (``comm.wire.Mailbox``), with the bits processes get (the tests above)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a point-to-point message went through the backend")
+
+    monkeypatch.setattr(dist, "isend", refuse)
+    monkeypatch.setattr(dist, "irecv", refuse)
+    threads = run_threads(program_collectives, 4, 4, timeout=TIMEOUT)
+    drawn = [torch.randn(5, 7, generator=torch.Generator().manual_seed(100 + r))
+             for r in range(4)]
+    for r in range(4):
+        assert torch.equal(threads[r]["full"], torch.cat(drawn))
+        assert torch.equal(threads[r]["rounds"][0], torch.cat(drawn)[:, _cols(r)])
+
+
+def _cols(r: int) -> slice:
+    """Rank ``r``'s columns of 7 split over 4 ranks (torch.chunk's sizes: 2, 2, 2, 1)."""
+    return slice(2 * r, min(2 * r + 2, 7))
+
+
+def test_mailbox_matches_in_posting_order_and_refuses_a_wrong_size():
+    box = Mailbox()
+    key = ((0, 1), 0, 1, 5)
+    first, second = torch.arange(3.0), torch.arange(3.0) + 10
+    sends = [box.send(first, key), box.send(second, key)]  # posted before any receive
+    got = [torch.empty(3), torch.empty(3)]
+    receives = [box.receive(g, key) for g in got]
+    for work in sends + receives:
+        assert work.wait(timedelta(seconds=1))
+    assert torch.equal(got[0], first) and torch.equal(got[1], second)
+    small = box.receive(torch.empty(2), key)  # posted first: the send completes it
+    wrong = box.send(torch.ones(3), key)
+    for work in (small, wrong):
+        with pytest.raises(RuntimeError, match="12 bytes met a receive of 8 bytes"):
+            work.wait(timedelta(seconds=1))
+
+
+def test_mailbox_fails_what_waits_on_a_rank_that_left():
+    box = Mailbox()
+    waiting = box.receive(torch.empty(2), ((0, 1), 1, 0, 5))
+    box.leave(1)
+    with pytest.raises(RuntimeError, match="rank 1 has left without sending"):
+        waiting.wait(timedelta(seconds=1))
+    with pytest.raises(RuntimeError, match="rank 1 has left"):
+        box.send(torch.ones(2), ((0, 1), 0, 1, 5)).wait(timedelta(seconds=1))
+    with pytest.raises(RuntimeError, match="timed out"):
+        box.receive(torch.empty(2), ((0, 1), 0, 1, 5)).wait(timedelta(seconds=0.05))
 
 
 def _hangs(n: int) -> None:

@@ -1,12 +1,14 @@
 """N ranks as threads of one process: ``run_threads(fn, nproc)`` and the launcher's ``--threads``.
 
 Each rank thread acts as one process of a gloo world of ``nproc`` ranks, so a per-rank PyTorch
-program runs unchanged and gives the bits it gives in ``nproc`` processes (the same transport
-moves the same bytes and reduces in the same order):
+program runs unchanged and gives the bits it gives in ``nproc`` processes (the same messages,
+reduced in the same order):
 
 - ``torch.distributed`` state is per rank thread: ``init_process_group``, ``get_rank``,
   ``new_group``... act on the thread's own world (c10d's ``_world`` extension point), and each
-  rank's process groups are real gloo groups over loopback TCP.
+  rank's process groups are real gloo groups over loopback TCP. shardwise's own collectives
+  send their point-to-point messages through the ranks' shared ``comm.wire.Mailbox`` instead:
+  a hand-over in memory.
 - ``os.environ`` shows each rank thread its torchrun variables (``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``MASTER_ADDR``...); what a rank thread sets there stays its own.
 - torch's default CPU generator is per rank thread: ``torch.manual_seed``, ``get_rng_state``,
@@ -37,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from . import runtime, settings
+from .comm.wire import Mailbox
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidArgumentError
 
 T = TypeVar("T")
@@ -296,6 +299,7 @@ def _run_rank(
         else:
             done.put((rank.rank, True, result, "", time.monotonic()))
         finally:  # closing this rank's sockets makes peers waiting on it fail at once
+            rank.mailbox.leave(rank.rank)
             runtime.shutdown()
 
 
@@ -327,11 +331,13 @@ def run_threads(
     _check_alone(nproc)
     port = _free_port()
     done: queue.Queue = queue.Queue()
+    mailbox = Mailbox()
     with _installed() as generators:
         threads = []
         for r in range(nproc):
             rank = settings.RankThread(r, nproc, rank_env(r, nproc, port), _RankWorld())
             rank.drawing = functools.partial(_drawing, generators)
+            rank.mailbox = mailbox
             threads.append(threading.Thread(
                 target=_run_rank, args=(rank, generators, fn, args, kwargs, done),
                 name=f"shardwise-rank-{r}", daemon=True,

@@ -145,6 +145,8 @@ class RankThread:
         # the context a draw from torch's default generator runs in (rank_threads: this rank's
         # generator swapped in)
         self.drawing: Callable[[], AbstractContextManager[Any]] = nullcontext
+        # the messages between the ranks of its run (``comm.wire.Mailbox``), shared with them
+        self.mailbox: Any = None
 
 
 # The rank this thread runs as in the launcher's threads mode (None: this process's own rank).

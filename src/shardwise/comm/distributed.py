@@ -27,13 +27,13 @@ from datetime import timedelta
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
 from ..runtime import group_for_ranks, rank_and_world
 from . import protocol, safety
 from .reduction import accumulation_dtype, combine, finish
+from .wire import post_receive, post_send
 
 Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local index of each or None
 
@@ -260,12 +260,10 @@ class _Round:
                 direct.add(key)
             buffers[key] = buffer
             if buffer.numel():
-                works.append(dist.irecv(buffer, src=key[1], group=group_for_ranks(key[0]),
-                                        tag=protocol.TAG))
+                works.append(post_receive(buffer, key[1], key[0], protocol.TAG))
         for (ranks, peer), buffer in payloads.items():
             if buffer.numel() and not (self.call.rounds == 1 and _fits(buffer.numel(), ranks)):
-                pg = group_for_ranks(ranks)
-                works.append(dist.isend(buffer, dst=peer, group=pg, tag=protocol.TAG))
+                works.append(post_send(buffer, peer, ranks, protocol.TAG))
         self._wait(works)
         received = sum(b.numel() for b in buffers.values())
         if self.meta:
@@ -318,12 +316,11 @@ class _Round:
             header_bytes, forecast_bytes, apart = sizes[key[0]]
             first = header_bytes + (0 if apart else forecast_bytes)
             theirs[key] = torch.empty(first, dtype=torch.uint8, device=device)
-            pg = group_for_ranks(key[0])
-            works.append(dist.irecv(theirs[key], src=key[1], group=pg, tag=protocol.HEADER_TAG))
+            works.append(post_receive(theirs[key], key[1], key[0], protocol.HEADER_TAG))
             if apart:  # the forecast bytes of a native collective: not for this transport
-                works.append(dist.irecv(torch.empty(forecast_bytes, dtype=torch.uint8,
-                                                    device=device),
-                                        src=key[1], group=pg, tag=protocol.HEADER_TAG))
+                works.append(post_receive(torch.empty(forecast_bytes, dtype=torch.uint8,
+                                                      device=device),
+                                          key[1], key[0], protocol.HEADER_TAG))
         for key in keys:
             header_bytes, forecast_bytes, apart = sizes[key[0]]
             sent = sum(p.numel() for p in self.outgoing.get(key, []))
@@ -334,13 +331,11 @@ class _Round:
             payload = payloads.get(key)
             if payload is not None and payload.numel() and _fits(payload.numel(), key[0]):
                 message[_INLINE_AT : _INLINE_AT + payload.numel()] = payload
-            pg = group_for_ranks(key[0])
-            works.append(dist.isend(message.to(device), dst=key[1], group=pg,
-                                    tag=protocol.HEADER_TAG))
+            works.append(post_send(message.to(device), key[1], key[0], protocol.HEADER_TAG))
             if apart:
-                works.append(dist.isend(torch.zeros(forecast_bytes, dtype=torch.uint8,
-                                                    device=device),
-                                        dst=key[1], group=pg, tag=protocol.HEADER_TAG))
+                works.append(post_send(torch.zeros(forecast_bytes, dtype=torch.uint8,
+                                                   device=device),
+                                       key[1], key[0], protocol.HEADER_TAG))
         self._wait(works)
         inline = {
             key: theirs[key][_INLINE_AT : _INLINE_AT + sum(parts)]

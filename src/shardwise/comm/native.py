@@ -47,6 +47,7 @@ from .accounting import all_reduce_received
 from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks, wait_all
 from .protocol import HEADER_TAG, INLINE_MAX, MAX_NDIM, OPS
 from .reduction import combine, finish
+from .wire import post_receive, post_send
 
 # dtypes whose sum of two terms the backend computes exactly as ``reduction.combine`` does (half
 # types accumulate in float32 there; max/min differ on NaN)
@@ -154,15 +155,15 @@ class _Native:
             works = []
             for j in peers:
                 src = self.owners[j]
-                works.append(dist.irecv(inbox[j], src=src, group=self.pg, tag=HEADER_TAG))
+                works.append(post_receive(inbox[j], src, self.ranks, HEADER_TAG))
                 if apart:
-                    works.append(dist.irecv(landing[j], src=src, group=self.pg, tag=HEADER_TAG))
+                    works.append(post_receive(landing[j], src, self.ranks, HEADER_TAG))
             shared = None  # one message for every peer unless the pieces differ per member
             for j in peers:
                 dst = self.owners[j]
                 if apart:
-                    works.append(dist.isend(header, dst=dst, group=self.pg, tag=HEADER_TAG))
-                    works.append(dist.isend(piece_for(j), dst=dst, group=self.pg, tag=HEADER_TAG))
+                    works.append(post_send(header, dst, self.ranks, HEADER_TAG))
+                    works.append(post_send(piece_for(j), dst, self.ranks, HEADER_TAG))
                     continue
                 message = shared
                 if message is None:
@@ -172,7 +173,7 @@ class _Native:
                         message[hb:] = piece_for(j)
                     if not (inline and wire == "all_to_all"):
                         shared = message
-                works.append(dist.isend(message, dst=dst, group=self.pg, tag=HEADER_TAG))
+                works.append(post_send(message, dst, self.ranks, HEADER_TAG))
             return works
 
         self.run(start)
@@ -292,13 +293,11 @@ class _Native:
             works = []
             for j in range(self.n):
                 if j != self.k and slots[j].numel():
-                    works.append(dist.irecv(slots[j], src=self.owners[j], group=self.pg,
-                                            tag=HEADER_TAG))
+                    works.append(post_receive(slots[j], self.owners[j], self.ranks, HEADER_TAG))
             for j in range(self.n):
                 if j != self.k and send[j].numel():
                     outgoing.append(as_bytes(send[j]))
-                    works.append(dist.isend(outgoing[-1], dst=self.owners[j], group=self.pg,
-                                            tag=HEADER_TAG))
+                    works.append(post_send(outgoing[-1], self.owners[j], self.ranks, HEADER_TAG))
             mine = send[self.k]
             if own:
                 _typed(slots[self.k], mine.dtype, mine.shape).copy_(mine)
@@ -320,11 +319,9 @@ class _Native:
             works = []
             for j in range(self.n):
                 if j != self.k and mine.numel():
-                    works.append(dist.isend(mine, dst=self.owners[j], group=self.pg,
-                                            tag=HEADER_TAG))
+                    works.append(post_send(mine, self.owners[j], self.ranks, HEADER_TAG))
                 if j != self.k and parts[j].numel():
-                    works.append(dist.irecv(parts[j], src=self.owners[j], group=self.pg,
-                                            tag=HEADER_TAG))
+                    works.append(post_receive(parts[j], self.owners[j], self.ranks, HEADER_TAG))
             return works
 
         self.run(start)

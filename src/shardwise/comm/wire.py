@@ -1,0 +1,138 @@
+"""Point-to-point messages of shardwise's cross-process collectives (``distributed.py``,
+``native.py``): the backend's ``isend``/``irecv`` between processes, and between the rank threads
+of one process (``rank_threads``) a hand-over in memory, ``Mailbox``.
+
+Rank threads share one address space, so a message needs no socket: whichever of the send and
+its matching receive is posted second copies the bytes straight from the sender's tensor into
+the receiver's buffer (one copy, as the backend makes one into its socket), and the other
+side's handle completes. Messages between two ranks on one tag of one group match in posting
+order, as the backend's do, so the protocol above is unchanged and gives the same bits:
+reductions combine in coordinate order whatever carries the bytes. A rank that leaves fails
+the messages still waiting on it, as a closed socket does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import settings
+from ..runtime import group_for_ranks
+
+Key = tuple[tuple[int, ...], int, int, int]  # group's ranks, source, destination, tag
+
+
+class _Message:
+    """One posted send (``tensor``) or receive (``buffer``); ``wait`` as a backend work's."""
+
+    __slots__ = ("tensor", "done", "error")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.done = threading.Event()
+        self.error: str | None = None
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self.done.set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = None if timeout is None else timeout.total_seconds()
+        if not self.done.wait(seconds):
+            raise RuntimeError(f"a message between rank threads timed out after {seconds:g} s")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+def _hand_over(source: torch.Tensor, receive: _Message, send: _Message) -> None:
+    """Copy a send's bytes into the receive's buffer and complete both (or fail both)."""
+    into = receive.tensor
+    n_in, n_out = into.numel() * into.element_size(), source.numel() * source.element_size()
+    if n_in != n_out or not into.is_contiguous() or not source.is_contiguous():
+        error = (f"a message of {n_out} bytes met a receive of {n_in} bytes (both must be "
+                 f"dense and of one size)")
+        receive.fail(error)
+        send.fail(error)
+        return
+    if n_in:
+        into.reshape(-1).view(torch.uint8).copy_(source.reshape(-1).view(torch.uint8))
+    receive.done.set()
+    send.done.set()
+
+
+class Mailbox:
+    """The messages in flight between the rank threads of one ``run_threads``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sends: defaultdict[Key, deque[_Message]] = defaultdict(deque)
+        self._receives: defaultdict[Key, deque[_Message]] = defaultdict(deque)
+        self._gone: set[int] = set()
+
+    def send(self, tensor: torch.Tensor, key: Key) -> _Message:
+        mine = _Message(tensor)
+        with self._lock:
+            waiting = self._receives.get(key)
+            if not waiting:
+                if key[2] in self._gone:
+                    mine.fail(f"rank {key[2]} has left: it will not receive this message")
+                else:
+                    self._sends[key].append(mine)
+                return mine
+            receive = waiting.popleft()
+        _hand_over(tensor, receive, mine)
+        return mine
+
+    def receive(self, buffer: torch.Tensor, key: Key) -> _Message:
+        mine = _Message(buffer)
+        with self._lock:
+            waiting = self._sends.get(key)
+            if not waiting:
+                if key[1] in self._gone:
+                    mine.fail(f"rank {key[1]} has left without sending this message")
+                else:
+                    self._receives[key].append(mine)
+                return mine
+            send = waiting.popleft()
+        _hand_over(send.tensor, mine, send)
+        return mine
+
+    def leave(self, rank: int) -> None:
+        """``rank`` has finished (or failed): fail what waits on it."""
+        with self._lock:
+            self._gone.add(rank)
+            for queues, side, what in ((self._receives, 1, "without sending"),
+                                       (self._sends, 2, "without receiving")):
+                for key, waiting in queues.items():
+                    if key[side] == rank:
+                        while waiting:
+                            waiting.popleft().fail(f"rank {rank} has left {what} this message")
+
+
+def _mailbox() -> Mailbox | None:
+    rank = settings.RANK_THREAD.get()
+    return None if rank is None else rank.mailbox
+
+
+def post_send(tensor: torch.Tensor, dst: int, ranks: tuple[int, ...], tag: int):
+    """Post ``tensor`` to global rank ``dst`` of the group over ``ranks``; returns its handle."""
+    box = _mailbox()
+    if box is None:
+        return dist.isend(tensor, dst=dst, group=group_for_ranks(ranks), tag=tag)
+    return box.send(tensor, (ranks, dist.get_rank(), dst, tag))
+
+
+def post_receive(buffer: torch.Tensor, src: int, ranks: tuple[int, ...], tag: int):
+    """Post a receive into ``buffer`` from global rank ``src``; returns its handle."""
+    box = _mailbox()
+    if box is None:
+        return dist.irecv(buffer, src=src, group=group_for_ranks(ranks), tag=tag)
+    return box.receive(buffer, (ranks, src, dist.get_rank(), tag))
