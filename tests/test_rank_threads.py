@@ -264,10 +264,23 @@ def test_threads_mode_refuses_a_multiprocess_world(monkeypatch):
         run_threads(_init, 2)
 
 
+def _intra_op() -> tuple[int, str | None]:
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def test_rank_threads_get_one_intra_op_thread_as_torchrun_gives_processes(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert run_threads(_intra_op, 2, timeout=TIMEOUT) == [(1, "1")] * 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stays
+    threads = torch.get_num_threads()
+    assert run_threads(_intra_op, 2, timeout=TIMEOUT) == [(threads, "3")] * 2
+
+
 def test_rank_threads_leave_the_process_as_it_was():
-    before = torch.get_rng_state()
+    before, threads = torch.get_rng_state(), torch.get_num_threads()
     run_threads(program_collectives, 2, 2, timeout=TIMEOUT)
     assert torch.equal(torch.get_rng_state(), before)
+    assert torch.get_num_threads() == threads
     assert not dist.is_initialized() and "RANK" not in os.environ
 
 

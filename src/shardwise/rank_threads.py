@@ -247,6 +247,22 @@ def _installed() -> Iterator[_Generator]:
         _installed_lock.release()
 
 
+@contextmanager
+def _one_intra_op_thread(nproc: int) -> Iterator[None]:
+    """As torchrun gives each of several processes one intra-op thread unless
+    ``OMP_NUM_THREADS`` says otherwise: torch's intra-op pool is the process's, and every rank
+    thread entering a parallel kernel would bring a team of its own onto the same cores."""
+    if nproc == 1 or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -259,6 +275,7 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        **({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if nproc > 1 else {}),
     }
 
 
@@ -332,7 +349,7 @@ def run_threads(
     port = _free_port()
     done: queue.Queue = queue.Queue()
     mailbox = Mailbox()
-    with _installed() as generators:
+    with _one_intra_op_thread(nproc), _installed() as generators:
         threads = []
         for r in range(nproc):
             rank = settings.RankThread(r, nproc, rank_env(r, nproc, port), _RankWorld())
