@@ -5,7 +5,8 @@ running the same program with ``torch.distributed.tensor``, in the same run; rat
 threads, of rank 0's median wall time per step and of the CPU time per step of all ranks
 (process CPU time, summed over the processes), which other load on the machine leaves alone;
 beside them the same step written by hand on plain local shards (gloo all_reduce), run as
-threads: the floor of any per-rank program in threads mode.
+threads: the floor of any per-rank program in threads mode. Every mode runs one intra-op
+thread per rank (torchrun's default for several processes).
 Embedded (global view): the demo's GPT training step (``shardwise.demo.sharded_step``)
 on a dp x tp mesh of simulated devices in this process against the single-device step
 (``demo.single_step``) times the number of devices, interleaved; wall and CPU time (the CPU
@@ -193,6 +194,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N=2 only, 3 steps")
     parser.add_argument("--json", help="write the results to this file")
     ns = parser.parse_args()
+    # one intra-op thread everywhere: what torchrun gives each of several processes and rank
+    # threads get; with two, OpenMP's spinning team made LocalTensorMode and the single-device
+    # step up to 10x slower whenever another process held the second core
+    torch.set_num_threads(1)
     counts = [2] if ns.quick else [int(n) for n in ns.nproc.split(",")]
     steps = 3 if ns.quick else ns.steps
     rows = []
