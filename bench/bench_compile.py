@@ -1,26 +1,33 @@
-"""A compiled tensor-parallel training step: shardwise vs hand-written tensor parallelism on
-local tensors vs torch.distributed.tensor, each compiled the same way, in the same run,
-interleaved.
+"""A compiled tensor-parallel and FSDP x TP training step: shardwise vs the same parallelism
+written by hand on local tensors vs torch.distributed.tensor, each compiled the same way, in the
+same run, interleaved.
 
-The models, plans and the three variants are ``bench_training.py``'s (an MLP and a
-transformer block; ``parallelize_module`` with ColwiseParallel/RowwiseParallel for shardwise and
-torch DTensor, Megatron's f/g functions for the hand-written one). Two ways to compile, each
-with ``--backend`` (inductor by default):
+The models, plans and the three variants are ``bench_training.py``'s, built by its ``_build``:
+an MLP and a transformer block (``parallelize_module`` with ColwiseParallel/RowwiseParallel for
+shardwise and torch DTensor, Megatron's f/g functions for the hand-written one), and the MLP and
+the Llama block under FSDP x TP (``*_fsdp_tp``: then ``fully_shard`` over "dp" of a ("dp", "tp")
+mesh, (2, 1) on 2 processes and (1, 1) on 1; FSDP by hand for the hand-written one), each dp
+rank on its own rows. Two ways to compile, each with ``--backend`` (inductor by default):
 
 - ``fwd``: ``torch.compile`` (fullgraph) of forward and loss; the backward runs the compiled
-  backward graph and the AdamW update runs eagerly.
+  backward graph and the AdamW update runs eagerly. The FSDP x TP models compile without
+  fullgraph: all three run their FSDP hooks eagerly (FSDP2's and shardwise's are
+  ``torch.compiler.disable``d; the hand-written one's set attributes dynamo cannot trace).
 - ``full``: the whole step, ``zero_grad``, forward, loss, ``backward`` and ``AdamW.step()``, as
   one compiled function, as users compile a DTensor training step: dynamo breaks where it
-  breaks on any model (``zero_grad``, ``backward``, the optimizer's own ``graph_break()``) and
-  compiles the optimizer update over the (DTensor) parameters.
+  breaks on any model (``zero_grad``, ``backward``, the optimizer's own ``graph_break()``, the
+  FSDP hooks) and compiles the optimizer update over the (DTensor) parameters.
 
-Reported per variant: the median step time and (``fwd``) the forward+backward time alone,
-slowest rank; how long the first (compiling) call took; for ``full``, how many frames dynamo
+Reported per variant and kind: the median step time and the forward+backward time alone
+(``fwd``), slowest rank; how long the first (compiling) call took; how many frames dynamo
 compiled after the warmup steps (recompiles: 0 expected; the optimizer's state appears in the
-first step, so the second compiles again, for plain tensors too).
+first step, so the second compiles again, for plain tensors too); the graphs dynamo compiled and
+the graph breaks it took over all steps; the largest loss difference from the hand-written
+step's over steps and ranks. A kind whose step raises (dynamo cannot compile it) is recorded
+with its error instead, its ratios None.
 
 Run: python -m shardwise.launch --nproc 2 bench/bench_compile.py [--json FILE] [--quick]
-(``--nproc 1``: a 1-device mesh in one process).
+[--models mlp,mlp_fsdp_tp,...] (``--nproc 1``: 1-device meshes in one process).
 """
 
 from __future__ import annotations
