@@ -22,9 +22,11 @@ Reported per variant and kind: the median step time and the forward+backward tim
 (``fwd``), slowest rank; how long the first (compiling) call took; how many frames dynamo
 compiled after the warmup steps (recompiles: 0 expected; the optimizer's state appears in the
 first step, so the second compiles again, for plain tensors too); the graphs dynamo compiled and
-the graph breaks it took over all steps; the largest loss difference from the hand-written
-step's over steps and ranks. A kind whose step raises (dynamo cannot compile it) is recorded
-with its error instead, its ratios None.
+the graph breaks it took over all steps (counted for the kind that compiled them: a frame the
+kinds share with the same guards, as the step's ``return loss.detach()`` after the optimizer's
+break, is compiled for the first kind, shardwise, and hit in the cache by the others); the
+largest loss difference from the hand-written step's over steps and ranks. A kind whose step
+raises (dynamo cannot compile it) is recorded with its error instead, its ratios None.
 
 Run: python -m shardwise.launch --nproc 2 bench/bench_compile.py [--json FILE] [--quick]
 [--models mlp,mlp_fsdp_tp,...] (``--nproc 1``: 1-device meshes in one process).
