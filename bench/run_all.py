@@ -291,7 +291,12 @@ REASONS = {
                  "step calls each kernel once",
     "compile_22": "see the compiled whole step above: each redistribution in the graphs is one "
                   "opaque shardwise::execute_plan call where the hand-written step calls "
-                  "gloo's all_reduce",
+                  "gloo's all_reduce; FSDP x TP: dynamo breaks at the FSDP hooks for all three "
+                  "(the same breaks for shardwise as for the hand-written step), which run "
+                  "eagerly: shardwise's packed all-gather and reduce-scatter go through its "
+                  "native transport (a header round, then point to point) where the "
+                  "hand-written step calls gloo's all_gather_into_tensor and "
+                  "reduce_scatter_tensor",
     "gpu": "no GPU has been available to this project: bench/gpu_check.sh was not run",
 }
 
