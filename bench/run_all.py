@@ -291,7 +291,12 @@ REASONS = {
                  "step calls each kernel once",
     "compile_22": "see the compiled whole step above: each redistribution in the graphs is one "
                   "opaque shardwise::execute_plan call where the hand-written step calls "
-                  "gloo's all_reduce",
+                  "gloo's all_reduce; FSDP x TP: dynamo breaks at the FSDP hooks for all three "
+                  "(the same breaks for shardwise as for the hand-written step), which run "
+                  "eagerly: shardwise's packed all-gather and reduce-scatter go through its "
+                  "native transport (a header round, then point to point) where the "
+                  "hand-written step calls gloo's all_gather_into_tensor and "
+                  "reduce_scatter_tensor",
     "gpu": "no GPU has been available to this project: bench/gpu_check.sh was not run",
 }
 
@@ -303,9 +308,16 @@ def _fmt(x: float) -> str:
 def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
-        cells = [_fmt(c) if isinstance(c, float) else str(c) for c in row]
+        cells = [_fmt(c) if isinstance(c, float) else "-" if c is None else str(c) for c in row]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def _per_kind(row: dict, key: str, fmt: str,
+              kinds: tuple[str, ...] = ("shardwise", "hand", "torch_dt")) -> str:
+    """``key`` of each kind joined by " / "; "failed" for a kind that did not compile."""
+    return " / ".join("failed" if "error" in row[k] else format(row[k][key], fmt)
+                      for k in kinds)
 
 
 def _section_tables(bench: dict) -> list[str]:
@@ -383,16 +395,17 @@ def _section_tables(bench: dict) -> list[str]:
                    f"{c['batch']}x{c['seq']})", "",
                    "Forward and loss compiled, backward through the compiled graph, AdamW "
                    "eagerly; median ms (slowest rank). fwd+bwd: the compiled part alone. "
-                   "Compile s: the first call.", ""]
+                   "Compile s: the first call. The FSDP x TP models (``*_fsdp_tp``, on a "
+                   f"(dp, tp) {tuple(c.get('fsdp_tp_mesh', ()))} mesh) compile without "
+                   "fullgraph: dynamo breaks at the FSDP hooks, for all three.", ""]
             md += _table(
                 ["model", "sw ms", "hand ms", "DT ms", "vs hand", "vs DT", "fwd+bwd vs hand",
                  "fwd+bwd vs DT", "compile s sw / hand / DT", "loss diff sw"],
-                [[m, r["shardwise"]["step_ms"], r["hand"]["step_ms"], r["torch_dt"]["step_ms"],
+                [[m, *(r[k].get("step_ms") for k in ("shardwise", "hand", "torch_dt")),
                   r["ratio_step_vs_hand"], r["ratio_step_vs_torch_dt"],
                   r["ratio_fwd_bwd_vs_hand"], r["ratio_fwd_bwd_vs_torch_dt"],
-                  " / ".join(f"{r[k]['compile_s']:.1f}" for k in ("shardwise", "hand",
-                                                                   "torch_dt")),
-                  f"{r['shardwise']['max_loss_diff_vs_hand']:.1e}"]
+                  _per_kind(r, "compile_s", ".1f"), _per_kind(r, "max_loss_diff_vs_hand", ".1e",
+                                                             ("shardwise",))]
                  for m, r in c["models"].items()],
             )
             if all("full" in r for r in c["models"].values()):
@@ -405,14 +418,11 @@ def _section_tables(bench: dict) -> list[str]:
                 md += _table(
                     ["model", "sw ms", "hand ms", "DT ms", "vs hand", "vs DT",
                      "recompiles sw / hand / DT", "compile s sw / hand / DT", "loss diff sw"],
-                    [[m, f["shardwise"]["step_ms"], f["hand"]["step_ms"],
-                      f["torch_dt"]["step_ms"], f["ratio_step_vs_hand"],
+                    [[m, *(f[k].get("step_ms") for k in ("shardwise", "hand", "torch_dt")),
+                      f["ratio_step_vs_hand"],
                       f["ratio_step_vs_torch_dt"],
-                      " / ".join(str(f[k]["recompiles"]) for k in ("shardwise", "hand",
-                                                                   "torch_dt")),
-                      " / ".join(f"{f[k]['compile_s']:.1f}" for k in ("shardwise", "hand",
-                                                                       "torch_dt")),
-                      f"{f['shardwise']['max_loss_diff_vs_hand']:.1e}"]
+                      _per_kind(f, "recompiles", "d"), _per_kind(f, "compile_s", ".1f"),
+                      _per_kind(f, "max_loss_diff_vs_hand", ".1e", ("shardwise",))]
                      for m, f in ((m, r["full"]) for m, r in c["models"].items())],
                 )
     if "overlap_2" in bench:
@@ -573,8 +583,9 @@ def targets(bench: dict) -> list[tuple[str, str, str]]:
                     "met" if ok else "gap",
                     f"worst time {t:.2f}x, worst memory {mem:.2f}x"
                     + ("" if ok else f"; reason: {REASONS['training']}")))
-    compiled = [(n, m, r) for n in (1, 2)
-                for m, r in bench.get(f"compile_{n}", {}).get("models", {}).items()]
+    compiled = [(n, m, r) for n in (1, 2)  # a ratio is None where a kind failed to compile
+                for m, r in bench.get(f"compile_{n}", {}).get("models", {}).items()
+                if r["ratio_step_vs_hand"] is not None]
     if compiled:
         worst = max(r["ratio_step_vs_hand"] for _, _, r in compiled)
         fwd_bwd = max(r["ratio_fwd_bwd_vs_hand"] for _, _, r in compiled)
@@ -584,7 +595,8 @@ def targets(bench: dict) -> list[tuple[str, str, str]]:
                     + ", ".join(f"{m} {n} proc {r['ratio_step_vs_hand']:.2f}x"
                                 for n, m, r in compiled) + ")"
                     + ("" if ok else f"; reason: {REASONS['compile']}")))
-        full = [(n, m, r["full"]) for n, m, r in compiled if "full" in r]
+        full = [(n, m, r["full"]) for n, m, r in compiled
+                if "full" in r and r["full"]["ratio_step_vs_hand"] is not None]
         if full:
             worst = max(f["ratio_step_vs_hand"] for _, _, f in full)
             recompiles = sum(f["shardwise"]["recompiles"] for _, _, f in full)
@@ -774,14 +786,17 @@ def targets_22(bench: dict, gpu_folder: Path | None = None) -> list[tuple[str, s
     # compiled
     target = ("Compiled TP and FSDP x TP step (optimizer included) <= compiled hand-written, "
               "no recompilation, on 1 and 2 processes")
-    full = [(n, m, r["full"]) for n in (1, 2)
+    rows = [(n, m, r["full"]) for n in (1, 2)
             for m, r in bench.get(f"compile_{n}", {}).get("models", {}).items() if "full" in r]
+    full = [row for row in rows if row[2]["ratio_step_vs_hand"] is not None]
     if full:
         worst = max(f["ratio_step_vs_hand"] for _, _, f in full)
         recompiles = sum(f["shardwise"]["recompiles"] for _, _, f in full)
         missing = [f"{n} proc" for n in (1, 2) if not any(k == n for k, _, _ in full)]
         if not any("fsdp" in m for _, m, _ in full):
             missing.append("an FSDP x TP model")
+        missing += [f"{m} {n} proc ({k} failed to compile)" for n, m, f in rows
+                    for k in ("shardwise", "hand") if "error" in f[k]]
         ok = worst <= 1.0 and recompiles == 0 and not missing
         reason = "" if ok else "; reason: " + (REASONS["compile_22"] if worst > 1.0 or recompiles
                                                else "not measured")

@@ -228,3 +228,36 @@ def test_issue_22_targets(tmp_path: Path) -> None:
     assert "## Targets of issue 22" in text and "## Optimizer step, 2 processes" in text
     assert "| foreach=True | 1 all_reduce | 4 | 0.60 | 0.40 | 1.50 |" in text
     assert "| CPU | 2.00 | 20.00 | 1.25 |" in text
+
+
+def test_compiled_fsdp_tp_and_a_kind_that_failed_to_compile(tmp_path: Path) -> None:
+    """bench_compile's FSDP x TP rows reach issue 22's compiled target; a kind recorded as
+    failed to compile (an error instead of timings, its ratios None) is named, not a crash."""
+    run_all = _run_all_module()
+    results = _fake_results()
+    compiled = results["benchmarks"]["compile_2"]["results"]
+    mlp = compiled["models"]["mlp"]
+    compiled["fsdp_tp_mesh"] = [2, 1]
+    compiled["models"]["mlp_fsdp_tp"] = {
+        **mlp, "torch_dt": {"error": "Unsupported: x"}, "ratio_step_vs_torch_dt": None,
+        "ratio_fwd_bwd_vs_torch_dt": None,
+        "full": {**mlp["full"], "torch_dt": {"error": "Unsupported: x"},
+                 "ratio_step_vs_torch_dt": None}}
+    bench = {k: v["results"] for k, v in results["benchmarks"].items() if "results" in v}
+    found = {t: (s, d) for t, s, d in run_all.targets_22(bench, tmp_path)}
+    target = next(t for t in found if t.startswith("Compiled TP and FSDP"))
+    status, detail = found[target]
+    # 9 / 10 on both models, no recompiles: only the 1-process run is missing
+    assert status == "gap" and "mlp_fsdp_tp 2 proc 0.90x" in detail
+    assert "an FSDP x TP model" not in detail and "not measured: 1 proc" in detail
+    # torch's failure costs no row of shardwise vs hand; shardwise's own does
+    compiled["models"]["mlp_fsdp_tp"]["full"]["shardwise"] = {"error": "Unsupported: y"}
+    compiled["models"]["mlp_fsdp_tp"]["full"]["ratio_step_vs_hand"] = None
+    found = {t: (s, d) for t, s, d in run_all.targets_22(bench, tmp_path)}
+    assert "mlp_fsdp_tp 2 proc (shardwise failed to compile)" in found[target][1]
+    assert "an FSDP x TP model" in found[target][1]
+    doc = tmp_path / "performance.md"
+    run_all.write_docs(results, doc)
+    text = doc.read_text()
+    assert "| mlp_fsdp_tp | 12.00 | 10.00 | - | 1.20 | - |" in text  # the fwd variant's row
+    assert "| mlp_fsdp_tp | - | 10.00 | - | - | - | failed / 0 / failed |" in text

@@ -243,10 +243,16 @@ _OPTIMIZERS = {
 
 
 def _parallelize(module: nn.Module, layout: str) -> nn.Module:
-    """Tensor parallel on a (2,) mesh, or FSDP x TP (DDP x TP) on a ("dp", "tp") (2, 2) mesh."""
+    """Tensor parallel on a (2,) mesh, or FSDP x TP (DDP x TP) on a ("dp", "tp") (2, 2) mesh;
+    ``fsdp_tp_per_rank``: on a (2, 1) mesh, one device per process across two processes (each
+    rank runs its own forward and backward on local tensors)."""
     plan = {"up": tp.ColwiseParallel(), "down": tp.RowwiseParallel()}
     if layout == "tp":
         return tp.parallelize_module(module, sw.init_device_mesh("cpu", (2,)), plan)
+    if layout == "fsdp_tp_per_rank":  # as torchtitan: TP on the "tp" sub-mesh
+        mesh = sw.init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+        tp.parallelize_module(module, mesh["tp"], plan)
+        return tp.fully_shard(module, mesh=mesh["dp"])
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp.parallelize_module(module, mesh, plan, tp_mesh_dim=1)
     if layout == "ddp_tp":
@@ -346,4 +352,13 @@ def _full_step_job() -> list[list[float]]:
 def test_compiled_full_step_across_two_processes() -> None:
     """The same over two gloo processes (TP: one device each; FSDP x TP: two each)."""
     losses = run_in_processes(_full_step_job, 2, timeout=300)
+    assert losses[0] == losses[1]
+
+
+def test_compiled_full_step_fsdp_one_device_per_process() -> None:
+    """FSDP x TP with one device per process: the gathered parameters' backward, which the
+    eager backward after dynamo's break at ``loss.backward()`` calls, runs as it is (dynamo
+    tracing it frame by frame broke on its placements and its DTensor, every step's
+    parameters)."""
+    losses = run_in_processes(_check_full_step, 2, "fsdp_tp_per_rank", "AdamW", timeout=300)
     assert losses[0] == losses[1]

@@ -39,6 +39,7 @@ from ..mesh import DeviceMesh, init_device_mesh, require_mesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..plain_tensors import plain_is_local
 from ..spec import DTensorSpec, TensorMeta
+from ..tracing import eager_under_dynamo
 
 MANAGED = "_shardwise_data_parallel"  # set on parameters a data-parallel call manages
 
@@ -379,6 +380,7 @@ class GatheredView(torch.autograd.Function):
         return DTensor([piece], DTensorSpec(sub, placements, meta))
 
     @staticmethod
+    @eager_under_dynamo  # backward runs it eagerly, also after a compiled forward
     def backward(ctx, grad: torch.Tensor):
         dp: DataParallelDims = ctx.dp
         dtype = ctx.reduce_dtype or grad.dtype
