@@ -76,8 +76,10 @@ def _reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _per_rank_job(kind: str, tp: int) -> tuple[list[float], dict[str, torch.Tensor], list]:
-    """One rank of a per-rank program: its own rows of each global batch, plain tensors."""
+def _per_rank_job(kind: str, tp: int, whole: bool = False
+                  ) -> tuple[list[float], dict[str, torch.Tensor], list]:
+    """One rank of a per-rank program: its own rows of each global batch, plain tensors;
+    ``whole``: tensor parallelism given the whole (dp, tp) mesh and tp_mesh_dim="tp"."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
@@ -85,10 +87,13 @@ def _per_rank_job(kind: str, tp: int) -> tuple[list[float], dict[str, torch.Tens
     mesh = sw.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = Net()
-    if tp > 1:
+    if tp > 1 or whole:
         for block in model.blocks:
-            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
-                                                   "down": RowwiseParallel()})
+            plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            if whole:
+                parallelize_module(block, mesh, plan, tp_mesh_dim="tp")
+            else:
+                parallelize_module(block, mesh["tp"], plan)
     if kind == "fully_shard":
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])
@@ -116,13 +121,17 @@ def _per_rank_job(kind: str, tp: int) -> tuple[list[float], dict[str, torch.Tens
     return losses, state, [placements, dict(counter.counts)]
 
 
-@pytest.mark.parametrize(("kind", "world", "tp"), [
-    ("fully_shard", 2, 1), ("replicate", 2, 1), ("fully_shard", 4, 2), ("replicate", 4, 2),
+@pytest.mark.parametrize(("kind", "world", "tp", "whole"), [
+    ("fully_shard", 2, 1, False), ("replicate", 2, 1, False), ("fully_shard", 4, 2, False),
+    ("replicate", 4, 2, False),
+    # parallelize_module on the whole mesh: per rank, its styles run on the tp sub-mesh (the
+    # (2, 1) case raised "DTensors on different meshes" in forward)
+    ("fully_shard", 2, 1, True), ("fully_shard", 4, 2, True),
 ])
-def test_each_rank_trains_on_its_own_batch(kind: str, world: int, tp: int) -> None:
+def test_each_rank_trains_on_its_own_batch(kind: str, world: int, tp: int, whole: bool) -> None:
     dp = world // tp
     ref_losses, ref_state = _reference(dp)
-    results = run_in_processes(_per_rank_job, world, kind, tp, timeout=240)
+    results = run_in_processes(_per_rank_job, world, kind, tp, whole, timeout=240)
     for step, want in enumerate(ref_losses):
         # each rank's loss is the mean over its rows: the global loss is their mean over dp
         per_dp = [results[r][0][step] for r in range(0, world, tp)]
@@ -132,9 +141,10 @@ def test_each_rank_trains_on_its_own_batch(kind: str, world: int, tp: int) -> No
             torch.testing.assert_close(state[name], want, atol=1e-5, rtol=1e-5, msg=name)
     placements = results[0][2][0]
     up = placements["blocks.0.up.weight"]
-    if tp > 1:  # PyTorch's FSDP2 + TP: 2-D DTensors on the root's (dp, tp) mesh; FSDP keeps
-        # each rank's dp chunk of its own tp shard (PyTorch's strided shard)
-        stored = InterleavedShard(0, interleaved_size=tp) if kind == "fully_shard" else Replicate()
+    if tp > 1 or whole:  # PyTorch's FSDP2 + TP: 2-D DTensors on the root's (dp, tp) mesh;
+        # FSDP keeps each rank's dp chunk of its own tp shard (PyTorch's strided shard)
+        stored = (Replicate() if kind != "fully_shard" else
+                  InterleavedShard(0, interleaved_size=tp) if tp > 1 else Shard(0))
         assert up == (("dp", "tp"), (stored, Shard(0)))
     else:
         assert up[1] == ((Shard(0),) if kind == "fully_shard" else (Replicate(),))

@@ -84,8 +84,10 @@ def parallelize_module(
     in order; or a veScale dict plan (``{"parameter": ..., "forward": ...}``).
 
     Styles shard on one mesh dim (``tp_mesh_dim``; default the dim named ``"tp"``, else the
-    last), every other mesh dim is Replicate, so a 2-D (data x tensor) mesh works as is. The
-    mesh defaults to the current one (``with mesh:``), as in PyTorch."""
+    last), every other mesh dim is Replicate, so a 2-D (data x tensor) mesh works as is; in a
+    per-rank program (one device per process) they run on the tp sub-mesh through this rank,
+    as ``mesh["tp"]`` would give. The mesh defaults to the current one (``with mesh:``), as in
+    PyTorch."""
     device_mesh = mesh_or_current(device_mesh, "parallelize_module")
     _apply_plan(module, device_mesh, parallelize_plan, tp_mesh_dim)
     guard_loading(module)
@@ -99,6 +101,17 @@ def _apply_plan(
     module: nn.Module, device_mesh: DeviceMesh, parallelize_plan: Plan, tp_mesh_dim: Any
 ) -> nn.Module:
     tp_dim = resolve_tp_dim(device_mesh, tp_mesh_dim)
+    if isinstance(parallelize_plan, Mapping) and is_vescale_plan(parallelize_plan):
+        # its placements name every mesh dim
+        apply_vescale_plan(module, device_mesh, parallelize_plan, tp_dim)
+        return module
+    if device_mesh.ndim > 1 and device_mesh.num_local_devices() == 1:
+        # per rank, a plain tensor is this rank's data, which differs along the other mesh dims:
+        # the styles run on the tp sub-mesh through this rank, as parallelize_module(model,
+        # mesh["tp"], plan) does (on the whole mesh an input would be taken as replicated there)
+        device_mesh = device_mesh._submesh_through(
+            [tp_dim], device_mesh.coordinate_of(device_mesh.local_device_ids[0]))
+        tp_dim = 0
     if isinstance(parallelize_plan, ParallelStyle):
         return parallelize_plan.apply(module, device_mesh, tp_mesh_dim=tp_dim)
     if not isinstance(parallelize_plan, Mapping):
@@ -106,9 +119,6 @@ def _apply_plan(
             f"parallelize_plan must be a ParallelStyle or a dict, got "
             f"{type(parallelize_plan).__name__}"
         )
-    if is_vescale_plan(parallelize_plan):
-        apply_vescale_plan(module, device_mesh, parallelize_plan, tp_dim)
-        return module
     ties = _tied_parameters(module)
     for key, style in parallelize_plan.items():
         if not isinstance(style, ParallelStyle):
