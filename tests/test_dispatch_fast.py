@@ -179,3 +179,25 @@ def test_ops_on_a_list_of_dtensors_on_several_devices_equal_torch() -> None:
             assert torch.equal(torch.cat([a, a], 1).full_tensor(), torch.cat([x, x], 1))
             assert torch.equal(torch.cat((a, b), 0).full_tensor(), torch.cat((x, y), 0))
             assert torch.equal(torch.stack([a, b]).full_tensor(), torch.stack([x, y]))
+
+
+@pytest.mark.parametrize("mesh", [MESH1, MESH2], ids=["1 device", "2 devices"])
+def test_foreach_ops_over_several_lists_of_dtensors_equal_torch(mesh) -> None:
+    """An optimizer's foreach ops (several lists of DTensors and a scalar): on one device one
+    kernel call on the components (the direct path), on several one per device."""
+    g = torch.Generator().manual_seed(3)
+    plain = [[torch.randn(4, 6, generator=g), torch.randn(8, generator=g)] for _ in range(3)]
+    placements = [[Shard(0)], [Replicate()]]
+    lists = [[sw.distribute_tensor(t, mesh, p) for t, p in zip(ts, placements, strict=True)]
+             for ts in plain]
+    sw.clear_sharding_cache()
+    for _ in range(2):  # the cold call, then the cached one
+        torch._foreach_addcmul_(lists[0], lists[1], lists[2], value=0.5)
+        torch._foreach_addcmul_(plain[0], plain[1], plain[2], value=0.5)
+        torch._foreach_lerp_(lists[1], lists[2], 0.25)
+        torch._foreach_lerp_(plain[1], plain[2], 0.25)
+        for ds, ts in zip(lists, plain, strict=True):
+            for d, t in zip(ds, ts, strict=True):
+                assert torch.equal(d.full_tensor(), t)
+    entries = sw_dispatch._OPS[id(aten._foreach_addcmul_.Scalar)].decisions.values()
+    assert entries and all(e.direct == (mesh is MESH1) for e in entries)

@@ -104,7 +104,7 @@ class _Entry:
     inputs that move (and whether any needs communication), the specs the inputs move to,
     the op's hooks that apply to this decision, and the complete output spec(s)."""
 
-    __slots__ = ("decision", "where", "top", "seq", "moves", "communicates", "moved_self",
+    __slots__ = ("decision", "where", "top", "seqs", "moves", "communicates", "moved_self",
                  "moved_written", "moved_specs", "devices", "local_args", "post", "direct",
                  "single", "call")
 
@@ -118,14 +118,10 @@ class _Entry:
         self.top = tuple(i for i, _ in where) if all(
             isinstance(i, int) and j < 0 for i, j in where
         ) else None
-        # the position of a list or tuple argument that holds the DTensors and nothing else
-        # (``cat``, ``stack``); the key fixes what the list holds, so it does on every hit
-        first = where[0][0]
-        self.seq = first if (
-            self.top is None and isinstance(first, int)
-            and all(p == (first, j) for j, p in enumerate(where))
-            and len(args[first]) == len(where)
-        ) else None
+        # the list or tuple arguments that hold the DTensors and nothing else (``cat``,
+        # ``stack``, foreach ops): (position, first, stop) of each in the DTensors; the key
+        # fixes what the lists hold, so they do on every hit
+        self.seqs = None if self.top is not None else _whole_lists(where, args)
         targets = decision.input_placements
         self.moves = tuple(  # (input index, plan, the plan compiled for its spec)
             (n, plan, compile_plan(plan, s))
@@ -153,7 +149,7 @@ class _Entry:
         )
         # one kernel call on the components as they are: no per-device loop, no moves, no hook
         self.direct = (
-            (self.top is not None or self.seq is not None)
+            (self.top is not None or self.seqs is not None)
             and len(self.devices) == 1 and not self.moves
             and self.local_args is None and self.post is None
             and not self.moved_written and not decision.widen
@@ -350,6 +346,25 @@ def _where(args: tuple, kwargs: dict) -> tuple:
         elif type(a) in _SEQUENCES:
             where.extend((i, j) for j, x in enumerate(a) if isinstance(x, DTensor))
     return tuple(where)
+
+
+def _whole_lists(where: tuple, args: tuple) -> tuple[tuple[int, int, int], ...] | None:
+    """(position, first, stop) per list or tuple argument when the DTensors at ``where``
+    fill such positional arguments and nothing else sits in them (``first:stop``: their
+    DTensors in ``_scan``'s order); else None."""
+    spans: list[list[int]] = []
+    for n, (i, j) in enumerate(where):
+        if not isinstance(i, int) or j < 0:
+            return None
+        if j == 0 and not any(span[0] == i for span in spans):
+            spans.append([i, n, n + 1])
+        elif spans and spans[-1][0] == i and j == n - spans[-1][1]:
+            spans[-1][2] = n + 1
+        else:
+            return None
+    if not spans or any(len(args[i]) != stop - first for i, first, stop in spans):
+        return None
+    return tuple((i, first, stop) for i, first, stop in spans)
 
 
 def _place(args: tuple, kwargs: dict, where: tuple, pieces: Sequence[Any]) -> tuple[tuple, dict]:
@@ -564,12 +579,13 @@ def _torch_dispatch(
     if entry.direct:  # one kernel call on the components as they are
         a = list(args)
         call = entry.call
-        if entry.top is None:  # the DTensors fill one list argument
-            seq = [d._components[0] for d in dtensors]
-            for c in seq:
-                if type(c) is not _Tensor:  # a tensor subclass: the boxed call, as checked
-                    call = None
-            a[entry.seq] = seq if type(args[entry.seq]) is list else tuple(seq)
+        if entry.top is None:  # the DTensors fill list arguments
+            for pos, first, stop in entry.seqs:
+                seq = [d._components[0] for d in dtensors[first:stop]]
+                for c in seq:
+                    if type(c) is not _Tensor:  # a tensor subclass: the boxed call, as checked
+                        call = None
+                a[pos] = seq if type(args[pos]) is list else tuple(seq)
         else:
             for pos, d in zip(entry.top, dtensors, strict=True):
                 c = a[pos] = d._components[0]
@@ -701,8 +717,7 @@ def _run_local(
     top = entry.top
     local_args = entry.local_args
     widen = entry.decision.widen
-    seq = entry.seq
-    as_list = seq is not None and type(args[seq]) is list
+    seqs = entry.seqs
     call = entry.call
     if call is None or _function_mode() or any(type(c[0]) is not _Tensor for c in components):
         call = op.call  # the boxed call, as checked (components of one input share a type)
@@ -712,10 +727,11 @@ def _run_local(
             for pos, comps in zip(top, components, strict=True):
                 a[pos] = comps[k]
             kw = kwargs
-        elif seq is not None:
+        elif seqs is not None:
             a = list(args)
-            pieces = [comps[k] for comps in components]
-            a[seq] = pieces if as_list else tuple(pieces)
+            for pos, first, stop in seqs:
+                pieces = [comps[k] for comps in components[first:stop]]
+                a[pos] = pieces if type(args[pos]) is list else tuple(pieces)
             kw = kwargs
         else:
             a, kw = _place(args, kwargs, entry.where, [comps[k] for comps in components])
