@@ -206,11 +206,21 @@ def test_shardwise_messages_between_rank_threads_do_not_use_the_backend(monkeypa
     monkeypatch.setattr(dist, "isend", refuse)
     monkeypatch.setattr(dist, "irecv", refuse)
     threads = run_threads(program_collectives, 4, 4, timeout=TIMEOUT)
+    background = run_threads(_redistribute_in_the_background, 4, timeout=TIMEOUT)
     drawn = [torch.randn(5, 7, generator=torch.Generator().manual_seed(100 + r))
              for r in range(4)]
     for r in range(4):
         assert torch.equal(threads[r]["full"], torch.cat(drawn))
         assert torch.equal(threads[r]["rounds"][0], torch.cat(drawn)[:, _cols(r)])
+        assert torch.equal(background[r], torch.arange(24.0).view(4, 6) * 4)
+
+
+def _redistribute_in_the_background() -> torch.Tensor:
+    """An async redistribution runs on the rank's background worker, in the rank's context."""
+    _init()
+    mesh = shardwise.init_device_mesh("cpu", (4,))
+    mine = shardwise.DTensor.from_local(torch.arange(24.0).view(4, 6), mesh, [shardwise.Partial()])
+    return mine.redistribute(mesh, [Replicate()], async_op=True).to_local().wait()
 
 
 def _cols(r: int) -> slice:
