@@ -104,3 +104,37 @@ def test_a_stored_shard_owns_its_memory(from_dtensor: bool) -> None:
         for c in sw.local_components(p):
             assert c.untyped_storage().nbytes() == c.nbytes, (list(q.shape), list(c.shape))
         torch.testing.assert_close(p.full_tensor(), q)
+
+
+@pytest.mark.parametrize("rows", [12, 10], ids=["even chunks", "uneven chunks"])
+def test_fsdp_over_tensor_parallel_shards_packs_and_trains_like_one_device(rows: int) -> None:
+    """FSDP x TP on a (dp, tp) mesh: the column-parallel weight is stored InterleavedShard
+    (each device a dp chunk of its tp shard, uneven ones padded) and still travels in the
+    unit's one packed all_gather and reduce_scatter, not moved one parameter at a time."""
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    single = nn.Sequential(nn.Linear(6, rows), nn.ReLU(), nn.Linear(rows, 3))
+    model = nn.Sequential(nn.Linear(6, rows), nn.ReLU(), nn.Linear(rows, 3))
+    model.load_state_dict(single.state_dict())
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    assert type(model[0].weight.placements[0]).__name__ == "InterleavedShard"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
+    for x, y in _data(3):
+        with sw.CommCounter() as counter:
+            loss = F.mse_loss(model(x).full_tensor(), y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want = F.mse_loss(single(x), y)
+        want.backward()
+        opt_single.step()
+        opt_single.zero_grad()
+        torch.testing.assert_close(loss, want)
+        assert "exchange" not in counter.counts, dict(counter.counts)
+        assert counter.counts["reduce_scatter"] == 1, dict(counter.counts)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), single.get_parameter(name), msg=name)

@@ -36,7 +36,7 @@ from ..dtensor import DTensor, distribute_tensor
 from ..errors import DataParallelError
 from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh, init_device_mesh, require_mesh
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..plain_tensors import plain_is_local
 from ..spec import DTensorSpec, TensorMeta
 from ..tracing import eager_under_dynamo
@@ -422,20 +422,37 @@ def packed_dim(
 ) -> int | None:
     """The data-parallel mesh dim over which this parameter's gather and gradient reduction
     can travel in one packed collective with its unit's others (None: it goes on its own).
-    That is the common case: one shard dim, stored ``Shard(0)`` there, no other mesh dim (of
-    more than one device) splitting tensor dim 0, every other dim stored as it computes.
-    Uneven chunks travel padded to the largest (FSDP2's padding)."""
+    That is the common case: one shard dim, stored ``Shard(0)`` there, every other dim stored
+    as it computes, none of them (of more than one device) splitting tensor dim 0; or FSDP x
+    TP's: stored ``InterleavedShard(0, k)`` beside a later mesh dim of k devices that shards
+    dim 0 (each device keeps a chunk of its own tensor-parallel shard, ``_rows``). Uneven
+    chunks travel padded to the largest (FSDP2's padding)."""
     if len(dp.shard) != 1 or not isinstance(stored, DTensor) or stored.ndim == 0:
         return None
     d = dp.shard[0]
-    if type(storage[d]) is not Shard or storage[d].dim != 0 or not compute[d].is_replicate():
+    kind = type(storage[d])
+    if kind not in (Shard, InterleavedShard) or storage[d].dim != 0:
         return None
-    if stored.shape[0] == 0:
+    if not compute[d].is_replicate() or stored.shape[0] == 0:
         return None
+    blocks = storage[d].interleaved_size if kind is InterleavedShard else 1
     for e, (c, s) in enumerate(zip(compute, storage, strict=True)):
-        if e != d and (c != s or (getattr(c, "dim", None) == 0 and dp.mesh.shape[e] > 1)):
+        if e == d:
+            continue
+        splits = getattr(c, "dim", None) == 0 and dp.mesh.shape[e] > 1
+        if c != s or (splits and not (type(c) is Shard and e > d
+                                      and dp.mesh.shape[e] == blocks)):
             return None
-    return d
+        if splits:
+            blocks = 1  # the one dim that the interleaved blocks are split over
+    return d if blocks == 1 else None
+
+
+def _rows(param: DTensor, storage: Sequence[Placement], d: int) -> int:
+    """Rows of ``param``'s components once gathered over mesh dim ``d`` (``packed_dim``): the
+    whole tensor's, or, stored ``InterleavedShard(0, k)``, one tensor-parallel shard's."""
+    place = storage[d]
+    return param.shape[0] // (place.interleaved_size if type(place) is InterleavedShard else 1)
 
 
 def gather_packed(
@@ -448,7 +465,8 @@ def gather_packed(
     mesh = stored[0].device_mesh
     n = mesh.shape[d]
     n_local = len(stored[0]._components)
-    widths = [-(-s.shape[0] // n) for s in stored]  # rows of the largest chunk
+    rows_of = [_rows(s, s.placements, d) for s in stored]
+    widths = [-(-r // n) for r in rows_of]  # rows of the largest chunk
     with torch.no_grad():
         flats = []
         for i in range(n_local):
@@ -462,11 +480,11 @@ def gather_packed(
         for i in range(n_local):
             rows = gathered[i].view(n, -1)
             start = 0
-            for j, (s, width) in enumerate(zip(stored, widths, strict=True)):
+            for j, (s, width, r) in enumerate(zip(stored, widths, rows_of, strict=True)):
                 rest = s._components[i].shape[1:]
                 end = start + width * rest.numel()
                 whole = rows[:, start:end].reshape(n * width, *rest)
-                out[j].append(whole if n * width == s.shape[0] else whole[: s.shape[0]])
+                out[j].append(whole if n * width == r else whole[:r])
                 start = end
     return out
 
@@ -502,7 +520,8 @@ def reduce_packed(
     mesh = grads[0].device_mesh
     n = mesh.shape[d]
     n_local = len(grads[0]._components)
-    widths = [-(-g.shape[0] // n) for g in grads]
+    rows_of = [_rows(g, storage, d) for g, storage in zip(grads, storages, strict=True)]
+    widths = [-(-r // n) for r in rows_of]
     coords = [mesh.coordinate_of(device)[d] for device in mesh.local_device_ids]
     with torch.no_grad():
         pieces = []
@@ -513,9 +532,9 @@ def reduce_packed(
         with comm.moving(lambda: f"fully_shard's packed gradient of {len(grads)} parameters"):
             reduced = comm.reduce_scatter(mesh, d, pieces, op)
         starts = [0] * n_local
-        for p, g, storage, w in zip(params, grads, storages, widths, strict=True):
+        for p, g, storage, w, r in zip(params, grads, storages, widths, rows_of, strict=True):
             comps = []
-            sizes = chunk_sizes(g.shape[0], n)
+            sizes = chunk_sizes(r, n)
             for i in range(n_local):
                 rest = g._components[i].shape[1:]
                 end = starts[i] + w * rest.numel()
