@@ -187,6 +187,15 @@ _RANDOM = frozenset({
 })
 
 
+_DRAWS: dict[Any, bool] = {}  # per torch function: whether it draws from the default generator
+
+
+def _draws(func: Any) -> bool:
+    return getattr(func, "__name__", None) in _RANDOM or (
+        getattr(func, "__module__", None) == "torch.nn.init"  # calls Tensor.uniform_ inside
+    )
+
+
 class _RankRandom(TorchFunctionMode):
     """In a rank thread, a random torch function on plain tensors runs with the thread's
     generator state in torch's default generator (swapped in and out under a lock); other calls
@@ -202,11 +211,16 @@ class _RankRandom(TorchFunctionMode):
         self._generators = generators
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        try:
+            random = _DRAWS.get(func)
+        except TypeError:  # an unhashable callable: decided on every call
+            random = _draws(func)
+        if random is None:
+            random = _DRAWS[func] = _draws(func)
+        if not random:  # nearly every call: as fast out as a mode allows
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
-        random = getattr(func, "__name__", None) in _RANDOM or (
-            getattr(func, "__module__", None) == "torch.nn.init"  # calls Tensor.uniform_ inside
-        )
-        if not random or any(
+        if any(
             t is not torch.Tensor and t is not torch.nn.Parameter for t in types
         ) or any(  # a DTensor does not list its type in ``types`` (no __torch_function__)
             isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter)
