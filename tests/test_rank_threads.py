@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch import nn
 import shardwise
 from mp_harness import run_in_processes
 from shardwise import Replicate, Shard
-from shardwise.comm.wire import Mailbox
+from shardwise.comm.wire import Mailbox, Turns
 from shardwise.errors import CollectiveTimeoutError, InvalidArgumentError
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from shardwise.rank_threads import RankFailedError, run_threads
@@ -255,6 +256,50 @@ def test_mailbox_fails_what_waits_on_a_rank_that_left():
         box.send(torch.ones(2), ((0, 1), 0, 1, 5)).wait(timedelta(seconds=1))
     with pytest.raises(RuntimeError, match="timed out"):
         box.receive(torch.empty(2), ((0, 1), 0, 1, 5)).wait(timedelta(seconds=0.05))
+
+
+def test_turns_pass_between_ranks_and_never_wait_on_a_stuck_holder():
+    """One rank runs at a time; one that waits for a turn while the holder keeps it (blocked
+    where shardwise cannot see, say in the program's own gloo collective) runs after the
+    patience instead of waiting forever."""
+    turns = Turns(patience=0.05)
+    order: list[str] = []
+    first_holds = threading.Event()
+
+    def first() -> None:
+        turns.enroll()
+        first_holds.set()
+        time.sleep(0.3)  # keeps its turn, as if blocked in a collective
+        order.append("first done")
+        turns.leave()
+
+    def second() -> None:
+        first_holds.wait()
+        start = time.monotonic()
+        turns.enroll()  # no turn comes: runs anyway after the patience
+        order.append(f"second ran after {time.monotonic() - start:.2f} s")
+        turns.leave()
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert order[0].startswith("second ran after 0.0") and order[1] == "first done", order
+    # a turn given up goes to the rank waiting for one, at once
+    turns = Turns(patience=5.0)
+    turns.enroll()
+    start = time.monotonic()
+    got: list[float] = []
+    waiter = threading.Thread(
+        target=lambda: (turns.enroll(), got.append(time.monotonic() - start), turns.leave()))
+    waiter.start()
+    time.sleep(0.2)
+    assert not got  # the turn is held
+    turns.give()
+    waiter.join(timeout=10)
+    assert got and 0.15 < got[0] < 2.0, got
+    turns.leave()
 
 
 def _hangs(n: int) -> None:

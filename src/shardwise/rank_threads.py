@@ -317,6 +317,7 @@ def _run_rank(
     kwargs: dict, done: queue.Queue,
 ) -> None:
     with settings.RANK_THREAD.override(rank):
+        rank.mailbox.turns.enroll()
         try:
             with _RankRandom(generators):
                 result = fn(*args, **kwargs)
@@ -330,6 +331,7 @@ def _run_rank(
         else:
             done.put((rank.rank, True, result, "", time.monotonic()))
         finally:  # closing this rank's sockets makes peers waiting on it fail at once
+            rank.mailbox.turns.leave()
             rank.mailbox.leave(rank.rank)
             runtime.shutdown()
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,10 +71,55 @@ def _hand_over(source: torch.Tensor, receive: _Message, send: _Message) -> None:
     send.done.set()
 
 
+class Turns:
+    """Rank threads take turns: one runs while the others wait for a turn, so the interpreter
+    lock, which torch releases around every op, is not handed between runnable ranks at every
+    op (a context switch each). A rank gives its turn up while it waits for a message
+    (``waiting``); a rank that waited ``patience`` seconds for a turn while no turn changed
+    hands runs without one (the holder may be blocked where shardwise cannot see it: a gloo
+    collective of the program's own, a store), as threads do by default, and asks again at
+    its next wait."""
+
+    def __init__(self, patience: float = 0.002) -> None:
+        self._lock = threading.Lock()
+        self._patience = patience
+        self._passes = 0  # turns given up so far
+        self._mine = threading.local()
+
+    def enroll(self) -> None:
+        """This thread is a rank: it takes turns from now on."""
+        self._mine.enrolled = True
+        self.take()
+
+    def leave(self) -> None:
+        self.give()
+        self._mine.enrolled = False
+
+    def take(self) -> None:
+        mine = self._mine
+        if not getattr(mine, "enrolled", False) or getattr(mine, "holding", False):
+            return
+        while True:
+            seen = self._passes
+            if self._lock.acquire(timeout=self._patience):
+                mine.holding = True
+                return
+            if self._passes == seen:  # one rank kept its turn all along: it may be blocked
+                return
+
+    def give(self) -> None:
+        if getattr(self._mine, "holding", False):
+            self._mine.holding = False
+            self._passes += 1
+            self._lock.release()
+
+
 class Mailbox:
-    """The messages in flight between the rank threads of one ``run_threads``."""
+    """The messages in flight between the rank threads of one ``run_threads``, and their
+    turns."""
 
     def __init__(self) -> None:
+        self.turns = Turns()
         self._lock = threading.Lock()
         self._sends: defaultdict[Key, deque[_Message]] = defaultdict(deque)
         self._receives: defaultdict[Key, deque[_Message]] = defaultdict(deque)
@@ -120,6 +168,21 @@ class Mailbox:
 def _mailbox() -> Mailbox | None:
     rank = settings.RANK_THREAD.get()
     return None if rank is None else rank.mailbox
+
+
+@contextmanager
+def waiting(work: Any) -> Iterator[None]:
+    """Around the wait for ``work``: in a rank thread, its turn goes to another rank unless
+    the work has completed."""
+    box = _mailbox()
+    if box is None or work.is_completed():
+        yield
+        return
+    box.turns.give()
+    try:
+        yield
+    finally:
+        box.turns.take()
 
 
 def post_send(tensor: torch.Tensor, dst: int, ranks: tuple[int, ...], tag: int):
