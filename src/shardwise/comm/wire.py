@@ -126,31 +126,28 @@ class Mailbox:
         self._gone: set[int] = set()
 
     def send(self, tensor: torch.Tensor, key: Key) -> _Message:
-        mine = _Message(tensor)
-        with self._lock:
-            waiting = self._receives.get(key)
-            if not waiting:
-                if key[2] in self._gone:
-                    mine.fail(f"rank {key[2]} has left: it will not receive this message")
-                else:
-                    self._sends[key].append(mine)
-                return mine
-            receive = waiting.popleft()
-        _hand_over(tensor, receive, mine)
-        return mine
+        return self._post(_Message(tensor), key, sending=True)
 
     def receive(self, buffer: torch.Tensor, key: Key) -> _Message:
-        mine = _Message(buffer)
+        return self._post(_Message(buffer), key, sending=False)
+
+    def _post(self, mine: _Message, key: Key, sending: bool) -> _Message:
+        """Match ``mine`` with the oldest counterpart of ``key`` waiting, else queue it."""
+        ours, theirs = (self._sends, self._receives) if sending else (self._receives, self._sends)
+        peer = key[2] if sending else key[1]
         with self._lock:
-            waiting = self._sends.get(key)
+            waiting = theirs.get(key)
             if not waiting:
-                if key[1] in self._gone:
-                    mine.fail(f"rank {key[1]} has left without sending this message")
+                if peer in self._gone:
+                    mine.fail(f"rank {peer} has left "
+                              + ("and will not receive" if sending else "without sending")
+                              + " this message")
                 else:
-                    self._receives[key].append(mine)
+                    ours[key].append(mine)
                 return mine
-            send = waiting.popleft()
-        _hand_over(send.tensor, mine, send)
+            other = waiting.popleft()
+        send, receive = (mine, other) if sending else (other, mine)
+        _hand_over(send.tensor, receive, send)
         return mine
 
     def leave(self, rank: int) -> None:
