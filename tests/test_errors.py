@@ -207,3 +207,20 @@ def test_bad_placement_values() -> None:
         "[4, 6]",
     )
     _raises(lambda: sw.unpack(X), sw.InvalidArgumentError, "[4, 6]")
+
+
+def test_placements_that_passed_once_are_remembered_and_others_still_refused() -> None:
+    """validate_placements remembers a combination that passed (the parallel styles ask it
+    on every call); the same placements on another mesh, shape or rank stay checked."""
+    from shardwise.errors import InvalidPlacementError
+    from shardwise.spec import validate_placements
+
+    one, two = sw.init_device_mesh("cpu", (2,)), sw.init_device_mesh("cpu", (2, 2))
+    for _ in range(2):
+        assert validate_placements((4, 6), one, [sw.Shard(-1)]) == (sw.Shard(1),)
+    with pytest.raises(InvalidPlacementError, match="give exactly one placement per mesh dim"):
+        validate_placements((4, 6), two, [sw.Shard(-1)])
+    with pytest.raises(InvalidPlacementError):
+        validate_placements((4,), one, [sw.Shard(1)])
+    with pytest.raises(InvalidPlacementError, match="must be a list"):
+        validate_placements((4, 6), one, sw.Shard(0))

@@ -100,6 +100,11 @@ def pending_sum(placements: Sequence[Placement]) -> bool:
     return any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in placements)
 
 
+# (shape, mesh, placements, sizes) -> the placements normalized, for those that passed
+_VALIDATED: dict[tuple, tuple[Placement, ...]] = {}
+_VALIDATED_MAX = 4096
+
+
 def validate_placements(
     shape: Sequence[int],
     mesh: DeviceMesh,
@@ -110,7 +115,29 @@ def validate_placements(
 ) -> tuple[Placement, ...]:
     """Check that ``placements`` fit a tensor of ``shape`` on ``mesh``; return them normalized.
     ``described`` names the tensor in error messages (default: its shape); ``sizes=False``
-    checks the placements without the sizes of ``shape`` (only its rank is known yet)."""
+    checks the placements without the sizes of ``shape`` (only its rank is known yet). Every
+    parallel style's hook asks this: a combination that passed is remembered (interleaved and
+    ragged shards, whose check reads this rank's devices, are checked every time)."""
+    try:
+        key: tuple | None = (tuple(shape), mesh, tuple(placements), sizes)
+        known = _VALIDATED.get(key)
+    except TypeError:  # not placements at all: the checks below say what is wrong
+        key = known = None
+    if known is not None:
+        return known
+    normalized = _validated(shape, mesh, placements, described, sizes)
+    if key is not None and not any(isinstance(p, (InterleavedShard, RaggedShard))
+                                   for p in normalized):
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        _VALIDATED[key] = normalized
+    return normalized
+
+
+def _validated(
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],
+    described: str | None, sizes: bool,
+) -> tuple[Placement, ...]:
     tensor = described or f"tensor shape {list(shape)}"
     if isinstance(placements, Placement) or not isinstance(placements, (list, tuple)):
         raise InvalidPlacementError(
