@@ -33,7 +33,7 @@ from ..mesh import DeviceMesh
 from ..runtime import group_for_ranks, rank_and_world
 from . import protocol, safety
 from .reduction import accumulation_dtype, combine, finish
-from .wire import post_receive, post_send, waiting
+from .wire import post_receive, post_send, wait
 
 Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local index of each or None
 
@@ -381,8 +381,7 @@ def wait_all(call: Call, works: list) -> None:
     for work in works:
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            with waiting(work):
-                work.wait(timedelta(seconds=left))
+            wait(work, timedelta(seconds=left))
         except RuntimeError as err:
             if "timed out" in str(err).lower() or time.monotonic() >= deadline:
                 raise CollectiveTimeoutError(

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict, deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -75,7 +73,7 @@ class Turns:
     """Rank threads take turns: one runs while the others wait for a turn, so the interpreter
     lock, which torch releases around every op, is not handed between runnable ranks at every
     op (a context switch each). A rank gives its turn up while it waits for a message
-    (``waiting``); a rank that waited ``patience`` seconds for a turn while no turn changed
+    (``wait``); a rank that waited ``patience`` seconds for a turn while no turn changed
     hands runs without one (the holder may be blocked where shardwise cannot see it: a gloo
     collective of the program's own, a store), as threads do by default, and asks again at
     its next wait."""
@@ -167,17 +165,16 @@ def _mailbox() -> Mailbox | None:
     return None if rank is None else rank.mailbox
 
 
-@contextmanager
-def waiting(work: Any) -> Iterator[None]:
-    """Around the wait for ``work``: in a rank thread, its turn goes to another rank unless
+def wait(work: Any, timeout: timedelta) -> None:
+    """``work.wait(timeout)``; in a rank thread, its turn goes to another rank meanwhile unless
     the work has completed."""
     box = _mailbox()
     if box is None or work.is_completed():
-        yield
+        work.wait(timeout)
         return
     box.turns.give()
     try:
-        yield
+        work.wait(timeout)
     finally:
         box.turns.take()
 
