@@ -262,12 +262,16 @@ def random_checks(mesh_shape: tuple[int, ...]) -> dict:
 
 
 def job(mesh_shapes: list[tuple[int, ...]], extras: list[str]) -> dict:
-    """One spawned job: redistribution and autograd checks on each mesh, plus named extras."""
+    """One spawned job: redistribution and autograd checks on each mesh, plus named extras
+    ("deterministic": reductions in coordinate order throughout)."""
+    sw.set_deterministic("deterministic" in extras)
     result = {
         shape: {"redistribute": redistribution_checks(shape), "autograd": autograd_checks(shape)}
         for shape in mesh_shapes
     }
     for name in extras:
+        if name == "deterministic":
+            continue
         if name == "random":
             result[name] = {shape: random_checks(shape) for shape in mesh_shapes}
         elif name in ("ops", "tp_mlp"):
@@ -414,13 +418,15 @@ def test_two_processes() -> None:
 
 
 def test_four_processes() -> None:
-    """World size 4: mesh 4 and 2x2 (one device each), mesh 2x4 (two devices each)."""
+    """World size 4: mesh 4 and 2x2 (one device each), mesh 2x4 (two devices each); in
+    deterministic mode, the embedded run's bits (the default reduces in the backend's order:
+    ``test_engine_calls``)."""
     shapes = [(4,), (2, 2), (2, 4)]
     per_rank = run_in_processes(
         job,
         4,
         shapes,
-        ["ops", "tp_mlp", "random"],
+        ["ops", "tp_mlp", "random", "deterministic"],
         timeout=150,
         env={"SHARDWISE_COLLECTIVE_TIMEOUT": "60"},
     )

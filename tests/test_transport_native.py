@@ -1,7 +1,9 @@
-"""The native collectives (one device per process: gloo's all_gather, all_to_all, broadcast and
-all_reduce) give the embedded transport's bits for every dtype, uneven and empty pieces, NaN,
-infinities and signed zeros, on meshes whose member order is or is not the rank order; the
-header is their only extra message and the cross-process bytes are the ring model's."""
+"""The backend path (one device per process): every collective is one (or, in coordinate order,
+two) of the process group's own functional collectives and no point-to-point message. In
+deterministic mode the results are the embedded transport's bits for every dtype, uneven and
+empty pieces, NaN, infinities and signed zeros, on meshes whose member order is or is not the
+rank order; by default they are the backend's reduction, within float rounding. The agreement
+is the only extra message, and the cross-process bytes are the ring model's."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import torch.distributed as dist
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import CollectiveMismatchError, comm, runtime
-from shardwise.comm import native
+from shardwise import CollectiveMismatchError, comm
+from shardwise.comm import agreement, native, wire
 
 GATHER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
                  torch.complex64]
@@ -80,7 +82,8 @@ def _run(mesh: sw.DeviceMesh, case: tuple) -> list:
 
 
 def _mismatches(mesh: sw.DeviceMesh) -> dict:
-    """Rank 0 and the others disagree (reduce op, dtype, shape): every rank raises."""
+    """Rank 0 and the others disagree (reduce op, dtype, shape, a skipped collective): every
+    rank raises."""
     rank = dist.get_rank()
     first = rank == 0
     tries = {
@@ -89,6 +92,10 @@ def _mismatches(mesh: sw.DeviceMesh) -> dict:
             mesh, 0, [torch.ones(4, dtype=torch.float32 if first else torch.float64)]
         ),
         "shape": lambda: comm.broadcast(mesh, 0, [torch.ones(4 if first else 5)]),
+        # rank 0 skips the second all_reduce and goes on to the next collective
+        "skipped": lambda: [comm.all_reduce(mesh, 0, [torch.ones(4)], "sum")
+                            for _ in range(1 if first else 2)]
+        + ([comm.all_gather(mesh, 0, [torch.ones(2)])] if first else []),
     }
     out = {}
     for name, fn in tries.items():
@@ -101,20 +108,53 @@ def _mismatches(mesh: sw.DeviceMesh) -> dict:
     return out
 
 
+class _Counting:
+    """Stands in for ``torch.ops._c10d_functional`` in a module: counts each collective."""
+
+    def __init__(self, real: object, counts: dict) -> None:
+        self.real, self.counts = real, counts
+
+    def __getattr__(self, name: str) -> object:
+        op = getattr(self.real, name)
+        if name == "wait_tensor":
+            return op
+
+        def counted(*args: object) -> object:
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return op(*args)
+
+        return counted
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a point-to-point message on the backend path")
+
+
 def native_job(order: list[int]) -> dict:
-    """Every case on a 1-D mesh of the world's processes, device ids in ``order``: each
-    device's result and the bytes counted; then the mismatches."""
+    """Every case on a 1-D mesh of the world's processes, device ids in ``order``, by default
+    and in deterministic mode: each device's result, the bytes counted and the functional
+    collectives issued (data and agreement apart); point-to-point messages refused."""
     mesh = sw.DeviceMesh("cpu", torch.tensor(order))
     out = {"mismatches": _mismatches(mesh)}
-    for case in _cases(len(order)):
-        with sw.CommCounter() as counter:
-            result = _run(mesh, case)
-        out[case[0]] = (
-            dict(zip(mesh.local_device_ids, result, strict=True)),
-            counter.total_bytes,
-            counter.total_cross_process_bytes,
-            counter.total_meta_bytes,
-        )
+    data, checks = {}, {}
+    native._functional = _Counting(torch.ops._c10d_functional, data)
+    agreement._functional = _Counting(torch.ops._c10d_functional, checks)
+    wire.post_send, wire.post_receive = _refuse, _refuse
+    dist.isend, dist.irecv, dist.send, dist.recv = _refuse, _refuse, _refuse, _refuse
+    for ordered in (False, True):
+        with sw.deterministic(ordered):
+            for case in _cases(len(order)):
+                data.clear()
+                checks.clear()
+                with sw.CommCounter() as counter:
+                    result = _run(mesh, case)
+                out[case[0], ordered] = (
+                    dict(zip(mesh.local_device_ids, result, strict=True)),
+                    counter.total_bytes,
+                    counter.total_cross_process_bytes,
+                    dict(data),
+                    dict(checks),
+                )
     return out
 
 
@@ -135,144 +175,82 @@ def _same(a: object, b: object) -> bool:
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
 
 
+def _close(a: object, b: object) -> bool:
+    """Equal up to float rounding (NaN where NaN; exact for integers and data movement)."""
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if not (a.is_floating_point() or a.is_complex()):
+            return torch.equal(a, b)
+        x = a.double() if a.is_floating_point() else a.cdouble()
+        y = b.double() if b.is_floating_point() else b.cdouble()
+        finite = y[torch.isfinite(y)].abs()
+        scale = float(finite.max()) if finite.numel() else 1.0
+        # the backend adds half types in their own precision, a few of their ulps of the
+        # terms' scale (embedded: float32 accumulation)
+        tol = 4 * torch.finfo(a.dtype if a.is_floating_point() else torch.float32).eps
+        return torch.allclose(x, y, rtol=tol, atol=tol * scale, equal_nan=True)
+    return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _expected_calls(kind: object, dtype: torch.dtype, ordered: bool, empty: bool) -> dict:
+    """The functional collectives one case issues per process: one backend collective, or,
+    in coordinate order, an all_to_all_single (and an all_gather of the reduced chunks)."""
+    if isinstance(kind, str):
+        name = {"all_gather": "all_gather_into_tensor", "all_to_all": "all_to_all_single",
+                "broadcast": "broadcast"}[kind]
+        return {name: 1}
+    collective, op = kind
+    if empty:
+        return {}
+    backend = not ordered and (
+        (op in ("sum", "avg") and dtype not in (torch.int16,))
+        or (op in ("max", "min") and dtype in BACKEND_INTEGERS))
+    if collective == "all_reduce":
+        return {"all_reduce": 1} if backend else {"all_to_all_single": 1,
+                                                   "all_gather_into_tensor": 1}
+    return {"reduce_scatter_tensor": 1} if backend else {"all_to_all_single": 1}
+
+
 def _check(order: list[int], per_rank: list[dict]) -> None:
     n = len(order)
     embedded = sw.DeviceMesh("cpu", torch.tensor(order))  # every device in this process
-    header = (n - 1) * (8 + 8 * n) * 8
     for result in per_rank:
         faults = result.pop("mismatches")
         assert "all_reduce(sum)" in faults["op"] and "all_reduce(max)" in faults["op"]
         assert "torch.float32" in faults["dtype"] and "torch.float64" in faults["dtype"]
         assert "[4]" in faults["shape"] and "[5]" in faults["shape"]
+        assert "all_gather" in faults["skipped"] and "all_reduce(sum)" in faults["skipped"]
         assert torch.equal(faults["after"], torch.tensor([float(d) for d in order for _ in "ab"]))
     for case in _cases(n):
-        name = case[0]
+        name, kind = case[0], case[1]
         want = dict(zip(embedded.local_device_ids, _run(embedded, case), strict=True))
-        for got, _, _, meta in (r[name] for r in per_rank):
-            for device, value in got.items():
-                assert _same(value, want[device]), f"{name}, device {device}"
-            assert meta == header, f"{name}: {meta} meta bytes, the native header is {header}"
-        counted = sum(r[name][1] for r in per_rank)
-        crossed = sum(r[name][2] for r in per_rank)
-        assert crossed == counted, f"{name}: {crossed} bytes crossed, ring model {counted}"
+        for ordered in (False, True):
+            for got, _, _, data, checks in (r[name, ordered] for r in per_rank):
+                for device, value in got.items():
+                    if ordered:
+                        assert _same(value, want[device]), f"{name}, device {device}"
+                    else:
+                        assert _close(value, want[device]), f"{name}, device {device}"
+                empty = "(0, 3)" in name
+                dtype = next(v for v in got.values())
+                dtype = dtype[0].dtype if isinstance(dtype, list) else dtype.dtype
+                assert data == _expected_calls(kind, dtype, ordered, empty), (name, data)
+                # one agreement per collective, on the side group (the generic all_gather and
+                # all_to_all then gather the shapes no spec gave, as objects)
+                assert checks == {"all_gather_into_tensor": 1}, (name, checks)
+            counted = sum(r[name, ordered][1] for r in per_rank)
+            crossed = sum(r[name, ordered][2] for r in per_rank)
+            # (uneven pieces travel padded to the largest, as PyTorch pads them: the padding
+            # is counted apart, with the agreements)
+            assert crossed == counted, f"{name}: {crossed} bytes crossed, ring model {counted}"
 
 
 def test_native_collectives_two_processes() -> None:
     order = [0, 1]
-    _check(order, run_in_processes(native_job, 2, order, timeout=100))
+    _check(order, run_in_processes(native_job, 2, order, timeout=150))
 
 
 def test_native_collectives_four_processes_out_of_rank_order() -> None:
     order = [2, 0, 3, 1]
-    _check(order, run_in_processes(native_job, 4, order, timeout=100))
-
-
-def _run_counted(mesh: sw.DeviceMesh, case: tuple) -> tuple[dict, int]:
-    """The case's result per local device, and how many native operations this process
-    waited for."""
-    waits = []
-    original = native._Native.run
-
-    def counting(self: native._Native, start: object) -> None:
-        waits.append(1)
-        original(self, start)
-
-    native._Native.run = counting
-    try:
-        result = _run(mesh, case)
-    finally:
-        native._Native.run = original
-    return dict(zip(mesh.local_device_ids, result, strict=True)), len(waits)
-
-
-def _large_cases(n: int) -> list:
-    """Pieces of 256 KiB and more: their own message, received in place (and the gather of
-    the non-forecast pass point to point)."""
-    return [
-        ("large all_gather", "all_gather", lambda d: _values((128, 600), torch.float32, d)),
-        ("large all_gather uneven", "all_gather",
-         lambda d: _values((128 - d % 2, 600), torch.float32, d)),
-        ("large all_to_all", "all_to_all",
-         lambda d: [_values((300, 250), torch.float32, 10 * d + k) for k in range(n)]),
-        ("large all_reduce sum", ("all_reduce", "sum"),
-         lambda d: _values((280, 300), torch.float32, d)),
-        ("large all_reduce max", ("all_reduce", "max"),
-         lambda d: _values((280, 300), torch.float32, d)),
-        ("large reduce_scatter", ("reduce_scatter", "sum"),
-         lambda d: [_values((300, 240), torch.float64, 10 * d + k) for k in range(n)]),
-    ]
-
-
-def forecast_job(order: list[int]) -> dict:
-    """The cases repeated, so the headers learn to carry the pieces: two passes to learn,
-    one forecast pass, one pass in reverse order (every forecast wrong); then processes that
-    diverge where a piece is forecast."""
-    mesh = sw.DeviceMesh("cpu", torch.tensor(order))
-    cases = _cases(len(order)) + _large_cases(len(order))
-    out = {}
-    for label, sequence in (("learn", cases), ("confirm", cases), ("forecast", cases),
-                            ("reversed", cases[::-1])):
-        out[label] = {case[0]: _run_counted(mesh, case) for case in sequence}
-    rank = dist.get_rank()
-    piece = torch.full((3, 4), float(rank))
-    for _ in range(3):
-        comm.all_gather(mesh, 0, [piece])
-    try:  # rank 0 gathers as forecast, the others reduce the same bytes
-        if rank == 0:
-            comm.all_gather(mesh, 0, [piece])
-        else:
-            comm.reduce_scatter(mesh, 0, [[piece] * len(order)], "sum")
-        out["diverged"] = "ok"
-    except CollectiveMismatchError as err:
-        out["diverged"] = str(err)
-    out["after"] = torch.cat(comm.all_gather(mesh, 0, [piece])[0])
-    # destroy_process_group must free the world's group: a group kept alive to the interpreter's
-    # finalization lets gloo's threads release tensors then, and the process aborts at exit
-    out["world kept"] = tuple(range(len(order))) in runtime._process_groups.get()
-    return out
-
-
-def _check_forecast(order: list[int], per_rank: list[dict]) -> None:
-    n = len(order)
-    embedded = sw.DeviceMesh("cpu", torch.tensor(order))
-    for result in per_rank:
-        assert not result["world kept"]
-        assert "all_gather" in result["diverged"] and "reduce_scatter" in result["diverged"]
-        want = torch.cat([torch.full((3, 4), float(r)) for r in sorted(range(n),
-                                                                        key=order.index)])
-        assert torch.equal(result["after"], want)
-    for index, case in enumerate(_cases(n) + _large_cases(n)):
-        name, kind = case[0], case[1]
-        want = dict(zip(embedded.local_device_ids, _run(embedded, case), strict=True))
-        for result in per_rank:
-            for label in ("learn", "forecast", "reversed"):
-                got, waits = result[label][name]
-                for device, value in got.items():
-                    assert _same(value, want[device]), f"{label} {name}, device {device}"
-            learnt, forecast = result["learn"][name][1], result["forecast"][name][1]
-            if index == 0:  # it followed another collective in the first pass than later
-                continue
-            if name == "large all_gather uneven":  # inline, padded: one message each
-                assert forecast == 1, f"{name}: {forecast} waits"
-            elif kind in ("all_gather", "all_to_all") or kind[0] == "reduce_scatter":
-                # header, then data: one operation with the data inline once forecast
-                assert (learnt, forecast) == (2, 1), f"{name}: {learnt} then {forecast} waits"
-            elif (kind[0] == "all_reduce" and n > 2 and "(0, 3)" not in name
-                  and any(f"{dtype} " in name for dtype in BACKEND_INTEGERS)):
-                # integers, order-free: the headers, then the backend's all_reduce, forecast
-                # or not (as many waits as the chunks inline and their all_gather)
-                assert (learnt, forecast) == (2, 2), f"{name}: {learnt} then {forecast} waits"
-            elif kind[0] == "all_reduce" and "(0, 3)" not in name:
-                # two processes: both components inline; more: the chunks inline, then the
-                # all_gather of the reduced chunks
-                assert forecast == (1 if n == 2 else learnt - 1), f"{name}: {forecast} waits"
-
-
-def test_forecast_headers_carry_the_pieces_two_processes() -> None:
-    order = [0, 1]
-    _check_forecast(order, run_in_processes(forecast_job, 2, order, timeout=150))
-
-
-def test_forecast_headers_carry_the_pieces_four_processes() -> None:
-    order = [2, 0, 3, 1]
-    _check_forecast(order, run_in_processes(forecast_job, 4, order, timeout=200))
+    _check(order, run_in_processes(native_job, 4, order, timeout=200))

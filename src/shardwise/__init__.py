@@ -25,6 +25,8 @@ _NAMES: dict[str, str] = {
     "get_collective_timeout": "comm",
     "set_collective_timeout": "comm",
     "set_debug_checks": "comm",
+    "set_deterministic": "comm",
+    "deterministic": "comm",
     "register_sharding": "custom_sharding",
     "explain_redistribute": "debug",
     "deferred_init": "deferred_init",
@@ -159,6 +161,8 @@ __all__ = [
     "remove_hooks",
     "set_collective_timeout",
     "set_debug_checks",
+    "set_deterministic",
+    "deterministic",
     "set_implicit_redistribute",
     "set_redistribute_logging",
     "CollectiveError",
@@ -285,7 +289,14 @@ sys.modules[__name__].__class__ = _Package
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
     from .budget import CommBudget, comm_budget
-    from .comm import CommCounter, get_collective_timeout, set_collective_timeout, set_debug_checks
+    from .comm import (
+        CommCounter,
+        deterministic,
+        get_collective_timeout,
+        set_collective_timeout,
+        set_debug_checks,
+        set_deterministic,
+    )
     from .custom_sharding import register_sharding
     from .debug import explain_redistribute
     from .deferred_init import deferred_init, materialize_module

@@ -144,7 +144,7 @@ def _wait_for_store(
 # ----- process groups ---------------------------------------------------------------------------
 
 # per process (per rank thread in the launcher's threads mode, settings.ProcessLocal)
-_process_groups: settings.ProcessLocal[dict[tuple[int, ...], dist.ProcessGroup]] = (
+_process_groups: settings.ProcessLocal[dict[tuple, dist.ProcessGroup]] = (
     settings.ProcessLocal(dict)
 )
 # one lock per process (per rank thread): a rank holds it while its group's members meet, so
@@ -161,28 +161,46 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     groups are created together, in mesh order, and collectives run in one order in every
     process, so members reach a creation in the same order.
     """
-    process_groups = _process_groups.get()
-    pg = process_groups.get(ranks)
+    pg = _process_groups.get().get(ranks)
     if pg is not None:
         return pg
     if len(ranks) == dist.get_world_size():
         return dist.group.WORLD  # the default group: torch.distributed keeps and frees it
+    return _made(ranks, None)
+
+
+def side_group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A gloo group over ``ranks`` for what the host checks beside the data (the agreement of
+    ``comm/agreement.py``): the data's own group where that is gloo, else one of its own, so
+    a check never waits on an accelerator."""
+    group = group_for_ranks(ranks)
+    if dist.get_backend(group) == "gloo":
+        return group
+    return _process_groups.get().get(("gloo", *ranks)) or _made(ranks, "gloo")
+
+
+def _made(ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup:
+    """Create (once, under the lock) the group over ``ranks`` on ``backend`` (None: the
+    default group's)."""
+    key = ranks if backend is None else (backend, *ranks)
+    process_groups = _process_groups.get()
     with _group_lock.get():
-        pg = process_groups.get(ranks)
+        pg = process_groups.get(key)
         if pg is None:
             try:
-                pg = _new_group(ranks)
+                pg = _new_group(ranks, backend)
             except RuntimeError as err:
                 raise CollectiveError(
                     f"creating the process group of ranks {list(ranks)} failed on rank "
                     f"{dist.get_rank()}: {err}"
                 ) from err
-            process_groups[ranks] = pg
+            process_groups[key] = pg
     return pg
 
 
-def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """A process group over ``ranks`` made by its members only, named by its ranks alone.
+def _new_group(ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup:
+    """A process group over ``ranks`` made by its members only, named by its ranks (and
+    backend) alone.
 
     ``dist.new_group(use_local_synchronization=True)`` would name it by its ranks and the
     number of process groups this process has made so far: processes whose programs made
@@ -190,17 +208,18 @@ def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     name forever. So the group is made as ``new_group`` makes it, with the name given (each set
     of ranks is made once per process, so the name is unique)."""
     default = c10d._get_default_group()
-    backend, store = c10d._world.pg_map[default]
-    name = "shardwise_ranks_" + "_".join(map(str, ranks))
+    default_backend, store = c10d._world.pg_map[default]
+    prefix = "shardwise_ranks_" if backend is None else f"shardwise_{backend}_ranks_"
+    name = prefix + "_".join(map(str, ranks))
     pg, _ = c10d._new_process_group_helper(
         len(ranks),
         ranks.index(dist.get_rank()),
         list(ranks),
-        dist.Backend(backend),
+        dist.Backend(backend or default_backend),
         store,
         name,
         timeout=timedelta(seconds=settings.COLLECTIVE_TIMEOUT.get()),
-        device_id=default.bound_device_id,
+        device_id=None if backend else default.bound_device_id,
         group_desc=f"shardwise ranks {list(ranks)}",
     )
     c10d._world.pg_group_ranks[pg] = {rank: i for i, rank in enumerate(ranks)}

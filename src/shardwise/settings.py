@@ -90,6 +90,9 @@ COLLECTIVE_TIMEOUT: Setting[float] = Setting(
 )
 # Processes compare what they are about to do before each cross-process collective.
 DEBUG_CHECKS: Setting[bool] = Setting("debug_checks", _env_flag("SHARDWISE_DEBUG_CHECKS"))
+# Cross-process reductions combine in coordinate order (the embedded run's bits) instead of the
+# backend's order.
+DETERMINISTIC: Setting[bool] = Setting("deterministic", _env_flag("SHARDWISE_DETERMINISTIC"))
 # What the collectives inside ``comm.moving`` blocks are moving (innermost last), for errors.
 MOVING: Setting[tuple] = Setting("moving", ())
 # The meshes of the ``with mesh:`` and ``default_mesh(mesh)`` blocks of this context, innermost

@@ -16,10 +16,12 @@ from .collectives import (
 from .reduction import reduce_terms
 from .safety import (
     debug_checks_enabled,
+    deterministic,
     get_collective_timeout,
     moving,
     set_collective_timeout,
     set_debug_checks,
+    set_deterministic,
 )
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "broadcast",
     "exchange",
     "debug_checks_enabled",
+    "deterministic",
     "get_collective_timeout",
     "moving",
     "reduce_scatter",
@@ -41,4 +44,5 @@ __all__ = [
     "scatter_from",
     "set_collective_timeout",
     "set_debug_checks",
+    "set_deterministic",
 ]

@@ -55,17 +55,22 @@ def _across(
     mesh_dim: int,
     groups: list,
     *args: Any,
+    **spec_shapes: Any,
 ) -> distributed.Traffic:
     """Run ``collective`` for the cross-process ``groups`` (on the backend's own collectives
-    where the groups have one device per process, else point to point); store its results."""
+    where the groups have one device per process, with the pieces' shapes from the spec,
+    ``spec_shapes``; else point to point); store its results."""
     if not groups:
         return distributed.Traffic()
     background.drain()  # background collectives first: every process keeps the same order
     first = args[0][0]
     sample = first[0] if isinstance(first, (list, tuple)) else first
-    transport = native if native.applies(mesh, mesh_dim, sample) else distributed
-    with one_thread(f"{collective} over mesh dim {mesh_dim} of {mesh}"):
-        results, traffic = getattr(transport, collective)(mesh, mesh_dim, groups, *args)
+    with one_thread(lambda: f"{collective} over mesh dim {mesh_dim} of {mesh}"):
+        if native.applies(mesh, mesh_dim, sample):
+            results, traffic = getattr(native, collective)(mesh, mesh_dim, groups, *args,
+                                                           **spec_shapes)
+        else:
+            results, traffic = getattr(distributed, collective)(mesh, mesh_dim, groups, *args)
     for i, result in results.items():
         out[i] = result
     return traffic
@@ -127,34 +132,38 @@ def all_reduce(
 
 
 def all_gather(
-    mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor]
+    mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor],
+    shapes: native.Shapes = None,
 ) -> list[list[torch.Tensor]]:
-    """Every device gets the list of its group's components, in coordinate order."""
+    """Every device gets the list of its group's components, in coordinate order
+    (``shapes``: device id -> its component's shape, from the spec, where they differ)."""
     out: list[list[torch.Tensor]] = [[] for _ in components]
     inside, across = _split_groups(mesh, mesh_dim)
     for members, indices in inside:
         pieces = [components[i] for i in indices]
         for k, i in enumerate(indices):
             out[i] = [_to(p, mesh, members[k]) for p in pieces]
-    traffic = _across(out, "all_gather", mesh, mesh_dim, across, components)
+    traffic = _across(out, "all_gather", mesh, mesh_dim, across, components, shapes=shapes)
     received = _per_piece_received(inside + across, out, accounting.all_gather_received)
     _record("all_gather", mesh_dim, received, traffic, mesh)
     return out
 
 
 def all_gather_tensor(
-    mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor], gather_dim: int
+    mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor], gather_dim: int,
+    shapes: native.Shapes = None,
 ) -> list[torch.Tensor]:
     """Every device gets its group's components concatenated along ``gather_dim``, in
     coordinate order (``all_gather`` then ``torch.cat``, but pieces from other processes land
-    in the result as they arrive: one copy fewer)."""
+    in the result as they arrive: one copy fewer; ``shapes`` as in ``all_gather``)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(components)
     inside, across = _split_groups(mesh, mesh_dim)
     for members, indices in inside:
         for k, i in enumerate(indices):
             out[i] = torch.cat([_to(components[j], mesh, members[k]) for j in indices],
                                gather_dim)
-    traffic = _across(out, "all_gather_tensor", mesh, mesh_dim, across, components, gather_dim)
+    traffic = _across(out, "all_gather_tensor", mesh, mesh_dim, across, components, gather_dim,
+                      shapes=shapes)
     received = sum(
         _nbytes(out[i]) - _nbytes(components[i])  # accounting.all_gather_received
         for _, indices in inside + across
@@ -228,13 +237,16 @@ def all_to_all_tensor(
     components: Sequence[torch.Tensor],
     split_dim: int,
     concat_dim: int,
+    shapes: native.Shapes = None,
 ) -> list[torch.Tensor]:
     """Every device gets its piece along ``split_dim`` (``torch.chunk`` geometry over its
     group) of every member's component, joined along ``concat_dim`` in coordinate order: an
     ``all_to_all`` of the chunks. A group held in this process on one torch device moves no
     pieces: its components are joined once and every member's piece cut out of that, dense
     (one copy for even chunks), instead of the n² pieces. The values, layouts and the bytes
-    counted are those of the pieces' all_to_all."""
+    counted are those of the pieces' all_to_all. ``shapes`` (device id -> its component's
+    shape, from the spec) sizes what other processes send where components differ along
+    ``concat_dim``."""
     out: list = [None] * len(components)
     received = 0
     inside, across = _joinable_groups(mesh, mesh_dim)
@@ -261,8 +273,24 @@ def all_to_all_tensor(
     traffic = _NO_TRAFFIC
     if across:
         lists: list = [[] for _ in components]
+        local = mesh.local_device_ids
+
+        def arriving(i: int) -> list[tuple[int, ...]]:
+            """What every member of local device i's group sends it: its chunk along
+            ``split_dim`` of that member's component."""
+            mine = components[i]
+            k = mesh.coordinate_of(local[i])[mesh_dim]
+            size = chunk_sizes(mine.shape[split_dim], n)[k]
+            out = []
+            for member in mesh.group_of(local[i], mesh_dim):
+                shape = list(mine.shape if shapes is None else shapes(member))
+                shape[split_dim] = size
+                out.append(tuple(shape))
+            return out
+
         traffic = _across(lists, "all_to_all", mesh, mesh_dim, across,
-                          [_chunks(c, split_dim, n) for c in components])
+                          [_chunks(c, split_dim, n) for c in components],
+                          receive_shapes=arriving)
         for _, indices in across:
             for k, i in enumerate(indices):
                 if i is not None:

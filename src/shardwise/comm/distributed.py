@@ -60,7 +60,7 @@ class Traffic:
     """Bytes this process received from other processes in one collective."""
 
     payload: int = 0
-    meta: int = 0  # shape headers and debug-check descriptors
+    meta: int = 0  # shape headers, agreements, debug-check descriptors, padding of uneven pieces
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,35 +1,26 @@
-"""Collectives on ``torch.distributed``'s own operations, for device groups with one device per
-process (classic SPMD, the common case), received into fresh buffers whose views are the
-results (``join`` even turns pieces received side by side into one tensor without a copy).
+"""Collectives on the process group's own collective operations, for device groups with one
+device per process (classic SPMD, the common case): each collective of a group is one call of
+``torch.distributed``'s functional collectives (``_c10d_functional``: ``all_gather_into_tensor``,
+``reduce_scatter_tensor``, ``all_reduce``, ``all_to_all_single``, ``broadcast``, then
+``wait_tensor``), the ops PyTorch DTensor issues and the compiler schedules: on NCCL they use its
+ring and tree algorithms and nothing waits on the host.
 
-First the processes of a group swap the protocol's header (``protocol.py``: collective,
-sequence number, fingerprint of the spec being moved, dtype, reduce op, and the shapes of the
-pieces each will send), so a divergent program raises ``CollectiveMismatchError`` on every rank
-before gloo sees messages of the wrong size (it aborts the process on those); the shapes in the
-header also size the receive buffers. A training loop repeats its collectives, so each set of
-processes learns which collective follows which (``protocol.Forecast``): once a successor has
-repeated, its pieces (up to ``INLINE_MAX`` bytes) follow the header at once, small ones in the
-header's message, large ones as a message of their own received in place, and a repeated
-collective takes one round trip instead of two. The forecast comes from headers every process
-agreed on, so every message has the same size in every process even when their programs
-diverge; a wrong forecast only costs the padding, and the data follows as without one.
+No shape travels: the shapes of every member's piece come from the spec every process holds
+(``shapes``: device id -> its component's shape; without it, every member's piece has this
+process's shape). Uneven pieces are padded to the largest and cut after, as PyTorch pads.
+Nothing is read back to the host on this path.
 
-The data, when it did not come with the header: all_gather point to point into the result
-(gloo's all_gather copies through a flat buffer of the whole result, and measured slower at
-every size); all_to_all point to point too, each piece received into its slot of the result
-and made dense once on its way out (``all_to_all_single`` packs them all into one buffer, and
-copies the own piece once more); broadcast by the backend's broadcast. Reductions stay
-bit-identical to the embedded transport, which combines terms in coordinate order
-(``reduction.combine``): an all_to_all brings member k chunk k of every term, which it
-combines in that order, and all_reduce all-gathers the reduced chunks (the bytes of a ring
-all_reduce), the terms landing in the result's own memory; reduce_scatter is the first half.
-Two processes exchange whole components (a ring's bytes) when forecast, in one round trip,
-and combine them. Otherwise the backend's own all_reduce, after the headers, serves wherever
-its bits cannot depend on the order it adds in: integers (associative, no NaN, on which its
-max and min differ from torch's; over more than two processes even when forecast, the waits
-of the chunks' exchange and gather), and a sum of two terms (a + b == b + a) in a dtype it
-adds exactly as torch does. Against the forecast exchange it measured no faster at 4 MiB and
-slower below (the header's extra round trip)."""
+Before (on CPU) or beside (on an accelerator) each collective, the processes of a group agree
+(``agreement.py``): a fingerprint of what each is about to do, exchanged on a CPU side group, so
+a divergent program raises ``CollectiveMismatchError`` on every rank instead of a wrong value
+(or gloo's abort on messages of another size).
+
+Reductions reduce with the backend by default, as PyTorch does: within float rounding of the
+embedded run, in the order the backend adds. ``deterministic`` mode (``set_deterministic``)
+combines in coordinate order on the same backend collectives (an ``all_to_all_single`` of the
+ring chunks, the terms combined locally, an ``all_gather_into_tensor`` of the reduced chunks):
+the bits of the embedded run, at the bytes of a ring all_reduce. Float max and min, and dtypes
+the backends do not reduce, always take that path (the backends' max and min drop NaN)."""
 
 from __future__ import annotations
 
@@ -38,35 +29,35 @@ from functools import lru_cache
 from math import prod
 
 import torch
-import torch.distributed as dist
 
-from ..errors import CollectiveError, CollectiveMismatchError
+from .. import settings
+from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
-from . import protocol
+from . import agreement
 from .accounting import all_reduce_received
-from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks, wait_all
-from .protocol import HEADER_TAG, INLINE_MAX, MAX_NDIM, OPS
+from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks
 from .reduction import combine, finish
-from .wire import post_receive, post_send
 
-# dtypes whose sum of two terms the backend computes exactly as ``reduction.combine`` does (half
-# types accumulate in float32 there; max/min differ on NaN)
-_PAIR_EXACT = (torch.float32, torch.float64, torch.int32, torch.int64)
-# dtypes whose sum, max and min the backend computes as ``reduction.combine`` does in any order
-# and over any number of terms: integers (addition wraps alike and is associative; no NaN, on
-# which the backend's max and min differ from torch's) that gloo and NCCL both reduce
-_ORDER_FREE = (torch.int8, torch.uint8, torch.int32, torch.int64)
-_BACKEND_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                "min": dist.ReduceOp.MIN}
+# device id -> the shape of its component, from the spec; None: unknown, learnt from the peers
+# (a metadata gather on the side group: the generic collectives, never the hot path)
+Shapes = Callable[[int], Sequence[int]] | None
+
+_functional = torch.ops._c10d_functional
+# dtypes both gloo and NCCL reduce (complex ones as pairs of reals, for sums)
+_BACKEND_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                   torch.uint8, torch.int32, torch.int64)
+_INTEGERS = (torch.int8, torch.uint8, torch.int32, torch.int64)
 
 
-def _backend_reduces(op: str, dtype: torch.dtype, n: int) -> bool:
-    """Whether the backend's own all_reduce of ``n`` terms gives the bits of the coordinate
-    order: integers at any count; two terms summed (a + b == b + a) in a dtype it adds as
-    torch does (avg is that sum, divided after)."""
-    if dtype in _ORDER_FREE:
-        return op in ("sum", "max", "min")
-    return n == 2 and op in ("sum", "avg") and dtype in _PAIR_EXACT
+def _backend_reduces(op: str, dtype: torch.dtype) -> bool:
+    """Whether the backend's own reduction serves ``op`` on ``dtype`` outside deterministic
+    mode: sums and averages of the dtypes it reduces (complex as real pairs), max and min of
+    integers (no NaN, which the backends' max and min drop)."""
+    if settings.DETERMINISTIC.get():
+        return False
+    if op in ("sum", "avg"):
+        return dtype in _BACKEND_DTYPES or dtype in (torch.complex64, torch.complex128)
+    return op in ("max", "min") and dtype in _INTEGERS
 
 
 @lru_cache(maxsize=1024)
@@ -80,265 +71,125 @@ def _one_device_per_process(mesh: DeviceMesh, mesh_dim: int) -> bool:
 
 
 def applies(mesh: DeviceMesh, mesh_dim: int, sample: torch.Tensor) -> bool:
-    """Whether the native collectives serve the cross-process groups of ``mesh_dim``: every
-    such group has one device per process, and the tensors fit the header."""
-    return sample.ndim <= MAX_NDIM and _one_device_per_process(mesh, mesh_dim)
+    """Whether the backend's collectives serve the cross-process groups of ``mesh_dim``: every
+    such group has one device per process."""
+    return _one_device_per_process(mesh, mesh_dim)
 
 
-class _Native:
-    """One cross-process group of a call, seen from its single local member."""
+class _Backend:
+    """One cross-process group of a call, seen from its single local member ``k``."""
 
     def __init__(self, call: Call, group: Group) -> None:
         members, indices = group
-        self.call, self.n = call, len(members)
+        self.call, self.members, self.n = call, members, len(members)
         self.ranks = call.ranks[members]
         self.pg = group_for_ranks(self.ranks)
-        self.owners = [call.owner(d) for d in members]
+        self.name = self.pg.group_name
         self.k = next(k for k, i in enumerate(indices) if i is not None)
         self.local = first_local(group)
-        self.forecast = protocol.forecast(self.ranks)
+        # the backend orders a group by rank: member j is at position rank_of[j] there
+        self.owners = [call.owner(d) for d in members]
+        self.rank_of = [self.ranks.index(r) for r in self.owners]
+        self.member_at = sorted(range(self.n), key=self.rank_of.__getitem__)
 
-    def first_round(
-        self,
-        wire: str | None,
-        shapes: Sequence[Sequence[int]],
-        outgoing: Sequence[torch.Tensor] = (),
-        sent: Callable[[list[list[int]]], list[int]] = lambda shapes: [],
-        extra: int = 0,
-        own: bool = False,
-        into: torch.Tensor | None = None,
-    ) -> tuple[list[list[list[int]]], list[torch.Tensor] | None]:
-        """Exchange headers, the pieces inline when the forecast allows: returns, per member,
-        the shapes it announced and (if every piece came inline) the bytes it sent here.
-
-        ``wire`` says which pieces could ride along ("all_gather": ``outgoing[0]`` to everyone;
-        "all_to_all": ``outgoing[k]`` to member k; None: headers only; any dtype and strides, made
-        dense only to ride along), ``sent`` the bytes a
-        member sends, from its announced shapes (the same rule in every process decides who
-        sent inline). Each peer gets one message of the header and the forecast bytes, or, for
-        a large forecast, the header and then the piece on its own, received in place: in
-        member order into ``into`` (bytes) when it is large enough, else one fresh buffer,
-        with this process's own piece copied into its slot too when ``own``; the one-message
-        form lands in ``into`` too when it fits."""
+    def _fields(self, fields: dict[str, object]) -> tuple[dict[str, object], dict]:
         call = self.call
-        header = self._header(shapes, extra)
-        hb = header.numel()
-        f_wire, f_size = self.forecast.predict()
-        inline = f_size > 0 and wire == f_wire and all(
-            t.numel() * t.element_size() <= f_size for t in outgoing)
-        apart = f_size >= protocol.APART_FROM
-        peers = [j for j in range(self.n) if j != self.k]
-        device = header.device
-        width = hb if apart else hb + f_size  # what each peer's first message holds
-        inbox = dict(zip(peers, self._buffer((self.n - 1) * width, None if apart else into)
-                         .split(width), strict=True))
-        landing: dict[int, torch.Tensor] = {}
-        if apart:
-            slots = list(range(self.n)) if own else peers
-            landing = dict(zip(slots, self._buffer(len(slots) * f_size, into).split(f_size),
-                               strict=True))
-        junk = torch.empty(f_size if f_size and not inline else 0, dtype=torch.uint8,
-                           device=device)
+        group = next(g for g in call.groups if g[0] == self.members)
+        return ({"collective": call.kind + call.detail, "sequence": call.seq[self.ranks],
+                 "dtype": str(call.sample.dtype), **fields}, call.fields(group))
 
-        def piece_for(j: int) -> torch.Tensor:
-            """The forecast bytes for member j (exactly ``f_size``)."""
-            if not inline:
-                return junk
-            piece = as_bytes(outgoing[j if wire == "all_to_all" else 0])
-            if piece.numel() == f_size:
-                return piece
-            padded = torch.empty(f_size, dtype=torch.uint8, device=device)
-            padded[: piece.numel()] = piece
-            return padded
+    def agree(self, device: torch.device, **fields: object) -> Callable[[], None]:
+        """Start this group's agreement on ``fields`` (and the call's); returns the check to
+        finish it (before the data on CPU, where gloo aborts on messages of another size;
+        after enqueueing it on an accelerator, so the host never waits on the device)."""
+        check = agreement.start(self.ranks, *self._fields(fields), self.call.what)
+        self.call.traffic.meta += 8 * (self.n - 1)
+        if device.type == "cpu":
+            check()
+            return lambda: None
+        return check
 
-        def start() -> list:
-            works = []
-            for j in peers:
-                src = self.owners[j]
-                works.append(post_receive(inbox[j], src, self.ranks, HEADER_TAG))
-                if apart:
-                    works.append(post_receive(landing[j], src, self.ranks, HEADER_TAG))
-            shared = None  # one message for every peer unless the pieces differ per member
-            for j in peers:
-                dst = self.owners[j]
-                if apart:
-                    works.append(post_send(header, dst, self.ranks, HEADER_TAG))
-                    works.append(post_send(piece_for(j), dst, self.ranks, HEADER_TAG))
-                    continue
-                message = shared
-                if message is None:
-                    message = torch.empty(hb + f_size, dtype=torch.uint8, device=device)
-                    message[:hb] = header
-                    if f_size:
-                        message[hb:] = piece_for(j)
-                    if not (inline and wire == "all_to_all"):
-                        shared = message
-                works.append(post_send(message, dst, self.ranks, HEADER_TAG))
-            return works
+    def learn(self, own: object, **fields: object) -> list:
+        """Every member's ``own`` (shapes no spec gave), in member order, gathered with the
+        agreement on ``fields`` (the generic collectives only)."""
+        by_rank = agreement.gather(self.ranks, *self._fields(fields), own, self.call.what)
+        self.call.traffic.meta += 8 * (self.n - 1) + sum(
+            len(repr(theirs)) for j, theirs in enumerate(by_rank) if j != self.rank_of[self.k])
+        return [by_rank[self.rank_of[j]] for j in range(self.n)]
 
-        self.run(start)
-        call.rounds = max(call.rounds, 1)  # the debug comparison needs no point-to-point header
-        rows = [(header if j == self.k else inbox[j][:hb]).view(torch.int64).tolist()
-                for j in range(self.n)]  # per member: the same order in every process
-        announced = self._check(rows, header.view(torch.int64).tolist(), len(shapes))
-        needs = [sent(shapes) for shapes in announced]  # per member
-        largest = max((b for row in needs for b in row), default=0)
-        everyone_inline = f_size > 0 and wire == f_wire and largest <= f_size
-        self.forecast.learn(
-            tuple(tuple(row[1:2] + row[4:]) for row in rows),
-            wire, -(-largest // 16) * 16 if wire and 0 < largest <= INLINE_MAX else 0,
-        )
-        message_bytes = (self.n - 1) * (hb + f_size)
-        if not everyone_inline:
-            call.traffic.meta += message_bytes
-            return announced, None
-        arrived = []
-        for j in range(self.n):
-            size = needs[j][self.k if wire == "all_to_all" else 0]
-            if j != self.k:
-                arrived.append(landing[j][:size] if apart else inbox[j][hb : hb + size])
-                continue
-            mine = outgoing[self.k if wire == "all_to_all" else 0]
-            if own:  # a result of its own, not a view of the input: one copy, strided or not
-                slot = landing[j][:size] if apart else self._buffer(size, None)
-                _typed(slot, mine.dtype, mine.shape).copy_(mine)
-                arrived.append(slot)
-            else:
-                arrived.append(as_bytes(mine))
-        call.traffic.meta += message_bytes - sum(
-            a.numel() for j, a in enumerate(arrived) if j != self.k
-        )
-        return announced, arrived
-
-    def _buffer(self, nbytes: int, into: torch.Tensor | None) -> torch.Tensor:
-        """``nbytes`` bytes to receive into: the front of ``into`` when it is large enough."""
-        if into is not None and into.numel() >= nbytes:
-            return into[:nbytes]
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.call.sample.device)
-
-    def _header(self, shapes: Sequence[Sequence[int]], extra: int) -> torch.Tensor:
-        """This process's header as bytes (``protocol``): the collective, its sequence number,
-        fingerprint, dtype, reduce op or source, and the shapes of the pieces it sends."""
-        call = self.call
-        fixed = protocol.header_words(
-            call.kind, protocol.NATIVE, call.seq[self.ranks], call.fingerprints.get(self.ranks, 0),
-            call.sample.dtype, call.sample.ndim, extra, len(shapes),
-        )
-        padded = [-1] * protocol.body_words(self.n)
-        flat = [int(x) for s in shapes for x in s]
-        padded[: len(flat)] = flat
-        return torch.tensor(fixed + padded, dtype=torch.int64,
-                            device=call.sample.device).view(torch.uint8)
-
-    def _check(self, rows: list[list[int]], fixed: list[int], count: int) -> list[list[list[int]]]:
-        """Raise on a header (``rows``: per member) that differs from this process's
-        (``fixed``): first explain differing fingerprints with the peers that found them too;
-        return, per member, the shapes it announced."""
-        call = self.call
-        differ, wrong = set(), []
-        for j, row in enumerate(rows):
-            if protocol.differs(row, fixed):
-                wrong.append(protocol.mismatch(call.what(), call.me, fixed, self.owners[j], row))
-            elif row[3] != fixed[3]:
-                differ.add((self.ranks, self.owners[j]))
-        if differ:
-            call.compare(differ)
-        if wrong:
-            raise wrong[0]
-        ndim, at = call.sample.ndim, protocol.FIXED
-        return [[row[at + m * ndim : at + (m + 1) * ndim] for m in range(count)] for row in rows]
-
-    def count_arrived(self, arrived: Sequence[torch.Tensor]) -> None:
-        """Count the pieces that came inline as the payload from the other members."""
-        self.call.traffic.payload += sum(a.numel() for j, a in enumerate(arrived) if j != self.k)
-
-    def same_shapes(self, announced: list[list[list[int]]]) -> None:
-        """Reductions and broadcast need every member to announce the same shapes."""
-        for j, shapes in enumerate(announced):
-            if shapes != announced[self.k]:
-                raise CollectiveMismatchError(
-                    f"processes disagree on the shapes of a collective: {self.call.what()}. "
-                    f"Rank {self.call.me}: {announced[self.k]}; rank {self.owners[j]}: "
-                    f"{shapes}. Every process must pass tensors of the same shapes"
-                )
-
-    def run(self, start: Callable[[], object]) -> None:
-        """Start the native operation(s) and wait for them within the collective timeout."""
+    def run(self, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+        """Issue one functional collective ``op(*args, group name)`` and wait for its result (a
+        stream wait on an accelerator, not a host one); failures and the timeout become
+        shardwise's errors."""
         try:
-            works = start()
+            return _functional.wait_tensor(op(*args, self.name))
         except RuntimeError as err:
-            raise CollectiveError(
-                f"{self.call.what()} failed: {err}; another process probably failed or timed "
-                f"out first"
-            ) from err
-        wait_all(self.call, works if isinstance(works, list) else [works])
+            text = str(err)
+            kind = CollectiveTimeoutError if "timed out" in text.lower() else CollectiveError
+            raise kind(f"{self.call.what()} failed: {text}; another process probably failed, "
+                       f"diverged or timed out first") from err
 
-    def all_to_all(
-        self, send: Sequence[torch.Tensor], receive: Sequence[int],
-        into: torch.Tensor | None = None, own: bool = True,
-    ) -> list[torch.Tensor]:
-        """Member k gets ``send[k]`` (any dtype and strides); returns the bytes each member
-        sent here, ``receive[j]`` from member j, received point to point straight into their
-        slots of one buffer in member order (``into`` when large enough). Each piece is made
-        dense once, on its way out (not at all where it already is: rows of a component), and
-        this member's own piece is copied into its slot while the others travel (``own``; else
-        its bytes as they are). gloo's all_to_all_single would take every piece packed into one
-        buffer and copy the own piece once more."""
-        out = self._buffer(sum(receive), into)
-        slots = list(out.split(list(receive)))
-        self.call.traffic.payload += out.numel() - receive[self.k]
-        outgoing = []  # kept alive until the sends complete
+    def all_gather_bytes(self, mine: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Member j's bytes (``sizes[j]`` of them) from every member, by one
+        ``all_gather_into_tensor``, each padded to the largest; views of one fresh buffer."""
+        width = max(sizes)
+        if width == 0:
+            return [mine[:0]] * self.n
+        if mine.numel() < width:
+            padded = mine.new_zeros(width)
+            padded[: mine.numel()] = mine
+            mine = padded
+        out = self.run(_functional.all_gather_into_tensor, mine, self.n)
+        self.call.traffic.payload += sum(sizes) - sizes[self.k]
+        self.call.traffic.meta += width * (self.n - 1) - sum(sizes) + sizes[self.k]  # padding
+        at = [self.rank_of[j] * width for j in range(self.n)]
+        return [out[a : a + s] for a, s in zip(at, sizes, strict=True)]
 
-        def start() -> list:
-            works = []
-            for j in range(self.n):
-                if j != self.k and slots[j].numel():
-                    works.append(post_receive(slots[j], self.owners[j], self.ranks, HEADER_TAG))
-            for j in range(self.n):
-                if j != self.k and send[j].numel():
-                    outgoing.append(as_bytes(send[j]))
-                    works.append(post_send(outgoing[-1], self.owners[j], self.ranks, HEADER_TAG))
-            mine = send[self.k]
-            if own:
-                _typed(slots[self.k], mine.dtype, mine.shape).copy_(mine)
-            else:
-                slots[self.k] = as_bytes(mine)
-            return works
+    def all_to_all_bytes(self, send: Sequence[torch.Tensor], receive: Sequence[int]
+                         ) -> list[torch.Tensor]:
+        """Member j gets ``send[j]`` (any dtype and strides, sent as its bytes); returns what
+        each member sent here (``receive[j]`` bytes from member j), by one
+        ``all_to_all_single``: views of one fresh buffer in member order."""
+        flat = [as_bytes(send[j]) for j in self.member_at]
+        packed = torch.cat(flat) if len(flat) > 1 else flat[0]
+        arriving = [receive[j] for j in self.member_at]
+        out = self.run(_functional.all_to_all_single, packed, arriving,
+                       [t.numel() for t in flat])
+        self.call.traffic.payload += sum(receive) - receive[self.k]
+        by_rank = out.split(arriving)
+        return [by_rank[self.rank_of[j]] for j in range(self.n)]
 
-        self.run(start)
-        return slots
-
-    def gather_into(self, parts: Sequence[torch.Tensor], mine: torch.Tensor) -> None:
-        """Fill ``parts[j]`` (views of one result buffer) with member j's ``mine``, point to
-        point, received in place: gloo's all_gather goes through a flat copy of the whole
-        result and is slower at every size measured (2 and 4 processes, 16 KiB to 4 MiB)."""
-        self.call.traffic.payload += sum(p.numel() for p in parts) - parts[self.k].numel()
-        parts[self.k].copy_(mine)
-
-        def start() -> list:
-            works = []
-            for j in range(self.n):
-                if j != self.k and mine.numel():
-                    works.append(post_send(mine, self.owners[j], self.ranks, HEADER_TAG))
-                if j != self.k and parts[j].numel():
-                    works.append(post_receive(parts[j], self.owners[j], self.ranks, HEADER_TAG))
-            return works
-
-        self.run(start)
+    def ordered_reduce_scatter(self, terms: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+        """Member j's reduction of ``terms[j]`` of every member in coordinate order (the
+        embedded run's bits): an all_to_all of the terms, combined here."""
+        shape, dtype = terms[self.k].shape, terms[self.k].dtype
+        got = self.all_to_all_bytes(terms, [_nbytes(shape, dtype)] * self.n)
+        reduced = combine([_typed(t, dtype, shape) for t in got], op)
+        return finish(reduced, op, self.n, dtype)
 
 
-def _adjacent(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The bytes of ``pieces`` one after the other as one view, when they already lie side by
-    side, dense, in one storage (a component cut along its first dim); else None."""
+def _checked() -> None:
+    """The check of a collective whose agreement came with its shapes (``_Backend.learn``)."""
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    return raw.view(dtype).view(tuple(shape))
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return prod(shape) * dtype.itemsize
+
+
+def _adjacent(pieces: Sequence[torch.Tensor]) -> bool:
+    """Whether ``pieces`` lie one after the other, dense, in one storage."""
     first = pieces[0]
-    offset = start = first.storage_offset() * first.element_size()
+    offset = first.storage_offset()
     for p in pieces:
         if not p.is_contiguous() or p.untyped_storage().data_ptr() != first.untyped_storage(
-        ).data_ptr() or p.storage_offset() * p.element_size() != offset:
-            return None
-        offset += p.numel() * p.element_size()
-    joined = torch.empty(0, dtype=torch.uint8, device=first.device)
-    return joined.set_(first.untyped_storage(), start, (offset - start,))
+        ).data_ptr() or p.storage_offset() != offset:
+            return False
+        offset += p.numel()
+    return True
 
 
 class Received(list):
@@ -359,7 +210,7 @@ def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
             and p.shape[:dim] + p.shape[dim + 1 :] == first.shape[:dim] + first.shape[dim + 1 :]
             for p in pieces
         )
-        and _adjacent(pieces) is not None
+        and _adjacent(pieces)
     ):
         shape = list(first.shape)
         shape[dim] = sum(p.shape[dim] for p in pieces)
@@ -367,87 +218,82 @@ def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(list(pieces), dim)
 
 
-def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    return raw.view(dtype).view(tuple(shape))
+def _call(kind: str, mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
+          sample: torch.Tensor, detail: str = "") -> Call:
+    from . import protocol
+
+    return Call(kind, mesh, mesh_dim, groups, sample, detail, transport=protocol.NATIVE)
 
 
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return prod(shape) * dtype.itemsize
-
-
-# ----- collectives (same signatures and results as distributed.py's) ---------------------------
+# ----- collectives (same signatures and results as distributed.py's, plus ``shapes``) ---------
 
 
 def all_gather(
-    mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor]
+    mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor],
+    shapes: Shapes = None,
 ) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
-    """Every member's piece: with the headers when forecast, else as views of one buffer
-    filled point to point after them."""
+    """Every member's piece, as views of one buffer that one ``all_gather_into_tensor`` filled."""
     sample = components[0]
-    call = Call("all_gather", mesh, mesh_dim, groups, sample, transport=protocol.NATIVE)
+    call = _call("all_gather", mesh, mesh_dim, groups, sample)
     call.check(lambda group: {"ndim": sample.ndim})
     out = {}
     for group in sorted(groups):
-        g = _Native(call, group)
+        g = _Backend(call, group)
         piece = components[g.local]
-        announced, arrived = g.first_round(
-            "all_gather", [piece.shape], [piece],
-            lambda shapes: [_nbytes(shapes[0], sample.dtype)], own=True,
-        )
-        shapes = [s[0] for s in announced]
-        if arrived is not None:
-            g.count_arrived(arrived)
-            out[g.local] = Received(
-                _typed(a, sample.dtype, s) for a, s in zip(arrived, shapes, strict=True)
-            )
-            continue
-        sizes = [_nbytes(s, sample.dtype) for s in shapes]
-        parts = torch.empty(sum(sizes), dtype=torch.uint8, device=sample.device).split(sizes)
-        g.gather_into(parts, as_bytes(piece))
-        out[g.local] = Received(
-            _typed(p, sample.dtype, s) for p, s in zip(parts, shapes, strict=True)
-        )
+        if shapes is None:
+            every = [tuple(s) for s in g.learn(list(piece.shape))]
+            finish_check = _checked
+        else:
+            every = [tuple(shapes(d)) for d in g.members]
+            finish_check = g.agree(sample.device, shapes=every)
+        if tuple(piece.shape) != every[g.k]:
+            raise CollectiveMismatchError(
+                f"{call.what()}: this process's piece has shape {list(piece.shape)} where the "
+                f"spec says {list(every[g.k])}")
+        got = g.all_gather_bytes(as_bytes(piece), [_nbytes(s, sample.dtype) for s in every])
+        finish_check()
+        out[g.local] = Received(_typed(p, sample.dtype, s) for p, s in zip(got, every,
+                                                                           strict=True))
     return out, call.traffic
 
 
 def all_gather_tensor(
     mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor],
-    gather_dim: int,
+    gather_dim: int, shapes: Shapes = None,
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
     """``all_gather`` joined along ``gather_dim``: a view of the gathered buffer where the pieces
-    lie in order along it, else one concatenation."""
-    gathered, traffic = all_gather(mesh, mesh_dim, groups, components)
+    lie in order along it (even pieces along the first non-trivial dim), else one copy."""
+    gathered, traffic = all_gather(mesh, mesh_dim, groups, components, shapes)
     return {i: join(pieces, gather_dim) for i, pieces in gathered.items()}, traffic
 
 
 def all_to_all(
-    mesh: DeviceMesh,
-    mesh_dim: int,
-    groups: Sequence[Group],
-    pieces: Sequence[Sequence[torch.Tensor]],
+    mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
+    pieces: Sequence[Sequence[torch.Tensor]], receive_shapes: Callable[[int], Sequence[
+        Sequence[int]]] | None = None,
 ) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
-    """``pieces[i][k]`` goes to member k: inline with the headers when forecast, else by one
-    all_to_all with the pieces' split sizes after them."""
+    """``pieces[i][k]`` goes to member k by one ``all_to_all_single``; what member j sends
+    here is shaped ``receive_shapes(local index)[j]`` (from the spec), else learnt from the
+    peers."""
     sample = pieces[0][0]
-    call = Call("all_to_all", mesh, mesh_dim, groups, sample, transport=protocol.NATIVE)
+    call = _call("all_to_all", mesh, mesh_dim, groups, sample)
     call.check(lambda group: {"ndim": sample.ndim})
     out = {}
     for group in sorted(groups):
-        g = _Native(call, group)
+        g = _Backend(call, group)
         mine = pieces[g.local]
-        announced, received = g.first_round(
-            "all_to_all", [p.shape for p in mine], mine,
-            lambda shapes: [_nbytes(s, sample.dtype) for s in shapes], own=True,
-        )
-        shapes = [announced[j][g.k] for j in range(g.n)]
-        if received is None:
-            received = g.all_to_all(mine, [_nbytes(s, sample.dtype) for s in shapes])
+        if receive_shapes is None:
+            rows = g.learn([list(p.shape) for p in mine])
+            expected = [tuple(row[g.k]) for row in rows]
+            finish_check = _checked
         else:
-            g.count_arrived(received)
-        # fresh buffers either way (the own piece copied too): ``join`` may view them
-        out[g.local] = Received(
-            _typed(r, sample.dtype, s) for r, s in zip(received, shapes, strict=True)
-        )
+            expected = [tuple(s) for s in receive_shapes(g.local)]
+            # the spec being moved (the call's fields) stands for the pieces' shapes
+            finish_check = g.agree(sample.device, ndim=sample.ndim)
+        got = g.all_to_all_bytes(mine, [_nbytes(s, sample.dtype) for s in expected])
+        finish_check()
+        out[g.local] = Received(_typed(r, sample.dtype, s) for r, s in zip(got, expected,
+                                                                           strict=True))
     return out, call.traffic
 
 
@@ -458,29 +304,44 @@ def reduce_scatter(
     pieces: Sequence[Sequence[torch.Tensor]],
     op: str,
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
-    """An all_to_all of the pieces (inline with the headers when forecast), then each member
-    combines its terms in coordinate order."""
+    """Member k gets the reduction of every member's ``pieces[.][k]``: one
+    ``reduce_scatter_tensor`` of the pieces padded to the largest, or, in coordinate order, an
+    all_to_all of the pieces combined here."""
     sample = pieces[0][0]
-    call = Call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})",
-                transport=protocol.NATIVE)
+    call = _call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})")
     call.check(lambda g: {"piece shapes": [list(p.shape) for p in pieces[first_local(g)]]})
     out = {}
     for group in sorted(groups):
-        g = _Native(call, group)
+        g = _Backend(call, group)
         mine = pieces[g.local]
-        announced, terms = g.first_round(
-            "all_to_all", [p.shape for p in mine], mine,
-            lambda shapes: [_nbytes(s, sample.dtype) for s in shapes], OPS.index(op),
-        )
-        g.same_shapes(announced)
-        shape = mine[g.k].shape
-        size = _nbytes(shape, sample.dtype)
-        if terms is None:
-            terms = g.all_to_all(mine, [size] * g.n, own=False)
+        finish_check = g.agree(sample.device, op=op, shapes=[list(p.shape) for p in mine])
+        if not _backend_reduces(op, sample.dtype):
+            out[g.local] = g.ordered_reduce_scatter(mine, op)
+            finish_check()
+            continue
+        width = max(p.numel() for p in mine)
+        if width == 0:
+            out[g.local] = finish(mine[g.k].clone(), op, g.n, sample.dtype)
+            finish_check()
+            continue
+        ordered = [mine[j] for j in g.member_at]  # the backend scatters in rank order
+        if all(p.numel() == width for p in ordered):
+            flat = torch.cat([p.reshape(-1) for p in ordered])
         else:
-            g.count_arrived(terms)
-        reduced = combine([_typed(t, sample.dtype, shape) for t in terms], op)
-        out[g.local] = finish(reduced, op, g.n, sample.dtype)
+            flat = mine[0].new_zeros(g.n * width)
+            for at, p in enumerate(ordered):
+                flat[at * width : at * width + p.numel()] = p.reshape(-1)
+        real = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+        reduced = g.run(_functional.reduce_scatter_tensor, real, "sum" if op == "avg" else op,
+                        g.n)
+        if flat.is_complex():
+            reduced = torch.view_as_complex(reduced.view(-1, 2))
+        finish_check()
+        item = sample.element_size()
+        call.traffic.payload += sum(p.numel() for p in mine) * item - mine[g.k].numel() * item
+        call.traffic.meta += (g.n - 1) * width * item - call.traffic.payload  # padding
+        shape = mine[g.k].shape
+        out[g.local] = finish(reduced[: prod(shape)].view(shape), op, g.n, sample.dtype)
     return out, call.traffic
 
 
@@ -497,74 +358,49 @@ def all_reduce(
     components: Sequence[torch.Tensor],
     op: str,
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
-    """Member k reduces chunk k of every component in coordinate order (after an all_to_all of
-    the chunks, inline with the headers when forecast), then the reduced chunks are
-    all-gathered into the result buffer. Two processes exchange their whole components (the
-    same bytes as a ring) with the headers when forecast; else the backend's all_reduce
-    where its bits are those (``_backend_reduces``)."""
+    """One backend ``all_reduce``; in coordinate order (deterministic mode, float max/min,
+    dtypes the backend does not reduce): member k reduces ring chunk k of every component
+    (all_to_all_single), then the reduced chunks are gathered (all_gather_into_tensor)."""
     sample = components[0]
-    call = Call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})",
-                transport=protocol.NATIVE)
+    call = _call("all_reduce", mesh, mesh_dim, groups, sample, f"({op})")
     call.check(lambda group: {"shape": list(components[first_local(group)].shape)})
     out = {}
-    item = sample.dtype.itemsize
+    item = sample.element_size()
     for group in sorted(groups):
-        g = _Native(call, group)
+        g = _Backend(call, group)
         component = components[g.local]
-        bounds = _chunks(component.numel(), g.n)
-        backend = _backend_reduces(op, sample.dtype, g.n)
-        if g.n == 2:  # the ring's bytes: each process gets the other's whole component
-            announced, terms = g.first_round(
-                "all_gather", [component.shape], [component],
-                lambda shapes: [_nbytes(shapes[0], sample.dtype)], OPS.index(op),
-            )
-            g.same_shapes(announced)
-            if terms is not None:  # both came inline: combine them in coordinate order
-                g.count_arrived(terms)
-                typed = [_typed(t, sample.dtype, component.shape) for t in terms]
-                if op in ("sum", "avg") and sample.dtype in _PAIR_EXACT:
-                    # a + b == b + a: add into the received buffer, no third one
-                    reduced = typed[1 - g.k].add_(typed[g.k])
-                else:
-                    reduced = combine(typed, op)
-                out[g.local] = finish(reduced, op, g.n, sample.dtype)
-                continue
-        elif backend:  # headers alone: the pieces would not ride along
-            g.same_shapes(g.first_round(None, [component.shape], extra=OPS.index(op))[0])
-        if backend:
-            result = component.clone(memory_format=torch.contiguous_format)
-            if result.numel():
-                g.run(lambda r=result, g=g: dist.all_reduce(
-                    r, op=_BACKEND_OPS[op], group=g.pg, async_op=True))
-            call.traffic.payload += all_reduce_received(result.numel(), item, g.n, g.k)
+        finish_check = g.agree(sample.device, op=op, shape=list(component.shape))
+        if component.numel() == 0:
+            out[g.local] = finish(component.clone(), op, g.n, sample.dtype)
+        elif _backend_reduces(op, sample.dtype):
+            dense = component.contiguous()
+            real = torch.view_as_real(dense) if dense.is_complex() else dense
+            result = g.run(_functional.all_reduce, real, "sum" if op == "avg" else op)
+            if dense.is_complex():
+                result = torch.view_as_complex(result)
+            call.traffic.payload += all_reduce_received(dense.numel(), item, g.n, g.k)
             out[g.local] = finish(result, op, g.n, sample.dtype)
-            continue
-        flat = as_bytes(component)
-        chunks = [flat[a * item : b * item] for a, b in bounds]
-        # the terms land in the result's memory (no second fresh buffer): they are combined
-        # before the all_gather overwrites them
-        result = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
-        raw = as_bytes(result)
-        terms = None
-        if g.n > 2:
-            announced, terms = g.first_round(
-                "all_to_all", [component.shape], chunks,
-                lambda shapes, n=g.n: [(b - a) * item for a, b in _chunks(prod(shapes[0]), n)],
-                OPS.index(op), into=raw,
-            )
-            g.same_shapes(announced)
-        start, stop = bounds[g.k]
-        if terms is None:
-            terms = g.all_to_all(chunks, [(stop - start) * item] * g.n, raw, own=False)
         else:
-            g.count_arrived(terms)
-        reduced = finish(
-            combine([_typed(t, sample.dtype, (stop - start,)) for t in terms], op), op, g.n,
-            sample.dtype,
-        )
-        g.gather_into([raw[a * item : b * item] for a, b in bounds], as_bytes(reduced))
-        out[g.local] = result
+            bounds = _chunks(component.numel(), g.n)
+            flat = component.contiguous().reshape(-1)
+            reduced = g.ordered_reduce_scatter([flat[a:b] for a, b in bounds], op) if all(
+                b - a == bounds[0][1] - bounds[0][0] for a, b in bounds) else _uneven_chunks(
+                g, flat, bounds, op)
+            got = g.all_gather_bytes(as_bytes(reduced), [(b - a) * item for a, b in bounds])
+            out[g.local] = torch.cat(got).view(sample.dtype).view(component.shape)
+        finish_check()
     return out, call.traffic
+
+
+def _uneven_chunks(g: _Backend, flat: torch.Tensor, bounds: list[tuple[int, int]],
+                   op: str) -> torch.Tensor:
+    """``ordered_reduce_scatter`` of ring chunks of other sizes: member k receives chunk k of
+    every member (all of one size), which an all_to_all of the chunks gives as it is."""
+    start, stop = bounds[g.k]
+    got = g.all_to_all_bytes([flat[a:b] for a, b in bounds],
+                             [(stop - start) * flat.element_size()] * g.n)
+    reduced = combine([_typed(t, flat.dtype, (stop - start,)) for t in got], op)
+    return finish(reduced, op, g.n, flat.dtype)
 
 
 def broadcast(
@@ -574,24 +410,24 @@ def broadcast(
     components: Sequence[torch.Tensor],
     src: int,
 ) -> tuple[dict[int, torch.Tensor], Traffic]:
-    """Member ``src``'s component, by one native broadcast into a fresh buffer."""
+    """Member ``src``'s component, by one backend broadcast (of its bytes, any dtype)."""
     sample = components[0]
-    call = Call("broadcast", mesh, mesh_dim, groups, sample, f"(src={src})",
-                transport=protocol.NATIVE)
+    call = _call("broadcast", mesh, mesh_dim, groups, sample, f"(src={src})")
     call.check(lambda group: {"shape": list(components[first_local(group)].shape)})
     out = {}
     for group in sorted(groups):
-        g = _Native(call, group)
+        g = _Backend(call, group)
         component = components[g.local]
-        g.same_shapes(g.first_round(None, [component.shape], extra=src)[0])
-        if g.k == src:
-            buffer, value = as_bytes(component), component
+        finish_check = g.agree(sample.device, src=src, shape=list(component.shape))
+        if g.k == src or component.numel() == 0:
+            value = component
+            if component.numel():
+                g.run(_functional.broadcast, as_bytes(component), g.owners[src])
         else:
-            value = torch.empty(component.shape, dtype=sample.dtype, device=sample.device)
-            buffer = as_bytes(value)
-            call.traffic.payload += buffer.numel()
-        if buffer.numel():
-            g.run(lambda b=buffer, g=g: dist.broadcast(b, src=g.owners[src], group=g.pg,
-                                                       async_op=True))
+            received = g.run(_functional.broadcast, as_bytes(component), g.owners[src])
+            value = received.view(sample.dtype).view(component.shape)
+            call.traffic.payload += received.numel()
+        finish_check()
         out[g.local] = value
     return out, call.traffic
+

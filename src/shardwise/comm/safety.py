@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -51,6 +51,20 @@ def set_debug_checks(enabled: bool) -> None:
 
 def debug_checks_enabled() -> bool:
     return settings.DEBUG_CHECKS.get()
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Reduce across processes in coordinate order, as the embedded run does, so N processes
+    give its bits (also ``SHARDWISE_DETERMINISTIC=1``; ``deterministic()`` for a block). The
+    default reduces in the backend's order, as PyTorch does: within float rounding. Same
+    backend collectives, same bytes: an all_to_all and an all_gather instead of one
+    all_reduce. Call it with the same value in every process."""
+    settings.DETERMINISTIC.set_default(bool(enabled))
+
+
+def deterministic(enabled: bool = True) -> AbstractContextManager[None]:
+    """Within the block (this thread only), ``set_deterministic(enabled)``."""
+    return settings.DETERMINISTIC.override(bool(enabled))
 
 
 class _Moving:
@@ -120,29 +134,35 @@ class _Speaker:
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.depth = 0
-        self.what = ""
+        self.what: str | Callable[[], str] = ""
 
 
 # per process (per rank thread in the launcher's threads mode, which is a process of its own)
 _speaker: settings.ProcessLocal[_Speaker] = settings.ProcessLocal(_Speaker)
 
 
+def _text(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
+
+
 @contextmanager
-def one_thread(what: str) -> Iterator[None]:
+def one_thread(what: str | Callable[[], str]) -> Iterator[None]:
     """The calling thread speaks for this process in the collective across processes ``what``.
 
     gloo matches a group's messages by their order, so two threads of one process in
     collectives at once corrupt its groups (the process aborts inside gloo, or data goes to
     the wrong collective). A second thread that comes while another is inside raises
-    ``ConcurrentCollectiveError`` before any message is sent; the same thread may nest."""
+    ``ConcurrentCollectiveError`` before any message is sent; the same thread may nest.
+    ``what`` may be a callable, formatted only for that error."""
     speaker = _speaker.get()
     me = threading.current_thread()
     with speaker.lock:
         other = speaker.thread
         if other is not None and other is not me:
             raise ConcurrentCollectiveError(
-                f"thread {me.name!r} entered a collective across processes ({what}) while "
-                f"thread {other.name!r} of this process is inside one ({speaker.what}): a "
+                f"thread {me.name!r} entered a collective across processes ({_text(what)}) "
+                f"while thread {other.name!r} of this process is inside one "
+                f"({_text(speaker.what)}): a "
                 f"process runs its collectives across processes one at a time, from one thread, "
                 f"in the same order as the other processes. Issue them from one thread (or "
                 f"hand them to it), or run ranks as threads with shardwise.run_threads"

@@ -494,7 +494,7 @@ class StrategyExtended:
             shape = list(c.shape)
             shape[dim] = longest - c.shape[dim]
             padded.append(torch.cat([c, c.new_zeros(shape)], dim=dim))
-        gathered = comm.all_gather(self.mesh, 0, padded)[0]
+        gathered = comm.all_gather(self.mesh, 0, padded, lambda _: padded[0].shape)[0]
         return torch.cat(
             [p.narrow(dim, 0, n) for p, n in zip(gathered, sizes, strict=True)], dim=dim
         )

@@ -475,7 +475,7 @@ def gather_packed(
                 parts += _padded(s._components[i], width, dtype)
             flats.append(torch.cat(parts))
         with comm.moving(lambda: f"fully_shard's packed gather of {len(stored)} parameters"):
-            gathered = comm.all_gather_tensor(mesh, d, flats, 0)
+            gathered = comm.all_gather_tensor(mesh, d, flats, 0, lambda _: flats[0].shape)
         out: list[list[torch.Tensor]] = [[] for _ in stored]
         for i in range(n_local):
             rows = gathered[i].view(n, -1)

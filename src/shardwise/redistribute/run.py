@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
@@ -118,23 +118,36 @@ def _run_local(step: Step, mesh: DeviceMesh, components: list[torch.Tensor]) -> 
     ]
 
 
-def _run_step(step: Step, mesh: DeviceMesh, components: list[torch.Tensor]) -> list[torch.Tensor]:
+@lru_cache(maxsize=16384)
+def _component_shape(mesh: DeviceMesh, shape: tuple[int, ...], state: tuple, device: int
+                     ) -> tuple[int, ...]:
+    """The shape of ``device``'s component of a tensor of ``shape`` placed ``state``: what
+    every process knows of every other's pieces without asking (the backend collectives'
+    sizes)."""
+    runs = shard_segments(shape, mesh.shape, state, mesh.coordinate_of(device))
+    return tuple(segments_size(r) for r in runs)
+
+
+def _run_step(step: Step, mesh: DeviceMesh, shape: tuple[int, ...], state: tuple,
+              components: list[torch.Tensor]) -> list[torch.Tensor]:
     """One step on one mesh dim, by its collective."""
     m, a, b = step.mesh_dim, step.source, step.target
     kind = step.collective
     if kind == "local":
         return _run_local(step, mesh, components)
+    shapes = partial(_component_shape, mesh, shape, state)
     if kind == "all_gather":
         if isinstance(a, InterleavedShard):
-            return [_merge_interleaved(p, a) for p in comm.all_gather(mesh, m, components)]
-        return comm.all_gather_tensor(mesh, m, components, a.dim)
+            return [_merge_interleaved(p, a) for p in comm.all_gather(mesh, m, components,
+                                                                      shapes)]
+        return comm.all_gather_tensor(mesh, m, components, a.dim, shapes)
     if kind == "all_reduce":
         return comm.all_reduce(mesh, m, components, a.reduce_op)
     n = mesh.shape[m]
     if kind == "reduce_scatter":
         return comm.reduce_scatter(mesh, m, [_split(t, b, n) for t in components], a.reduce_op)
     # all_to_all: Shard(d) -> Shard(e)
-    return comm.all_to_all_tensor(mesh, m, components, b.dim, a.dim)
+    return comm.all_to_all_tensor(mesh, m, components, b.dim, a.dim, shapes)
 
 
 def _run_point_to_point(
@@ -167,7 +180,7 @@ def run_plan(
               and isinstance(step.target, Partial) and mesh.shape[step.mesh_dim] > 1):
             out = _run_spread(step, mesh, plan.shape, state, out)
         else:
-            out = _run_step(step, mesh, out)
+            out = _run_step(step, mesh, plan.shape, state, out)
         state = after
         if plan.cast is not None and pending_sum(state) != pending:
             # the half-precision sum got reduced (round once, move half the bytes from here

@@ -1,0 +1,89 @@
+"""The agreement of the backend path (``native.py``): before its data moves, each process of a
+group says what it is about to do, as a 56-bit fingerprint (collective, sequence number between
+these processes, dtype, reduce op, every member's piece shapes as this process reckons them
+from the spec, the spec being moved; with debug checks also the call site and mesh dim),
+gathered on a CPU gloo side group (``runtime.side_group_for_ranks``). Equal fingerprints cost
+that one small gather; different ones make every process swap the fields it hashed and raise
+``CollectiveMismatchError`` naming what differs per rank, the same error on every rank.
+
+The gather never touches the accelerator: on CUDA the data's collective is enqueued first and
+the host checks the fingerprints while the device works; on CPU the check comes first, since
+gloo aborts the process on messages of another size. A rank that skips a collective meets its
+peers' next fingerprint with another sequence number: the mismatch names both."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import runtime
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+from . import protocol
+
+_functional = torch.ops._c10d_functional
+
+
+def start(ranks: tuple[int, ...], fields: dict[str, object], extra: dict[str, object],
+          what: Callable[[], str]) -> Callable[[], None]:
+    """Gather the fingerprint of ``fields`` and ``extra`` (JSON values) over ``ranks``;
+    returns the call that waits for it and raises on a difference (``what()`` names the
+    collective in errors)."""
+    side = runtime.side_group_for_ranks(ranks)
+    word = protocol.fingerprint((fields, extra))
+    mine = torch.tensor([word], dtype=torch.int64)
+    gathered = _functional.all_gather_into_tensor(mine, len(ranks), side.group_name)
+
+    def check() -> None:
+        try:
+            words = _functional.wait_tensor(gathered)
+        except RuntimeError as err:
+            raise CollectiveTimeoutError(
+                f"{what()}: the processes' agreement did not complete ({err}); another process "
+                f"did not take part (it diverged, failed or hangs)") from err
+        if bool((words != word).any()):
+            _explain(side, ranks, {**fields, **extra}, what)
+
+    return check
+
+
+def gather(ranks: tuple[int, ...], fields: dict[str, object], extra: dict[str, object],
+           own: object, what: Callable[[], str]) -> list:
+    """Every process's ``own`` (a JSON value that may differ per process: the shapes of pieces
+    no spec describes), gathered on the side group after the agreement on ``fields`` and
+    ``extra`` (so a divergent peer meets a fingerprint, never an object of unknown size); for
+    the generic collectives, not the hot path."""
+    start(ranks, fields, extra, what)()
+    seen: list = [None] * len(ranks)
+    try:
+        dist.all_gather_object(seen, own, group=runtime.side_group_for_ranks(ranks))
+    except RuntimeError as err:
+        raise CollectiveTimeoutError(
+            f"{what()}: gathering the pieces' shapes did not complete ({err}); another process "
+            f"failed or hangs") from err
+    return seen
+
+
+def _explain(side: dist.ProcessGroup, ranks: tuple[int, ...], mine: dict[str, object],
+             what: Callable[[], str]) -> None:
+    """Every process saw the difference: swap the fields and raise naming what differs."""
+    seen: list = [None] * len(ranks)
+    dist.all_gather_object(seen, mine, group=side)
+    _raise(ranks, seen, what)
+
+
+def _raise(ranks: tuple[int, ...], seen: list[dict[str, object]], what: Callable[[], str]
+           ) -> None:
+    """``CollectiveMismatchError`` naming, per rank, the fields of ``seen`` that differ."""
+    keys = sorted({k for d in seen for k in d})
+    diffs = [
+        f"  {key}: " + "; ".join(f"rank {r}: {d.get(key)!r}" for r, d in zip(ranks, seen,
+                                                                            strict=True))
+        for key in keys if len({repr(d.get(key)) for d in seen}) > 1
+    ]
+    raise CollectiveMismatchError(
+        f"processes disagree on a collective: {what()}. What differs per rank:\n"
+        + ("\n".join(diffs) or "  the fields hash alike but differ") + "\nEvery process must "
+        "run the same collectives in the same order on tensors of the same global shapes; "
+        "set_debug_checks(True) adds the call sites")
