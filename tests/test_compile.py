@@ -201,10 +201,46 @@ def _tp_mlp_job() -> list[float]:
 
 
 def test_compiled_tensor_parallel_mlp_across_two_processes() -> None:
-    """Redistributions across processes trace as one custom op each (fullgraph, no break),
-    compiled steps equal eager bit for bit on every rank and the unsharded model's values."""
+    """Redistributions across processes trace into the graph (fullgraph, no break), compiled
+    steps equal eager bit for bit on every rank and the unsharded model's values."""
     losses = run_in_processes(_tp_mlp_job, 2, timeout=300)
     assert losses[0] == losses[1]
+
+
+def _graph_job() -> dict:
+    """The TP MLP's forward and backward graphs as AOT autograd hands them to the compiler:
+    the ops of every node, per graph."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    mesh = sw.init_device_mesh("cpu", (2,))
+    graphs: list[list[str]] = []
+
+    def record(gm: torch.fx.GraphModule, _: object) -> torch.fx.GraphModule:
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    step = torch.compile(_mlp_loss, backend=aot_autograd(fw_compiler=record, bw_compiler=record),
+                         fullgraph=True)
+    dts, plain = _inputs(mesh, 3)
+    loss = step(*dts)
+    loss.backward()
+    x, w1, w2 = plain
+    want = ((torch.relu(x @ w1.t()) @ w2.t()) ** 2).mean()
+    return {"graphs": graphs, "loss": loss.full_tensor(), "want": want.detach()}
+
+
+def test_compiled_redistribution_lowers_to_functional_collectives() -> None:
+    """Across processes the TP step's redistribution is the backend's functional collective
+    in the graph (an all_reduce and its wait_tensor) that inductor can schedule, not an opaque
+    op; the compiled loss equals one device's."""
+    for result in run_in_processes(_graph_job, 2, timeout=300):
+        forward = result["graphs"][0]
+        assert "_c10d_functional.all_reduce.default" in forward, forward
+        assert "_c10d_functional.wait_tensor.default" in forward, forward
+        assert not any("execute_plan" in op for graph in result["graphs"] for op in graph)
+        torch.testing.assert_close(result["loss"], result["want"])
 
 
 def test_plan_op_replans_from_its_key_alone() -> None:

@@ -70,7 +70,7 @@ def _one_device_per_process(mesh: DeviceMesh, mesh_dim: int) -> bool:
     )
 
 
-def applies(mesh: DeviceMesh, mesh_dim: int, sample: torch.Tensor) -> bool:
+def applies(mesh: DeviceMesh, mesh_dim: int, sample: torch.Tensor | None) -> bool:
     """Whether the backend's collectives serve the cross-process groups of ``mesh_dim``: every
     such group has one device per process."""
     return _one_device_per_process(mesh, mesh_dim)
@@ -102,6 +102,8 @@ class _Backend:
         """Start this group's agreement on ``fields`` (and the call's); returns the check to
         finish it (before the data on CPU, where gloo aborts on messages of another size;
         after enqueueing it on an accelerator, so the host never waits on the device)."""
+        if _tracing():  # a compiled graph holds the collectives alone
+            return _checked
         check = agreement.start(self.ranks, *self._fields(fields), self.call.what)
         self.call.traffic.meta += 8 * (self.n - 1)
         if device.type == "cpu":
@@ -168,6 +170,13 @@ class _Backend:
         return finish(reduced, op, self.n, dtype)
 
 
+def _tracing() -> bool:
+    """Whether a tracer (torch.compile's) records this collective instead of running it: then
+    it is the functional collective and its wait alone, with no agreement and no view of a
+    buffer's storage."""
+    return torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+
+
 def _checked() -> None:
     """The check of a collective whose agreement came with its shapes (``_Backend.learn``)."""
 
@@ -204,6 +213,7 @@ def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     first = pieces[0]
     if (
         isinstance(pieces, Received)
+        and not _tracing()
         and len(pieces) > 1
         and all(
             prod(p.shape[:dim]) == 1

@@ -1,13 +1,16 @@
-"""Executing a plan: eagerly (``run.run_plan``), or, while a tracer runs on a mesh that spans
-processes, as one ``torch.library`` custom op, so torch.compile can trace it:
-``shardwise::execute_plan(components, key)`` runs the plan that ``key`` describes (``run_plan``,
-eager's executor, so results are bit-identical to eager), and its fake implementation gives the
-target local shapes without communicating.
+"""Executing a plan: eagerly (``run.run_plan``), or while a tracer runs.
 
 In one process the plan's local ops and in-process collectives are traced as they are, where
-the compiler can fuse them. The key is a JSON text of the mesh, the placements, the global shape,
-the dtype and whether the plan may spread (an explicit redistribution's), so a graph loaded from
-torch's compile caches in another process finds its plan again (planning is deterministic).
+the compiler can fuse them. Across processes a plan whose every collective runs on the
+backend's own collectives (one device per process on its mesh dims, no exchange) is traced as
+it is too: its steps become ``_c10d_functional`` collectives and ``wait_tensor``s in the graph,
+which inductor schedules and overlaps (``lowers``). Any other plan is one ``torch.library``
+custom op, ``shardwise::execute_plan(components, key)``, which runs the plan that ``key``
+describes (``run_plan``, eager's executor, so results are bit-identical to eager), and whose
+fake implementation gives the target local shapes without communicating. The key is a JSON
+text of the mesh, the placements, the global shape, the dtype and whether the plan may spread
+(an explicit redistribution's), so a graph loaded from torch's compile caches in another
+process finds its plan again (planning is deterministic).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..comm import native
 from ..comm.distributed import spans_processes
 from ..mesh import DeviceMesh
 from ..spec import DTensorSpec, contiguous_meta
@@ -109,12 +113,26 @@ def _(components: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     return [c.new_empty(shape) for c, shape in zip(components, shapes, strict=True)]
 
 
+_LOWERED = ("local", "all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+def lowers(plan: RedistributePlan, mesh: DeviceMesh) -> bool:
+    """Whether every step of ``plan`` traces into the backend's functional collectives: each
+    a collective on one mesh dim whose groups have one device per process."""
+    return all(
+        step.collective in _LOWERED
+        and (step.collective == "local" or native.applies(mesh, step.mesh_dim, None))
+        for step in plan.steps
+    )
+
+
 def execute_plan(
     plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
     """Run ``plan`` on this process's components (ordered like ``mesh.local_device_ids``):
-    through the custom op while a tracer runs on a mesh spanning processes, else eagerly."""
-    if tracing(mesh, components):
+    while a tracer runs on a mesh spanning processes, as functional collectives where the plan
+    ``lowers``, else through the custom op; eagerly otherwise."""
+    if tracing(mesh, components) and not lowers(plan, mesh):
         return traced_plan(plan, mesh, components)
     return run_plan(plan, mesh, components)
 
