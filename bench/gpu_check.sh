@@ -3,7 +3,8 @@
 # minutes. Runs tests/test_cuda.py (values against plain PyTorch on the GPU), then the dispatch
 # benchmark (world of one, NCCL, beside torch.distributed.tensor), redistribution on 4 simulated
 # devices sharing the GPU (beside the same moves in plain torch ops) and the tensor-parallel
-# training step (one process, NCCL, beside DTensor and hand-written TP).
+# training step (one process, NCCL, beside DTensor and hand-written TP); and a TP training step
+# under torch.cuda.set_sync_debug_mode("error") (no host sync) beside hand-written.
 #
 # Run: bash bench/gpu_check.sh [RESULTS_DIR]   (default bench/results/gpu; $OUT when set); copy
 # the JSON files into bench/results/gpu/ and `python bench/run_all.py` adds them to the docs.
@@ -43,6 +44,7 @@ step cuda_tests 150 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
 step dispatch 120 $py bench/bench_dispatch.py --quick --device cuda --json "$results/dispatch.json"
 step redistribute 120 $py bench/bench_redistribute.py --simulate 4 --device cuda 1024 4096 \
     --json "$results/redistribute.json"
+step sync_check 120 $py bench/sync_check.py --json "$results/sync_check.json"
 step training 150 $py -m torch.distributed.run --standalone --nproc_per_node 1 \
     bench/bench_training.py --device cuda --json "$results/training.json"
 $py - "$results/machine.json" "$SECONDS" <<'EOF'
