@@ -31,7 +31,7 @@ import torch
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
 from ..runtime import group_for_ranks, rank_and_world
-from . import protocol, safety
+from . import agreement, protocol, safety
 from .reduction import accumulation_dtype, combine, finish
 from .wire import post_receive, post_send, wait
 
@@ -95,6 +95,13 @@ class Call:
             values, fingerprint = spec
             self.fields = lambda group: {"spec": values}
             self.fingerprints = dict.fromkeys(self.seq, fingerprint)
+        if transport == protocol.POINT_TO_POINT:
+            # the agreement every cross-process collective starts with (``agreement.py``),
+            # so a process here and a peer in a backend collective meet in one message
+            for rank_set, number in self.seq.items():
+                agreement.start(rank_set, {"collective": kind + detail, "sequence": number,
+                                           "dtype": str(sample.dtype)},
+                                {} if spec is None else {"spec": spec[0]}, self.what)()
 
     def what(self) -> str:
         moving = safety.current_description() or "local components"
