@@ -1,8 +1,8 @@
-"""The header every cross-process collective starts with is checked always, not only under debug
-checks (issue 20): processes that redistribute DTensors of different global shapes raise
-``CollectiveMismatchError`` on every rank, naming both shapes, at every piece size and whether
-or not the forecast carries the pieces with the header; processes that enter different
-collectives (the point-to-point transport against the native one) find out from the first
+"""The agreement every cross-process collective starts with is checked always, not only under
+debug checks: processes that redistribute DTensors of different global shapes raise
+``CollectiveMismatchError`` on every rank, naming both shapes, at every piece size (before gloo
+sees messages of another size, on which it aborts the process); processes that enter different
+collectives (the point-to-point transport against the backend's) find out from the first
 message instead of waiting for the timeout."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from shardwise import Partial, Replicate, Shard
 from shardwise.comm import native
 
 COLS = 1024  # a row of float32 is 4 KiB
-PIECES_KIB = (16, 1024, 12 * 1024)  # in the header's message, in a message of its own, unforecast
+PIECES_KIB = (16, 1024, 12 * 1024)
 
 
 def _outcome(fn) -> str:
@@ -40,7 +40,7 @@ def _sharded(rows: int, mesh: sw.DeviceMesh) -> sw.DTensor:
 
 def gather_other_sizes() -> dict:
     """The last rank all-gathers a DTensor whose pieces hold 2x or 0.5x the bytes of the one
-    the others gather, after the same all_gather repeated (so the forecast carries it)."""
+    the others gather, after the same all_gather repeated."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = sw.init_device_mesh("cpu", (world,))
     sw.set_collective_timeout(60)
@@ -50,7 +50,7 @@ def gather_other_sizes() -> dict:
         base = _sharded(rows, mesh)
         for factor in (2, 0.5):
             other = _sharded(int(rows * factor), mesh)
-            for _ in range(3):  # the successor repeats: the forecast sizes the header's message
+            for _ in range(3):  # a training loop's repeated collective first
                 base.redistribute(placements=[Replicate()])
             mine = other if rank == world - 1 else base
             out[(kib, factor)] = _outcome(lambda m=mine: m.redistribute(placements=[Replicate()]))

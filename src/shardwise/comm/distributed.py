@@ -1,10 +1,10 @@
 """The ``torch.distributed`` transport for mesh groups whose devices span processes, point to
-point: the groups where a process owns several devices of one group (and tensors of more dims
-than the native header holds). Groups with one device per process use the backend's own
-collectives instead (``native.py``, which shares this module's ``Call``, process groups and
-error handling). Both follow one protocol (``protocol.py``): the first message of every
-collective is its header, of a size the two transports agree on, so a process on one
-transport and its peer on the other still read each other's header.
+point: the groups where a process owns several devices of one group, the exchanges and
+scatters. Groups with one device per process use the backend's own collectives instead
+(``native.py``, which shares this module's ``Call``, process groups and error handling). Every
+collective of either starts with the agreement (``agreement.py``), so a process here and its
+peer in a backend collective meet in one message; this transport's first round is then its
+header (``protocol.py``), with the sizes each process sends.
 
 Each collective here is built from point-to-point messages, at most one message per peer
 process and round, so a process receives only what its devices need: the pieces of other
@@ -317,41 +317,28 @@ class _Round:
             )
             for ranks in call.seq
         }
-        sizes = {ranks: protocol.message_sizes(ranks) for ranks in call.seq}
+        sizes = {ranks: protocol.header_bytes(len(ranks)) for ranks in call.seq}
         mine, theirs, works = {}, {}, []
         for key in keys:
-            header_bytes, forecast_bytes, apart = sizes[key[0]]
-            first = header_bytes + (0 if apart else forecast_bytes)
-            theirs[key] = torch.empty(first, dtype=torch.uint8, device=device)
+            theirs[key] = torch.empty(sizes[key[0]], dtype=torch.uint8, device=device)
             works.append(post_receive(theirs[key], key[1], key[0], protocol.HEADER_TAG))
-            if apart:  # the forecast bytes of a native collective: not for this transport
-                works.append(post_receive(torch.empty(forecast_bytes, dtype=torch.uint8,
-                                                      device=device),
-                                          key[1], key[0], protocol.HEADER_TAG))
         for key in keys:
-            header_bytes, forecast_bytes, apart = sizes[key[0]]
             sent = sum(p.numel() for p in self.outgoing.get(key, []))
             mine[key] = [*fixed[key[0]], sent, sum(self.incoming.get(key, []))]
-            message = torch.zeros(header_bytes + (0 if apart else forecast_bytes),
-                                  dtype=torch.uint8)
+            message = torch.zeros(sizes[key[0]], dtype=torch.uint8)
             message[: len(mine[key]) * 8] = torch.tensor(mine[key]).view(torch.uint8)
             payload = payloads.get(key)
             if payload is not None and payload.numel() and _fits(payload.numel(), key[0]):
                 message[_INLINE_AT : _INLINE_AT + payload.numel()] = payload
             works.append(post_send(message.to(device), key[1], key[0], protocol.HEADER_TAG))
-            if apart:
-                works.append(post_send(torch.zeros(forecast_bytes, dtype=torch.uint8,
-                                                   device=device),
-                                       key[1], key[0], protocol.HEADER_TAG))
         self._wait(works)
         inline = {
             key: theirs[key][_INLINE_AT : _INLINE_AT + sum(parts)]
             for key, parts in self.incoming.items()
             if _fits(sum(parts), key[0])
         }  # counted with the round they belong to
-        call.traffic.meta += sum(
-            b.numel() + (sizes[k[0]][1] if sizes[k[0]][2] else 0) for k, b in theirs.items()
-        ) - sum(b.numel() for b in inline.values())
+        call.traffic.meta += sum(b.numel() for b in theirs.values()) - sum(
+            b.numel() for b in inline.values())
         words = protocol.FIXED + 2
         differ, wrong = set(), []
         for key in keys:
@@ -372,8 +359,6 @@ class _Round:
             call.compare(differ)
         if wrong:
             raise wrong[0]
-        for ranks, words_of in fixed.items():  # every peer agreed: so will the forecasts
-            protocol.forecast(ranks).learn(tuple(words_of[1:2] + words_of[4:]), None, 0)
         return inline
 
     def _wait(self, works: list) -> None:

@@ -33,7 +33,7 @@ import torch
 from .. import settings
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
-from . import agreement
+from . import agreement, protocol
 from .accounting import all_reduce_received
 from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks
 from .reduction import combine, finish
@@ -230,8 +230,6 @@ def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
 
 def _call(kind: str, mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
           sample: torch.Tensor, detail: str = "") -> Call:
-    from . import protocol
-
     return Call(kind, mesh, mesh_dim, groups, sample, detail, transport=protocol.NATIVE)
 
 
