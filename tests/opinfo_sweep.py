@@ -347,8 +347,6 @@ _AS_STRIDED = (
     "device holds; no sharding (and no replica with its own layout) keeps them"
 )
 REASONS = {
-    "tensor_split": "tensor_split reads its tensor of indices in C++ before dispatch; a DTensor "
-    "holds no data there (pass the indices as a list of ints)",
     "as_strided": _AS_STRIDED,
     "as_strided.partial_views": _AS_STRIDED,
     "as_strided_copy": _AS_STRIDED,

@@ -42,9 +42,5 @@ XFAIL: dict[str, str] = {
         'storage of the whole tensor, which no device holds; no sharding (and no replica '
         'with its own layout) keeps them'
     ),
-    'tensor_split': (
-        'tensor_split reads its tensor of indices in C++ before dispatch; a DTensor holds'
-        ' no data there (pass the indices as a list of ints)'
-    ),
     'to_sparse': 'sparse DTensors are not supported (distribute_tensor refuses sparse inputs)',
 }

@@ -255,3 +255,31 @@ def test_view_to_a_wrong_size_names_the_shapes() -> None:
     d = sw.distribute_tensor(_rand(3, 4), mesh, [Shard(0)])
     with pytest.raises(sw.InvalidArgumentError, match=r"shape \[-1, 5\] is invalid for 12"):
         d.view(-1, 5)
+
+
+@pytest.mark.parametrize(
+    ("indices", "placements"),
+    [(torch.tensor([1, 3, 4]), [Shard(0)]), (torch.tensor([1, 3, 4]), [sw.Replicate()]),
+     (torch.tensor(3), [sw.Replicate()])],
+)
+def test_tensor_split_with_dtensor_indices(indices, placements) -> None:
+    """tensor_split reads its indices (or number of sections) on the host before dispatch: a
+    DTensor there is read as its global value."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(6, 5)
+    dx = sw.distribute_tensor(x, mesh, [Shard(1)])
+    di = sw.distribute_tensor(indices, mesh, placements)
+    with sw.allow_implicit_redistribute():
+        pieces = torch.tensor_split(dx, di, dim=0)
+    expected = torch.tensor_split(x, indices, dim=0)
+    assert len(pieces) == len(expected)
+    for got, want in zip(pieces, expected, strict=True):
+        assert torch.equal(got.full_tensor(), want)
+
+
+def test_tensor_split_reading_sharded_indices_is_explicit() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    dx = sw.distribute_tensor(_rand(6, 5), mesh, [Shard(1)])
+    di = sw.distribute_tensor(torch.tensor([1, 3]), mesh, [Shard(0)])
+    with pytest.raises(sw.ImplicitRedistributeError, match="tensor_split"):
+        torch.tensor_split(dx, di)
