@@ -171,7 +171,7 @@ def test_reduce_plain_tensor_over_axis(n: int) -> None:
     t = torch.arange(12.0).reshape(4, 3)
     torch.testing.assert_close(s.reduce("SUM", t, axis=0), n * t.sum(0))
     torch.testing.assert_close(s.reduce("MEAN", t, axis=0), t.mean(0))
-    torch.testing.assert_close(s.reduce("SUM", t, axis=[0, 1]), n * t.sum())
+    torch.testing.assert_close(s.reduce("SUM", t, axis=(0, 1)), n * t.sum())
     one = swd.OneDeviceStrategy("cpu:0")
     torch.testing.assert_close(one.reduce("SUM", t, axis=1), t.sum(1))
 
