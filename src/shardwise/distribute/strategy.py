@@ -125,11 +125,12 @@ class Strategy:
     experimental_run_v2 = run
 
     def reduce(
-        self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None
+        self, reduce_op: ReduceOp | str, value: Any, axis: int | tuple[int, ...] | None = None
     ) -> Any:
         """``value`` reduced across replicas (axis None), or over replicas and ``axis`` (MEAN:
         sum of sums over sum of counts, right for uneven batches). A plain tensor, or a nest
-        of them for a nest; an integer MEAN is true-divided (float64, as TF)."""
+        of them for a nest; an integer MEAN is true-divided (TF's truediv: float32 for
+        8- and 16-bit integers, float64 for wider ones); a list ``axis`` raises TypeError, as TF."""
         op = ReduceOp.resolve(reduce_op)
         if isinstance(axis, list):  # TF 2.21 hashes ``axis``
             raise DistributeTypeError(
@@ -327,7 +328,7 @@ class StrategyExtended:
         self, op: ReduceOp, values: list[list[torch.Tensor]]
     ) -> list[list[torch.Tensor]]:
         """``values[j][i]``: value j on local replica i. One fused collective per dtype; an
-        integer MEAN is the sum true-divided by the replica count (float64, as TF 2.21)."""
+        integer MEAN is the sum true-divided by the replica count (TF 2.21's truediv)."""
         devices = self._torch_devices()
         out: list[list[torch.Tensor]] = [[] for _ in values]
         by_dtype: dict[torch.dtype, list[int]] = {}
