@@ -344,11 +344,16 @@ def _scalars_to_replicate(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     """0-d plain tensors become replicated DTensors: here every tensor argument is an operand
     (dispatch passes 0-d ones on as scalars), e.g. the plain zeros autograd's formula for a 0-d
     ``cummax`` scatters its gradient into."""
-    mesh = _mesh_of((*args, *kwargs.values()))
+    def scalar(a: Any) -> bool:
+        return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim == 0
+
+    values = (*args, *kwargs.values())
+    if not any(scalar(a) for a in values):
+        return args, kwargs
+    mesh = _mesh_of(values)
 
     def fix(a: Any) -> Any:
-        plain = isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim == 0
-        return _replicated(a, mesh) if plain else a
+        return _replicated(a, mesh) if scalar(a) else a
 
     return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
 
