@@ -342,22 +342,10 @@ class _Recorder(TorchDispatchMode):
 
 
 # Why an OpInfo fails, where the error message alone does not say it.
-_AS_STRIDED = (
-    "as_strided: its strides and offset address the storage of the whole tensor, which no "
-    "device holds; no sharding (and no replica with its own layout) keeps them"
-)
 REASONS = {
-    "tensor_split": "tensor_split reads its tensor of indices in C++ before dispatch; a DTensor "
-    "holds no data there (pass the indices as a list of ints)",
-    "as_strided": _AS_STRIDED,
-    "as_strided.partial_views": _AS_STRIDED,
-    "as_strided_copy": _AS_STRIDED,
-    "as_strided_scatter": _AS_STRIDED + " (its backward)",
-    "stft": "stft frames its input with " + _AS_STRIDED,
-    "resize_": "resize_ changes the storage of each component; a DTensor's global shape cannot "
-    "be resized in place (make a new DTensor)",
-    "resize_as_": "resize_as_ changes the storage of each component; a DTensor's global shape "
-    "cannot be resized in place (make a new DTensor)",
+    "nn.functional.linear_cross_entropy.chunked_none": "its backward runs torch's chunked "
+    "accumulator in Python on the saved tensors, with out= matmuls into plain buffers "
+    "(aten.mm.out); shardwise runs no out= variants",
     "to_sparse": "sparse DTensors are not supported (distribute_tensor refuses sparse inputs)",
 }
 XFAIL_FILE = Path(__file__).with_name("opinfo_xfail.py")

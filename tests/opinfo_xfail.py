@@ -3,48 +3,10 @@
 the list only shrinks). ``no rule: aten.x`` means an op family not written yet."""
 
 XFAIL: dict[str, str] = {
-    'as_strided': (
-        'as_strided: its strides and offset address the storage of the whole tensor, '
-        'which no device holds; no sharding (and no replica with its own layout) keeps '
-        'them'
-    ),
-    'as_strided.partial_views': (
-        'as_strided: its strides and offset address the storage of the whole tensor, '
-        'which no device holds; no sharding (and no replica with its own layout) keeps '
-        'them'
-    ),
-    'as_strided_copy': (
-        'as_strided: its strides and offset address the storage of the whole tensor, '
-        'which no device holds; no sharding (and no replica with its own layout) keeps '
-        'them'
-    ),
-    'as_strided_scatter': (
-        'as_strided: its strides and offset address the storage of the whole tensor, '
-        'which no device holds; no sharding (and no replica with its own layout) keeps '
-        'them (its backward)'
-    ),
-    'nn.functional.linear_cross_entropy.chunked': (
-        'no rule: torch_nn._linear_cross_entropy_batch_chunked.default'
-    ),
     'nn.functional.linear_cross_entropy.chunked_none': (
-        'no rule: torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default'
-    ),
-    'resize_': (
-        "resize_ changes the storage of each component; a DTensor's global shape cannot "
-        'be resized in place (make a new DTensor)'
-    ),
-    'resize_as_': (
-        "resize_as_ changes the storage of each component; a DTensor's global shape "
-        'cannot be resized in place (make a new DTensor)'
-    ),
-    'stft': (
-        'stft frames its input with as_strided: its strides and offset address the '
-        'storage of the whole tensor, which no device holds; no sharding (and no replica '
-        'with its own layout) keeps them'
-    ),
-    'tensor_split': (
-        'tensor_split reads its tensor of indices in C++ before dispatch; a DTensor holds'
-        ' no data there (pass the indices as a list of ints)'
+        "its backward runs torch's chunked accumulator in Python on the saved tensors, "
+        'with out= matmuls into plain buffers (aten.mm.out); shardwise runs no out= '
+        'variants'
     ),
     'to_sparse': 'sparse DTensors are not supported (distribute_tensor refuses sparse inputs)',
 }

@@ -216,3 +216,26 @@ def test_unique_is_replicated_and_explicit() -> None:
         values = torch.unique(dx)
     assert values.placements == (Replicate(),)
     assert torch.equal(values.full_tensor(), torch.unique(x))
+
+
+@pytest.mark.parametrize("fn", [torch.cummax, torch.cummin])
+def test_cummax_cummin_backward_of_a_0d_tensor(fn) -> None:
+    """Autograd's formula scatters the gradient into plain zeros made with ``torch.zeros``; on
+    a 0-d input those zeros are a 0-d plain tensor, which is an operand here, not a scalar."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    dx = sw.distribute_tensor(x.detach().clone(), mesh, [Replicate()]).requires_grad_()
+    values, _ = fn(dx, 0)
+    (values * 3.0).sum().backward()
+    (fn(x, 0)[0] * 3.0).sum().backward()
+    assert torch.equal(dx.grad.full_tensor(), x.grad)
+
+
+def test_scatter_add_into_a_0d_plain_zero() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    index = sw.distribute_tensor(torch.tensor(0), mesh, [Replicate()])
+    src = sw.distribute_tensor(torch.tensor(2.5), mesh, [Replicate()])
+    out = torch.zeros(()).scatter_add(0, index, src)
+    assert out.placements == (Replicate(),)
+    assert torch.equal(out.full_tensor(), torch.zeros(()).scatter_add(0, torch.tensor(0),
+                                                                        torch.tensor(2.5)))

@@ -469,3 +469,30 @@ def test_seed_strategy_example(restore_layer_norm) -> None:
 
 def test_builtin_layer_norm_is_back_after_the_seed_examples() -> None:
     assert registration(aten.native_layer_norm.default).strategy is layer_norm_strategy
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_chunked_linear_cross_entropy_keeps_the_batch_sharded(reduction: str) -> None:
+    """torch's chunked ``F.linear_cross_entropy`` (custom ops): rows sharded with the target
+    stay sharded for ``none`` and ``sum`` (no gather of the input), and give torch's loss and
+    gradients; ``mean`` runs replicated."""
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(7, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    target = torch.randint(0, 7, (8,), generator=gen)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    dx = sw.distribute_tensor(x.detach().clone(), mesh, [Shard(0)]).requires_grad_()
+    dw = sw.distribute_tensor(w.detach().clone(), mesh, [Replicate()]).requires_grad_()
+    dt = sw.distribute_tensor(target, mesh, [Shard(0)])
+    with sw.CommCounter() as counter, sw.allow_implicit_redistribute():
+        got = F.linear_cross_entropy(dx, dw, dt, reduction=reduction, options=options)
+    expected = F.linear_cross_entropy(x, w, target, reduction=reduction, options=options)
+    if reduction != "mean":
+        assert not counter.counts.get("all_gather"), counter.counts
+    torch.testing.assert_close(got.full_tensor(), expected)
+    if reduction != "none":  # the per-row loss's backward is not supported (docs/ops.md)
+        got.full_tensor().backward()
+        expected.backward()
+        torch.testing.assert_close(dx.grad.full_tensor(), x.grad)
+        torch.testing.assert_close(dw.grad.full_tensor(), w.grad)

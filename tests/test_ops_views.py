@@ -255,3 +255,109 @@ def test_view_to_a_wrong_size_names_the_shapes() -> None:
     d = sw.distribute_tensor(_rand(3, 4), mesh, [Shard(0)])
     with pytest.raises(sw.InvalidArgumentError, match=r"shape \[-1, 5\] is invalid for 12"):
         d.view(-1, 5)
+
+
+@pytest.mark.parametrize(
+    ("indices", "placements"),
+    [(torch.tensor([1, 3, 4]), [Shard(0)]), (torch.tensor([1, 3, 4]), [sw.Replicate()]),
+     (torch.tensor(3), [sw.Replicate()])],
+)
+def test_tensor_split_with_dtensor_indices(indices, placements) -> None:
+    """tensor_split reads its indices (or number of sections) on the host before dispatch: a
+    DTensor there is read as its global value."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(6, 5)
+    dx = sw.distribute_tensor(x, mesh, [Shard(1)])
+    di = sw.distribute_tensor(indices, mesh, placements)
+    with sw.allow_implicit_redistribute():
+        pieces = torch.tensor_split(dx, di, dim=0)
+    expected = torch.tensor_split(x, indices, dim=0)
+    assert len(pieces) == len(expected)
+    for got, want in zip(pieces, expected, strict=True):
+        assert torch.equal(got.full_tensor(), want)
+
+
+def test_tensor_split_reading_sharded_indices_is_explicit() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    dx = sw.distribute_tensor(_rand(6, 5), mesh, [Shard(1)])
+    di = sw.distribute_tensor(torch.tensor([1, 3]), mesh, [Shard(0)])
+    with pytest.raises(sw.ImplicitRedistributeError, match="tensor_split"):
+        torch.tensor_split(dx, di)
+
+
+# ----- as_strided ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("placements", [[sw.Replicate()], [Shard(0)], [Shard(1)]])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_as_strided_addresses_the_global_storage(placements, transpose) -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(4, 6).requires_grad_()
+    dx = sw.distribute_tensor(x.detach().clone(), mesh, placements).requires_grad_()
+    src, dsrc = (x.t(), dx.t()) if transpose else (x, dx)
+    args = ((3, 2), (5, 2), 3)
+    with sw.allow_implicit_redistribute():
+        out = torch.as_strided(dsrc, *args)
+        copy = torch.as_strided_copy(dsrc, *args)
+    expected = torch.as_strided(src, *args)
+    assert out.placements == (sw.Replicate(),)
+    assert torch.equal(out.full_tensor(), expected)
+    assert torch.equal(copy.full_tensor(), expected)
+    weight = _rand(3, 2)
+    (out.full_tensor() * weight).sum().backward()
+    (expected * weight).sum().backward()
+    assert torch.equal(dx.grad.full_tensor(), x.grad)
+
+
+def test_as_strided_output_aliases_a_replicated_input() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(4, 6)
+    dx = sw.distribute_tensor(x.clone(), mesh, [sw.Replicate()])
+    dx.as_strided((2, 2), (6, 1), 1).add_(1.0)
+    x.as_strided((2, 2), (6, 1), 1).add_(1.0)
+    assert torch.equal(dx.full_tensor(), x)
+
+
+def test_as_strided_of_a_slice_is_refused() -> None:
+    """A slice addresses its base's storage, which no DTensor tracks."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    dx = sw.distribute_tensor(_rand(4, 6), mesh, [sw.Replicate()])
+    with pytest.raises(sw.UnsupportedOpError, match=r"a view of a tensor of shape \[4, 6\]"):
+        dx[1:].as_strided((2, 2), (6, 1))
+    column = sw.distribute_tensor(_rand(4, 1), mesh, [sw.Replicate()])
+    with pytest.raises(sw.UnsupportedOpError, match=r"a view of a tensor of shape \[4, 1\]"):
+        column.expand(4, 3).as_strided((2,), (1,))
+
+
+@pytest.mark.parametrize("placements", [[sw.Replicate()], [Shard(0)], [Shard(1)]])
+@pytest.mark.parametrize("size", [(6, 4), (5,), (3, 7)])
+def test_resize_keeps_the_storage_order(placements, size) -> None:
+    """The elements of the storage in order (the transposed tensor's storage is its base's),
+    then, where the tensor grows, zeros (torch leaves them uninitialized); a tensor resized to
+    its own shape is left alone."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(4, 6)
+    for src in (x.clone(), x.clone().t()):
+        d = sw.distribute_tensor(x.clone(), mesh, placements)
+        d = d.t() if src.stride() != x.stride() else d
+        before, same = d.placements, list(size) == list(d.shape)
+        with sw.allow_implicit_redistribute():
+            out = d.resize_(size)
+        expected = src.resize_(size)
+        assert out is d and d.shape == torch.Size(size)
+        if same:  # torch: its own shape changes nothing
+            assert d.placements == before
+        else:
+            assert d.placements == (sw.Replicate(),)
+        keep = min(x.numel(), expected.numel())
+        assert torch.equal(d.full_tensor().reshape(-1)[:keep], expected.reshape(-1)[:keep])
+        assert not d.full_tensor().reshape(-1)[keep:].any()
+
+
+def test_resize_as_takes_the_template_shape() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(4, 6)
+    d = sw.distribute_tensor(x.clone(), mesh, [sw.Replicate()])
+    template = sw.distribute_tensor(torch.zeros(8, 3), mesh, [Shard(0)])
+    d.resize_as_(template)
+    assert torch.equal(d.full_tensor(), x.clone().resize_as_(torch.zeros(8, 3)))

@@ -330,3 +330,98 @@ def test_two_clients_get_tf_answers() -> None:
         assert got["layout"] == ["x"]
         assert got["locations"] == [{"x": rank, "y": y} for y in range(3)]
         assert got["counts"] == (3, 6)
+
+
+# ----- TF 2.21's answers, measured in TF 2.21 on logical CPU devices (issue 34) --------------
+
+
+def test_copy_to_mesh_with_a_replicated_layout_of_another_rank(mesh: sw.DeviceMesh) -> None:
+    """TF 2.21: a fully replicated layout of any rank replicates the tensor at its own rank
+    (``Layout.replicated(mesh, 2)`` on [1., 2.] gives sharding_specs ['unsharded'] and [1., 2.]
+    on every device); a sharded layout of another rank raises."""
+    for rank in (0, 2, 3):
+        d = sw.copy_to_mesh(torch.tensor([1.0, 2.0]), Layout.replicated(mesh, rank))
+        assert sw.fetch_layout(d).sharding_specs == [UNSHARDED]
+        assert [c.tolist() for c in sw.unpack(d)] == [[1.0, 2.0]] * mesh.size()
+    scalar = sw.copy_to_mesh(torch.tensor(5.0), Layout.replicated(mesh, 2))
+    assert sw.fetch_layout(scalar).rank == 0
+    assert [c.item() for c in sw.unpack(scalar)] == [5.0] * mesh.size()
+    with pytest.raises(LayoutError, match="rank 1"):
+        sw.copy_to_mesh(torch.tensor([1.0, 2.0]), Layout(["x", UNSHARDED], mesh))
+    with pytest.raises(LayoutError, match="rank 0"):
+        sw.copy_to_mesh(torch.tensor(5.0), Layout(["x"], mesh))
+
+
+_DEVICES = ",".join(f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4))
+_SHORT_2X2 = f"|x=2,y=2|0,1,2,3|0,1,2,3|{_DEVICES}"
+
+
+def test_mesh_names_strings_and_equality() -> None:
+    """TF 2.21: a named mesh differs from the unnamed one of the same devices (and from
+    ``create_mesh``'s); ``name|dims|*CPU`` is TF's short form (devices 0..N-1)."""
+    unnamed = sw.DeviceMesh.from_string(_SHORT_2X2)
+    named = sw.DeviceMesh.from_string("mymesh" + _SHORT_2X2)
+    assert unnamed == sw.create_mesh([("x", 2), ("y", 2)])  # TF 2.21: True
+    assert named != unnamed and named.mesh_name == "mymesh"  # TF 2.21: False, 'mymesh'
+    short = sw.DeviceMesh.from_string("|x=2,y=2|*CPU")
+    assert short.shape == (2, 2) and list(short.local_device_ids) == [0, 1, 2, 3]
+    assert short == unnamed and sw.DeviceMesh.from_string("m|x=2|*CPU").mesh_name == "m"
+    assert sw.DeviceMesh.from_string("|x=8|*CPU").shape == (8,)
+    with pytest.raises(ValueError, match=r"expected a \*"):
+        sw.DeviceMesh.from_string("|x=2,y=2|CPU")  # TF 2.21: "Expected a * ..."
+
+
+def test_tf_mesh_constructor_checks() -> None:
+    """TF 2.21's Mesh(dim_names, global_device_ids, local_device_ids, local_devices): ValueError
+    for ids that do not increase row-major from 0 and for local_device_ids and local_devices
+    of different lengths."""
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
+    with pytest.raises(ValueError, match="row-major"):
+        sw.Mesh(["x", "y"], [[0, 2], [1, 3]], [0, 1, 2, 3], devices)
+    with pytest.raises(ValueError, match="differ in length"):
+        sw.Mesh(["x", "y"], [[0, 1], [2, 3]], [0, 1, 2], devices)
+    assert sw.Mesh(["x", "y"], [[0, 1], [2, 3]], [0, 1, 2, 3], devices).shape == (2, 2)
+
+
+def test_mesh_indexed_by_position_raises_type_error() -> None:
+    """TF 2.21: ``mesh[0]`` raises TypeError (a mesh is indexed by dim name)."""
+    with pytest.raises(TypeError):
+        sw.create_mesh([("x", 2), ("y", 2)])[0]
+
+
+def test_documented_mesh_differences_keep_pytorch_meanings() -> None:
+    """The rows of docs/tf_dtensor.md's differences table (TF 2.21 on the left): ``shape()``
+    [2, 2] is the property (2, 2); ``mesh["x"]`` MeshDimension('x', 2) is the sub-mesh, its
+    size ``dim_size``; ``mesh == 3`` TypeError is False; repeated dim names, accepted, raise."""
+    mesh = sw.create_mesh([("x", 2), ("y", 2)])
+    assert mesh.shape == (2, 2)
+    assert mesh["x"].mesh.tolist() == [0, 2] and mesh.dim_size("x") == 2
+    assert (mesh == 3) is False and (mesh == None) is False  # noqa: E711
+    with pytest.raises(sw.MeshError, match="unique"):
+        sw.create_mesh([("x", 2), ("x", 2)])
+
+
+def test_dvariable_gradient_has_tf_value_in_the_variable_layout() -> None:
+    """TF 2.21: the gradient of ``matmul(v, x)`` (v: [4, 3] on ["x", UNSHARDED]) with upstream
+    arange(8).reshape(4, 2) is [[-1, 1, 3], [-7, 3, 13], [-13, 5, 23], [-19, 7, 33]], laid out
+    [UNSHARDED, UNSHARDED]; shardwise gives the same value in the variable's layout."""
+    mesh = sw.create_mesh([("x", 2), ("y", 2)])
+    layout = Layout(["x", UNSHARDED], mesh)
+    v = sw.DVariable(torch.arange(12.0).reshape(4, 3) / 7, layout=layout)
+    x = sw.copy_to_mesh(torch.arange(6.0).reshape(3, 2) - 2, Layout.replicated(mesh, 2))
+    up = sw.copy_to_mesh(torch.arange(8.0).reshape(4, 2), layout)
+    torch.matmul(v, x).backward(up)
+    tf_grad = [[-1.0, 1.0, 3.0], [-7.0, 3.0, 13.0], [-13.0, 5.0, 23.0], [-19.0, 7.0, 33.0]]
+    assert v.grad.full_tensor().tolist() == tf_grad
+    assert sw.fetch_layout(v.grad) == layout
+    assert [list(c.shape) for c in sw.unpack(v.grad)] == [[2, 3]] * 4
+
+
+def test_mirrored_strategy_without_devices_takes_one_cpu() -> None:
+    """TF 2.21 takes every logical CPU device tf.config made (8); shardwise has none to take
+    and gives one replica; naming the 8 gives TF's count (docs/distribute.md)."""
+    import shardwise.distribute as swd
+
+    for s in (swd.MirroredStrategy(), swd.MirroredStrategy([])):
+        assert s.extended.worker_devices == ("cpu:0",) and s.num_replicas_in_sync == 1
+    assert swd.MirroredStrategy([f"cpu:{i}" for i in range(8)]).num_replicas_in_sync == 8

@@ -171,7 +171,7 @@ def test_reduce_plain_tensor_over_axis(n: int) -> None:
     t = torch.arange(12.0).reshape(4, 3)
     torch.testing.assert_close(s.reduce("SUM", t, axis=0), n * t.sum(0))
     torch.testing.assert_close(s.reduce("MEAN", t, axis=0), t.mean(0))
-    torch.testing.assert_close(s.reduce("SUM", t, axis=[0, 1]), n * t.sum())
+    torch.testing.assert_close(s.reduce("SUM", t, axis=(0, 1)), n * t.sum())
     one = swd.OneDeviceStrategy("cpu:0")
     torch.testing.assert_close(one.reduce("SUM", t, axis=1), t.sum(1))
 
@@ -331,3 +331,79 @@ def test_replica_context_update_without_aggregation_is_refused() -> None:
     with pytest.raises(DistributeValueError, match="aggregation"):
         s.run(lambda: v.assign_add(swd.get_replica_context().replica_id_in_sync_group.float()))
     assert [c.value().item() for c in v.values] == [0.0, 0.0]
+
+
+# ----- TF 2.21's answers, measured in TF 2.21 on 2 logical CPU devices (issue 34) ------------
+
+
+def _rid() -> int:
+    return int(swd.get_replica_context().replica_id_in_sync_group)
+
+
+def test_reduce_with_a_list_axis_raises_type_error() -> None:
+    """TF 2.21: ``TypeError: unhashable type: 'list'`` for every strategy; a tuple works."""
+    s = mirrored(2)
+    pr = s.run(lambda: torch.arange(6.0).reshape(2, 3) + _rid())
+    for strategy, value in ((s, pr), (swd.OneDeviceStrategy("cpu:0"), torch.ones(2, 2))):
+        for axis in ([0, 1], [0]):
+            with pytest.raises(TypeError, match="unhashable type: 'list'"):
+                strategy.reduce("SUM", value, axis=axis)
+    assert s.reduce("SUM", pr, axis=(0, 1)).item() == 36.0  # TF 2.21: 36.0
+
+
+def test_reduce_of_a_python_zero_over_several_replicas_raises() -> None:
+    """TF 2.21 (2 replicas): SUM or MEAN of 0 / 0.0 raise AttributeError ('int' object has no
+    attribute 'shape'); MEAN of 3 gives 3, SUM of 3 raises ValueError; one device gives 0."""
+    s = mirrored(2)
+    for op in ("SUM", "MEAN"):
+        for zero in (0, 0.0):
+            with pytest.raises(AttributeError, match="no attribute 'shape'"):
+                s.reduce(op, zero, axis=None)
+    assert s.reduce("MEAN", 3, axis=None) == 3
+    with pytest.raises(ValueError, match="non-DistributedValues value 3"):
+        s.reduce("SUM", 3, axis=None)
+    assert swd.OneDeviceStrategy("cpu:0").reduce("SUM", 0, axis=None) == 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mean_dtype"),
+    [(torch.int8, torch.float32), (torch.uint8, torch.float32), (torch.int16, torch.float32),
+     (torch.int32, torch.float64), (torch.int64, torch.float64)],
+)
+def test_integer_reductions_keep_tf_dtypes(dtype: torch.dtype, mean_dtype: torch.dtype) -> None:
+    """Replica r holds [1, 2, 4] + r. TF 2.21: SUM over axis 0 stays in the integer dtype
+    (17); MEAN is TF's truediv: float32 for 8/16-bit integers, float64 for wider ones."""
+    s = mirrored(2)
+    pr = s.run(lambda: torch.tensor([1, 2, 4], dtype=dtype) + _rid())
+    total = s.reduce("SUM", pr, axis=0)
+    assert total.dtype == dtype and total.item() == 17
+    mean = s.reduce("MEAN", pr, axis=0)
+    assert mean.dtype == mean_dtype
+    assert mean.item() == pytest.approx(2.8333333333333335, rel=1e-6)
+    mean = s.reduce("MEAN", pr, axis=None)
+    assert mean.dtype == mean_dtype and mean.tolist() == [1.5, 2.5, 4.5]
+    got = s.extended.reduce_to("MEAN", pr, destinations="cpu:0")
+    assert got.dtype == mean_dtype and got.tolist() == [1.5, 2.5, 4.5]
+
+
+def test_uint8_sums_wrap_as_tf() -> None:
+    s = mirrored(2)
+    pr = s.run(lambda: torch.tensor([200, 100], dtype=torch.uint8))
+    assert s.reduce("SUM", pr, axis=0).item() == 88  # TF 2.21: 88 (uint8)
+    assert s.reduce("SUM", pr, axis=None).tolist() == [144, 200]  # TF 2.21: [144, 200]
+
+
+@pytest.mark.parametrize("make", [lambda: mirrored(2), lambda: swd.OneDeviceStrategy("cpu:0")])
+def test_colocate_vars_with_takes_only_variables_of_the_strategy(make) -> None:
+    """TF 2.21 (MirroredStrategy, OneDeviceStrategy): ValueError "`colocate_vars_with` must
+    only be passed a variable created in this tf.distribute.Strategy.scope()" for what
+    non_slot_devices returned, a device string or a tensor; a variable of the scope works."""
+    s = make()
+    with s.scope():
+        v = swd.Variable(1.0)
+        for target in (s.extended.non_slot_devices([v]), "cpu:0", torch.tensor(1.0)):
+            with pytest.raises(ValueError, match="must only be passed a variable created"):
+                s.extended.colocate_vars_with(target).__enter__()
+        with s.extended.colocate_vars_with(v):
+            w = swd.Variable(3.0)
+    assert w.read_value().item() == 3.0

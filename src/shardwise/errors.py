@@ -99,6 +99,11 @@ class DistributeValueError(ShardwiseError, ValueError):
     without aggregation, an empty device list (TF raises ValueError)."""
 
 
+class DistributeAttributeError(ShardwiseError, AttributeError):
+    """A Python number 0 reduced over several replicas (TF 2.21's shortcut for zeros reads
+    ``value.shape`` and raises AttributeError)."""
+
+
 class DistributeTypeError(ShardwiseError, TypeError):
     """A tf.distribute argument of the wrong kind: per-replica values where mirrored ones are
     needed, a VariableAggregation where a ReduceOp is needed (TF raises TypeError)."""

@@ -584,22 +584,34 @@ class DeviceMesh:
 
     @classmethod
     def from_string(cls, mesh_str: str) -> DeviceMesh:
-        """The mesh ``to_string`` wrote. Which devices this process owns follows from its own
-        rank, so a string written by another process reads back as the same mesh."""
+        """The mesh ``to_string`` wrote, or TF's short form ``name|x=2,y=2|*CPU`` (devices
+        0..N-1). Which devices this process owns follows from its own rank, so a string written
+        by another process reads back as the same mesh."""
         parts = mesh_str.split("|") if isinstance(mesh_str, str) else []
         try:
-            if len(parts) < 5:
-                raise ValueError("expected name|dims|global ids|local ids|local devices")
+            if len(parts) not in (3, 5, 6, 7):
+                raise ValueError(
+                    "expected name|dims|global ids|local ids|local devices, or TF's short "
+                    "form name|dims|*CPU"
+                )
             entries = parts[1].split(",")
             named = ["=" in e for e in entries]
             if any(named) and not all(named):
                 raise ValueError("either every dim is named or none is")
             names = [e.split("=")[0] for e in entries] if all(named) else None
             shape = [int(e.split("=")[-1]) for e in entries]
-            ids = [int(i) for i in parts[2].split(",")]
-            first_device = parts[4].split(",")[0]
-            device_type = tf_device_type(first_device.split(":")[-2]) if first_device else "cpu"
-        except (ValueError, IndexError) as err:
+            if len(parts) == 3:  # TF's short form: devices 0..N-1 of one type
+                if not parts[2].startswith("*"):
+                    raise ValueError(f"expected a * in the device part, found {parts[2]!r}")
+                ids = list(range(math.prod(shape)))
+                device_type = tf_device_type(parts[2][1:])
+            else:
+                ids = [int(i) for i in parts[2].split(",")]
+                first_device = parts[4].split(",")[0]
+                device_type = (
+                    tf_device_type(first_device.split(":")[-2]) if first_device else "cpu"
+                )
+        except (ValueError, IndexError, MeshError) as err:
             raise MeshError(f"cannot read a mesh from {mesh_str!r}: {err}") from None
         if math.prod(shape) != len(ids):
             raise MeshError(
@@ -619,7 +631,12 @@ class DeviceMesh:
                 self._rank, tuple(self.local_device_ids))
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)
+        """PyTorch's: False for anything but a mesh (TF 2.21 raises TypeError); meshes with
+        different TF names differ, as in TF."""
+        return self is other or (
+            isinstance(other, DeviceMesh) and self._key == other._key
+            and self.mesh_name == other.mesh_name
+        )
 
     def __hash__(self) -> int:
         return hash(self._key)
@@ -684,6 +701,19 @@ class Mesh(DeviceMesh):
         *,
         device_type: str | None = None,
     ) -> None:
+        if local_device_ids is not None and local_devices is not None and (
+            len(local_device_ids) != len(local_devices)
+        ):
+            raise MeshError(
+                f"Mesh: local_device_ids {list(local_device_ids)} and local_devices "
+                f"{list(local_devices)} differ in length (TF 2.21 raises ValueError)"
+            )
+        ids = torch.as_tensor(global_device_ids)
+        if not torch.equal(ids.reshape(-1), torch.arange(ids.numel())):
+            raise MeshError(
+                f"Mesh: global_device_ids must increase row-major from 0 (TF 2.21 raises "
+                f"ValueError), got {ids.tolist()}; DeviceMesh(device_type, ids) takes any order"
+            )
         devices = list(local_devices or []) + list(global_devices or [])
         if device_type is None:
             device_type = _device_type_of(devices[0]) if devices else "cpu"

@@ -1,7 +1,8 @@
 """An op's inputs brought where its sharding needs them: plain tensors among DTensors taken as
 replicated by PyTorch's rule (small constants, ``implicit_replication()``, autograd's backward)
 or refused, composite ops whose decomposition makes plain tensors named as exceptions
-(``register_plain_making_decomposition``), and DTensor inputs moved to the chosen placements
+(``register_plain_making_decomposition``), composite ops that read a tensor argument's values
+(``register_value_reading_decomposition``), and DTensor inputs moved to the chosen placements
 under the explicit-redistribution rule (a move that needs a collective raises
 ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on or autograd's
 backward runs). ``dispatch`` uses it for every op, handlers that bypass dispatch
@@ -132,6 +133,34 @@ def register_plain_making_decomposition(op: Any, makes: str) -> None:
     for key in _AUTOGRAD_KEYS:
         _LIBRARY.impl(op, kernel, key)
     PLAIN_MAKING_DECOMPOSITIONS[op] = makes
+
+
+def register_value_reading_decomposition(op: Any, argument: str) -> None:
+    """Name ``op`` (an ``aten`` CompositeImplicitAutograd overload) as one whose decomposition
+    reads the values of its tensor ``argument`` on the host (``tensor_split``'s indices), where
+    a DTensor holds no data: given a DTensor there, the decomposition gets that argument as a
+    plain tensor, its global value (replicated first under the explicit-redistribution rule).
+    The kernel sits at the op's autograd keys, above ``__torch_dispatch__``."""
+    composite = torch._C.DispatchKey.CompositeImplicitAutograd
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), composite):
+        raise TypeError(f"{op} is not CompositeImplicitAutograd: it has no decomposition")
+    names = [a.name for a in op._schema.arguments]
+    position = names.index(argument)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        args = list(args)
+        value = args[position] if position < len(args) else kwargs.get(argument)
+        if isinstance(value, DTensor):
+            target = [Replicate()] * value.device_mesh.ndim
+            plain = redistribute_inputs(op, [value], [target])[0][0]
+            if position < len(args):
+                args[position] = plain
+            else:
+                kwargs[argument] = plain
+        return op._op_dk(composite, *args, **kwargs)
+
+    for key in _AUTOGRAD_KEYS:
+        _LIBRARY.impl(op, kernel, key)
 
 
 # ----- moves -----------------------------------------------------------------------------------

@@ -182,8 +182,9 @@ def copy_to_mesh(tensor: Any, layout: Layout, source_layout: Layout | None = Non
     """Place a plain tensor (or a value convertible to one) on ``layout.mesh`` with ``layout``:
     every device keeps its slice. Differentiable: the gradient comes back as a plain tensor.
 
-    A DTensor is relaid out (returned as is when it already has ``layout``). ``source_layout``
-    is deprecated and ignored, as in TF.
+    A fully replicated ``layout`` of another rank replicates the tensor at its own rank, as TF
+    2.21 does. A DTensor is relaid out (returned as is when it already has ``layout``).
+    ``source_layout`` is deprecated and ignored, as in TF.
     """
     _check_layout_arg(layout, "copy_to_mesh")
     if source_layout is not None:
@@ -194,6 +195,8 @@ def copy_to_mesh(tensor: Any, layout: Layout, source_layout: Layout | None = Non
         return relayout(tensor, layout)
     if not isinstance(tensor, torch.Tensor):
         tensor = torch.as_tensor(tensor)
+    if all(s in (UNSHARDED, MATCH) for s in layout.sharding_specs):
+        layout = Layout.replicated(layout.mesh, tensor.ndim)  # TF 2.21: any rank, replicated
     _check_rank(tensor, layout, "copy_to_mesh")
     placements = _resolve_match(layout, None).to_placements()
     return _CopyToMesh.apply(tensor, layout.mesh, placements)

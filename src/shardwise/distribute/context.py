@@ -27,14 +27,12 @@ CROSS_REPLICA_ONLY = (
 @dataclass(frozen=True)
 class Mode:
     """One entry of the context stack: a strategy and its replica context (None: cross-replica);
-    ``update_replica`` is set inside ``extended.update``, ``colocate_with`` inside
-    ``extended.colocate_vars_with``."""
+    ``update_replica`` is set inside ``extended.update``."""
 
     strategy: Strategy
     replica_context: ReplicaContext | None
     update_replica: int | None = None
     explicit_default: bool = False
-    colocate_with: Any = None
 
 
 # the maker of the strategy in force outside every scope, installed by ``strategies`` (which the

@@ -18,7 +18,12 @@ import torch
 
 from .. import comm
 from ..dtensor import DTensor
-from ..errors import DistributeContextError, DistributeTypeError, DistributeValueError
+from ..errors import (
+    DistributeAttributeError,
+    DistributeContextError,
+    DistributeTypeError,
+    DistributeValueError,
+)
 from ..mesh import DeviceMesh
 from ..placements import Partial
 from . import context
@@ -120,12 +125,18 @@ class Strategy:
     experimental_run_v2 = run
 
     def reduce(
-        self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None
+        self, reduce_op: ReduceOp | str, value: Any, axis: int | tuple[int, ...] | None = None
     ) -> Any:
         """``value`` reduced across replicas (axis None), or over replicas and ``axis`` (MEAN:
         sum of sums over sum of counts, right for uneven batches). A plain tensor, or a nest
-        of them for a nest; an integer MEAN is true-divided (float64, as TF)."""
+        of them for a nest; an integer MEAN is true-divided (TF's truediv: float32 for
+        8- and 16-bit integers, float64 for wider ones); a list ``axis`` raises TypeError, as TF."""
         op = ReduceOp.resolve(reduce_op)
+        if isinstance(axis, list):  # TF 2.21 hashes ``axis``
+            raise DistributeTypeError(
+                f"reduce: `axis` must be an int or a tuple of ints, got the list {axis!r} (TF "
+                f"2.21 raises TypeError: unhashable type: 'list')"
+            )
         with context.require_cross_replica(
             self, f"{type(self).__name__}.reduce (inside run use ReplicaContext.all_reduce)"
         ):
@@ -297,8 +308,14 @@ class StrategyExtended:
                     f"reduce per-replica values instead"
                 )
             return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0 and (
+            self._num_replicas_in_sync > 1
+        ):
+            raise DistributeAttributeError(
+                f"{what}: a Python number {value!r} cannot be reduced over "
+                f"{self._num_replicas_in_sync} replicas (TF 2.21 raises AttributeError: "
+                f"'{type(value).__name__}' object has no attribute 'shape'); pass a tensor"
+            )
         if op is ReduceOp.SUM and self._num_replicas_in_sync > 1:
             raise DistributeValueError(
                 f"{what}: A non-DistributedValues value {value!r} cannot be reduced with the given "
@@ -311,7 +328,7 @@ class StrategyExtended:
         self, op: ReduceOp, values: list[list[torch.Tensor]]
     ) -> list[list[torch.Tensor]]:
         """``values[j][i]``: value j on local replica i. One fused collective per dtype; an
-        integer MEAN is the sum true-divided by the replica count (float64, as TF 2.21)."""
+        integer MEAN is the sum true-divided by the replica count (TF 2.21's truediv)."""
         devices = self._torch_devices()
         out: list[list[torch.Tensor]] = [[] for _ in values]
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -465,7 +482,9 @@ class StrategyExtended:
             components = [plain.to(d) for d in self._torch_devices()]
         rank = components[0].ndim
         axes = _normalize_axis(axis, rank)
-        sums = [c.sum(dim=axes) for c in components]
+        # TF keeps an integer dtype (torch would sum into int64)
+        sums = [c.sum(dim=axes, dtype=None if c.dtype == torch.bool else c.dtype)
+                for c in components]
         total = self._reduce(ReduceOp.SUM, PerReplica(sums), None)
         if op is ReduceOp.SUM:
             return total
@@ -567,26 +586,22 @@ class StrategyExtended:
 
     @contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """Variables created inside get the devices of ``colocate_with_variable`` (a variable
-        of this strategy, or what ``non_slot_devices`` returned)."""
+        """Variables created inside live where ``colocate_with_variable`` (a variable of this
+        strategy) lives: a mirrored strategy's are on every replica device, as any new one. As
+        TF 2.21, anything else (what ``non_slot_devices`` returned included) is refused."""
         mode = context.current_mode()
         if mode.strategy is not self._strategy or mode.replica_context is not None:
             raise DistributeContextError(
                 f'colocate_vars_with: Need to be inside "with strategy.scope()" of '
                 f"{self._strategy!r}"
             )
-        target = colocate_with_variable
-        ok = (isinstance(target, tuple) and all(isinstance(d, str) for d in target)) or (
-            getattr(target, "distribute_strategy", None) is self._strategy
-        )
-        if not ok:
+        if getattr(colocate_with_variable, "distribute_strategy", None) is not self._strategy:
             raise DistributeValueError(
                 f"`colocate_vars_with` must only be passed a variable created in this "
-                f"tf.distribute.Strategy.scope() ({self._strategy!r}) or what non_slot_devices "
-                f"returned, got {type(target).__name__}"
+                f"tf.distribute.Strategy.scope() ({self._strategy!r}), not: "
+                f"{colocate_with_variable!r}"
             )
-        with context.entered(replace(mode, colocate_with=target)):
-            yield
+        yield
 
     def value_container(self, value: Any) -> Any:
         """The distributed variable ``value`` is a component of, else ``value``."""
@@ -657,11 +672,16 @@ def _is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+_SMALL_INTEGERS = (torch.int8, torch.uint8, torch.int16, torch.uint16)
+
+
 def _true_divide(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """TF's truediv: a float total keeps its dtype; an integer one gives float64."""
+    """TF's truediv: a float total keeps its dtype; an 8- or 16-bit integer one gives float32,
+    a wider integer one float64."""
     if _is_float(total):
         return torch.true_divide(total, count.to(total.device, total.dtype))
-    return torch.true_divide(total.double(), count.to(total.device, torch.float64))
+    dtype = torch.float32 if total.dtype in _SMALL_INTEGERS else torch.float64
+    return torch.true_divide(total.to(dtype), count.to(total.device, dtype))
 
 
 def _count(t: torch.Tensor, axes: list[int]) -> int:

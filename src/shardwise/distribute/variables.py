@@ -489,7 +489,7 @@ def create_mirrored_variable(
         )
     ext = strategy.extended
     base = initial_tensor(initial_value, dtype)
-    copies = [base.to(d).clone() for d in _colocated_devices(strategy)]
+    copies = [base.to(d).clone() for d in ext._torch_devices()]
     if ext._num_replicas_in_sync > ext._num_local:  # multi-worker: worker 0's value wins
         with comm.moving(lambda: f"initial value of variable {name!r}"):
             copies = [c.contiguous() for c in comm.broadcast(ext.mesh, 0, copies, src=0)]
@@ -514,19 +514,3 @@ def create_mirrored_variable(
         }.get(aggregation)
         return SyncOnReadVariable(strategy, components, synchronization, aggregation, placement)
     return MirroredVariable(strategy, components, synchronization, aggregation, Replicate())
-
-
-def _colocated_devices(strategy: Strategy) -> list[torch.device]:
-    """The devices of a new variable: those of ``colocate_vars_with``'s target, which for a
-    mirrored strategy must be the replica devices (a copy per replica)."""
-    ext = strategy.extended
-    target = context.current_mode().colocate_with
-    if target is None:
-        return ext._torch_devices()
-    names = target if isinstance(target, tuple) else target.devices
-    if tuple(names) != ext.worker_devices:
-        raise DistributeValueError(
-            f"colocate_vars_with({names}) under {strategy!r}: a variable of a mirrored strategy "
-            f"has one copy on each replica device {ext.worker_devices}"
-        )
-    return ext._torch_devices()

@@ -26,6 +26,7 @@ from . import (
     scatter,  # noqa: F401
     selection,  # noqa: F401
     sorting,  # noqa: F401
+    strided,  # noqa: F401
     structural,  # noqa: F401
     tensor_ops,  # noqa: F401
     views,  # noqa: F401

@@ -339,3 +339,28 @@ def _chain_pre_patch(ops: Sequence[Any], patch: Any) -> None:
 
 _chain_pre_patch([aten.index.Tensor, *INDEX_PUT], _plain_to_replicate)
 
+
+def _scalars_to_replicate(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """0-d plain tensors become replicated DTensors: here every tensor argument is an operand
+    (dispatch passes 0-d ones on as scalars), e.g. the plain zeros autograd's formula for a 0-d
+    ``cummax`` scatters its gradient into."""
+    def scalar(a: Any) -> bool:
+        return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim == 0
+
+    values = (*args, *kwargs.values())
+    if not any(scalar(a) for a in values):
+        return args, kwargs
+    mesh = _mesh_of(values)
+
+    def fix(a: Any) -> Any:
+        return _replicated(a, mesh) if scalar(a) else a
+
+    return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
+
+
+_chain_pre_patch(
+    [aten.index_select.default, aten.gather.default, *SCATTER_SRC, *SCATTER_VALUE, *SCATTER_ADD,
+     aten.index_add.default, aten.index_add_.default],
+    _scalars_to_replicate,
+)
+

@@ -244,3 +244,43 @@ def _elementwise_backward_local_args(
 
 
 register_local_args(ELEMENTWISE_BACKWARD_OPS, _elementwise_backward_local_args)
+
+
+# ----- torch's chunked linear_cross_entropy (custom ops of torch.nn) -----------------------------
+
+
+def _chunked_linear_cross_entropy_ops() -> list[Any]:
+    """The custom ops ``F.linear_cross_entropy`` runs in its chunked mode (torch >= 2.13)."""
+    try:
+        import torch.nn.modules.linear_cross_entropy  # defines the ops
+    except ImportError:
+        return []
+    names = ("_linear_cross_entropy_batch_chunked",
+             "_linear_cross_entropy_batch_chunked_no_reduction")
+    return [getattr(torch.ops.torch_nn, n).default for n in names
+            if hasattr(torch.ops.torch_nn, n)]
+
+
+CHUNKED_LCE_OPS = _chunked_linear_cross_entropy_ops()
+
+
+@register_op_strategy(CHUNKED_LCE_OPS, schema_info=RuntimeSchemaInfo(5))
+def chunked_linear_cross_entropy_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+    """Rows of ``input`` sharded with the target (the linear weight, bias and class weights
+    replicated): ``reduction="none"`` gives the per-row loss sharded alike; ``sum`` gives the
+    loss and the weight and bias gradients ``Partial("sum")`` and the input gradient sharded.
+    Otherwise (``mean``, one row) everything replicated. The backward of ``none`` (torch's
+    accumulator in Python, with out= matmuls) is not supported: shardwise runs no out= ops."""
+    inputs = input_strategies(schema)
+    x, target = inputs[0], inputs[2]
+    multi = len(schema.op._schema.returns) > 1
+    reduction = schema.args_schema[5] if multi else "none"
+    n_out = 4 if multi else 1
+    options: list[DimOption] = [((R,) * len(inputs), (R,) * n_out)]
+    batch = (Shard(0), R, Shard(0), *[R] * (len(inputs) - 3))
+    if x.ndim == 2 and target.ndim == 1:
+        if not multi:
+            options.append((batch, (Shard(0),)))
+        elif reduction == "sum":
+            options.append((batch, (P, Shard(0), P, P)))
+    return product_strategy(mesh, options, multi=multi)

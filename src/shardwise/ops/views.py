@@ -19,6 +19,7 @@ import torch
 from ..errors import InvalidArgumentError, InvalidPlacementError
 from ..geometry import Segments, shard_segments
 from ..mesh import DeviceMesh
+from ..op_inputs import register_value_reading_decomposition
 from ..placements import (
     InterleavedShard,
     Partial,
@@ -621,6 +622,10 @@ def _split_local_args(args, kwargs, input_specs, _output_specs, device):
 
 
 register_local_args([aten.split.Tensor, aten.split_with_sizes.default], _split_local_args)
+# tensor_split reads its tensor of indices (or sections) on the host before any op dispatches
+register_value_reading_decomposition(
+    aten.tensor_split.tensor_indices_or_sections, "tensor_indices_or_sections"
+)
 
 
 # ----- cat / stack -------------------------------------------------------------------------
