@@ -111,29 +111,29 @@ def _draw_cpu(
 ) -> list[T]:
     kernel = torch._C.default_generator  # the one kernels draw from (rank threads swap theirs in)
     shards = [shard_index(spec, d) for d in ids]
+    out = []
     with settings.drawing_from_default_generator():
-        saved = kernel.get_state()
+        saved = kernel.get_state() if generator is not None else None
         source = kernel if generator is None else generator
         if shards[0][1] == 1:  # one shard: the generator's own numbers, as on one device
-            start = source.get_state()
-            states = [start] * len(ids)
-            after = None
-        else:
+            start, key = source.get_state(), None
+        else:  # one key from the generator: it advances alike whatever devices draw
             key = int(aten.random_.default(torch.empty((), dtype=torch.int64), generator=source))
-            after = source.get_state()
-            states = [torch.Generator().manual_seed(_mix(key, k)).get_state() for k, _ in shards]
-        out = []
+            start = kernel.get_state() if generator is None else None
         try:
-            for i, state in enumerate(states):
-                kernel.set_state(state)
+            for i, (k, _) in enumerate(shards):
+                if key is None:
+                    kernel.set_state(start)
+                else:
+                    kernel.manual_seed(_mix(key, k))
                 out.append(draw(i))
-            if after is None:
-                after = kernel.get_state()
+            if key is None and generator is not None:
+                generator.set_state(kernel.get_state())
         finally:
-            if after is None or generator is not None:
+            if saved is not None:
                 kernel.set_state(saved)
-            if after is not None:
-                source.set_state(after)
+            elif key is not None:
+                kernel.set_state(start)
     return out
 
 
