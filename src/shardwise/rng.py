@@ -32,7 +32,7 @@ import torch
 from . import comm, settings
 from .geometry import segments_size, split_segments
 from .mesh import DeviceMesh
-from .placements import Shard
+from .placements import RaggedShard, Shard
 from .spec import DTensorSpec
 
 T = TypeVar("T")
@@ -64,11 +64,14 @@ def philox_offsets(spec: DTensorSpec, device: int) -> tuple[int, int]:
     """``(start, end)``: the Philox offset increments of ``device``'s shard before its draw
     and of every device after the op, as torch's tracker computes them. The stride between
     shards is the first shard's numel, where each sharded mesh dim cuts the *global* size of
-    its tensor dim (torch's rule, kept for equal values; the last such mesh dim wins)."""
+    its tensor dim (torch's rule, kept for equal values; the last such mesh dim wins). A
+    RaggedShard (which torch lacks) strides by its largest piece, so no two shards overlap."""
     shape = list(spec.shape)
     first = list(shape)
     for m, p in enumerate(spec.placements):
-        if isinstance(p, Shard):
+        if isinstance(p, RaggedShard):
+            first[p.dim] = max(p.sizes)
+        elif isinstance(p, Shard):
             whole = ((0, shape[p.dim]),)
             first[p.dim] = segments_size(split_segments(whole, p, spec.mesh.shape[m], 0))
     k, _ = shard_index(spec, device)
