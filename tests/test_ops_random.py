@@ -301,3 +301,58 @@ def test_random_ops_allocate_only_each_shard(op: str) -> None:
     assert out.placements == tuple(placements)
     assert stats.largest_bytes <= shard, stats
     assert stats.allocated_bytes <= 8 * shard * (2.25 if op == "dropout" else 1) + MB, stats
+
+
+def _philox_state(seed: int, offset: int) -> torch.Tensor:
+    return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
+
+
+def _read(state: torch.Tensor) -> tuple[int, int]:
+    seed, offset = state.view(torch.int64).tolist()
+    return seed, offset
+
+
+@pytest.mark.parametrize("gpus", [4, 1])
+@pytest.mark.parametrize("user_generator", [False, True])
+def test_philox_draws_use_torchs_offsets(monkeypatch, gpus: int, user_generator: bool) -> None:
+    """The CUDA path without a GPU: a stand-in device module keeps 16-byte (seed, offset)
+    states; each component's draw sees the state torch's tracker would set on its rank
+    (offset + start), and afterwards every device (or the op's generator) holds offset + end,
+    the device's own state untouched when a generator was passed."""
+    states: dict[torch.device, torch.Tensor] = {}
+
+    class Device:
+        @staticmethod
+        def get_rng_state(device: torch.device) -> torch.Tensor:
+            return states[device].clone()
+
+        @staticmethod
+        def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+            states[device] = state.clone()
+
+    class Generator:
+        state = _philox_state(99, 8)
+
+        def get_state(self) -> torch.Tensor:
+            return self.state.clone()
+
+        def set_state(self, state: torch.Tensor) -> None:
+            self.state = state.clone()
+
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: Device)
+    mesh_shape, placements, shape = (2, 2), [Shard(1), Shard(0)], (7, 6)
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    spec = sw.zeros(*shape, device_mesh=mesh, placements=placements)._spec
+    devices = [torch.device("cuda", i % gpus) for i in range(4)]
+    for device in devices:
+        states[device] = _philox_state(1234, 40)
+    generator = Generator() if user_generator else None
+    seed, offset = (99, 8) if user_generator else (1234, 40)
+    seen = sw.rng.draw_per_shard(spec, devices, lambda i: _read(states[devices[i]]), generator)
+    for i, device in enumerate(mesh.local_device_ids):
+        start, end = torch_offsets(mesh_shape, placements, shape, mesh.coordinate_of(device))
+        assert seen[i] == (seed, offset + start)
+        after = _read(generator.state) if user_generator else _read(states[devices[i]])
+        assert after == (seed, offset + end)
+        if user_generator:
+            assert _read(states[devices[i]]) == (1234, 40)
