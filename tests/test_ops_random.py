@@ -356,3 +356,17 @@ def test_philox_draws_use_torchs_offsets(monkeypatch, gpus: int, user_generator:
         assert after == (seed, offset + end)
         if user_generator:
             assert _read(states[devices[i]]) == (1234, 40)
+
+
+def test_a_generator_without_offsets_on_an_accelerator_is_refused(monkeypatch) -> None:
+    class Device:  # a Mersenne-twister-like state: no offset to advance per shard
+        @staticmethod
+        def get_rng_state(device: torch.device) -> torch.Tensor:
+            return torch.get_rng_state()
+
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: Device)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    spec = sw.zeros(4, 3, device_mesh=mesh, placements=[Shard(0)])._spec
+    devices = [torch.device("xpu", 0)] * 2
+    with pytest.raises(sw.UnsupportedOpError, match=r"\[4, 3\].*Shard.*xpu generator"):
+        sw.rng.draw_per_shard(spec, devices, lambda i: None)

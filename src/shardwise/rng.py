@@ -30,6 +30,7 @@ from typing import TypeVar
 import torch
 
 from . import comm, settings
+from .errors import UnsupportedOpError
 from .geometry import segments_size, split_segments
 from .mesh import DeviceMesh
 from .placements import RaggedShard, Shard
@@ -150,9 +151,10 @@ def _draw_philox(
         for dev in dict.fromkeys(devices)
     }
     if not all(_is_philox(s) for s in before.values()):
-        raise NotImplementedError(
-            f"random ops on DTensors on {devices[0].type} devices: the generator is not a "
-            f"Philox (seed, offset) one; shardwise draws per shard on cpu and cuda devices"
+        raise UnsupportedOpError(
+            f"a random op on a DTensor of shape {list(spec.shape)} with placements "
+            f"{list(spec.placements)} on {spec.mesh}: the {devices[0].type} generator is not a "
+            f"Philox (seed, offset) one; shardwise draws shards on cpu and cuda devices"
         )
     saved = {dev: module.get_rng_state(dev) for dev in before} if generator is not None else {}
     out = []
