@@ -81,7 +81,8 @@ def _per_shard(
         return op(*(local(a, i) for a in args), **{k: local(v, i) for k, v in kwargs.items()})
 
     devices = [c.device for c in next(iter(moved.values()))]
-    check_generator(spec.mesh, devices[0])
+    if devices:  # (none in a process that holds no device of the mesh)
+        check_generator(spec.mesh, devices[0])
     return draw_per_shard(spec, devices, draw, generator)
 
 
@@ -97,8 +98,11 @@ def _move(op: Any, args: tuple, kwargs: dict, shape: torch.Size, target: tuple) 
 
 
 def _wrap(components: list[torch.Tensor], mesh: DeviceMesh, placements: tuple,
-          shape: torch.Size) -> DTensor:
-    """A DTensor of global ``shape`` from its freshly drawn ``components``."""
+          shape: torch.Size, dtype: torch.dtype) -> DTensor:
+    """A DTensor of global ``shape`` from its freshly drawn ``components`` (of ``dtype``
+    where this process holds none)."""
+    if not components:
+        return DTensor([], DTensorSpec(mesh, placements, contiguous_meta(shape, dtype)))
     first = components[0]
     stride = _global_stride(first, mesh, placements, tuple(shape))
     meta = TensorMeta(shape, stride, first.dtype)
@@ -135,7 +139,8 @@ def _random_out(op: Any, args: tuple, kwargs: dict) -> DTensor:
         moved = _move(op, args[1:], kwargs, self.shape, target) if len(args) > 1 else {}
         moved[id(self)] = self._components
     spec = self._spec.with_placements(target)
-    return _wrap(_per_shard(op, args, kwargs, spec, moved), self.device_mesh, target, self.shape)
+    drawn = _per_shard(op, args, kwargs, spec, moved)
+    return _wrap(drawn, self.device_mesh, target, self.shape, self.dtype)
 
 
 INPLACE_RANDOM = [
@@ -181,7 +186,7 @@ def _random_from_values(op: Any, args: tuple, kwargs: dict) -> DTensor:
         shape = torch.Size((*shape[:-1], bind(op, args, kwargs)["num_samples"]))
     moved = _move(op, args, kwargs, first.shape, target)
     spec = DTensorSpec(mesh, target, contiguous_meta(shape, first.dtype))
-    return _wrap(_per_shard(op, args, kwargs, spec, moved), mesh, target, shape)
+    return _wrap(_per_shard(op, args, kwargs, spec, moved), mesh, target, shape, first.dtype)
 
 
 bypass_dispatch(
@@ -204,7 +209,7 @@ def _rrelu_with_noise(op: Any, args: tuple, kwargs: dict) -> DTensor:
     target = _no_partial(x.placements)
     moved = _move(op, (x, noise), {}, x.shape, target)
     spec = x._spec.with_placements(target)
-    out = _wrap(_per_shard(op, args, kwargs, spec, moved), mesh, target, x.shape)
+    out = _wrap(_per_shard(op, args, kwargs, spec, moved), mesh, target, x.shape, x.dtype)
     if noise.placements != target:
         drawn = DTensor(moved[id(noise)], noise._spec.with_placements(target))
         pieces = move_components(op, [drawn], [noise.placements])[0]
@@ -234,7 +239,7 @@ def _native_dropout(op: Any, args: tuple, kwargs: dict) -> tuple[DTensor, DTenso
     drawn = _per_shard(op, args, kwargs, x._spec, {id(x): x._components})
     out = DTensor([o for o, _ in drawn], x._spec)
     target = _no_partial(x.placements)
-    return out, _wrap([m for _, m in drawn], x.device_mesh, target, x.shape)
+    return out, _wrap([m for _, m in drawn], x.device_mesh, target, x.shape, x.dtype)
 
 
 bypass_dispatch(aten.native_dropout.default, _native_dropout)
