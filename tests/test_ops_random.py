@@ -370,3 +370,22 @@ def test_a_generator_without_offsets_on_an_accelerator_is_refused(monkeypatch) -
     devices = [torch.device("xpu", 0)] * 2
     with pytest.raises(sw.UnsupportedOpError, match=r"\[4, 3\].*Shard.*xpu generator"):
         sw.rng.draw_per_shard(spec, devices, lambda i: None)
+
+
+def test_broadcast_arguments_are_expanded_and_sharded_like_the_result() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    mean = sw.distribute_tensor(torch.randn(6, 5), mesh, [Shard(0)])
+    std = sw.distribute_tensor(torch.rand(5) + 0.1, mesh, [Replicate()])
+    sw.manual_seed(1)
+    got = torch.normal(mean, std)
+    means, stds = sw_components(mean), [std.full_tensor()] * 2
+    want = expected_shards(got, torch.Generator().manual_seed(1),
+                           lambda i: torch.normal(means[i], stds[i].expand(3, 5)))
+    assert got.shape == (6, 5) and got.placements == (Shard(0),)
+    _assert_shards(got, want, "normal")
+    d = sw.zeros(6, 5, device_mesh=mesh, placements=[Shard(1)])
+    p = sw.distribute_tensor(torch.rand(6, 1), mesh, [Replicate()])
+    d.bernoulli_(p)  # p expanded over the sharded dim: each device its columns
+    assert ((d.full_tensor() == 0) | (d.full_tensor() == 1)).all()
+    with pytest.raises(sw.MeshError, match="plain torch.Tensor"):
+        d.bernoulli_(torch.rand(6, 5))

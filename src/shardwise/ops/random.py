@@ -28,6 +28,7 @@ from .common import (
     DimOption,
     R,
     bind,
+    dtensor_args,
     input_strategies,
     move_components,
     partial_ops,
@@ -72,6 +73,7 @@ def _per_shard(
 ) -> list[Any]:
     """``op`` once per local component of ``spec``, each DTensor argument replaced by its
     component in ``moved`` (by ``id``), each call drawing its shard's numbers."""
+    dtensor_args(op, [*args, *kwargs.values()])  # a plain tensor beside them is refused
     args, kwargs, generator = _pop_generator(op, args, kwargs)
 
     def local(value: Any, i: int) -> Any:
@@ -87,14 +89,14 @@ def _per_shard(
 
 
 def _move(op: Any, args: tuple, kwargs: dict, shape: torch.Size, target: tuple) -> dict:
-    """The components of every DTensor argument: at ``target`` where it has ``shape``, else
-    replicated (a broadcast parameter), under dispatch's explicit-mode rules."""
+    """The components of every DTensor argument at ``target``, a broadcast one expanded to
+    ``shape`` first, under dispatch's explicit-mode rules (by ``id`` of the argument)."""
     dts = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
     if not dts:
         return {}
-    mesh = dts[0].device_mesh
-    targets = [target if d.shape == shape else (Replicate(),) * mesh.ndim for d in dts]
-    return {id(d): comps for d, comps in zip(dts, move_components(op, dts, targets), strict=True)}
+    full = [d if d.shape == shape else d.expand(shape) for d in dts]
+    moved = move_components(op, full, [target] * len(full))
+    return {id(d): comps for d, comps in zip(dts, moved, strict=True)}
 
 
 def _wrap(components: list[torch.Tensor], mesh: DeviceMesh, placements: tuple,
@@ -175,16 +177,22 @@ bypass_dispatch(OUT_RANDOM, _random_out)
 
 def _random_from_values(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``normal(mean, std)``, ``poisson(rates)``, ``multinomial(probs, n)``...: the arguments
-    moved to the first DTensor's placements (Partial dims replicated; an argument of another
-    shape, and a multinomial's category dim, replicated), then each component draws its shard."""
-    first: DTensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, DTensor))
-    mesh, shape = first.device_mesh, first.shape
-    target = _no_partial(first.placements)
+    (a broadcast one expanded) moved to the placements of one with the result's shape (Partial
+    dims and a multinomial's category dim replicated), then each component draws its shard."""
+    dts = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
+    first = dts[0]
+    mesh = first.device_mesh
     if op is aten.multinomial.default:
         last = first.ndim - 1
-        target = tuple(Replicate() if p.is_shard(last) else p for p in target)
-        shape = torch.Size((*shape[:-1], bind(op, args, kwargs)["num_samples"]))
-    moved = _move(op, args, kwargs, first.shape, target)
+        target = tuple(Replicate() if p.is_shard(last) else p for p in first.placements)
+        target = _no_partial(target)
+        moved = _move(op, args, kwargs, first.shape, target)
+        shape = torch.Size((*first.shape[:-1], bind(op, args, kwargs)["num_samples"]))
+    else:  # elementwise: arguments broadcast to the result's shape, sharded alike
+        shape = torch.broadcast_shapes(*(d.shape for d in dts))
+        like = next((d for d in dts if d.shape == shape), None)
+        target = _no_partial(like.placements) if like is not None else (Replicate(),) * mesh.ndim
+        moved = _move(op, args, kwargs, shape, target)
     spec = DTensorSpec(mesh, target, contiguous_meta(shape, first.dtype))
     return _wrap(_per_shard(op, args, kwargs, spec, moved), mesh, target, shape, first.dtype)
 
