@@ -157,6 +157,7 @@ def simulated_gpt(dp: int, tp: int, steps: int) -> dict:
     manual_seed(0)
     single = demo.GPT(cfg)
     model = demo.sharded_model(cfg, mesh, 0)
+    demo.start_alike(single, model)
     opt_single = torch.optim.AdamW(single.parameters(), lr=1e-2, weight_decay=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     wall: dict[str, list[float]] = {"single": [], "embedded": []}

@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> None:
 
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     talk = mesh.owner_of(0) == (dist.get_rank() if dist.is_initialized() else 0)
-    sw.manual_seed(0)
     reference = Model()
     sw.manual_seed(0)
     model = deferred_init(Model)  # no memory yet
@@ -101,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])  # then Shard(0) over "dp", gathered per layer
     fully_shard(model, mesh=mesh["dp"])
+    with torch.no_grad():  # each device drew its own shards: one device starts from them
+        for ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+            ref.copy_(p.full_tensor())
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)

@@ -174,14 +174,30 @@ def _compare(got: Any, expected: Any, atol: float, rtol: float, random_op: bool)
     return ""
 
 
+class _Seeded(TorchDispatchMode):
+    """Notes whether any aten op that draws from a generator runs (torch's own tag)."""
+
+    drew = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.drew = self.drew or torch.Tag.nondeterministic_seeded in func.tags
+        return func(*args, **(kwargs or {}))
+
+
 def _is_random(opinfo: Any, tree: Any, leaves: list) -> bool:
-    """An op whose value depends on the RNG (dropout, bernoulli...): compared by shape only."""
+    """An op whose value depends on the RNG (dropout, bernoulli...): compared by shape only.
+    Seeded inside (OpInfo's ``wrapper_set_seed``) it still draws: a sharded draw is not the
+    single-device one (each device draws its own shard)."""
     outs = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        outs.append(pytree.tree_leaves(_call(opinfo, None, tree, [
-            x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves
-        ])))
+        seeded = _Seeded()
+        with seeded:
+            outs.append(pytree.tree_leaves(_call(opinfo, None, tree, [
+                x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves
+            ])))
+        if seeded.drew:
+            return True
     for a, b in zip(outs[0], outs[1], strict=True):
         if isinstance(a, torch.Tensor):
             try:

@@ -93,3 +93,41 @@ def test_tensor_parallel_training_on_gpu_matches_one_device() -> None:
             losses.append(loss.item())
         assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
     torch.testing.assert_close(sharded.up.weight.full_tensor(), plain.up.weight)
+
+
+def _at_offset(increment: int) -> None:
+    """What torch's OffsetBasedRNGTracker does on a rank before its draw: the GPU generator's
+    (seed, offset) state with the offset advanced by the rank's start increment."""
+    state = torch.cuda.get_rng_state()
+    offset = int(state[8:].view(torch.int64)) + increment
+    state[8:] = torch.tensor([offset], dtype=torch.int64).view(torch.uint8)
+    torch.cuda.set_rng_state(state)
+
+
+@pytest.mark.parametrize("name", ["S0", "S1", "R"])
+def test_random_values_are_torch_trackers_on_gpu(name: str) -> None:
+    """randn and dropout on 4 simulated devices of the GPU give, device by device, what torch's
+    tracker draws on each rank (torch's own offsets, rng_oracle.torch_offsets, on the real
+    CUDA generator), and the generator ends where torch's does."""
+    from rng_oracle import torch_offsets
+
+    placements, shape = [PLACEMENTS[name]], (9, 6)
+    mesh = sw.DeviceMesh("cuda", list(range(4)))
+    ones = sw.distribute_tensor(torch.ones(shape, device="cuda"), mesh, placements)
+    torch.manual_seed(3)
+    got = sw.randn(*shape, device_mesh=mesh, placements=placements)
+    dropped = F.dropout(ones, 0.5)
+    after = torch.cuda.get_rng_state()
+    for i, device in enumerate(mesh.local_device_ids):
+        start, end = torch_offsets((4,), placements, shape, mesh.coordinate_of(device))
+        torch.manual_seed(3)
+        base = torch.cuda.get_rng_state()
+        _at_offset(start)
+        assert torch.equal(got._components[i], torch.randn(got._components[i].shape, device="cuda"))
+        torch.cuda.set_rng_state(base)
+        _at_offset(end + start)  # the second op starts where the first left every rank
+        local = torch.ones(dropped._components[i].shape, device="cuda")
+        assert torch.equal(dropped._components[i], F.dropout(local, 0.5))
+    torch.manual_seed(3)
+    _at_offset(2 * end)
+    assert torch.equal(after, torch.cuda.get_rng_state())

@@ -1,5 +1,6 @@
 """Deferred initialization: a meta-built module materialized into its shards equals the module
-built normally from the same seed, and never allocates the whole model at once."""
+built normally from the same seed with its parameters sharded alike (random initializers draw
+per shard), and never allocates the whole model, nor one whole parameter, at once."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from shardwise.deferred_init import deferred_init, is_deferred, materialize_modu
 from shardwise.errors import DeferredInitError
 from shardwise.memory import track_allocations
 from shardwise.parallel import fully_shard, replicate
+
+GENERATOR_STATE = torch.get_rng_state().numel()  # bytes of a CPU generator's state
 
 
 class Net(nn.Module):
@@ -52,6 +55,47 @@ def _shard(model: nn.Module, mesh: sw.DeviceMesh) -> None:
                     m._parameters[key] = dparam
 
 
+def _modules_in_construction_order(module: nn.Module):
+    for child in module.children():
+        yield from _modules_in_construction_order(child)
+    yield module
+
+
+def _built_like(reference: nn.Module, model: nn.Module, seed: int) -> nn.Module:
+    """The eager oracle: ``reference`` (built normally) with each parameter sharded as
+    ``model``'s, then its modules' own ``reset_parameters`` run after ``seed``, children before
+    parents in registration order: what a normal build draws into those shards (a tied
+    parameter keeps its first owner's values: a later owner drew into its own, since
+    replaced, parameter)."""
+    pairs = list(zip(reference.parameters(), model.parameters(), strict=True))
+    for param, like in pairs:
+        dparam = nn.Parameter(sw.distribute_tensor(param.detach(), like.device_mesh,
+                                                   like.placements))
+        for m in reference.modules():  # keep ties
+            for key, p in list(m._parameters.items()):
+                if p is param:
+                    m._parameters[key] = dparam
+    sw.manual_seed(seed)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for m in _modules_in_construction_order(reference):
+            if hasattr(m, "reset_parameters"):
+                own = list(m.parameters(recurse=False))
+                first = {id(p): p.full_tensor().clone() for p in own if id(p) in seen}
+                m.reset_parameters()
+                for p in own:
+                    if id(p) in first:
+                        p.copy_(sw.distribute_tensor(first[id(p)], p.device_mesh, p.placements))
+                seen.update(id(p) for p in own)
+    return reference
+
+
+def _assert_equal_params(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.placements == ref.placements, name
+        assert torch.equal(p.full_tensor(), ref.full_tensor()), name
+
+
 def test_materialized_shards_equal_the_normal_build_without_a_full_model_allocation() -> None:
     sw.manual_seed(7)
     reference = Net()
@@ -64,18 +108,19 @@ def test_materialized_shards_equal_the_normal_build_without_a_full_model_allocat
         materialize_module(model)
     assert not is_deferred(model)
     assert model.head.weight is model.emb.weight
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+    for name, p in model.named_parameters():
         assert p.placements == tuple(PLACEMENTS[name]), name
-        assert torch.equal(p.full_tensor(), ref.detach()), name
     full_model = sum(p.numel() * 4 for p in reference.parameters())
-    largest_param = max(p.numel() * 4 for p in reference.parameters())
+    largest_shard = max(c.numel() * 4 for p in model.parameters() for c in sw.unpack(p))
     sharded = sum(c.numel() * 4 for p in model.parameters() for c in sw.unpack(p))
     assert sharded == full_model  # every parameter split over the four devices
-    assert stats.largest_bytes <= largest_param < full_model
-    # the shards, one transient full parameter, and the shards of the tied weight's first
-    # value, kept aside while the head's reset_parameters overwrites it
+    # no device draws a whole parameter: past the shards, one generator state at a time
+    assert stats.largest_bytes <= max(largest_shard, GENERATOR_STATE)
+    # the shards, the shards of the tied weight's first value, kept aside while the head's
+    # reset_parameters overwrites it, and a generator state
     tied_shards = sum(c.numel() * 4 for c in sw.unpack(model.emb.weight))
-    assert stats.peak_bytes == sharded + largest_param + tied_shards
+    assert stats.peak_bytes <= sharded + tied_shards + GENERATOR_STATE
+    _assert_equal_params(model, _built_like(reference, model, 7))
 
 
 def test_fully_shard_and_replicate_materialize_a_meta_model() -> None:
@@ -88,8 +133,7 @@ def test_fully_shard_and_replicate_materialize_a_meta_model() -> None:
             model = Net()
         shard(model)
         assert not is_deferred(model)
-        for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
-            assert torch.equal(p.full_tensor(), ref.detach())
+        _assert_equal_params(model, _built_like(reference, model, 3))
 
 
 def test_deferred_root_materializes_after_inner_units_in_construction_order() -> None:
@@ -101,9 +145,8 @@ def test_deferred_root_materializes_after_inner_units_in_construction_order() ->
     fully_shard(model.down, mesh=mesh)
     assert is_deferred(model)  # an inner unit of a deferred_init tree waits for the root
     fully_shard(model, mesh=mesh)
-    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
-        assert p.placements == (Shard(0),)
-        assert torch.equal(p.full_tensor(), ref.detach())
+    assert all(p.placements == (Shard(0),) for p in model.parameters())
+    _assert_equal_params(model, _built_like(reference, model, 5))
 
 
 class NoReset(nn.Module):
@@ -148,10 +191,9 @@ def test_tensor_parallel_children_then_fully_shard_root_materialize_into_2d_shar
     # the dp chunk of each device's own tp shard (FSDP2's strided shard)
     assert model[0].weight.placements == (InterleavedShard(0, interleaved_size=2), Shard(0))
     assert model[2].weight.placements == (Shard(0), Shard(1))
-    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(p.full_tensor(), ref.detach())
     shards = sum(c.numel() * 4 for p in model.parameters() for c in sw.unpack(p))
-    assert stats.peak_bytes <= shards + max(p.numel() * 4 for p in reference.parameters())
+    assert stats.peak_bytes <= shards + GENERATOR_STATE
+    _assert_equal_params(model, _built_like(reference, model, 2))
 
 
 def test_inner_replicate_units_keep_their_gradient_reduction_after_materializing() -> None:

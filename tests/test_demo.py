@@ -50,7 +50,6 @@ def test_demo_in_one_process_matches_single_device(tmp_path: Path) -> None:
 
     fsdp = demo.run(_args("--fsdp"), io.StringIO())
     assert fsdp.max_difference <= fsdp.tolerance
-    assert fsdp.losses_single == replicated.losses_single
     assert {("all_gather", "dp"), ("reduce_scatter", "dp")} <= set(fsdp.comm_per_step)
     # the loss's reductions over 'dp' are common to both; replicate adds one gradient bucket
     count, _ = fsdp.comm_per_step[("all_reduce", "dp")]

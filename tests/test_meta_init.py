@@ -1,6 +1,8 @@
 """PyTorch's meta-device flow (torchtitan's): build the model under ``torch.device("meta")``,
 shard it there, ``to_empty`` allocates each device's pieces, the model's own ``init_weights``
-fills them. The values, the forward and one SGD step equal single-device PyTorch's."""
+fills them. The values equal the model built normally with its parameters sharded alike
+(random initializers draw per shard); with those values, the forward and SGD steps equal
+single-device PyTorch's."""
 
 from __future__ import annotations
 
@@ -227,6 +229,22 @@ def build_on_meta(mesh_shape: tuple[int, ...], fsdp: bool) -> tuple[nn.Module, d
     return model, expected
 
 
+def _sharded_like(module: nn.Module, like: nn.Module) -> nn.Module:
+    """``module`` (built normally) with each parameter a DTensor placed as ``like``'s."""
+    for (name, p), q in zip(list(module.named_parameters()), like.parameters(), strict=True):
+        owner, attr = name.rsplit(".", 1)
+        dparam = sw.distribute_tensor(p.detach(), q.device_mesh, q.placements)
+        setattr(module.get_submodule(owner), attr, nn.Parameter(dparam))
+    return module
+
+
+def _load_full(reference: nn.Module, model: nn.Module) -> None:
+    """``reference`` takes ``model``'s initial values (whole tensors), to train alike."""
+    with torch.no_grad():
+        for ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+            ref.copy_(p.full_tensor())
+
+
 def _fsdp_placement(tp: object, param: torch.Tensor) -> object:
     """fully_shard's placement on "dp": each device's dp chunk of its own tp shard where the tp
     shard is on dim 0 too (FSDP2's strided shard), else Shard(0)."""
@@ -272,12 +290,17 @@ def test_meta_model_sharded_to_empty_and_init_weights_trains_like_one_device(
 
     with torch.no_grad():
         sw.manual_seed(11)
-        model.init_weights()  # nn.init on DTensor parameters draws what one device draws
+        model.init_weights()  # nn.init on DTensor parameters: each device draws its shard
     assert not sw.is_dtensor(model.freqs_cis)
     torch.testing.assert_close(model.freqs_cis, reference.freqs_cis, rtol=0, atol=0)
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+    eager = _sharded_like(Transformer(), model)
+    with torch.no_grad():
+        sw.manual_seed(11)
+        eager.init_weights()  # the same init on parameters sharded eagerly: the same draws
+    for (name, p), want in zip(model.named_parameters(), eager.parameters(), strict=True):
         assert p.placements == expected[name], name
-        torch.testing.assert_close(p.full_tensor(), ref.detach(), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p.full_tensor(), want.full_tensor(), rtol=0, atol=0, msg=name)
+    _load_full(reference, model)
 
     tokens = torch.randint(0, VOCAB, (2, MAX_SEQ), generator=torch.Generator().manual_seed(3))
     targets = torch.randint(0, VOCAB, (2, MAX_SEQ), generator=torch.Generator().manual_seed(4))
@@ -384,6 +407,7 @@ def _per_rank_job() -> list[float]:
     with torch.no_grad():
         sw.manual_seed(11)
         model.init_weights()
+    _load_full(reference, model)
     tokens = torch.randint(0, VOCAB, (2, MAX_SEQ), generator=torch.Generator().manual_seed(3))
     targets = torch.randint(0, VOCAB, (2, MAX_SEQ), generator=torch.Generator().manual_seed(4))
     losses = []

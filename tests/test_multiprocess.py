@@ -250,15 +250,22 @@ def tp_mlp_checks(mesh_shape: tuple[int, ...]) -> dict:
 
 
 def random_checks(mesh_shape: tuple[int, ...]) -> dict:
-    """Seeded random DTensors and dropout: the global values of every mode and placement."""
+    """Seeded random DTensors, initializers and dropout, replicated and sharded: each device
+    draws its own shard; the global values must not depend on the mode."""
     mesh = sw.init_device_mesh("cpu", mesh_shape)
     placements = [Shard(0)] + [Shard(1)] * (len(mesh_shape) - 1)
+    replicated = [Replicate()] * len(mesh_shape)
     sw.manual_seed(11)
     randn = sw.randn(7, 5, device_mesh=mesh, placements=placements).full_tensor()
-    x = sw.distribute_tensor(torch.ones(7, 5), mesh, [Replicate()] * len(mesh_shape))
+    w = sw.zeros(9, 4, device_mesh=mesh, placements=placements)
+    torch.nn.init.kaiming_uniform_(w)
+    x = sw.distribute_tensor(torch.ones(7, 5), mesh, replicated)
     sw.manual_seed(12)
     dropped = torch.nn.functional.dropout(x, 0.5).full_tensor()
-    return {"randn": randn, "dropout": dropped}
+    xs = sw.distribute_tensor(torch.ones(7, 5), mesh, placements)
+    dropped_sharded = torch.nn.functional.dropout(xs, 0.5).full_tensor()
+    return {"randn": randn, "init": w.full_tensor(), "dropout": dropped,
+            "dropout_sharded": dropped_sharded, "after": torch.rand(3)}
 
 
 def job(mesh_shapes: list[tuple[int, ...]], extras: list[str]) -> dict:
@@ -284,16 +291,17 @@ def job(mesh_shapes: list[tuple[int, ...]], extras: list[str]) -> dict:
 
 
 def _check_ops_and_training(per_rank: list[dict], mesh_shapes: list[tuple[int, ...]]) -> None:
-    """Every rank's op results and trained parameters equal the embedded run bit for bit."""
-    torch.manual_seed(11)
-    want_randn = torch.randn(7, 5)
-    torch.manual_seed(12)
-    want_dropout = torch.nn.functional.dropout(torch.ones(7, 5), 0.5)
+    """Every rank's random values, op results and trained parameters equal the embedded run
+    bit for bit."""
     for shape in mesh_shapes:
+        want_random = random_checks(shape)
+        torch.manual_seed(12)  # replicated dropout: one shard, the single-device mask
+        assert torch.equal(want_random["dropout"],
+                           torch.nn.functional.dropout(torch.ones(7, 5), 0.5))
         for rank, result in enumerate(per_rank):
-            got = result["random"][shape]
-            assert torch.equal(got["randn"], want_randn), f"randn on mesh {shape}, rank {rank}"
-            assert torch.equal(got["dropout"], want_dropout), f"dropout on {shape}, rank {rank}"
+            for name, value in want_random.items():
+                got = result["random"][shape][name]
+                assert torch.equal(got, value), f"{name} on mesh {shape}, rank {rank}"
         want_ops = op_checks(shape)
         for rank, result in enumerate(per_rank):
             for name, value in want_ops.items():

@@ -174,8 +174,8 @@ def test_replicate_reduces_gradients_pending_over_tp_in_its_bucket() -> None:
     cfg = demo.GPTConfig()
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = demo.sharded_model(cfg, mesh, 0)
-    sw.manual_seed(0)
     single = demo.GPT(cfg)
+    demo.start_alike(single, model)  # the sharded model drew its shards: start from them
     pending = [n for n, p in model.named_parameters() if p.placements == (Replicate(),) * 2]
     assert len(pending) > 2  # the norms' weights and biases, the row-parallel biases
     # SGD: AdamW would blow the noise of the key bias's zero gradient up to a whole step

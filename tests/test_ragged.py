@@ -12,6 +12,7 @@ import torch
 
 import shardwise as sw
 from conftest import check_components, components_for, make_tensor, ref_indices, ref_slice
+from rng_oracle import expected_shards
 from shardwise import InterleavedShard, Partial, RaggedShard, Replicate, Shard
 from shardwise.debug import visualize_sharding
 from shardwise.redistribute import lower_bound_bytes
@@ -124,13 +125,13 @@ def test_visualize_sharding_shows_the_ragged_extents() -> None:
 
 
 def test_factories_and_random_values_follow_the_geometry() -> None:
-    """``randn`` draws the global values as one device would, whatever the pieces."""
+    """``randn`` draws each piece, whatever its size, from its own shard's stream."""
     mesh = sw.init_device_mesh("cpu", (4,))
     ragged = [RaggedShard(0, (3, 0, 5, 2))]
     sw.manual_seed(3)
     a = sw.randn(10, 3, device_mesh=mesh, placements=ragged)
-    sw.manual_seed(3)
-    b = sw.randn(10, 3, device_mesh=mesh, placements=[Replicate()])
-    assert torch.equal(a.full_tensor(), b.full_tensor())
+    shapes = [c.shape for c in sw.local_components(a)]
+    want = expected_shards(a, torch.Generator().manual_seed(3), lambda i: torch.randn(shapes[i]))
+    assert all(torch.equal(c, w) for c, w in zip(sw.local_components(a), want, strict=True))
     z = sw.zeros(10, 3, device_mesh=mesh, placements=ragged)
     assert [tuple(c.shape) for c in sw.local_components(z)] == [(3, 3), (0, 3), (5, 3), (2, 3)]

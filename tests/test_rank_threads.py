@@ -153,13 +153,16 @@ def test_random_dtensor_ops_and_sub_mesh_groups_in_rank_threads():
     across the generator check's collective, and group creation took one lock for all ranks
     while a group's members met."""
     threads = run_threads(program_random_on_a_2d_mesh, 4, timeout=60)
+    # the oracle: the same ops in the embedded mode (each shard drawn from its own stream)
+    mesh = shardwise.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(7)
-    w = torch.zeros(8, 6)
+    w = shardwise.distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0), Shard(1)])
     nn.init.normal_(w)
     w.uniform_()
-    after = torch.rand(3)  # each rank's generator advanced as one device's does
+    after = torch.rand(3)  # each rank's generator advanced as the embedded one does
     for r in range(4):
-        assert torch.equal(threads[r]["w"], w) and torch.equal(threads[r]["after"], after)
+        assert torch.equal(threads[r]["w"], w.full_tensor())
+        assert torch.equal(threads[r]["after"], after)
 
 
 def _fails_on_rank_one(n: int) -> int:

@@ -101,6 +101,9 @@ def faults() -> dict:
 
 def test_faults_raise_shardwise_errors_on_every_rank() -> None:
     per_rank = run_in_processes(faults, 2, timeout=90)
+    sw.manual_seed(5)
+    embedded_randn = sw.randn(4, 3, device_mesh=sw.init_device_mesh("cpu", (2,)),
+                              placements=[Shard(0)]).full_tensor()
     for rank, out in enumerate(per_rank):
         where = f"rank {rank}"
         assert out["skipped_step"].startswith("CollectiveMismatchError"), where
@@ -114,8 +117,7 @@ def test_faults_raise_shardwise_errors_on_every_rank() -> None:
             rank * 2 : rank * 2 + 2]), where
         assert out["seeds"].startswith("CollectiveMismatchError"), where
         assert "manual_seed" in out["seeds"], out["seeds"]
-        torch.manual_seed(5)
-        assert torch.equal(out["randn"], torch.randn(4, 3)), where
+        assert torch.equal(out["randn"], embedded_randn), where  # the same draws per shard
         assert out["different_collectives"].startswith("CollectiveMismatchError"), where
         assert out["different_s"] < 10, where
         assert torch.equal(out["after"], torch.arange(4.0)), where

@@ -5,9 +5,9 @@ parameters while they are still meta, then materialize each device's shard direc
 placements, each device allocating only its piece) and then runs the modules' own
 ``reset_parameters`` on the sharded parameters, children before parents and siblings in
 registration order: the order a normal construction runs them in. Random initializers on
-DTensors draw the global values from torch's generator as on one device (``ops/random.py``),
-so after ``shardwise.manual_seed(s)`` the values equal the module built normally after the same
-seed, and the transient peak is one full parameter on top of the sharded model.
+DTensors draw each device's shard only (``rng.py``), so after ``shardwise.manual_seed(s)`` the
+values equal the module built normally with its parameters sharded alike, and nothing past the
+shards is allocated.
 
 PyTorch's own flow works too: a module built under ``torch.device("meta")`` keeps its meta
 DTensors through the sharding calls, ``module.to_empty(device=...)`` allocates each device's

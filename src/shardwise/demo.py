@@ -279,6 +279,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     single = GPT(cfg)
     with track_allocations() as sharded_alloc:
         model = sharded_model(cfg, mesh, args.seed, args.fsdp)
+    start_alike(single, model)
     materialized = _local_bytes(model)
     memory = _memory(single, model, mesh)
     memory.update(sharded_peak=sharded_alloc.peak_bytes, materialized=materialized)
@@ -329,8 +330,16 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     return result
 
 
+def start_alike(single: nn.Module, model: nn.Module) -> None:
+    """The single-device model takes the sharded model's initial values (each device drew its
+    own shard of them, which one device does not draw), so both train from one start."""
+    with torch.no_grad():
+        for p, q in zip(single.parameters(), model.parameters(), strict=True):
+            p.copy_(q.full_tensor() if isinstance(q, DTensor) else q)
+
+
 def sharded_model(cfg: GPTConfig, mesh: DeviceMesh, seed: int, fsdp: bool = False) -> GPT:
-    """The GPT of ``seed`` (the single-device one's values) on ``mesh`` ('dp' x 'tp'): tensor +
+    """The GPT of ``seed`` on ``mesh`` ('dp' x 'tp'), each device drawing its shards: tensor +
     sequence parallel on 'tp', ``replicate`` (or ``fully_shard``) on 'dp'."""
     manual_seed(seed)
     model = deferred_init(GPT, cfg)  # meta: no memory until its shards are known

@@ -1,11 +1,9 @@
 """DTensor factories: ``zeros``, ``ones``, ``empty``, ``full``, ``rand``, ``randn``
 (``torch.distributed.tensor``'s signatures).
 
-``zeros``/``ones``/``empty``/``full`` build each device's component directly, never the global
-tensor. ``rand``/``randn`` draw the global tensor from torch's generator as the single-device
-call would and keep each device's piece, so after ``shardwise.manual_seed(s)`` the result equals
-``torch.manual_seed(s); torch.randn(shape)`` for every mesh and placements (at the cost of the
-global tensor's memory, once, in this process).
+All of them build each device's component directly, never the global tensor; ``rand`` and
+``randn`` draw each shard from its own stream (``rng.py``), so after the same seeding they give
+the same values in every mode, and on CUDA the values of ``torch.distributed.tensor.randn``.
 
 ``replicated_factories(mesh)`` is TF's default mesh for torch's own factory functions: inside
 it ``torch.ones(4)`` is a DTensor replicated on the mesh, as ``tf.ones`` is under
@@ -14,7 +12,6 @@ it ``torch.ones(4)`` is a DTensor replicated on the mesh, as ``tf.ones`` is unde
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,13 +21,15 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import comm, settings
+from . import settings
 from .dtensor import DTensor, distribute_tensor
 from .errors import InvalidArgumentError
 from .mesh import DeviceMesh, mesh_or_current
 from .placements import Partial, Placement, Replicate
+from .rng import check_generator, draw_per_shard
 from .spec import DTensorSpec, contiguous_meta, validate_placements
 
+aten = torch.ops.aten
 LocalMaker = Callable[[torch.Size, torch.device, bool], torch.Tensor]
 
 
@@ -168,29 +167,6 @@ def empty(
     return _build(spec, make, requires_grad)
 
 
-_checked_generators: set[tuple] = set()
-
-
-def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
-    """Random DTensors are drawn whole in every process from its own generator (no data
-    moves), so the processes of ``mesh`` must hold the same generator state: compare it on
-    the first random op of each mesh, and on every one under debug checks; a difference raises
-    ``CollectiveMismatchError`` on every process."""
-    key = (mesh, device)
-    if len(mesh.local_device_ids) == mesh.size():
-        return  # one process holds the whole mesh: there is no other generator to compare
-    if key in _checked_generators and not comm.debug_checks_enabled():
-        return
-    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-    fields = {"generator state": hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16]}
-    with comm.moving(
-        "the random generator state: call shardwise.manual_seed(seed) with the same seed in "
-        "every process before random DTensor ops"
-    ):
-        comm.agree(mesh, "random op", fields, state)
-    _checked_generators.add(key)
-
-
 def _random(
     what: str,
     draw: Callable[..., torch.Tensor],
@@ -205,12 +181,16 @@ def _random(
     dtype = dtype or torch.get_default_dtype()
     spec = _mesh_and_spec(what, shape, dtype, layout, device_mesh, placements)
     mesh = spec.mesh
-    first = mesh.device_of(mesh.local_device_ids[0])
-    check_generator(mesh, first)
-    with settings.drawing_from_default_generator():
-        drawn = draw(shape, dtype=dtype, device=first)
-    out = distribute_tensor(drawn, mesh, spec.placements, src_data_rank=None)
-    return out.requires_grad_(requires_grad)
+    ids = mesh.local_device_ids
+    devices = [mesh.device_of(d) for d in ids]
+    if devices:
+        check_generator(mesh, devices[0])
+
+    def local(i: int) -> torch.Tensor:
+        piece = draw(list(spec.local_shape(ids[i])), dtype=dtype, device=devices[i])
+        return piece if keeps_value(spec, ids[i]) else piece.zero_()
+
+    return DTensor(draw_per_shard(spec, devices, local), spec, requires_grad=requires_grad)
 
 
 def rand(
@@ -221,9 +201,11 @@ def rand(
     device_mesh: DeviceMesh | None = None,
     placements: Sequence[Placement] | None = None,
 ) -> DTensor:
-    """Uniform [0, 1) samples equal to the single-device ``torch.rand(size)`` after the same
-    seeding, whatever the placements (the global tensor is drawn, then sharded)."""
-    return _random("rand", torch.rand, size, requires_grad, dtype, layout, device_mesh, placements)
+    """Uniform [0, 1) samples; each device draws only its shard (``shardwise.rng``: on CUDA
+    ``torch.distributed.tensor.rand``'s values)."""
+    return _random(
+        "rand", aten.rand.default, size, requires_grad, dtype, layout, device_mesh, placements
+    )
 
 
 def randn(
@@ -234,10 +216,10 @@ def randn(
     device_mesh: DeviceMesh | None = None,
     placements: Sequence[Placement] | None = None,
 ) -> DTensor:
-    """Standard normal samples equal to the single-device ``torch.randn(size)`` after the same
-    seeding, whatever the placements (the global tensor is drawn, then sharded)."""
+    """Standard normal samples; each device draws only its shard (``shardwise.rng``: on CUDA
+    ``torch.distributed.tensor.randn``'s values)."""
     return _random(
-        "randn", torch.randn, size, requires_grad, dtype, layout, device_mesh, placements
+        "randn", aten.randn.default, size, requires_grad, dtype, layout, device_mesh, placements
     )
 
 

@@ -157,8 +157,8 @@ RANK_THREAD: Setting[RankThread | None] = Setting("rank_thread", None)
 
 
 def drawing_from_default_generator() -> AbstractContextManager[Any]:
-    """Where shardwise draws a random DTensor's global value from torch's default generator:
-    in a rank thread, with that rank's generator in it (only around the draw, never around a
+    """Where shardwise draws a random DTensor's shards from torch's default generator: in a
+    rank thread, with that rank's generator in it (only around the draws, never around a
     collective); elsewhere as it is."""
     rank = RANK_THREAD.get()
     return nullcontext() if rank is None else rank.drawing()

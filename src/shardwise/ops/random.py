@@ -1,15 +1,15 @@
 """Random ops on DTensors (``uniform_``, ``normal_``, ``bernoulli``, ``rand_like``, dropout...)
 and ``manual_seed``.
 
-Every random op draws the *global* tensor from torch's generator exactly as the single-device
-call would (same shape, stride, dtype and generator, so the generator advances by the same
-amount) and each device keeps its piece. Hence, after the same seeding, the global values are
-the single-device ones whatever the mesh and placements, and dropout on a DTensor uses the
-single-device mask. The cost: the process materialises the global random tensor once per op
-(memory of the whole tensor, no communication). In multi-process runs every process draws the
-same tensor, so every process must seed alike (``manual_seed``) and run the same random ops:
-the first random op on each mesh compares the processes' generator states (every one does under
-debug checks) and raises ``CollectiveMismatchError`` if they differ.
+Every random op runs once per local component, on that component: each device draws only its
+own shard's numbers, from the stream ``rng.draw_per_shard`` gives its shard (PyTorch's
+offset-based scheme; see ``rng.py`` and the "Random numbers" section of docs/index.md). No
+device draws, gathers or holds the global tensor: arguments whose values the draw reads
+(probabilities, means) are moved to the output's placements first, which is free where they
+already are sharded alike. In multi-process runs every process must seed alike
+(``manual_seed``) and run the same random ops: the first random op on each mesh compares the
+processes' generator states (every one does under debug checks) and raises
+``CollectiveMismatchError`` if they differ.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ from typing import Any
 
 import torch
 
-from ..dtensor import DTensor, distribute_tensor
-from ..factories import check_generator, keeps_value
+from ..dtensor import DTensor, _global_stride
+from ..factories import keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
-from ..settings import drawing_from_default_generator
+from ..rng import check_generator, draw_per_shard
+from ..spec import DTensorSpec, TensorMeta, contiguous_meta
 from .common import (
     DimOption,
     R,
     bind,
+    dtensor_args,
     input_strategies,
     move_components,
     partial_ops,
@@ -38,85 +40,109 @@ aten = torch.ops.aten
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the generator every DTensor random op draws from (torch's default generator).
+    """Seed the generator every DTensor random op draws from (torch's default generators, as
+    ``torch.manual_seed``).
 
-    After ``manual_seed(s)``, ``shardwise.randn(shape, device_mesh=m, placements=p)`` equals
-    ``torch.manual_seed(s); torch.randn(shape)`` for every mesh and placements, and so does any
-    sequence of random ops on DTensors compared with the same ops on plain tensors. In
-    multi-process runs call it with the same seed in every process.
+    After ``manual_seed(s)`` the same random ops on DTensors of the same mesh and placements
+    give the same values in every mode (embedded, per rank, rank threads); on CUDA they are
+    the values ``torch.distributed.tensor`` gives. In multi-process runs call it with the same
+    seed in every process.
     """
     torch.manual_seed(seed)
 
 
-def _no_partial(placements: tuple[Placement, ...]) -> list[Placement]:
-    return [Replicate() if p.is_partial() else p for p in placements]
+def _no_partial(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
 
 
-def _global_empty(dt: DTensor) -> torch.Tensor:
-    """A plain tensor with ``dt``'s global shape, stride and dtype (random fills follow the
-    memory layout, so the stride matters) on its first local device."""
-    return torch.empty_strided(dt.shape, dt.stride(), dtype=dt.dtype, device=dt.device)
+def _pop_generator(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
+    """``args``, ``kwargs`` without the op's ``generator`` (the local calls draw from the
+    default generator, which ``draw_per_shard`` sets up from it), and that generator."""
+    names = [a.name for a in op._schema.arguments]
+    if "generator" not in names:
+        return args, kwargs, None
+    at = names.index("generator")
+    if at < len(args):
+        return (*args[:at], None, *args[at + 1 :]), kwargs, args[at]
+    generator = kwargs.get("generator")
+    return args, {k: v for k, v in kwargs.items() if k != "generator"}, generator
 
 
-def _global_args(op: Any, args: tuple, kwargs: dict, keep_self: bool) -> tuple[tuple, dict]:
-    """Arguments for the single-device call: ``self`` becomes an empty global tensor (unless
-    its values are the op's probabilities, ``keep_self``), other DTensors are gathered."""
-    names = list(bind(op, args, kwargs))
-    flat = dict(zip(names, args, strict=False)) | kwargs
-    gather = [k for k, v in flat.items() if isinstance(v, DTensor) and (k != names[0] or keep_self)]
-    if gather:
-        mesh = flat[gather[0]].device_mesh
-        moved = move_components(
-            op, [flat[k] for k in gather], [[Replicate()] * mesh.ndim] * len(gather)
-        )
-        flat.update({k: comps[0] for k, comps in zip(gather, moved, strict=True)})
-    if not keep_self:
-        flat[names[0]] = _global_empty(args[0])
-    n = len(args)
-    return tuple(flat[k] for k in names[:n]), {k: flat[k] for k in names[n:] if k in flat}
+def _per_shard(
+    op: Any, args: tuple, kwargs: dict, spec: DTensorSpec, moved: dict[int, list[torch.Tensor]]
+) -> list[Any]:
+    """``op`` once per local component of ``spec``, each DTensor argument replaced by its
+    component in ``moved`` (by ``id``), each call drawing its shard's numbers."""
+    dtensor_args(op, [*args, *kwargs.values()])  # a plain tensor beside them is refused
+    args, kwargs, generator = _pop_generator(op, args, kwargs)
+
+    def local(value: Any, i: int) -> Any:
+        return moved[id(value)][i] if isinstance(value, DTensor) else value
+
+    def draw(i: int) -> Any:
+        return op(*(local(a, i) for a in args), **{k: local(v, i) for k, v in kwargs.items()})
+
+    devices = [c.device for c in next(iter(moved.values()))]
+    if devices:  # (none in a process that holds no device of the mesh)
+        check_generator(spec.mesh, devices[0])
+    return draw_per_shard(spec, devices, draw, generator)
+
+
+def _move(op: Any, args: tuple, kwargs: dict, shape: torch.Size, target: tuple) -> dict:
+    """The components of every DTensor argument at ``target``, a broadcast one expanded to
+    ``shape`` first, under dispatch's explicit-mode rules (by ``id`` of the argument)."""
+    dts = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
+    if not dts:
+        return {}
+    full = [d if d.shape == shape else d.expand(shape) for d in dts]
+    moved = move_components(op, full, [target] * len(full))
+    return {id(d): comps for d, comps in zip(dts, moved, strict=True)}
+
+
+def _wrap(components: list[torch.Tensor], mesh: DeviceMesh, placements: tuple,
+          shape: torch.Size, dtype: torch.dtype) -> DTensor:
+    """A DTensor of global ``shape`` from its freshly drawn ``components`` (of ``dtype``
+    where this process holds none)."""
+    if not components:
+        return DTensor([], DTensorSpec(mesh, placements, contiguous_meta(shape, dtype)))
+    first = components[0]
+    stride = _global_stride(first, mesh, placements, tuple(shape))
+    meta = TensorMeta(shape, stride, first.dtype)
+    return DTensor(components, DTensorSpec(mesh, placements, meta))
 
 
 def _random_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
-    """``self.uniform_()`` and friends: draw the global tensor, write each device's piece
-    (a Partial("sum") ``self`` keeps the value on its first device and zeros elsewhere)."""
+    """``self.uniform_()`` and friends: each component draws its shard in place (a
+    Partial("sum") ``self`` keeps the value on its first device and zeros elsewhere)."""
     self: DTensor = args[0]
-    g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=False)
-    check_generator(self.device_mesh, self.device)
-    with drawing_from_default_generator():
-        drawn = op(*g_args, **g_kwargs)
     spec = self._spec
+    moved = _move(op, args[1:], kwargs, self.shape, _no_partial(spec.placements))
+    moved[id(self)] = self._components
+    _per_shard(op, args, kwargs, spec, moved)
     for component, device in zip(self._components, spec.mesh.local_device_ids, strict=True):
-        if keeps_value(spec, device):  # copied from views: one global tensor at a time
-            _copy_runs(component, drawn, spec.local_segments(device))
-        else:
+        if not keeps_value(spec, device):
             component.zero_()
     return self
 
 
-def _copy_runs(dst: torch.Tensor, src: torch.Tensor, segments: tuple, dim: int = 0) -> None:
-    """``dst`` = the part of ``src`` at the per-dim index runs ``segments``, copied run by run
-    (an interleaved piece needs no temporary of its own size)."""
-    if dim == len(segments):
-        dst.copy_(src)
-        return
-    offset = 0
-    for start, stop in segments[dim]:
-        size = stop - start
-        _copy_runs(dst.narrow(dim, offset, size), src.narrow(dim, start, size), segments, dim + 1)
-        offset += size
+# ops of OUT_RANDOM that read the values of ``self`` (the others only its shape and dtype)
+_READS_SELF = (aten.bernoulli.default, aten.bernoulli.Tensor)
 
 
 def _random_out(op: Any, args: tuple, kwargs: dict) -> DTensor:
-    """``torch.bernoulli(p)``, ``rand_like(x)`` and friends: draw the global result and shard
-    it like the first input (Partial dims replicated: a sample is not a partial value)."""
+    """``torch.bernoulli(p)``, ``rand_like(x)`` and friends: each component draws its shard
+    of the result, sharded like the first input (Partial dims replicated: a sample is not a
+    partial value)."""
     self: DTensor = args[0]
-    keep_self = op in (aten.bernoulli.default,)
-    g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=keep_self)
-    check_generator(self.device_mesh, self.device)
-    with drawing_from_default_generator():
-        drawn = op(*g_args, **g_kwargs)
-    return distribute_tensor(drawn, self.device_mesh, _no_partial(self.placements),
-                             src_data_rank=None)
+    target = _no_partial(self.placements)
+    if op in _READS_SELF:
+        moved = _move(op, args, kwargs, self.shape, target)
+    else:
+        moved = _move(op, args[1:], kwargs, self.shape, target) if len(args) > 1 else {}
+        moved[id(self)] = self._components
+    spec = self._spec.with_placements(target)
+    drawn = _per_shard(op, args, kwargs, spec, moved)
+    return _wrap(drawn, self.device_mesh, target, self.shape, self.dtype)
 
 
 INPLACE_RANDOM = [
@@ -150,34 +176,54 @@ bypass_dispatch(OUT_RANDOM, _random_out)
 
 
 def _random_from_values(op: Any, args: tuple, kwargs: dict) -> DTensor:
-    """``normal(mean, std)``, ``multinomial(probs, n)``: the global draw from the gathered
-    arguments, sharded like the first input when it has the output's shape, else Replicate."""
-    self: DTensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, DTensor))
-    g_args, g_kwargs = _global_args(op, args, kwargs, keep_self=True)
-    with drawing_from_default_generator():
-        drawn = op(*g_args, **g_kwargs)
-    same = isinstance(args[0], DTensor) and drawn.shape == args[0].shape
-    placements = _no_partial(self.placements) if same else [Replicate()] * self.device_mesh.ndim
-    return distribute_tensor(drawn, self.device_mesh, placements)
+    """``normal(mean, std)``, ``poisson(rates)``, ``multinomial(probs, n)``...: the arguments
+    (a broadcast one expanded) moved to the placements of one with the result's shape (Partial
+    dims and a multinomial's category dim replicated), then each component draws its shard."""
+    dts = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
+    first = dts[0]
+    mesh = first.device_mesh
+    if op is aten.multinomial.default:
+        last = first.ndim - 1
+        target = tuple(Replicate() if p.is_shard(last) else p for p in first.placements)
+        target = _no_partial(target)
+        moved = _move(op, args, kwargs, first.shape, target)
+        shape = torch.Size((*first.shape[:-1], bind(op, args, kwargs)["num_samples"]))
+    else:  # elementwise: arguments broadcast to the result's shape, sharded alike
+        shape = torch.broadcast_shapes(*(d.shape for d in dts))
+        like = next((d for d in dts if d.shape == shape), None)
+        target = _no_partial(like.placements) if like is not None else (Replicate(),) * mesh.ndim
+        moved = _move(op, args, kwargs, shape, target)
+    spec = DTensorSpec(mesh, target, contiguous_meta(shape, first.dtype))
+    return _wrap(_per_shard(op, args, kwargs, spec, moved), mesh, target, shape, first.dtype)
+
+
+bypass_dispatch(
+    [
+        aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor,
+        aten.multinomial.default, aten.poisson.default, aten._standard_gamma.default,
+        aten.binomial.default,
+    ],
+    _random_from_values,
+)
 
 
 def _rrelu_with_noise(op: Any, args: tuple, kwargs: dict) -> DTensor:
-    """``rrelu``: the global call on the gathered input draws the noise as on one device; the
-    noise buffer gets each device's piece back (in place) and the output keeps the input's
-    shards (Partial dims replicated: rrelu is not linear)."""
+    """``rrelu``: each component draws its shard of the noise; the noise buffer gets it in
+    place (moved back to its own placements if it had others) and the output keeps the
+    input's shards (Partial dims replicated: rrelu is not linear)."""
     bound = bind(op, args, kwargs)
     x, noise = bound["self"], bound["noise"]
     mesh = x.device_mesh
-    rep = [Replicate()] * mesh.ndim
-    xs, noises = move_components(op, [x, noise], [rep, rep])
-    drawn = noises[0].clone()
-    with drawing_from_default_generator():
-        out = op(xs[0], drawn, bound["lower"], bound["upper"], bound["training"],
-                 bound["generator"])
-    pieces = distribute_tensor(drawn, mesh, noise.placements)._components
-    for component, piece in zip(noise._components, pieces, strict=True):
-        component.copy_(piece)
-    return distribute_tensor(out, mesh, _no_partial(x.placements))
+    target = _no_partial(x.placements)
+    moved = _move(op, (x, noise), {}, x.shape, target)
+    spec = x._spec.with_placements(target)
+    out = _wrap(_per_shard(op, args, kwargs, spec, moved), mesh, target, x.shape, x.dtype)
+    if noise.placements != target:
+        drawn = DTensor(moved[id(noise)], noise._spec.with_placements(target))
+        pieces = move_components(op, [drawn], [noise.placements])[0]
+        for component, piece in zip(noise._components, pieces, strict=True):
+            component.copy_(piece)
+    return out
 
 
 bypass_dispatch(aten.rrelu_with_noise.default, _rrelu_with_noise)
@@ -193,35 +239,15 @@ def rrelu_backward_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     return product_strategy(mesh, options)
 
 
-bypass_dispatch(
-    [
-        aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor,
-        aten.multinomial.default, aten.poisson.default, aten._standard_gamma.default,
-        aten.binomial.default,
-    ],
-    _random_from_values,
-)
-
-
 def _native_dropout(op: Any, args: tuple, kwargs: dict) -> tuple[DTensor, DTensor]:
-    """The single-device mask (drawn by ``native_dropout`` on a zero tensor of the global
-    shape, so the generator advances as it would), sharded like the input; each device scales
-    its own piece. Dropout is linear given the mask, so a Partial input stays Partial."""
-    bound = bind(op, args, kwargs)
-    x: DTensor = bound["input"]
-    mesh = x.device_mesh
-    train = bound["train"] is None or bound["train"]
-    zeros = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    check_generator(mesh, x.device)
-    with drawing_from_default_generator():
-        drawn = op(zeros, bound["p"], train)[1]
-    mask = distribute_tensor(drawn, mesh, _no_partial(x.placements), src_data_rank=None)
-    keep = 1.0 - bound["p"]
-    scale = 0.0 if keep == 0 or not train else 1.0 / keep
-    out = []
-    for component, m in zip(x._components, mask._components, strict=True):
-        out.append(component.mul(m).mul_(scale) if train else component.clone())
-    return DTensor(out, x._spec), mask
+    """Each component drops with its shard's mask (the devices of one shard draw the same
+    one). Dropout is linear given the mask, so a Partial input stays Partial; the mask is
+    sharded like the input (Partial dims replicated)."""
+    x: DTensor = args[0]
+    drawn = _per_shard(op, args, kwargs, x._spec, {id(x): x._components})
+    out = DTensor([o for o, _ in drawn], x._spec)
+    target = _no_partial(x.placements)
+    return out, _wrap([m for _, m in drawn], x.device_mesh, target, x.shape, x.dtype)
 
 
 bypass_dispatch(aten.native_dropout.default, _native_dropout)
