@@ -163,6 +163,12 @@ class CheckpointNotFoundError(ShardwiseError, FileNotFoundError):
     checkpoint file in it (no save ever finished there)."""
 
 
+class CheckpointPathError(ShardwiseError, FileExistsError):
+    """``shardwise.checkpoint.save`` got a path holding something it did not write (a file, a
+    link, a directory of other files): it refuses it rather than replace it; nothing is
+    written or deleted."""
+
+
 class CheckpointFileMissingError(CheckpointCorruptError, FileNotFoundError):
     """A checkpoint's directory lacks one of its files (``.metadata``, a data file): corrupt,
     and also a FileNotFoundError."""
