@@ -169,6 +169,11 @@ class CheckpointPathError(ShardwiseError, FileExistsError):
     written or deleted."""
 
 
+class ProcessStateError(ShardwiseError, RuntimeError):
+    """A rank thread of the launcher's threads mode tried to change state its process holds
+    once for every rank (the working directory, torch's default dtype...)."""
+
+
 class CheckpointFileMissingError(CheckpointCorruptError, FileNotFoundError):
     """A checkpoint's directory lacks one of its files (``.metadata``, a data file): corrupt,
     and also a FileNotFoundError."""
