@@ -5,6 +5,7 @@ running, and bad arguments are refused in one line."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -144,3 +145,92 @@ def test_bad_arguments_are_refused_in_one_line(options: list[str], said: str) ->
     assert "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and said in errors[0], run.stderr
+
+
+# ----- the launcher's own end: killed, its output closed, ranks it could not start ----------
+
+
+def test_ranks_and_their_children_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    """SIGKILL leaves the launcher no chance to stop anything: the ranks die by the kernel's
+    parent-death signal, their children by the launcher's watchdog."""
+    launcher = _launcher(tmp_path, 2)
+    pids: list[int] = []
+    try:
+        pids = _pids(tmp_path, 2)
+        assert all(_alive(p) for p in pids)
+        launcher.kill()
+        launcher.wait(timeout=30)
+        assert _gone_within(pids, 5) == []
+    finally:
+        _cleanup(launcher, pids)
+
+
+CHATTY = """
+import sys, time
+for i in range(200000):
+    print(f"line {i} " + "x" * 100)
+time.sleep(120)
+"""
+
+
+def _running_with(marker: str) -> list[int]:
+    """Live processes (not this one) whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in command and _alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_closed_output_stops_the_ranks_instead_of_hanging(tmp_path: Path) -> None:
+    """As ``launch ... | head -1``: the reader leaves after one line while the ranks print."""
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardwise.launch", "--nproc", "2", str(script), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+    )
+    try:
+        assert launcher.stdout.readline().startswith("[")
+        launcher.stdout.close()
+        launcher.wait(timeout=30)
+        err = launcher.stderr.read()
+        assert launcher.returncode == 128 + signal.SIGPIPE, err
+        assert err.strip().splitlines()[-1] == (
+            "shardwise.launch: its output was closed; stopped the processes")
+        assert "Traceback" not in err
+        assert _gone_within(_running_with(str(tmp_path)), 5) == []
+    finally:
+        _cleanup(launcher, _running_with(str(tmp_path)))
+
+
+def test_a_launcher_that_cannot_start_every_rank_stops_those_it_started(tmp_path: Path) -> None:
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+
+    def few_open_files() -> None:  # room for some of the 16 ranks' pipes, not all
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (24, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardwise.launch", "--nproc", "16", str(script), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+        preexec_fn=few_open_files,
+    )
+    try:
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 1, err
+        last = err.strip().splitlines()[-1]
+        assert re.fullmatch(r"shardwise\.launch: could not start process (\d+) of 16 \(\[Errno "
+                            r"24\] Too many open files\); stopped the \1 already started", last)
+        assert int(last.split("process ")[1].split()[0]) > 0  # some did start
+        assert _gone_within(_running_with(str(tmp_path)), 5) == []
+    finally:
+        _cleanup(launcher, _running_with(str(tmp_path)))

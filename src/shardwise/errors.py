@@ -168,6 +168,17 @@ class CheckpointNotFoundError(ShardwiseError, FileNotFoundError):
     checkpoint file in it (no save ever finished there)."""
 
 
+class CheckpointPathError(ShardwiseError, FileExistsError):
+    """``shardwise.checkpoint.save`` got a path holding something it did not write (a file, a
+    link, a directory of other files): it refuses it rather than replace it; nothing is
+    written or deleted."""
+
+
+class ProcessStateError(ShardwiseError, RuntimeError):
+    """A rank thread of the launcher's threads mode tried to change state its process holds
+    once for every rank (the working directory, torch's default dtype...)."""
+
+
 class CheckpointFileMissingError(CheckpointCorruptError, FileNotFoundError):
     """A checkpoint's directory lacks one of its files (``.metadata``, a data file): corrupt,
     and also a FileNotFoundError."""

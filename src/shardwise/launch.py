@@ -8,7 +8,10 @@ into one world (``--threads``: N rank threads of one process instead, see
 (``[0] ...``, as torchrun's ``--tee``/``--role`` output). If one process fails the others are
 stopped and its exit code is returned. SIGINT, SIGTERM and SIGHUP sent to the launcher are
 forwarded to every process, and ``--timeout`` bounds the whole run; either way each process's
-process group (the rank and what it started) is stopped, killed after a grace period.
+process group (the rank and what it started) is stopped, killed after a grace period. The ranks
+die with the launcher even when it is killed with SIGKILL (a parent-death signal and a
+watchdog process), are stopped when its output is closed (exit 141), and are stopped when not
+all of them could be started (exit 1).
 
 The launcher uses the standard library only (the package loads lazily, so nothing imports torch
 here) and the processes start at once; it returns as soon as they have all exited.
@@ -17,6 +20,8 @@ here) and the processes start at once; it returns as soon as they have all exite
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
 import queue
 import signal
@@ -25,13 +30,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
 _GRACE_S = 5.0
 _POLL_S = 0.05  # how often the launcher looks at signals and the deadline
 _TIMEOUT_CODE = 124  # as coreutils' timeout
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
 
 
 def _free_port() -> int:
@@ -149,13 +155,21 @@ def _child_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     return env
 
 
-def _pump(rank: int, source: BinaryIO, sink: BinaryIO, lock: threading.Lock) -> None:
-    """Copy a child's output to ``sink`` line by line, each line prefixed with its rank."""
+def _pump(rank: int, source: BinaryIO, sink: BinaryIO, lock: threading.Lock,
+          closed: threading.Event) -> None:
+    """Copy a child's output to ``sink`` line by line, each line prefixed with its rank. When
+    ``sink`` is closed (the reader of a pipe left) set ``closed`` and read on, dropping the
+    lines, so the child never blocks on a full pipe."""
     prefix = f"[{rank}] ".encode()
     for line in iter(source.readline, b""):
+        if closed.is_set():
+            continue
         with lock:
-            sink.write(prefix + line)
-            sink.flush()
+            try:
+                sink.write(prefix + line)
+                sink.flush()
+            except (BrokenPipeError, ValueError):  # ValueError: the sink object was closed
+                closed.set()
     source.close()
 
 
@@ -202,19 +216,119 @@ def _catch_signals(received: list[int]) -> dict[int, object]:
     }
 
 
+def _parent_death_signal() -> Callable[[], None] | None:
+    """What a rank runs between fork and exec so that the kernel kills it when the launcher
+    dies (which a launcher killed with SIGKILL cannot do itself): Linux's
+    ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, looked up here, before any fork; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:  # it died before the prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return die_with_launcher
+
+
+# Started beside the ranks, in a session of its own: it waits on a pipe from the launcher and,
+# when the pipe ends before the launcher says "done" (the launcher died, even by SIGKILL),
+# kills every rank's process group (the ranks and what they started).
+_WATCHDOG = """
+import os, signal, sys
+groups = []
+for line in sys.stdin:
+    if line.strip() == "done":
+        sys.exit(0)
+    groups.append(int(line))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _watchdog() -> subprocess.Popen | None:
+    """The watchdog (None where it cannot start: the ranks still die by the parent-death
+    signal on Linux)."""
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG],
+                                stdin=subprocess.PIPE, text=True, start_new_session=True)
+    except OSError:
+        return None
+
+
+def _tell(watchdog: subprocess.Popen | None, line: str) -> None:
+    if watchdog is not None:
+        try:
+            watchdog.stdin.write(line + "\n")
+            watchdog.stdin.flush()
+        except OSError:
+            pass
+
+
+def _start(command: list[str], nproc: int, port: int,
+           watchdog: subprocess.Popen | None) -> list[subprocess.Popen]:
+    """Start the ranks, each leading its own process group (stopping reaches its children)
+    and dying with the launcher; if one cannot start (open files or processes exhausted),
+    stop those started and raise ``_StartFailed``."""
+    procs: list[subprocess.Popen] = []
+    die_with_launcher = _parent_death_signal()
+    try:
+        for rank in range(nproc):
+            procs.append(subprocess.Popen(
+                command, env=_child_env(rank, nproc, port), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_launcher,
+            ))
+            _tell(watchdog, str(procs[-1].pid))
+    except OSError as err:
+        _stop(procs, signal.SIGKILL)
+        for p in procs:
+            p.stdout.close()
+            p.stderr.close()
+        raise _StartFailed(
+            f"could not start process {len(procs)} of {nproc} ({err}); stopped the "
+            f"{len(procs)} already started"
+        ) from None
+    return procs
+
+
+class _StartFailed(Exception):
+    """Not every rank could be started (the started ones were stopped)."""
+
+
 def _run(
     command: list[str], nproc: int, port: int, timeout: float | None, received: list[int]
 ) -> int:
-    procs = [
-        subprocess.Popen(  # each rank leads its own process group: stopping reaches its children
-            command, env=_child_env(rank, nproc, port), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True,
-        )
-        for rank in range(nproc)
-    ]
+    watchdog = _watchdog()
+    try:
+        return _supervise(command, nproc, port, timeout, received, watchdog)
+    except _StartFailed as err:
+        return _finish([], 1, str(err))
+    finally:
+        _tell(watchdog, "done")
+        if watchdog is not None:
+            with contextlib.suppress(OSError):
+                watchdog.stdin.close()
+            watchdog.wait()
+
+
+def _supervise(
+    command: list[str], nproc: int, port: int, timeout: float | None, received: list[int],
+    watchdog: subprocess.Popen | None,
+) -> int:
+    procs = _start(command, nproc, port, watchdog)
     locks = {"out": threading.Lock(), "err": threading.Lock()}
+    closed = threading.Event()  # the launcher's stdout or stderr was closed (| head)
     pumps = [
-        threading.Thread(target=_pump, args=(rank, pipe, _binary(sink), locks[name]), daemon=True)
+        threading.Thread(target=_pump, args=(rank, pipe, _binary(sink), locks[name], closed),
+                         daemon=True)
         for rank, p in enumerate(procs)
         for name, pipe, sink in (("out", p.stdout, sys.stdout), ("err", p.stderr, sys.stderr))
     ]
@@ -231,6 +345,10 @@ def _run(
             _stop(procs, signum)
             return _finish(pumps, 128 + signum, f"received {signal.Signals(signum).name}; "
                            "stopped the processes")
+        if closed.is_set():
+            _stop(procs)
+            return _finish(pumps, 128 + signal.SIGPIPE, "its output was closed; stopped the "
+                           "processes")
         if deadline is not None and time.monotonic() >= deadline:
             _stop(procs)
             return _finish(pumps, _TIMEOUT_CODE, f"timed out after {timeout:g} s; stopped the "
@@ -252,9 +370,22 @@ def _run(
 def _finish(pumps: list[threading.Thread], code: int, message: str) -> int:
     """Let the processes' last lines out, then say in one line why the run ended."""
     _drain(pumps)
-    sys.stdout.flush()
-    print(f"shardwise.launch: {message}", file=sys.stderr)
+    for stream, text in ((sys.stdout, ""), (sys.stderr, f"shardwise.launch: {message}\n")):
+        try:
+            stream.write(text)
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            _silence(stream)
     return code
+
+
+def _silence(stream: object) -> None:
+    """Point a closed output's descriptor at /dev/null, so the interpreter's last flush does
+    not fail on it (as Python's documentation advises for a broken pipe)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # type: ignore[attr-defined]
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _drain(pumps: list[threading.Thread]) -> None:

@@ -16,6 +16,8 @@ reduced in the same order):
   runs with that state swapped in under a lock), so a rank draws the numbers it draws alone.
 - shardwise's per-process state (process groups, collective sequence numbers, the background
   collective worker) is per rank thread (``settings.ProcessLocal``).
+- what the process holds once (the working directory, torch's default dtype...) a rank thread
+  cannot change, and a thread a rank starts acts for that rank (``process_wide``).
 
 The process must not be part of a multi-process world itself: threads mode replaces processes.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -38,12 +41,13 @@ import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from . import runtime, settings
+from . import process_wide, runtime, settings
 from .comm.wire import Mailbox
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidArgumentError
 
 T = TypeVar("T")
 _GRACE_S = 5.0  # after a rank fails, how long the others get to fail or finish
+_THREAD_NAME = "shardwise-rank-"
 
 
 def _rank() -> settings.RankThread | None:
@@ -365,7 +369,7 @@ def run_threads(
     port = _free_port()
     done: queue.Queue = queue.Queue()
     mailbox = Mailbox()
-    with _one_intra_op_thread(nproc), _installed() as generators:
+    with _one_intra_op_thread(nproc), _installed() as generators, process_wide.guarded():
         threads = []
         for r in range(nproc):
             rank = settings.RankThread(r, nproc, rank_env(r, nproc, port), _RankWorld())
@@ -373,7 +377,7 @@ def run_threads(
             rank.mailbox = mailbox
             threads.append(threading.Thread(
                 target=_run_rank, args=(rank, generators, fn, args, kwargs, done),
-                name=f"shardwise-rank-{r}", daemon=True,
+                name=f"{_THREAD_NAME}{r}", daemon=True,
             ))
         for t in threads:
             t.start()
@@ -393,7 +397,12 @@ def run_threads(
             else:
                 failures.append((when, r, value, trace))
         if failures:
+            # the ranks that reported still close their groups: joined, since a thread in
+            # gloo's C++ at interpreter exit aborts the process ("terminate called...")
             _, r, err, trace = min(failures, key=lambda f: f[0])
+            until = max(failures[0][0] + _GRACE_S, time.monotonic() + 1.0)
+            for t in threads:
+                t.join(timeout=max(until - time.monotonic(), 0.0))
             raise RankFailedError(r, nproc, err, trace) from err
         if len(results) < nproc:
             running = [r for r in range(nproc) if r not in results]
@@ -411,7 +420,10 @@ def launch_threads(script: str, args: Sequence[str] = (), *, nproc: int, module:
                    timeout: float = 1e9) -> int:
     """``python -m shardwise.launch --threads``: run ``script`` (a module with ``module``) as
     ``nproc`` rank threads of this process; 0 if all succeed, else 1 with the first failing
-    rank's traceback on stderr (a rank's ``sys.exit(code)`` returns ``code``)."""
+    rank's traceback on stderr (a rank's ``sys.exit(code)`` returns ``code``). SIGINT, SIGTERM
+    or SIGHUP stop the run at once: 128 + the signal. Ranks still inside a collective then (a
+    failure's peers past the grace period too) end with the process (``os._exit``: a thread
+    left in gloo at interpreter exit would abort it)."""
     import runpy
     import sys
 
@@ -425,20 +437,53 @@ def launch_threads(script: str, args: Sequence[str] = (), *, nproc: int, module:
 
     out, err_stream = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Lines(out), _Lines(err_stream)  # type: ignore[assignment]
+    previous = _stop_on_signals()
+    code = 0
     try:
         run_threads(main, nproc, timeout=timeout)
+    except _Signalled as stop:
+        print(f"shardwise.launch --threads: received {signal.Signals(stop.signum).name}; "
+              f"stopped the rank threads", file=sys.stderr)
+        code = 128 + stop.signum
     except RankFailedError as err:
-        if isinstance(err.error, SystemExit):
-            code = err.error.code
-            if code is None or isinstance(code, int):
-                return code or 0
-        print(f"shardwise.launch --threads: {err}", file=sys.stderr)
-        return 1
+        code = 1
+        if isinstance(err.error, SystemExit) and (
+                err.error.code is None or isinstance(err.error.code, int)):
+            code = err.error.code or 0
+        else:
+            print(f"shardwise.launch --threads: {err}", file=sys.stderr)
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         sys.stdout.flush()
         sys.stderr.flush()
         sys.stdout, sys.stderr = out, err_stream
-    return 0
+    if any(t.name.startswith(_THREAD_NAME) and t.is_alive() for t in threading.enumerate()):
+        # a rank still inside a collective: the interpreter's exit would abort under it
+        os._exit(code)
+    return code
+
+
+class _Signalled(BaseException):
+    """SIGINT, SIGTERM or SIGHUP reached the launcher in threads mode."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signals() -> dict[int, Any]:
+    """Make SIGINT, SIGTERM and SIGHUP raise ``_Signalled`` in the main thread (even where the
+    shell started the launcher with SIGINT ignored, as a background job); the previous
+    handlers (none outside the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise _Signalled(signum)
+
+    return {signum: signal.signal(signum, stop)
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
 class _Lines:

@@ -55,27 +55,43 @@ def start(device_type: str, wanted: bool | None) -> None:
     if wanted is False or not dist.is_available() or dist.is_initialized():
         return
     env = os.environ
-    if wanted is None:
-        wanted = int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" in env and "MASTER_ADDR" in env
-        if not wanted:
-            return
+    if wanted is None and _env_int("WORLD_SIZE", 1) <= 1:
+        return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
+        why = ("init_process_group=True reads the torchrun environment" if wanted else
+               f"WORLD_SIZE={env['WORLD_SIZE']} names a world of several processes (alone, each "
+               f"would run as one process owning every device)")
         raise MeshError(
-            f"init_process_group=True reads the torchrun environment, but {missing} are not set; "
-            f"start the script with torchrun or python -m shardwise.launch"
+            f"{why}, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; "
+            f"start the script with torchrun or python -m shardwise.launch (or unset "
+            f"WORLD_SIZE to run as one process)"
         )
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    if not 0 <= rank < world:
+        raise MeshError(f"RANK={rank} is not a rank of WORLD_SIZE={world} processes")
     backend = "nccl" if device_type == "cuda" else "gloo"
     seconds = settings.COLLECTIVE_TIMEOUT.get()
     timeout = timedelta(seconds=seconds)
     if "TORCHELASTIC_RUN_ID" in env:  # torchrun's agent owns the store and watches the peers
         dist.init_process_group(backend, timeout=timeout)
         return
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     store = rendezvous(rank, world, seconds)
     # every rank has joined the store: the backend connects them at once (the timeout given
     # here is the process group's collective timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _env_int(name: str, default: int) -> int:
+    """The torchrun variable ``name`` as an integer (``default`` when unset); ``MeshError``
+    naming it for anything else."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise MeshError(f"{name}={text!r} is not an integer (the torchrun environment)") from None
 
 
 def rendezvous(rank: int, world: int, seconds: float) -> Any:
@@ -83,7 +99,7 @@ def rendezvous(rank: int, world: int, seconds: float) -> Any:
     ``world`` processes have joined it. Reaching the store and waiting for the others share
     one deadline of ``seconds``; past it raise ``CollectiveTimeoutError`` naming the ranks that
     did not come (or rank 0's store that could not be reached)."""
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
     deadline = time.monotonic() + seconds
     if rank != 0:
         _wait_for_store(rank, world, addr, port, seconds, deadline)

@@ -61,38 +61,60 @@ class Setting(Generic[T]):
             self._override.reset(token)
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").lower() not in ("", "0", "false")
+# ----- environment variables (docs/multiprocess.md, "Environment variables") -------------------
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
 
 
-# Ops may redistribute their inputs themselves (explicit mode forbids it; the default).
-IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
-    "implicit_redistribute", _env_flag("SHARDWISE_IMPLICIT_REDISTRIBUTE")
-)
-# Plain tensors mixed with DTensors are taken as replicated global values.
-IMPLICIT_REPLICATION: Setting[bool] = Setting("implicit_replication", False)
-# Every redistribution an op makes is logged with the user's call site.
-LOG_REDISTRIBUTE: Setting[bool] = Setting("log_redistribute", False)
-# Every cross-process collective (and process-group setup) is bounded by this many seconds.
-def _env_seconds(name: str, default: float) -> float:
+def env_flag(name: str) -> bool:
+    """The on/off environment variable ``name``: 1, true, yes, on or 0, false, no, off (any
+    case); unset or empty is off. Any other value raises ``InvalidArgumentError`` naming the
+    variable and the values it takes."""
+    text = os.environ.get(name, "")
+    if text.lower() in _ON:
+        return True
+    if text == "" or text.lower() in _OFF:
+        return False
+    raise InvalidArgumentError(
+        f"{name}={text!r} is not an on/off value: it takes {', '.join(_ON)} (on) or "
+        f"{', '.join(_OFF)} (off), in any case; unset or empty is off"
+    )
+
+
+def env_seconds(name: str, default: float) -> float:
+    """The environment variable ``name`` as a finite positive number of seconds (``default``
+    when unset or empty); any other value raises ``InvalidArgumentError`` naming it."""
     text = os.environ.get(name, "")
     try:
         value = float(text) if text else default
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise InvalidArgumentError(f"{name}={text!r} must be a finite positive number of seconds")
+        raise InvalidArgumentError(
+            f"{name}={text!r} is not a number of seconds: it takes a finite positive number "
+            f"(such as 30 or 2.5); unset or empty is {default:g}"
+        )
     return value
 
 
+# Ops may redistribute their inputs themselves (explicit mode forbids it; the default).
+IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
+    "implicit_redistribute", env_flag("SHARDWISE_IMPLICIT_REDISTRIBUTE")
+)
+# Plain tensors mixed with DTensors are taken as replicated global values.
+IMPLICIT_REPLICATION: Setting[bool] = Setting("implicit_replication", False)
+# Every redistribution an op makes is logged with the user's call site.
+LOG_REDISTRIBUTE: Setting[bool] = Setting("log_redistribute", False)
+# Every cross-process collective (and process-group setup) is bounded by this many seconds.
 COLLECTIVE_TIMEOUT: Setting[float] = Setting(
-    "collective_timeout", _env_seconds("SHARDWISE_COLLECTIVE_TIMEOUT", 300.0)
+    "collective_timeout", env_seconds("SHARDWISE_COLLECTIVE_TIMEOUT", 300.0)
 )
 # Processes compare what they are about to do before each cross-process collective.
-DEBUG_CHECKS: Setting[bool] = Setting("debug_checks", _env_flag("SHARDWISE_DEBUG_CHECKS"))
+DEBUG_CHECKS: Setting[bool] = Setting("debug_checks", env_flag("SHARDWISE_DEBUG_CHECKS"))
 # Cross-process reductions combine in coordinate order (the embedded run's bits) instead of the
 # backend's order.
-DETERMINISTIC: Setting[bool] = Setting("deterministic", _env_flag("SHARDWISE_DETERMINISTIC"))
+DETERMINISTIC: Setting[bool] = Setting("deterministic", env_flag("SHARDWISE_DETERMINISTIC"))
 # What the collectives inside ``comm.moving`` blocks are moving (innermost last), for errors.
 MOVING: Setting[tuple] = Setting("moving", ())
 # The meshes of the ``with mesh:`` and ``default_mesh(mesh)`` blocks of this context, innermost
@@ -126,7 +148,7 @@ REPLICA_THREAD: Setting[ReplicaThread | None] = Setting("replica_thread", None)
 DISTRIBUTION_MODE: Setting[Any] = Setting("distribution_mode", None)
 # Seconds a replica thread may run before it reaches a merge point or returns.
 REPLICA_TIMEOUT: Setting[float] = Setting(
-    "replica_timeout", float(os.environ.get("SHARDWISE_REPLICA_TIMEOUT", "120"))
+    "replica_timeout", env_seconds("SHARDWISE_REPLICA_TIMEOUT", 120.0)
 )
 # Replica-context reads of sync-on-read variables aggregate (tf.distribute's internal
 # variable_sync_on_read_context).

@@ -10,6 +10,7 @@ from ..errors import (
     CheckpointCorruptError,
     CheckpointFileMissingError,
     CheckpointNotFoundError,
+    CheckpointPathError,
     UnsafeCheckpointError,
 )
 from .training_state import load, save
@@ -18,6 +19,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointFileMissingError",
     "CheckpointNotFoundError",
+    "CheckpointPathError",
     "UnsafeCheckpointError",
     "load",
     "save",

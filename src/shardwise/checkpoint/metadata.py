@@ -10,6 +10,8 @@ it names is a plain file name inside the checkpoint directory.
 from __future__ import annotations
 
 import io
+import itertools
+import math
 import pickle
 from pathlib import Path
 from typing import Any
@@ -112,13 +114,51 @@ def data_file(directory: Path, name: Any, *, what: str) -> Path:
     return path
 
 
+def coverage_fault(shape: list[int], chunks: list[tuple[list[int], list[int]]]) -> str | None:
+    """Why the boxes ``chunks`` ((offsets, sizes), inside ``shape``) do not tile ``shape``
+    exactly (two overlap, or elements are in none: the first such box named), or None."""
+    boxes = [(o, s) for o, s in chunks if math.prod(s)]
+    if not math.prod(shape):
+        return None
+    # sweep along the dim where the boxes start at the most places
+    dim = max(range(len(shape)), key=lambda d: len({o[d] for o, _ in boxes}), default=None)
+    if dim is not None:
+        boxes.sort(key=lambda b: b[0][dim])
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1:]:
+            if dim is not None and ob[dim] >= oa[dim] + sa[dim]:
+                break
+            if all(b < a + m and a < b + n for a, m, b, n in zip(oa, sa, ob, sb, strict=True)):
+                return (f"overlap: the chunk at offsets {oa} sizes {sa} and the one at offsets "
+                        f"{ob} sizes {sb}")
+    if sum(math.prod(s) for _, s in boxes) == math.prod(shape):
+        return None
+    return f"leave a gap: {_gap(shape, boxes)} is in no chunk (no saved value there)"
+
+
+def _gap(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> str:
+    """A box of ``shape`` in none of ``boxes`` (disjoint boxes that do not cover it)."""
+    cuts = [sorted({0, n, *(o[d] for o, _ in boxes), *(o[d] + s[d] for o, s in boxes)})
+            for d, n in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) > 1_000_000:
+        missing = math.prod(shape) - sum(math.prod(s) for _, s in boxes)
+        return f"{missing} of its {math.prod(shape)} elements"
+    cells = itertools.product(*(zip(c, c[1:], strict=False) for c in cuts))
+    start, end = next(
+        ([a for a, _ in cell], [b for _, b in cell]) for cell in cells
+        if not any(all(o <= a < o + n for (a, _), o, n in zip(cell, ob, sb, strict=True))
+                   for ob, sb in boxes)
+    )
+    return f"the box at offsets {start} sizes {[b - a for a, b in zip(start, end, strict=True)]}"
+
+
 def check_metadata(
     metadata: Metadata, directory: Path, file: Path
 ) -> list[tuple[MetadataIndex, _StorageInfo]]:
     """Raise unless ``metadata`` is well formed: tensor entries with a dtype, a shape and
-    chunks inside it, byte entries, and a storage location (a data file inside ``directory``,
-    a byte range, no stream transforms) for every chunk and byte entry; returns those
-    locations."""
+    chunks that tile it (inside it, no gap, no overlap), byte entries, and a storage location
+    (a data file inside ``directory``, a byte range, no stream transforms) for every chunk and
+    byte entry; returns those locations."""
 
     def corrupt(why: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{str(file)!r}: {why}; nothing was loaded")
@@ -154,6 +194,9 @@ def check_metadata(
             ):
                 raise corrupt(f"{key}: a chunk that is not a box of shape {list(md.size)}")
             wanted.append(MetadataIndex(key, torch.Size(chunk.offsets)))
+        why = coverage_fault(list(md.size), [(list(c.offsets), list(c.sizes)) for c in md.chunks])
+        if why:
+            raise corrupt(f"{key}: the chunks of its global shape {list(md.size)} {why}")
     inside: set[str] = set()
     for index in wanted:
         info = storage.get(index)

@@ -93,8 +93,10 @@ class DigestWriter(FileSystemWriter):
                 plain[-1].append(dataclasses.replace(result, storage_data=info))
         super().finish(metadata, plain)
         directory = Path(self.path)
+        written = sorted(set(os.listdir(directory)) - {RECORD + ".tmp"} | {RECORD})
         record = {
             "format": _FORMAT,
+            "files": written,
             "metadata_sha256": hashlib.sha256((directory / METADATA).read_bytes()).hexdigest(),
             "items": items,
         }

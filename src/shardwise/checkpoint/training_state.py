@@ -1,9 +1,10 @@
 """Save and load a whole training state (model, optimizer, RNG, step, extra values) in one
 call, on torch.distributed.checkpoint, resharding on load.
 
-``save`` writes into ``<path>.saving`` and renames it to ``path`` only once complete (the
-previous checkpoint moves to ``<path>.old`` for the instant of the swap), so a save killed
-part-way leaves the previous checkpoint loadable. It records a digest of every item and of the
+``save`` writes into a new directory beside ``path`` and exchanges it with ``path`` only once
+complete, so a save killed part-way leaves the previous checkpoint loadable; it refuses a
+``path`` holding anything it did not write and removes only what it wrote (``directory``). It
+records a digest of every item and of the
 metadata (``storage.py``). ``load`` runs nothing from the checkpoint (allow-listed metadata
 unpickling, weights-only values, ``extra`` as JSON), compares the metadata with the state it
 loads into (``CheckpointMismatchError`` naming every difference), reads and verifies
@@ -19,7 +20,6 @@ import json
 import math
 import operator
 import os
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,9 +40,11 @@ from ..errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointPathError,
     ShardwiseError,
     ShardwiseTypeError,
 )
+from . import directory
 from .extra import decode, encode
 from .storage import (
     METADATA,
@@ -245,8 +247,10 @@ def save(
     """Save ``model`` and ``optimizer`` state (DTensors as their shards), torch's RNG state,
     ``step`` (an integer) and ``extra`` (None, bool, int, float, str, bytes, lists, tuples,
     dicts and tensors, nested; anything else raises ``ShardwiseTypeError`` before anything is
-    written) to the directory ``path``, atomically. Every process calls it. ``progress``: a
-    tqdm bar (default: for states from 64 MiB on)."""
+    written) to the directory ``path``, atomically. ``path`` is new, an empty directory, or a
+    checkpoint ``save`` wrote (replaced whole); anything else raises ``CheckpointPathError``
+    before anything is written. Every process calls it. ``progress``: a tqdm bar (default: for
+    states from 64 MiB on)."""
     header, tensors = _header(step, extra)
     path = Path(path)
     with _exclusive(path) if _rank0() else contextlib.nullcontext():
@@ -255,43 +259,45 @@ def save(
 
 @contextlib.contextmanager
 def _exclusive(path: Path) -> Iterator[None]:
-    """Hold ``<path>.lock`` (an exclusive ``flock``) while saving to ``path``: a concurrent
-    save to the same path (a thread, or a process of another job) waits here for this one to
-    finish, so saves to one path run one after the other. The lock file is removed before the
-    lock is released; a waiter that locked a removed file opens the new one again. The kernel
-    releases the lock of a killed process."""
-    lock = path.with_name(path.name + ".lock")
-    while True:
-        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                current = os.stat(lock).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                current = False
-        except BaseException:
-            os.close(fd)
-            raise
-        if current:
-            break
-        os.close(fd)
+    """Hold an exclusive ``flock`` on the directory that holds ``path`` while saving to
+    ``path``: a concurrent save there (a thread, or a process of another job) waits for this
+    one to finish, so saves to one path run one after the other. No lock file is made; the
+    kernel releases the lock of a killed process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
         os.close(fd)
+
+
+def _on_rank0(run: Callable[[], Any]) -> Any:
+    """``run()`` on rank 0, its result given to every rank; when it raises, rank 0 raises
+    that and the other ranks a ``CheckpointPathError`` carrying its message."""
+    rank, world = runtime.rank_and_world()
+    result = failure = None
+    try:
+        if rank == 0:
+            result = run()
+    except Exception as exc:
+        failure = exc
+    if world > 1:
+        box = [(result, None if failure is None else f"{type(failure).__name__}: {failure}")]
+        dist.broadcast_object_list(box, src=0)
+        result, message = box[0]
+        if failure is None and message is not None:
+            raise CheckpointPathError(f"rank 0 could not save the checkpoint: {message}")
+    if failure is not None:
+        raise failure
+    return result
 
 
 def _save(
     path: Path, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
     header: str, tensors: list[torch.Tensor], progress: bool | None,
 ) -> None:
-    saving = path.with_name(path.name + ".saving")
-    old = path.with_name(path.name + ".old")
-    if _rank0():
-        shutil.rmtree(saving, ignore_errors=True)
-    _barrier()
+    saving = Path(_on_rank0(lambda: str(directory.new_saving_dir(path))))
     state = _training_state(model, optimizer)
     state[HEADER] = header
     if tensors:
@@ -305,21 +311,15 @@ def _save(
     )
     release_reduced()
     _barrier()
-    if _rank0():
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(saving, path)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _on_rank0(lambda: directory.replace(path, saving))
 
 
 def _resolve(path: Path) -> Path:
     """``path``, or the previous checkpoint when a save was killed between its two renames."""
-    old = path.with_name(path.name + ".old")
-    if not path.exists() and old.exists():
-        return old
-    if not path.exists():
+    if not os.path.lexists(path):
+        previous = directory.interrupted(path)
+        if previous is not None:
+            return previous
         raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: the path does not exist")
     if not path.is_dir():
         raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: it is not a directory")

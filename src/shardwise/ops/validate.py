@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from .. import settings
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import InvalidArgumentError, InvalidPlacementError, StrategyValidationError
 from ..mesh import DeviceMesh, init_device_mesh
@@ -35,8 +35,8 @@ MESH_SHAPES: tuple[tuple[int, ...], ...] = ((2,), (3,), (2, 2))
 
 
 def exhaustive_by_default() -> bool:
-    """True when ``SHARDWISE_VALIDATE_ALL`` is set (to anything but 0)."""
-    return os.environ.get("SHARDWISE_VALIDATE_ALL", "") not in ("", "0")
+    """True when the on/off variable ``SHARDWISE_VALIDATE_ALL`` is on."""
+    return settings.env_flag("SHARDWISE_VALIDATE_ALL")
 
 
 @dataclass
