@@ -68,6 +68,16 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return type(self) is Shard and (dim is None or dim == self.dim)
 
+    @staticmethod
+    def local_shard_size_and_offset(
+        curr_local_size: int, num_chunks: int, rank: int
+    ) -> tuple[int, int]:
+        """PyTorch's: the size and offset of piece ``rank`` of ``num_chunks`` ``torch.chunk``
+        pieces of a dim of ``curr_local_size`` (offset relative to that dim, clamped to it)."""
+        chunk = -(-curr_local_size // num_chunks) if curr_local_size else 0
+        lo, hi = min(rank * chunk, curr_local_size), min((rank + 1) * chunk, curr_local_size)
+        return hi - lo, lo
+
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
 
@@ -111,6 +121,25 @@ class InterleavedShard(Shard):
                 f"got {self.interleaved_size!r}"
             )
 
+    def local_shard_size_and_offset(  # type: ignore[override]
+        self, curr_local_size: int, num_chunks: int, rank: int, offset_mode: int = 0
+    ) -> tuple[int, int | list[int] | None]:
+        """PyTorch's ``_StridedShard.local_shard_size_and_offset``: the size of piece ``rank``
+        and, by ``offset_mode`` (0 FIRST, 1 ALL, 2 NONE), its first index (-1 if empty), all
+        its indices, or None."""
+        k = self.interleaved_size
+        indices: list[int] = []
+        for block in range(k):  # chunk into k blocks, each block into num_chunks pieces
+            b_size, b_lo = Shard.local_shard_size_and_offset(curr_local_size, k, block)
+            size, lo = Shard.local_shard_size_and_offset(b_size, num_chunks, rank)
+            indices.extend(range(b_lo + lo, b_lo + lo + size))
+        mode = int(offset_mode)
+        if mode == 2:
+            return len(indices), None
+        if mode == 1:
+            return len(indices), indices
+        return len(indices), indices[0] if indices else -1
+
     @property
     def split_factor(self) -> int:
         """PyTorch's name (``_StridedShard.split_factor``) for ``interleaved_size``."""
@@ -144,6 +173,17 @@ class RaggedShard(Shard):
                 f"one per device along the mesh dim, got {sizes!r}"
             )
         object.__setattr__(self, "sizes", tuple(sizes))
+
+    def local_shard_size_and_offset(  # type: ignore[override]
+        self, curr_local_size: int, num_chunks: int, rank: int
+    ) -> tuple[int, int]:
+        """The size and offset of piece ``rank``: ``sizes[rank]`` after the pieces before it."""
+        if len(self.sizes) != num_chunks or sum(self.sizes) != curr_local_size:
+            raise InvalidPlacementError(
+                f"{self!r} needs one size per device of the mesh dim ({num_chunks}) summing to "
+                f"the size {curr_local_size} of dim {self.dim}"
+            )
+        return self.sizes[rank], sum(self.sizes[:rank])
 
     def __repr__(self) -> str:
         return f"RaggedShard(dim={self.dim}, sizes={self.sizes})"
