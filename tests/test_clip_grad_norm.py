@@ -45,14 +45,19 @@ def _check(model, single, norm_type: float, foreach: bool | None) -> tuple[list,
     return [(r.kind, r.mesh_dim, max(r.bytes, r.cross_process_bytes)) for r in mode.records], ok
 
 
-def _tp_mlp(norm_type: float, foreach: bool | None) -> tuple[list, bool]:
-    """1-D tensor parallelism: one device per process."""
+def _tp_models() -> tuple[torch.nn.Module, torch.nn.Module, sw.DeviceMesh, torch.Tensor]:
+    """An MLP, a tensor-parallel copy on a 2-device mesh, the mesh, and an input."""
     torch.manual_seed(0)
     single = demo.MLP(demo.GPTConfig(dim=16))
     model = copy.deepcopy(single)
     mesh = sw.init_device_mesh("cpu", (2,))
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    x = torch.randn(4, 16)
+    return single, model, mesh, torch.randn(4, 16)
+
+
+def _tp_mlp(norm_type: float, foreach: bool | None) -> tuple[list, bool]:
+    """1-D tensor parallelism: one device per process."""
+    single, model, _, x = _tp_models()
     single(x).pow(2).sum().backward()
     model(x).pow(2).sum().backward()  # use_local_output: the plain output is this rank's
     return _check(model, single, norm_type, foreach)
@@ -176,12 +181,7 @@ def test_foreach_norm_at_once_equals_per_tensor_norms(order: float) -> None:
 def test_clip_grad_norm_runs_in_explicit_mode(norm_type: float, foreach: bool | None) -> None:
     """The default explicit mode reduces a scalar pending p-norm where clipping uses it (one
     scalar all_reduce, PyTorch's cost) and nothing else: no allow_implicit_redistribute."""
-    torch.manual_seed(0)
-    single = demo.MLP(demo.GPTConfig(dim=16))
-    model = copy.deepcopy(single)
-    mesh = sw.init_device_mesh("cpu", (2,))
-    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    x = torch.randn(4, 16)
+    single, model, mesh, x = _tp_models()
     single(x).pow(2).sum().backward()
     out = model(sw.distribute_tensor(x, mesh, [Replicate()]))
     (out.full_tensor() if isinstance(out, sw.DTensor) else out).pow(2).sum().backward()
