@@ -65,6 +65,10 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").lower() not in ("", "0", "false")
 
 
+# SHARDWISE_AS_TORCH=1: the drop-in switch (shardwise.as_torch) is on in every process that
+# imports shardwise, and in the processes and rank threads of shardwise.launch.
+AS_TORCH_ENV = "SHARDWISE_AS_TORCH"
+AS_TORCH: bool = _env_flag(AS_TORCH_ENV)
 # Ops may redistribute their inputs themselves (explicit mode forbids it; the default).
 IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
     "implicit_redistribute", _env_flag("SHARDWISE_IMPLICIT_REDISTRIBUTE")
