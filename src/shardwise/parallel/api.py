@@ -93,7 +93,7 @@ def parallelize_module(
     guard_loading(module)
     # a deferred_init tree materializes at its root; a torch.device("meta") module stays meta
     # (PyTorch's flow: module.to_empty(device=...), then the model's own init)
-    materialize_if_root(module, keep_plain_meta=True)
+    materialize_if_root(module)
     return module
 
 
