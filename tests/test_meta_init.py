@@ -219,9 +219,11 @@ def build_on_meta(mesh_shape: tuple[int, ...], fsdp: bool) -> tuple[nn.Module, d
         for block in model.layers.values():
             fully_shard(block.feed_forward, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    # the global view lifts the "tp" sub-mesh's placements onto the whole mesh (Replicate on dp)
+    lifted = (Replicate(),) if len(mesh_shape) == 2 else ()
     expected = {
         name: (_fsdp_placement(plan_placement(name), p), plan_placement(name)) if fsdp
-        else (plan_placement(name),)
+        else (*lifted, plan_placement(name))
         for name, p in model.named_parameters()
     }
     return model, expected
