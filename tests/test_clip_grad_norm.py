@@ -45,14 +45,19 @@ def _check(model, single, norm_type: float, foreach: bool | None) -> tuple[list,
     return [(r.kind, r.mesh_dim, max(r.bytes, r.cross_process_bytes)) for r in mode.records], ok
 
 
-def _tp_mlp(norm_type: float, foreach: bool | None) -> tuple[list, bool]:
-    """1-D tensor parallelism: one device per process."""
+def _tp_models() -> tuple[torch.nn.Module, torch.nn.Module, sw.DeviceMesh, torch.Tensor]:
+    """An MLP, a tensor-parallel copy on a 2-device mesh, the mesh, and an input."""
     torch.manual_seed(0)
     single = demo.MLP(demo.GPTConfig(dim=16))
     model = copy.deepcopy(single)
     mesh = sw.init_device_mesh("cpu", (2,))
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    x = torch.randn(4, 16)
+    return single, model, mesh, torch.randn(4, 16)
+
+
+def _tp_mlp(norm_type: float, foreach: bool | None) -> tuple[list, bool]:
+    """1-D tensor parallelism: one device per process."""
+    single, model, _, x = _tp_models()
     single(x).pow(2).sum().backward()
     model(x).pow(2).sum().backward()  # use_local_output: the plain output is this rank's
     return _check(model, single, norm_type, foreach)
@@ -169,3 +174,34 @@ def test_foreach_norm_at_once_equals_per_tensor_norms(order: float) -> None:
                 torch.testing.assert_close(n.full_tensor(), alone.full_tensor())
                 torch.testing.assert_close(
                     n.full_tensor(), torch.linalg.vector_norm(d.full_tensor(), order))
+
+
+@pytest.mark.parametrize("foreach", FOREACH)
+@pytest.mark.parametrize("norm_type", NORMS)
+def test_clip_grad_norm_runs_in_explicit_mode(norm_type: float, foreach: bool | None) -> None:
+    """The default explicit mode reduces a scalar pending p-norm where clipping uses it (one
+    scalar all_reduce, PyTorch's cost) and nothing else: no allow_implicit_redistribute."""
+    single, model, mesh, x = _tp_models()
+    single(x).pow(2).sum().backward()
+    out = model(sw.distribute_tensor(x, mesh, [Replicate()]))
+    (out.full_tensor() if isinstance(out, sw.DTensor) else out).pow(2).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(single.parameters(), 0.05, norm_type,
+                                              foreach=foreach)
+    with CommDebugMode() as mode:
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type,
+                                               foreach=foreach)
+    torch.testing.assert_close(total.full_tensor(), expected, rtol=1e-5, atol=0)
+    for p, r in zip(model.parameters(), single.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-7)
+    assert [(r.kind, r.mesh_dim) for r in mode.records] == [("all_reduce", 0)]
+
+
+def test_explicit_mode_still_refuses_other_pending_values() -> None:
+    """Only a scalar pending norm is reduced without asking: a pending sum, or a pending norm
+    that is not a scalar, still raises."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    for shape, reduce_op in (((), "sum"), ((3,), "norm2")):
+        pending = sw.DTensor.from_local([torch.ones(shape), torch.ones(shape)], mesh,
+                                        [sw.Partial(reduce_op)])
+        with pytest.raises(sw.ImplicitRedistributeError, match=r"Partial"):
+            pending + 1.0

@@ -123,16 +123,27 @@ def test_materialized_shards_equal_the_normal_build_without_a_full_model_allocat
     _assert_equal_params(model, _built_like(reference, model, 7))
 
 
-def test_fully_shard_and_replicate_materialize_a_meta_model() -> None:
+def test_fully_shard_and_replicate_leave_a_meta_model_on_meta_as_fsdp2() -> None:
+    """PyTorch's flow: FSDP2 leaves a module built under ``torch.device("meta")`` on meta;
+    ``to_empty`` then the modules' own ``reset_parameters`` give the seeded values."""
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+
     mesh = sw.init_device_mesh("cpu", (3,))
     for shard in (lambda m: fully_shard(m, mesh=mesh), lambda m: replicate(m, mesh)):
         sw.manual_seed(3)
-        reference = Net()
-        sw.manual_seed(3)
+        reference = build()
         with torch.device("meta"):
-            model = Net()
+            model = build()
         shard(model)
-        assert not is_deferred(model)
+        assert is_deferred(model)
+        assert all(sw.is_dtensor(p) and p._components[0].is_meta for p in model.parameters())
+        model.to_empty(device="cpu")
+        sw.manual_seed(3)
+        for m in model.modules():
+            if callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
         _assert_equal_params(model, _built_like(reference, model, 3))
 
 

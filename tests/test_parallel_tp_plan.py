@@ -19,6 +19,7 @@ from shardwise.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from shardwise.placements import is_any_shard
 
 
 class Layer(nn.Module):
@@ -47,7 +48,7 @@ def _sharded_names(model: nn.Module) -> set[str]:
     return {
         n
         for n, p in model.named_parameters()
-        if isinstance(p, sw.DTensor) and any(pl.is_shard() for pl in p.placements)
+        if isinstance(p, sw.DTensor) and any(is_any_shard(pl) for pl in p.placements)
     }
 
 

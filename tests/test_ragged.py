@@ -31,7 +31,9 @@ def test_sizes_are_checked_against_shape_and_mesh() -> None:
     with pytest.raises(sw.InvalidPlacementError, match="ints >= 0"):
         RaggedShard(0, (3, -1))
     assert RaggedShard(0, [1, 2]) == RaggedShard(0, (1, 2)) != Shard(0)
-    assert RaggedShard(-1, (1, 2)).is_shard(-1)
+    # not torch.chunk's pieces: PyTorch's is_shard() question answers no (test_strided_shard)
+    assert not RaggedShard(-1, (1, 2)).is_shard(-1)
+    assert sw.placements.is_any_shard(RaggedShard(-1, (1, 2)), -1)
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ _NAMES: dict[str, str] = {
     "deferred_init": "deferred_init",
     "materialize_module": "deferred_init",
     "clear_sharding_cache": "dispatch",
+    "as_torch": "as_torch",
     "distribute_tensor": "dtensor",
     "DTensor": "dtensor",
     "local_components": "dtensor",
@@ -156,6 +158,7 @@ __all__ = [
     "bypass_dispatch",
     "bypass_sharding_propagation",
     "clear_sharding_cache",
+    "as_torch",
     "register_op_strategy",
     "register_local_args",
     "register_post_patch",
@@ -290,8 +293,13 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
+if os.environ.get("SHARDWISE_AS_TORCH"):  # settings.AS_TORCH decides; nothing loads without it
+    if importlib.import_module(".settings", __name__).AS_TORCH:
+        importlib.import_module(".as_torch", __name__).as_torch()
+
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
+    from .as_torch import as_torch
     from .budget import CommBudget, comm_budget
     from .comm import (
         CommCounter,

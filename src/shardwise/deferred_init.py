@@ -34,7 +34,6 @@ from .spec import DTensorSpec
 M = TypeVar("M", bound=nn.Module)
 
 _ROOT_FLAG = "_shardwise_deferred_root"  # the module deferred_init returned
-_TREE_FLAG = "_shardwise_deferred_tree"  # every module of its tree
 
 
 def deferred_init(fn: Callable[..., M], *args: Any, **kwargs: Any) -> M:
@@ -47,8 +46,6 @@ def deferred_init(fn: Callable[..., M], *args: Any, **kwargs: Any) -> M:
         raise DeferredInitError(
             f"deferred_init expects fn to build an nn.Module, got {type(module).__name__}"
         )
-    for m in module.modules():
-        setattr(m, _TREE_FLAG, True)
     setattr(module, _ROOT_FLAG, True)
     return module
 
@@ -81,22 +78,16 @@ def placed_meta(tensor: DTensor, placements: Sequence[Placement]) -> DTensor:
     return DTensor(components, spec, requires_grad=tensor.requires_grad)
 
 
-def materialize_if_root(module: nn.Module, *, keep_plain_meta: bool = False) -> None:
+def materialize_if_root(module: nn.Module) -> None:
     """What the sharding calls (``parallelize_module``, ``replicate``, ``fully_shard``) run
     last. A tree built by ``deferred_init`` is materialized when the call reaches its root
     (calls on its submodules wait: the root initializes everything in construction order).
-    A module built under plain ``torch.device("meta")`` stays meta for PyTorch's flow
-    (``to_empty``, then the model's own init) with ``keep_plain_meta`` (``parallelize_module``)
-    or when some meta tensor has no owner with ``reset_parameters`` to fill it; otherwise it
-    is materialized. Either way ``module`` keeps its parameters' hooks across ``to_empty``."""
+    A module built under plain ``torch.device("meta")`` stays meta, as PyTorch's calls (FSDP2
+    included) leave it, for PyTorch's flow: ``to_empty``, then the model's own init
+    (``reset_parameters``, ``init_weights``). Either way ``module`` keeps its parameters' hooks
+    across ``to_empty``."""
     keep_hooks_across_apply(module)
-    if not is_deferred(module):
-        return
-    if getattr(module, _TREE_FLAG, False):
-        if getattr(module, _ROOT_FLAG, False):
-            materialize_module(module)
-        return
-    if not keep_plain_meta and not _unresettable(module):
+    if is_deferred(module) and getattr(module, _ROOT_FLAG, False):
         materialize_module(module)
 
 
@@ -173,9 +164,8 @@ def materialize_module(module: M, device: torch.device | str = "cpu") -> M:
         for tensor, value in first_values.values():
             tensor.copy_(value)
     for m in module.modules():
-        for flag in (_ROOT_FLAG, _TREE_FLAG):
-            if flag in m.__dict__:
-                delattr(m, flag)
+        if _ROOT_FLAG in m.__dict__:
+            delattr(m, _ROOT_FLAG)
     return module
 
 

@@ -204,20 +204,32 @@ class DTensor(torch.Tensor):
         """
         if not self._components:
             return _empty_piece(self)
-        index = 0
+        index = self._local_index("to_local()")
+        if grad_placements is None:
+            return local_components(self)[index]
+        return _Unpack.apply(self, _grad_spec(self._spec, grad_placements, "to_local"))[index]
+
+    def _local_index(self, what: str) -> int:
+        """Which component is this process's (or this replica thread's)."""
         replica = settings.REPLICA_THREAD.get()
         if replica is not None and replica.count == len(self._components):
-            index = replica.index
-        elif len(self._components) != 1:
+            return replica.index
+        if len(self._components) != 1:
             raise LocalComponentsError(
-                f"to_local() of a DTensor of shape {list(self.shape)} with placements "
+                f"{what} of a DTensor of shape {list(self.shape)} with placements "
                 f"{list(self.placements)} needs a process that owns one device, but this one owns "
                 f"{len(self._components)} devices {list(self.device_mesh.local_device_ids)} of "
                 f"{self.device_mesh}; use shardwise.local_components(dt) for all its components"
             )
-        if grad_placements is None:
-            return local_components(self)[index]
-        return _Unpack.apply(self, _grad_spec(self._spec, grad_placements, "to_local"))[index]
+        return 0
+
+    @property
+    def _local_tensor(self) -> torch.Tensor:
+        """PyTorch's ``DTensor._local_tensor``: this process's component itself (no autograd
+        edge to the DTensor), for libraries that read or write it in place."""
+        if not self._components:
+            return _empty_piece(self)
+        return self._components[self._local_index("_local_tensor")]
 
     @dynamo_opaque
     def redistribute(

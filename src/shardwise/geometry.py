@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from .errors import InvalidPlacementError
-from .placements import InterleavedShard, Partial, Placement, RaggedShard, Shard
+from .placements import (
+    InterleavedShard,
+    Partial,
+    Placement,
+    RaggedShard,
+    Shard,
+    normalize_placement,
+)
 
 if TYPE_CHECKING:  # only named: geometry reads a mesh's shape and coordinates
     from .mesh import DeviceMesh
@@ -95,6 +102,31 @@ def split_segments(segments: Segments, placement: Shard, n: int, index: int) -> 
         return _merge(runs)
     lo, hi = chunk_bounds(length, n, index)
     return _merge(_pick(segments, lo, hi))
+
+
+def compute_local_shape_and_global_offset(
+    global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """PyTorch's ``torch.distributed.tensor._utils`` helper: the local shape of this process's
+    (first) device's piece and, per dim, the global index its piece starts at (the dim's size
+    for an empty piece of a sharded dim); ``((0,), ())`` on a process outside the mesh."""
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return (0,), ()
+    shape = tuple(int(s) for s in global_shape)
+    if len(placements) != mesh.ndim:
+        raise InvalidPlacementError(
+            f"{len(placements)} placements {list(placements)} for the {mesh.ndim}-D {mesh}"
+        )
+    normal = tuple(normalize_placement(p, len(shape)) for p in placements)
+    segments = shard_segments(shape, tuple(mesh.shape), normal, tuple(coord))
+    sharded = {p.dim for p in normal if isinstance(p, Shard)}
+    sizes = tuple(segments_size(seg) for seg in segments)
+    offsets = tuple(
+        seg[0][0] if size else (shape[d] if d in sharded else 0)
+        for d, (seg, size) in enumerate(zip(segments, sizes, strict=True))
+    )
+    return sizes, offsets
 
 
 @lru_cache(maxsize=16384)

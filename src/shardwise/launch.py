@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
+from . import settings
+
 _GRACE_S = 5.0
 _POLL_S = 0.05  # how often the launcher looks at signals and the deadline
 _TIMEOUT_CODE = 124  # as coreutils' timeout
@@ -98,6 +100,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
              "own RANK/WORLD_SIZE environment, torch.distributed world on gloo and default "
              "random generator; same results as N processes). A failing rank's traceback is "
              "printed and the exit code is 1",
+    )
+    parser.add_argument(
+        "--as-torch", action="store_true",
+        help="PyTorch's DTensor modules resolve to shardwise in every rank (shardwise.as_torch; "
+             "also SHARDWISE_AS_TORCH=1), for programs and libraries that import torch's",
     )
     parser.add_argument("-m", dest="module", action="store_true", help="run script as a module")
     parser.add_argument("script", help="the script (or module, with -m) to run")
@@ -398,6 +405,14 @@ def _drain(pumps: list[threading.Thread]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parse(argv)
+    if (ns.as_torch or settings.AS_TORCH) and ns.threads:  # one process: switch it on here
+        from .as_torch import as_torch
+
+        as_torch()
+    elif ns.as_torch or settings.AS_TORCH:  # each process runs the script under the switch
+        ns.script, ns.args, ns.module = (
+            "shardwise.as_torch", [*(["-m"] if ns.module else []), ns.script, *ns.args], True
+        )
     if ns.threads:
         from .rank_threads import launch_threads  # imports torch: only in threads mode
 

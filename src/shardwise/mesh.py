@@ -474,6 +474,16 @@ class DeviceMesh:
         # the transport keeps one process group per set of ranks: share it
         return runtime.group_for_ranks(rank_sets.pop())
 
+    def _is_current_rank_part_of_mesh(self) -> bool:
+        """PyTorch's name: whether this process owns a device of the mesh."""
+        return bool(self.local_device_ids)
+
+    @property
+    def _dim_group_names(self) -> list[str]:
+        """PyTorch's attribute: the name of ``get_group(d)`` of every mesh dim, as
+        ``torch.distributed._functional_collectives`` resolves a mesh to its groups."""
+        return [self.get_group(d).group_name for d in range(self.ndim)]
+
     def get_all_groups(self) -> list[Any]:
         """``get_group`` of every mesh dim, in dim order."""
         return [self.get_group(d) for d in range(self.ndim)]

@@ -25,7 +25,7 @@ from . import budget, settings
 from .dtensor import DTensor, distribute_tensor
 from .errors import ImplicitRedistributeError, MeshError
 from .mesh import DeviceMesh
-from .placements import Placement, Replicate
+from .placements import Placement, Replicate, norm_order
 from .plain_tensors import plain_is_local
 from .redistribute import execute_plan, plan_redistribute
 
@@ -207,11 +207,12 @@ def run_moves(
     plan, function running it on the components) triples); ``moving``, the (index, plan)
     pairs that communicate, must be allowed."""
     budgeted = bool(moving) and bool(settings.COMM_BUDGETS.get())
-    if moving and not budgeted and not settings.IMPLICIT_REDISTRIBUTE.get() and (
+    explicit = tuple((i, p) for i, p in moving if not _scalar_norm(dtensors[i]))
+    if explicit and not budgeted and not settings.IMPLICIT_REDISTRIBUTE.get() and (
         torch._C._current_graph_task_id() == -1
     ):
         lines = []
-        for i, p in moving:
+        for i, p in explicit:
             dt = dtensors[i]
             lines.append(
                 f"  input {i}: shape {list(dt.shape)}, placements {list(dt.placements)} -> "
@@ -230,6 +231,17 @@ def run_moves(
         ):
             return _run_each(func, dtensors, moves, log_moves)
     return _run_each(func, dtensors, moves, log_moves)
+
+
+def _scalar_norm(dt: DTensor) -> bool:
+    """The one move explicit mode makes itself: a scalar pending p-norm (``Partial("norm<p>")``
+    on some mesh dims, from a norm of sharded values) reduced where an op uses it, one scalar
+    all_reduce per such mesh dim, as ``clip_grad_norm_`` over sharded gradients needs (PyTorch's
+    cost). Nothing else is moved without being asked."""
+    return dt.ndim == 0 and all(
+        p.is_replicate() or (p.is_partial() and norm_order(p.reduce_op) is not None)
+        for p in dt.placements
+    )
 
 
 def _run_each(

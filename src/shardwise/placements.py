@@ -40,7 +40,10 @@ def norm_partial(p: float) -> Partial | None:
 
 
 class Placement:
-    """Base of all placements; the predicates mirror PyTorch's."""
+    """Base of all placements; the predicates mirror PyTorch's: ``is_shard()`` is True only for
+    the layout of PyTorch's ``Shard`` (contiguous ``torch.chunk`` pieces), so a reader that
+    slices by ``is_shard()`` and ``dim`` never mistakes an interleaved or ragged layout for it;
+    shardwise's own code asks ``is_any_shard`` for "some shard of this dim"."""
 
     def is_shard(self, dim: int | None = None) -> bool:
         return False
@@ -63,19 +66,52 @@ class Shard(Placement):
             raise InvalidPlacementError(f"Shard(dim) needs an int dim, got {self.dim!r}")
 
     def is_shard(self, dim: int | None = None) -> bool:
-        return dim is None or dim == self.dim
+        return type(self) is Shard and (dim is None or dim == self.dim)
+
+    @staticmethod
+    def local_shard_size_and_offset(
+        curr_local_size: int, num_chunks: int, rank: int
+    ) -> tuple[int, int]:
+        """PyTorch's: the size and offset of piece ``rank`` of ``num_chunks`` ``torch.chunk``
+        pieces of a dim of ``curr_local_size`` (offset relative to that dim, clamped to it)."""
+        chunk = -(-curr_local_size // num_chunks) if curr_local_size else 0
+        lo, hi = min(rank * chunk, curr_local_size), min((rank + 1) * chunk, curr_local_size)
+        return hi - lo, lo
 
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, init=False)
 class InterleavedShard(Shard):
     """veScale's interleaved shard: dim viewed as [interleaved_size, size // interleaved_size]
     and the second part sharded, so each device keeps a piece of every interleaved block
-    (a merged QKV weight keeps its q, k and v parts together on every device)."""
+    (a merged QKV weight keeps its q, k and v parts together on every device).
+
+    It is the layout of PyTorch's ``_StridedShard(dim, split_factor=interleaved_size)`` (FSDP2
+    over a tensor-parallel dim), and ``_StridedShard`` is this class: it takes torch's
+    ``split_factor=``/``sf=`` keywords and answers ``split_factor``; like torch's, its
+    ``is_shard()`` is False (the pieces are not contiguous)."""
 
     interleaved_size: int = 1
+
+    def __init__(
+        self,
+        dim: int,
+        interleaved_size: int | None = None,
+        *,
+        split_factor: int | None = None,
+        sf: int | None = None,
+    ) -> None:
+        given = [k for k in (interleaved_size, split_factor, sf) if k is not None]
+        if len(given) > 1:
+            raise InvalidPlacementError(
+                f"InterleavedShard(dim={dim}) takes one of interleaved_size, split_factor and "
+                f"sf, got {interleaved_size!r}, {split_factor!r} and {sf!r}"
+            )
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "interleaved_size", given[0] if given else 1)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -85,15 +121,44 @@ class InterleavedShard(Shard):
                 f"got {self.interleaved_size!r}"
             )
 
+    def local_shard_size_and_offset(  # type: ignore[override]
+        self, curr_local_size: int, num_chunks: int, rank: int, offset_mode: int = 0
+    ) -> tuple[int, int | list[int] | None]:
+        """PyTorch's ``_StridedShard.local_shard_size_and_offset``: the size of piece ``rank``
+        and, by ``offset_mode`` (0 FIRST, 1 ALL, 2 NONE), its first index (-1 if empty), all
+        its indices, or None."""
+        k = self.interleaved_size
+        indices: list[int] = []
+        for block in range(k):  # chunk into k blocks, each block into num_chunks pieces
+            b_size, b_lo = Shard.local_shard_size_and_offset(curr_local_size, k, block)
+            size, lo = Shard.local_shard_size_and_offset(b_size, num_chunks, rank)
+            indices.extend(range(b_lo + lo, b_lo + lo + size))
+        mode = int(offset_mode)
+        if mode == 2:
+            return len(indices), None
+        if mode == 1:
+            return len(indices), indices
+        return len(indices), indices[0] if indices else -1
+
+    @property
+    def split_factor(self) -> int:
+        """PyTorch's name (``_StridedShard.split_factor``) for ``interleaved_size``."""
+        return self.interleaved_size
+
     def __repr__(self) -> str:
         return f"InterleavedShard(dim={self.dim}, interleaved_size={self.interleaved_size})"
+
+
+_StridedShard = InterleavedShard  # PyTorch's name for the same layout (FSDP2 x TP parameters)
 
 
 @dataclass(frozen=True, repr=False)
 class RaggedShard(Shard):
     """The tensor dim ``dim`` split in pieces of arbitrary ``sizes`` over the mesh dim (one
     entry per device along it, in coordinate order, zeros allowed, summing to the size of
-    ``dim`` there), as veScale's RaggedShard: e.g. FSDP shards aligned to whole blocks."""
+    ``dim`` there), as veScale's RaggedShard: e.g. FSDP shards aligned to whole blocks. Its
+    ``is_shard()`` is False: its pieces are not ``torch.chunk``'s, which a reader of PyTorch's
+    ``Shard`` would assume."""
 
     sizes: tuple[int, ...] = ()
 
@@ -108,6 +173,17 @@ class RaggedShard(Shard):
                 f"one per device along the mesh dim, got {sizes!r}"
             )
         object.__setattr__(self, "sizes", tuple(sizes))
+
+    def local_shard_size_and_offset(  # type: ignore[override]
+        self, curr_local_size: int, num_chunks: int, rank: int
+    ) -> tuple[int, int]:
+        """The size and offset of piece ``rank``: ``sizes[rank]`` after the pieces before it."""
+        if len(self.sizes) != num_chunks or sum(self.sizes) != curr_local_size:
+            raise InvalidPlacementError(
+                f"{self!r} needs one size per device of the mesh dim ({num_chunks}) summing to "
+                f"the size {curr_local_size} of dim {self.dim}"
+            )
+        return self.sizes[rank], sum(self.sizes[:rank])
 
     def __repr__(self) -> str:
         return f"RaggedShard(dim={self.dim}, sizes={self.sizes})"
@@ -179,6 +255,12 @@ def with_dim(p: Shard, dim: int) -> Shard:
     if isinstance(p, RaggedShard):
         return RaggedShard(dim, p.sizes)
     return Shard(dim)
+
+
+def is_any_shard(p: Placement, dim: int | None = None) -> bool:
+    """Whether ``p`` shards a tensor dim (``dim`` if given) in any layout: plain, interleaved
+    or ragged. ``p.is_shard()`` answers PyTorch's narrower question (plain ``Shard`` only)."""
+    return isinstance(p, Shard) and (dim is None or dim == p.dim)
 
 
 def is_special_shard(p: Placement) -> bool:

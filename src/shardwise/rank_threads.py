@@ -24,11 +24,13 @@ The process must not be part of a multi-process world itself: threads mode repla
 
 from __future__ import annotations
 
+import builtins
 import functools
 import os
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -266,6 +268,32 @@ def _installed() -> Iterator[_Generator]:
 
 
 @contextmanager
+def _serialized_imports() -> Iterator[None]:
+    """Imports that load something take turns across rank threads: a lazily importing package
+    (transformers' ``from transformers import LlamaForCausalLM``) is not safe for two threads
+    racing through it, and N processes never race. Imports of what is loaded already skip
+    the lock."""
+    lock = threading.RLock()
+    original = builtins.__import__
+
+    def serialized(name: str, globals=None, locals=None, fromlist=(), level=0):
+        module = sys.modules.get(name) if level == 0 else None
+        spec = getattr(module, "__spec__", None)
+        if module is not None and not getattr(spec, "_initializing", False) and all(
+            n in module.__dict__ for n in fromlist or () if n != "*"
+        ):
+            return original(name, globals, locals, fromlist, level)
+        with lock:
+            return original(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = serialized
+    try:
+        yield
+    finally:
+        builtins.__import__ = original
+
+
+@contextmanager
 def _one_intra_op_thread(nproc: int) -> Iterator[None]:
     """As torchrun gives each of several processes one intra-op thread unless
     ``OMP_NUM_THREADS`` says otherwise: torch's intra-op pool is the process's, and every rank
@@ -369,7 +397,8 @@ def run_threads(
     port = _free_port()
     done: queue.Queue = queue.Queue()
     mailbox = Mailbox()
-    with _one_intra_op_thread(nproc), _installed() as generators, process_wide.guarded():
+    with (_one_intra_op_thread(nproc), _serialized_imports(), _installed() as generators,
+          process_wide.guarded()):
         threads = []
         for r in range(nproc):
             rank = settings.RankThread(r, nproc, rank_env(r, nproc, port), _RankWorld())

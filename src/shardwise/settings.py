@@ -98,6 +98,10 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
+# SHARDWISE_AS_TORCH=1: the drop-in switch (shardwise.as_torch) is on in every process that
+# imports shardwise, and in the processes and rank threads of shardwise.launch.
+AS_TORCH_ENV = "SHARDWISE_AS_TORCH"
+AS_TORCH: bool = env_flag(AS_TORCH_ENV)
 # Ops may redistribute their inputs themselves (explicit mode forbids it; the default).
 IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
     "implicit_redistribute", env_flag("SHARDWISE_IMPLICIT_REDISTRIBUTE")

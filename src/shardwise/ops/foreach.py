@@ -13,7 +13,7 @@ import torch
 
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Placement, Replicate, Shard, norm_partial
+from ..placements import InterleavedShard, Placement, Replicate, Shard, is_any_shard, norm_partial
 from ..spec import DTensorSpec, TensorMeta
 from .common import spec_of
 from .registry import (
@@ -134,7 +134,7 @@ def _whole_or_sharded(placements: tuple[Placement, ...]) -> bool:
 def _norm_spec(spec: DTensorSpec, pending: Placement, dtype: torch.dtype) -> DTensorSpec:
     """The spec of the norm of a tensor of ``spec``: pending where it is sharded (one spec
     object per input spec, so its Partials are checked once)."""
-    placements = tuple(pending if p.is_shard() else p for p in spec.placements)
+    placements = tuple(pending if is_any_shard(p) else p for p in spec.placements)
     return DTensorSpec(spec.mesh, placements, TensorMeta(torch.Size(()), (), dtype))
 
 

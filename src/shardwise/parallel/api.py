@@ -11,7 +11,7 @@ from torch import nn
 from ..deferred_init import materialize_if_root
 from ..errors import ParallelPlanError
 from ..mesh import DeviceMesh, mesh_or_current
-from .boundary import resolve_tp_dim
+from .boundary import resolve_tp_dim, tp_on_root
 from .params import replicate_rest
 from .plan import PlanKey, key_text, match_modules
 from .state_dict import guard_loading
@@ -88,12 +88,14 @@ def parallelize_module(
     per-rank program (one device per process) they run on the tp sub-mesh through this rank,
     as ``mesh["tp"]`` would give. The mesh defaults to the current one (``with mesh:``), as in
     PyTorch."""
-    device_mesh = mesh_or_current(device_mesh, "parallelize_module")
+    device_mesh, tp_mesh_dim = tp_on_root(
+        mesh_or_current(device_mesh, "parallelize_module"), tp_mesh_dim, "parallelize_module"
+    )
     _apply_plan(module, device_mesh, parallelize_plan, tp_mesh_dim)
     guard_loading(module)
     # a deferred_init tree materializes at its root; a torch.device("meta") module stays meta
     # (PyTorch's flow: module.to_empty(device=...), then the model's own init)
-    materialize_if_root(module, keep_plain_meta=True)
+    materialize_if_root(module)
     return module
 
 

@@ -32,6 +32,20 @@ def resolve_tp_dim(mesh: DeviceMesh, tp_mesh_dim: int | str | None) -> int:
     return mesh.ndim - 1
 
 
+def tp_on_root(
+    mesh: DeviceMesh, tp_mesh_dim: int | str | None, what: str
+) -> tuple[DeviceMesh, int | str | None]:
+    """The mesh and dim tensor parallelism shards on. In the embedded global view (this
+    process acts for several devices of the root mesh) a sub-mesh such as ``mesh["tp"]``
+    stands for its dim of the root: the placements are lifted onto the root mesh (Replicate
+    over its other dims), so PyTorch's 2-D recipe (``parallelize_module(model, mesh["tp"],
+    plan)``, then ``fully_shard(block, mesh=mesh["dp"])``) runs as it does per rank."""
+    root = mesh.root_mesh
+    if root is mesh or not root.local_device_ids or plain_is_local(root, what):
+        return mesh, tp_mesh_dim
+    return root, mesh.root_dims[resolve_tp_dim(mesh, tp_mesh_dim)]
+
+
 def on_tp_dim(
     mesh: DeviceMesh, tp_dim: int, placement: Placement | Sequence[Placement], base=None
 ) -> tuple[Placement, ...]:

@@ -1,0 +1,196 @@
+"""The drop-in switch: PyTorch's DTensor module names resolve to shardwise.
+
+``as_torch()`` puts shardwise's modules in ``sys.modules`` under the names libraries import
+(``torch.distributed.tensor`` and its ``placement_types``, ``device_mesh``, ``parallel``,
+``debug``, ``experimental``, ``_utils``; ``torch.distributed.device_mesh``;
+``torch.distributed.fsdp``'s FSDP2 names), so code that cannot be edited runs on shardwise.
+FSDP1's names (``FullyShardedDataParallel``...) stay torch's. ``torch.distributed.
+_functional_collectives`` accepts a shardwise mesh as its group. ``python -m shardwise.as_torch
+[-m] SCRIPT [ARGS]`` runs a program with the switch on (``torchrun -m shardwise.as_torch``),
+as do ``python -m shardwise.launch --as-torch`` and ``SHARDWISE_AS_TORCH=1`` in a process that
+imports shardwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import runpy
+import sys
+import types
+import warnings
+from typing import Any
+
+# torch module -> (shardwise modules that answer its names, in order; whether names shardwise
+# lacks fall through to torch's module: only FSDP1's, beside FSDP2's)
+SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "torch.distributed.tensor": (("shardwise",), False),
+    "torch.distributed.tensor._api": (("shardwise",), False),
+    "torch.distributed.tensor.placement_types": (("shardwise.placements",), False),
+    "torch.distributed.tensor.device_mesh": (("shardwise.mesh",), False),
+    "torch.distributed.tensor._dtensor_spec": (("shardwise.spec",), False),
+    "torch.distributed.tensor._utils": (("shardwise.geometry",), False),
+    "torch.distributed.tensor.parallel": (("shardwise.parallel",), False),
+    "torch.distributed.tensor.parallel.style": (("shardwise.parallel",), False),
+    "torch.distributed.tensor.parallel.api": (("shardwise.parallel",), False),
+    "torch.distributed.tensor.parallel.loss": (("shardwise.parallel",), False),
+    "torch.distributed.tensor.debug": (("shardwise.debug",), False),
+    "torch.distributed.tensor.experimental": (("shardwise",), False),
+    "torch.distributed._tensor": (("shardwise",), False),
+    "torch.distributed._tensor.placement_types": (("shardwise.placements",), False),
+    "torch.distributed._tensor.device_mesh": (("shardwise.mesh",), False),
+    "torch.distributed.device_mesh": (("shardwise.mesh",), False),
+    "torch.distributed.fsdp": (("shardwise.parallel",), True),
+    "torch.distributed._composable.fsdp": (("shardwise.parallel",), True),
+}
+# names torch.distributed itself exports from these modules
+_TOP_LEVEL = ("DeviceMesh", "init_device_mesh")
+
+
+class _Shim(types.ModuleType):
+    """A torch module name whose attributes are shardwise's."""
+
+    def __init__(self, name: str, sources: tuple[str, ...], real: types.ModuleType | None):
+        super().__init__(name, f"shardwise's stand-in for {name} (shardwise.as_torch)")
+        self.__dict__["_sources"] = sources
+        self.__dict__["_real"] = real
+        self.__dict__["__shardwise__"] = True
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "__all__":
+            real = self.__dict__["_real"]
+            names = getattr(real, "__all__", [])
+            return [n for n in names if self._lookup(n) is not _MISSING]
+        value = self._lookup(name)
+        if value is _MISSING:
+            raise AttributeError(
+                f"shardwise.as_torch: {self.__name__}.{name} has no shardwise counterpart "
+                f"(shardwise answers {', '.join(self.__dict__['_sources'])}; see "
+                f"docs/api_map.md, 'Running existing PyTorch libraries')"
+            )
+        return value
+
+    def _lookup(self, name: str) -> Any:
+        if name.startswith("__"):
+            return _MISSING
+        for source in self.__dict__["_sources"]:
+            try:
+                return getattr(importlib.import_module(source), name)
+            except AttributeError:
+                continue
+        real = self.__dict__["_real"]
+        fallback = SHIMS[self.__name__][1]
+        return getattr(real, name, _MISSING) if fallback and real is not None else _MISSING
+
+
+_MISSING: Any = object()
+
+
+def installed() -> bool:
+    """Whether the switch is on in this process."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "__shardwise__", False)
+
+
+def as_torch() -> None:
+    """Turn the switch on (idempotent): from here on, imports of PyTorch's DTensor modules
+    (``SHIMS``) give shardwise's names, and ``torch.distributed._functional_collectives``
+    takes a shardwise mesh as a group. Call it before the library imports them: a name a
+    module bound earlier stays torch's (a ``ShardwiseWarning`` says so)."""
+    if installed():
+        return
+    from .errors import ShardwiseWarning
+
+    early = sorted(n for n in SHIMS if n in sys.modules and n != "torch.distributed.device_mesh")
+    if early:
+        warnings.warn(
+            f"shardwise.as_torch: {', '.join(early)} were imported before the switch; names "
+            f"bound from them earlier stay torch's",
+            ShardwiseWarning,
+            stacklevel=2,
+        )
+    # torch's own modules first, bound to torch's classes (FSDP1 keeps working beside ours)
+    real = {}
+    for name in SHIMS:
+        try:
+            real[name] = importlib.import_module(name)
+        except ImportError:
+            real[name] = None
+    import torch.distributed._functional_collectives as funcol
+
+    _fill_torch_dtensor_cache()
+    for name, (sources, _) in SHIMS.items():
+        sys.modules[name] = _Shim(name, sources, real[name])
+    for name in SHIMS:  # parents name their children: `import torch.distributed.tensor as t`
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, sys.modules[name])
+    import torch.distributed as dist
+
+    from . import mesh
+
+    for name in _TOP_LEVEL:
+        setattr(dist, name, getattr(mesh, name))
+    _accept_meshes(funcol)
+
+
+def _fill_torch_dtensor_cache() -> None:
+    """torch's C++ looks ``torch.distributed.tensor.DTensor`` up once, at the first op on a
+    tensor subclass, and sends that class's ops to its ``_op_dispatcher``: run one such op while
+    the name is still torch's, so shardwise's DTensor is never taken for torch's."""
+    import torch
+
+    class _Probe(torch.Tensor):
+        @staticmethod
+        def __new__(cls, shape: tuple[int, ...]) -> _Probe:
+            return torch.Tensor._make_wrapper_subclass(cls, shape)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            return torch.empty(0)
+
+    _Probe((1,)).detach()
+
+
+def _accept_meshes(funcol: types.ModuleType) -> None:
+    """Let the functional collectives take a shardwise mesh (or ``(mesh, dim)``) as their group,
+    as they take torch's: the group of this process along the mesh dim."""
+    from .errors import MeshError
+    from .mesh import DeviceMesh
+
+    original = funcol._resolve_group
+
+    def resolve_group(group: Any, tag: str = "") -> Any:
+        if isinstance(group, DeviceMesh):
+            if group.ndim != 1:
+                raise MeshError(
+                    f"a functional collective over the {group.ndim}-D {group} needs one mesh "
+                    f"dim: pass (mesh, dim) or a 1-D sub-mesh"
+                )
+            return group.get_group(0)
+        if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+            return group[0].get_group(group[1])
+        return original(group, tag)
+
+    funcol._resolve_group = resolve_group
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shardwise.as_torch [-m] SCRIPT [ARGS]``: run a program with the switch on."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    module = bool(args) and args[0] == "-m"
+    args = args[1:] if module else args
+    if not args:
+        print(__doc__, file=sys.stderr)
+        return 2
+    as_torch()
+    sys.argv = args
+    if module:
+        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    else:
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+        runpy.run_path(args[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

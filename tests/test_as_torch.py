@@ -1,0 +1,114 @@
+"""The drop-in switch (``shardwise.as_torch``): code that imports PyTorch's DTensor modules and
+cannot be edited runs on shardwise. Each run is its own Python process (the switch is global).
+The training program (``as_torch_programs/tp_train.py``: TP, ``clip_grad_norm_``, torchtitan's
+``funcol.all_reduce(x, "sum", mesh)``) must give each rank what one device gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+PROGRAM = HERE / "as_torch_programs" / "tp_train.py"
+SRC = HERE.parent / "src"
+ENV = {**os.environ, "PYTHONPATH": str(SRC)}
+
+
+def _python(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, env=env or ENV
+    )
+
+
+NAMES = """
+import warnings
+import torch.distributed as dist
+import torch.distributed.tensor as dt
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.device_mesh import init_device_mesh, DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.experimental import local_map, implicit_replication
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.fsdp import fully_shard, FSDPModule, FullyShardedDataParallel
+import shardwise, shardwise.mesh
+print(dt.DTensor is DTensor is shardwise.DTensor, _StridedShard is shardwise.InterleavedShard)
+print(init_device_mesh is dist.init_device_mesh is shardwise.init_device_mesh)
+print(fully_shard.__module__, FSDPModule.__module__, FullyShardedDataParallel.__module__)
+print(compute_local_shape_and_global_offset.__module__, CommDebugMode.__module__)
+try:
+    dt.no_such_name
+except AttributeError as err:
+    print("AttributeError", "no shardwise counterpart" in str(err))
+"""
+
+
+def test_torch_names_resolve_to_shardwise_and_fsdp1_stays_torchs(tmp_path: Path) -> None:
+    script = tmp_path / "names.py"
+    script.write_text(NAMES)
+    result = _python("-m", "shardwise.as_torch", str(script))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "True True",
+        "True",
+        "shardwise.parallel.fully_shard shardwise.parallel.fully_shard "
+        "torch.distributed.fsdp.fully_sharded_data_parallel",
+        "shardwise.geometry shardwise.debug",
+        "AttributeError True",
+    ]
+
+
+def test_the_environment_variable_and_an_early_import(tmp_path: Path) -> None:
+    code = (
+        "import torch.distributed.tensor\n"  # before the switch: a warning says so
+        "import shardwise\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "print(DTensor.__module__)\n"
+    )
+    result = _python("-c", code, env={**ENV, "SHARDWISE_AS_TORCH": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "shardwise.dtensor\n"
+    assert "imported before the switch" in result.stderr
+    off = _python("-c", code, env={**ENV, "SHARDWISE_AS_TORCH": "0"})
+    assert off.returncode == 0 and off.stdout.startswith("torch.distributed.tensor")
+
+
+def _reference() -> dict:
+    sys.path.insert(0, str(PROGRAM.parent))
+    try:
+        import tp_train
+    finally:
+        sys.path.remove(str(PROGRAM.parent))
+    return tp_train.train(tp_train.build())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("threads", [False, True], ids=["processes", "threads"])
+def test_a_torch_program_trains_through_the_switch_as_on_one_device(
+    tmp_path: Path, threads: bool
+) -> None:
+    mode = ["--threads"] if threads else ["--timeout", "240"]
+    result = _python(
+        "-m", "shardwise.launch", "--nproc", "2", *mode, "--as-torch", str(PROGRAM),
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ref = _reference()
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["dtensor"] == "shardwise.dtensor"
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert got["dist_sum"] == pytest.approx([2 * x for x in ref["losses"]], rel=1e-5)
+        for name, value in ref["params"].items():
+            flat = [v for row in value for v in (row if isinstance(row, list) else [row])]
+            mine = got["params"][name]
+            mine = [v for row in mine for v in (row if isinstance(row, list) else [row])]
+            assert mine == pytest.approx(flat, rel=1e-5, abs=1e-6), name
