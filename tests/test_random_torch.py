@@ -1,7 +1,8 @@
 """Random DTensor values beside the real ``torch.distributed.tensor`` on CPU, both per rank in
-gloo processes after the same ``torch.manual_seed``: equal where torch's are well defined (one
-shard per tensor); where torch repeats its numbers on every shard (it has no RNG tracker on
-CPU), shardwise draws distinct shards (docs/index.md, "Random numbers")."""
+gloo processes after the same ``torch.manual_seed``, and shardwise's embedded mode: equal where
+torch's are well defined (one shard per tensor); where torch repeats its numbers on every shard
+(it has no RNG tracker on CPU), shardwise draws distinct shards, the same in both modes
+(docs/index.md, "Random numbers")."""
 
 from __future__ import annotations
 
@@ -64,3 +65,16 @@ def test_random_values_beside_torch_dtensor_on_cpu() -> None:
     ours = [out["shardwise", "sharded"] for out in ranks]
     assert torch.equal(torch_shards[0], torch_shards[1])  # torch on CPU: the same numbers
     assert not torch.equal(ours[0], ours[1])  # shardwise: each shard its own
+    # the embedded mode (one process, two simulated devices) gives what the processes gave
+    mesh = sw.init_device_mesh("cpu", (2,))
+    for name, init in INITS.items():
+        torch.manual_seed(5)
+        w = sw.distribute_tensor(torch.ones(8, 6), mesh, [Replicate()])
+        with torch.no_grad():
+            drawn = init(w)
+        assert torch.equal((drawn if drawn is not None else w).full_tensor(),
+                           ranks[0]["torch", name]), name
+    torch.manual_seed(5)
+    w = sw.distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)])
+    nn.init.normal_(w)
+    assert torch.equal(w.full_tensor(), torch.cat(ours))
