@@ -216,5 +216,6 @@ def test_engine_calls_per_step(program: str, world: int) -> None:
             theirs["counts"], "gather"), seen
         # the agreement: one CPU word gathered per collective, on the side group
         agreements = _by_kind(counts, "agreement")
-        assert agreements["functional.all_gather_into_tensor"] == _backend_collectives(counts)
+        gathers = sum(n for label, n in agreements.items() if not label.startswith("read."))
+        assert gathers == _backend_collectives(counts), agreements
         torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=1e-5, atol=1e-6)

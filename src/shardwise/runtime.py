@@ -169,7 +169,9 @@ _group_lock: settings.ProcessLocal[threading.Lock] = settings.ProcessLocal(threa
 
 
 def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """The process group over ``ranks`` (global ranks, ascending), created on first use.
+    """The process group over ``ranks`` (global ranks, ascending), created on first use: never
+    the program's own default group, even over the whole world, so shardwise's collectives
+    (some issued from its background worker) never interleave with the program's.
 
     Only its members create it, and its name (where they meet in the store) is made of its
     ranks alone (``_new_group``), so processes that made different groups before (a mesh over
@@ -180,8 +182,6 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     pg = _process_groups.get().get(ranks)
     if pg is not None:
         return pg
-    if len(ranks) == dist.get_world_size():
-        return dist.group.WORLD  # the default group: torch.distributed keeps and frees it
     return _made(ranks, None)
 
 

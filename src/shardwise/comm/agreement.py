@@ -14,15 +14,20 @@ peers' next fingerprint with another sequence number: the mismatch names both.""
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .. import runtime
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+from .. import runtime, settings
+from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from . import protocol
 
-_functional = torch.ops._c10d_functional
+
+def _gather(out: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start gathering every member's ``mine`` into ``out`` on ``group``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, mine, group=group, async_op=True)
 
 
 def start(ranks: tuple[int, ...], fields: dict[str, object], extra: dict[str, object],
@@ -33,15 +38,22 @@ def start(ranks: tuple[int, ...], fields: dict[str, object], extra: dict[str, ob
     side = runtime.side_group_for_ranks(ranks)
     word = protocol.fingerprint((fields, extra))
     mine = torch.tensor([word], dtype=torch.int64)
-    gathered = _functional.all_gather_into_tensor(mine, len(ranks), side.group_name)
+    words = torch.empty(len(ranks), dtype=torch.int64)
+    work = _gather(words, mine, side)
 
     def check() -> None:
+        seconds = settings.COLLECTIVE_TIMEOUT.get()
         try:
-            words = _functional.wait_tensor(gathered)
+            work.wait(timedelta(seconds=seconds))
         except RuntimeError as err:
+            if "timed out" not in str(err).lower():
+                raise CollectiveError(
+                    f"{what()} failed: {err}; another process probably failed or timed out "
+                    f"first") from err
             raise CollectiveTimeoutError(
-                f"{what()}: the processes' agreement did not complete ({err}); another process "
-                f"did not take part (it diverged, failed or hangs)") from err
+                f"{what()}: the processes' agreement did not complete within the collective "
+                f"timeout of {seconds:g} s ({err}); another process did not take part (it "
+                f"diverged, failed, is late or hangs)") from err
         if bool((words != word).any()):
             _explain(side, ranks, {**fields, **extra}, what)
 

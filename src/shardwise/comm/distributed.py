@@ -95,13 +95,6 @@ class Call:
             values, fingerprint = spec
             self.fields = lambda group: {"spec": values}
             self.fingerprints = dict.fromkeys(self.seq, fingerprint)
-        if transport == protocol.POINT_TO_POINT:
-            # the agreement every cross-process collective starts with (``agreement.py``),
-            # so a process here and a peer in a backend collective meet in one message
-            for rank_set, number in self.seq.items():
-                agreement.start(rank_set, {"collective": kind + detail, "sequence": number,
-                                           "dtype": str(sample.dtype)},
-                                {} if spec is None else {"spec": spec[0]}, self.what)()
 
     def what(self) -> str:
         moving = safety.current_description() or "local components"
@@ -113,6 +106,16 @@ class Call:
 
     def owner(self, device: int) -> int:
         return self.mesh.owner_of(device)
+
+    def agree(self) -> None:
+        """The agreement every cross-process collective starts with (``agreement.py``), per
+        set of processes, on what ``check`` and the spec put in ``fields``: a process here and
+        a peer in a backend collective meet in one message of one size."""
+        for rank_set, number in self.seq.items():
+            group = next((g for g in self.groups if self.ranks.get(g[0]) == rank_set), None)
+            agreement.start(rank_set, {"collective": self.kind + self.detail,
+                                       "sequence": number, "dtype": str(self.sample.dtype)},
+                            {} if group is None else self.fields(group), self.what)()
 
     def peers(self, members: tuple[int, ...]) -> list[int]:
         return [r for r in self.ranks[members] if r != self.me]
@@ -254,6 +257,7 @@ class _Round:
         }
         inline: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
         if self.call.rounds == 1:  # later rounds' sizes follow from the first one's
+            self.call.agree()
             inline = self._exchange_headers(device, payloads)
         works = []
         buffers, direct = dict(inline), set()
