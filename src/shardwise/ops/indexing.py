@@ -251,7 +251,9 @@ def index_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
         for d, o in layout.self_to_out.items():
             options.append(((Shard(d), *[R] * len(present)), (Shard(o),)))
         for j in range(len(layout.broadcast)):
-            options.append(((R, *layout.index_option(j)), (Shard(layout.offset + j),)))
+            placed = layout.index_option(j)
+            if any(p != R for p in placed):  # a size-1 broadcast dim of every index: no split
+                options.append(((R, *placed), (Shard(layout.offset + j),)))
         options += [
             ((p, *[R] * len(present)), (p,)) for p in partial_ops(src.output_spec.placements)
         ]
