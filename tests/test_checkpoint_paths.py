@@ -21,7 +21,7 @@ import shardwise as sw
 import shardwise.checkpoint as ckpt
 from mp_harness import run_in_processes
 from shardwise import Shard
-from shardwise.checkpoint import directory
+from shardwise.checkpoint import directory, training_state
 from shardwise.errors import CheckpointCorruptError, CheckpointPathError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -94,6 +94,25 @@ def test_a_checkpoint_holding_a_users_file_is_not_replaced(tmp_path: Path) -> No
     with pytest.raises(CheckpointPathError, match=r"\['notes.txt'\]"):
         ckpt.save(path, _net(1))
     assert _tree(tmp_path) == before
+    target = _net(9)
+    ckpt.load(path, target)  # still the first checkpoint
+    assert all(torch.equal(a, b) for a, b in zip(target.parameters(), _net(0).parameters(),
+                                                  strict=True))
+
+
+def test_a_file_added_while_saving_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ck"
+    ckpt.save(path, _net(0))
+    written = training_state.release_reduced  # runs once the data is written, before the swap
+
+    def user_adds_a_file() -> None:
+        (path / "notes.txt").write_text("written during the save")
+        written()
+
+    monkeypatch.setattr(training_state, "release_reduced", user_adds_a_file)
+    with pytest.raises(CheckpointPathError, match="nothing was deleted; the new checkpoint is in"):
+        ckpt.save(path, _net(1))
+    assert (path / "notes.txt").read_text() == "written during the save"
     target = _net(9)
     ckpt.load(path, target)  # still the first checkpoint
     assert all(torch.equal(a, b) for a, b in zip(target.parameters(), _net(0).parameters(),

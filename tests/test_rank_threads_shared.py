@@ -172,3 +172,31 @@ def test_a_thread_started_by_a_rank_acts_for_that_rank() -> None:
     seen = run_threads(_helper_sees, 2, timeout=TIMEOUT)
     assert seen == [{"RANK": str(r), "initialized": True, "rank": r, "own_rank": r, "seeded": r}
                     for r in range(2)]
+
+
+def _settings_per_rank() -> tuple:
+    import shardwise as sw
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 1:
+        sw.set_collective_timeout(7.0)
+        sw.set_debug_checks(True)
+    dist.barrier()  # rank 0 reads after rank 1 set its own
+    seen: list = []
+    thread = threading.Thread(target=lambda: seen.append(sw.get_collective_timeout()))
+    thread.start()
+    thread.join()
+    from shardwise import settings
+
+    return sw.get_collective_timeout(), settings.DEBUG_CHECKS.get(), seen[0]
+
+
+def test_shardwise_settings_set_in_a_rank_thread_are_that_ranks() -> None:
+    import shardwise as sw
+    from shardwise import settings
+
+    before = (sw.get_collective_timeout(), settings.DEBUG_CHECKS.get())
+    got = run_threads(_settings_per_rank, 2, timeout=TIMEOUT)
+    assert got == [(before[0], before[1], before[0]), (7.0, True, 7.0)]
+    assert (sw.get_collective_timeout(), settings.DEBUG_CHECKS.get()) == before

@@ -7,11 +7,12 @@ run (``guarded``), the calls that change them raise ``ProcessStateError`` in a r
 (setting the value already set is fine: every rank may run
 ``torch.set_default_dtype(torch.float32)``). A thread that a rank thread starts acts for
 that rank (its environment, ``torch.distributed`` world, generator, shardwise's per-process
-state), as a helper thread of a process sees that process.
+state and settings), as a helper thread of a process sees that process.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import threading
@@ -73,16 +74,12 @@ def _refusing(module: Any, name: str, keeps: Callable[..., bool], what: str) -> 
 
 
 def _start_as_rank(start: Callable[[threading.Thread], None]) -> Callable:
+    """``Thread.start`` that runs a thread a rank thread starts in a copy of the rank's
+    context: it acts for that rank, with the rank's shardwise settings."""
+
     def start_thread(self: threading.Thread) -> None:
-        rank = settings.RANK_THREAD.get()
-        if rank is not None:
-            run = self.run
-
-            def run_as_rank() -> None:
-                with settings.RANK_THREAD.override(rank):
-                    run()
-
-            self.run = run_as_rank  # type: ignore[method-assign]
+        if settings.RANK_THREAD.get() is not None:
+            self.run = functools.partial(contextvars.copy_context().run, self.run)  # type: ignore[method-assign]
         start(self)
 
     return start_thread

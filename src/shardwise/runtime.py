@@ -50,8 +50,10 @@ def rank_and_world() -> tuple[int, int]:
 
 def start(device_type: str, wanted: bool | None) -> None:
     """Initialize torch.distributed from the torchrun environment: when ``wanted`` is True, or
-    when it is None and the environment names a world of several processes (see
-    ``init_device_mesh``). Nothing when it is already initialized or ``wanted`` is False."""
+    when it is None and the environment names a world of several processes (``WORLD_SIZE``
+    above 1; see ``init_device_mesh``). Nothing when it is already initialized or ``wanted``
+    is False. ``MeshError`` when the environment is half set (``RANK``, ``MASTER_ADDR`` or
+    ``MASTER_PORT`` missing) or malformed: never one process owning every device instead."""
     if wanted is False or not dist.is_available() or dist.is_initialized():
         return
     env = os.environ

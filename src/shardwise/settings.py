@@ -37,8 +37,14 @@ class Setting(Generic[T]):
         return self._default if value is _UNSET else value
 
     def set_default(self, value: T) -> None:
-        """Change the process-wide value (seen by every thread without an override)."""
-        self._default = value
+        """Change the process-wide value (seen by every thread without an override). In a
+        rank thread of the launcher's threads mode, a process of its own, the rank's value
+        instead: its context's (and the threads it starts), left as it is by the ``with``
+        blocks that end after it, except one of this setting itself."""
+        if RANK_THREAD.get() is None:
+            self._default = value
+        else:
+            self._override.set(value)
 
     def push(self, item: Any) -> None:
         """For a tuple-valued setting: ``item`` appended in this context until ``pop`` (for a

@@ -50,17 +50,17 @@ def written_files(directory: Path) -> frozenset[str] | None:
     return None
 
 
-def check_target(path: Path) -> frozenset[str]:
+def check_target(path: Path, outcome: str = "nothing was written or deleted") -> frozenset[str]:
     """The names of the files in ``path`` that replacing it may remove (none when ``path`` is
-    absent or an empty directory); ``CheckpointPathError`` when ``path`` holds anything a
-    shardwise save did not write there."""
+    absent or an empty directory); ``CheckpointPathError`` (ending with ``outcome``) when
+    ``path`` holds anything a shardwise save did not write there."""
     if not os.path.lexists(path):
         return frozenset()
     if path.is_symlink() or not path.is_dir():
         kind = "a symbolic link" if path.is_symlink() else "not a directory"
         raise CheckpointPathError(
             f"cannot save a checkpoint to {str(path)!r}: it is {kind}; save writes a new "
-            f"directory, an empty one, or over a checkpoint it wrote. Nothing was written"
+            f"directory, an empty one, or over a checkpoint it wrote; {outcome}"
         )
     entries = set(os.listdir(path))
     if not entries:
@@ -71,15 +71,14 @@ def check_target(path: Path) -> frozenset[str]:
         raise CheckpointPathError(
             f"cannot save a checkpoint to {str(path)!r}: it is a directory that "
             f"shardwise.checkpoint.save did not write (it holds {shown}); saving there would "
-            f"replace the files in it. Save to a new path or an empty directory; nothing was "
-            f"written or deleted"
+            f"replace the files in it. Save to a new path or an empty directory; {outcome}"
         )
     foreign = sorted(entries - owned)
     if foreign:
         raise CheckpointPathError(
             f"cannot save a checkpoint to {str(path)!r}: the checkpoint there also holds "
             f"{foreign}, which its save did not write; replacing it would delete them. Move "
-            f"them out or save to another path; nothing was written or deleted"
+            f"them out or save to another path; {outcome}"
         )
     return owned
 
@@ -113,7 +112,8 @@ def _made_here(directory: Path) -> bool:
 def replace(path: Path, saving: Path) -> None:
     """Put the complete checkpoint ``saving`` at ``path``; the checkpoint it replaces loses
     the files its save wrote, and only those."""
-    owned = check_target(path)  # again: files may have come while the save ran
+    # again: files may have come while the save ran
+    owned = check_target(path, f"nothing was deleted; the new checkpoint is in {str(saving)!r}")
     if not os.path.lexists(path):
         os.rename(saving, path)
         return
