@@ -81,6 +81,42 @@ def test_demo_over_two_processes_prints_the_same_losses() -> None:
         assert abs(sharded - single) <= 2e-6
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["demo", "--nproc", "4"],  # README: the same run over 4 gloo processes
+        ["demo", "--nproc", "4", "--mesh", "4x1", "--fsdp"],  # a plain parameter beside TP
+        ["demo", "--nproc", "4", "--mesh", "1x4", "--tied"],
+    ],
+    ids=" ".join,
+)
+def test_demo_over_four_processes_prints_the_same_losses(command: list[str]) -> None:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise", *command, "--steps", "1", "--batch", "8",
+         "--no-progress"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "4 processes" in proc.stdout
+    losses = _losses(proc.stdout)
+    assert len(losses) == 1 and abs(losses[0][0] - losses[0][1]) <= 2e-6
+
+
+def test_demo_in_four_rank_threads_prints_the_same_losses() -> None:
+    """``python -m shardwise.launch --threads``: a rank thread owns one device, as a process."""
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise.launch", "--nproc", "4", "--threads", "-m",
+         "shardwise", "demo", "--steps", "1", "--batch", "8", "--no-progress"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "peak not measured in rank threads" in proc.stdout
+    losses = _losses(proc.stdout)
+    assert len(losses) == 1 and abs(losses[0][0] - losses[0][1]) <= 2e-6
+
+
 def _demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "shardwise", "demo", *args],

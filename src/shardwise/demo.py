@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
-from . import runtime
+from . import runtime, settings
 from .comm import CommCounter
 from .deferred_init import deferred_init
 from .dtensor import DTensor, distribute_tensor
@@ -201,7 +201,7 @@ class DemoResult:
     losses_single: list[float]
     comm_per_step: dict[tuple[str, str], tuple[float, float]]  # (kind, dim) -> (count, bytes)
     bytes_per_step: list[int]
-    memory: dict[str, int]
+    memory: dict[str, int | None]  # sharded_peak: None where not measured (rank threads)
     wall_s: float
     max_difference: float
     tolerance: float
@@ -277,11 +277,15 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
 
     manual_seed(args.seed)
     single = GPT(cfg)
-    with track_allocations() as sharded_alloc:
+    if settings.RANK_THREAD.get() is None:
+        with track_allocations() as sharded_alloc:
+            model = sharded_model(cfg, mesh, args.seed, args.fsdp)
+        peak: int | None = sharded_alloc.peak_bytes
+    else:  # torch's profiler is one per process: rank threads would share (and crash) it
         model = sharded_model(cfg, mesh, args.seed, args.fsdp)
-    materialized = _local_bytes(model)
-    memory = _memory(single, model, mesh)
-    memory.update(sharded_peak=sharded_alloc.peak_bytes, materialized=materialized)
+        peak = None
+    memory = _memory(single, model)
+    memory.update(sharded_peak=peak, materialized=_local_bytes(model))
 
     opt_single = torch.optim.AdamW(single.parameters(), lr=args.lr, weight_decay=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -431,12 +435,14 @@ def _local_bytes(model: nn.Module) -> int:
     )
 
 
-def _memory(single: nn.Module, model: nn.Module, mesh: DeviceMesh) -> dict[str, int]:
+def _memory(single: nn.Module, model: nn.Module) -> dict[str, int]:
+    """Parameter bytes of the single-device model, of the sharded model's largest device of
+    this process, and of the largest parameter."""
     per_device: dict[int, int] = defaultdict(int)
     for p in model.parameters():
         if isinstance(p, DTensor):
-            for d in mesh.device_ids:
-                per_device[d] += math.prod(p._spec.local_shape(d)) * p.element_size()
+            for d, c in zip(p.device_mesh.local_device_ids, p._components, strict=True):
+                per_device[d] += c.numel() * c.element_size()
     return {
         "single_model": sum(p.numel() * p.element_size() for p in single.parameters()),
         "sharded_per_device": max(per_device.values()),
@@ -444,11 +450,15 @@ def _memory(single: nn.Module, model: nn.Module, mesh: DeviceMesh) -> dict[str, 
     }
 
 
-def _memory_table(say: Any, memory: dict[str, int]) -> None:
+def _memory_table(say: Any, memory: dict[str, Any]) -> None:
     bound = memory["materialized"] + memory["largest_parameter"]
     say("\nparameter memory (bytes)")
     say(f"  single-device model                {memory['single_model']:>9}")
-    say(f"  sharded model, largest device      {memory['sharded_per_device']:>9}")
+    say(f"  sharded model, largest device here {memory['sharded_per_device']:>9}")
+    if memory["sharded_peak"] is None:
+        say("  building the sharded model from meta: peak not measured in rank threads (the "
+            "allocation profiler is one per process)")
+        return
     say(f"  building the sharded model from meta in this process: peak {memory['sharded_peak']}"
         f" <= its shards {memory['materialized']} + one full parameter "
         f"{memory['largest_parameter']}: {memory['sharded_peak'] <= bound}")
