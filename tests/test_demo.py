@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from shardwise import demo
+from shardwise import demo, demo_cli
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _args(*extra: str):
-    return demo.build_parser().parse_args(["--steps", "2", "--no-progress", *extra])
+    return demo_cli.build_parser().parse_args(["--steps", "2", "--no-progress", *extra])
 
 
 def _losses(text: str) -> list[tuple[float, float]]:
@@ -167,3 +167,37 @@ def test_arguments_the_demo_cannot_run_with_are_refused_in_one_line(
     errors = [line for line in captured.err.splitlines() if "error:" in line]
     assert len(errors) == 1 and said in errors[0], captured.err
     assert "matches" not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("missing/curves.png", "the directory"),
+        ("curves.pngx", "matplotlib cannot tell the image format from .pngx; end the name with "
+                        "one of"),
+        ("curves", "a name without an extension"),
+    ],
+)
+def test_a_plot_that_could_not_be_written_is_refused_before_training(
+    name: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--plot", str(tmp_path / name), "--steps", "1", "--no-progress"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and said in errors[0], errors
+
+
+def test_plot_without_matplotlib_is_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = demo_cli.importlib.util.find_spec
+    monkeypatch.setattr(demo_cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--plot", str(tmp_path / "c.png"), "--no-progress"])
+    assert exit_info.value.code == 2
+    assert "--plot needs matplotlib: pip install 'shardwise[demo]'" in capsys.readouterr().err

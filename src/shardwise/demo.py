@@ -23,12 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import demo_cli, runtime, settings
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
-from . import runtime, settings
 from .comm import CommCounter
 from .deferred_init import deferred_init
 from .dtensor import DTensor, distribute_tensor
-from .launch import positive_int
 from .memory import track_allocations
 from .mesh import DeviceMesh, init_device_mesh
 from .op_inputs import allow_implicit_redistribute
@@ -52,7 +51,7 @@ class GPTConfig:
     vocab: int = 32
     seq: int = 16
     dim: int = 32
-    heads: int = 4
+    heads: int = demo_cli.HEADS
     layers: int = 2
     tied: bool = False
 
@@ -207,60 +206,6 @@ class DemoResult:
     tolerance: float
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
-    """``"2x2"`` -> (2, 2): data-parallel size x tensor-parallel size."""
-    try:
-        dp, tp = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh wants DPxTP such as 2x2, got {text!r}") from None
-    if dp < 1 or tp < 1:
-        raise argparse.ArgumentTypeError(f"--mesh sizes must be positive, got {text!r}")
-    return dp, tp
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardwise demo",
-        description="Train a small GPT with data x tensor (+ sequence) parallelism on a mesh of "
-        "simulated devices, next to the same model on one device from the same seed; compare "
-        "the losses step by step and show the communication and the parameter placements.",
-    )
-    parser.add_argument("--mesh", type=parse_mesh, default=(2, 2), metavar="DPxTP",
-                        help="mesh shape: data-parallel x tensor-parallel size (default 2x2; "
-                        "4x1, 1x4... work too)")
-    parser.add_argument("--steps", type=positive_int,
-                        default=30, help="training steps (default 30)")
-    parser.add_argument("--batch", type=positive_int,
-                        default=16, help="global batch size (default 16)")
-    parser.add_argument("--lr", type=_positive_float, default=1e-2,
-                        help="AdamW learning rate (default 0.01)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
-    parser.add_argument("--layers", type=positive_int,
-                        default=2, help="transformer blocks (default 2)")
-    parser.add_argument("--tied", action="store_true",
-                        help="tie the output head to the token embedding")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="data parallel by fully_shard (parameters and optimizer state "
-                        "Shard(0) on the data dim) instead of replicate")
-    parser.add_argument("--nproc", type=positive_int, default=1,
-                        help="run over this many gloo processes on this host (the mesh size "
-                        "must be a multiple of it); prints the same losses")
-    parser.add_argument("--plot", metavar="FILE",
-                        help="write the loss curves and bytes per step as a PNG (matplotlib)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
-
-
 def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     """Train both models, print the tables (to ``out``, default stdout); the result says how
     close they came."""
@@ -327,7 +272,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     result = DemoResult(losses_sharded, losses_single,
                         {k: (v[0], v[1]) for k, v in comm.items()}, bytes_per_step, memory,
                         wall, worst, tolerance)
-    if args.plot and talk:
+    if args.plot and talk:  # demo_cli checked the file name and matplotlib before training
         plot(result, args.plot)
         say(f"plot written to {args.plot}")
     return result
@@ -529,49 +474,5 @@ def plot(result: DemoResult, path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``shardwise demo``: run (or launch over ``--nproc`` processes) and check the result."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    problem = _mesh_problem(args.mesh, args.nproc)
-    if problem:
-        parser.error(problem)
-    if args.nproc > 1:
-        from .launch import launch
-
-        forwarded = _without_nproc(list(sys.argv[1:] if argv is None else argv))
-        return launch("shardwise", ["demo", *forwarded], nproc=args.nproc, module=True)
-    result = run(args)
-    return 0 if result.max_difference <= result.tolerance else 1
-
-
-def _mesh_problem(mesh: tuple[int, int], nproc: int) -> str | None:
-    """Why the demo cannot run on ``mesh`` over ``nproc`` processes, in one line (None: it
-    can)."""
-    dp, tp = mesh
-    heads = GPTConfig().heads
-    if heads % tp:
-        fits = [n for n in range(1, heads + 1) if heads % n == 0]
-        return (f"--mesh {dp}x{tp}: the tensor-parallel size must divide the model's {heads} "
-                f"attention heads, so TP is one of {fits}")
-    size = dp * tp
-    if size % nproc:
-        fits = [n for n in range(1, size + 1) if size % n == 0]
-        choices = ", ".join(map(str, fits[:-1])) + f" or {fits[-1]}" if len(fits) > 1 else "1"
-        return (f"--nproc {nproc} does not divide the {size} devices of --mesh {dp}x{tp}: use "
-                f"--nproc {choices}, or a mesh whose size is a multiple of {nproc} (such as "
-                f"--mesh {nproc}x1)")
-    return None
-
-
-def _without_nproc(argv: list[str]) -> list[str]:
-    if "demo" in argv[:1]:
-        argv = argv[1:]
-    kept, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            kept.append(a)
-    return kept
+    """``shardwise demo`` (``demo_cli.main``)."""
+    return demo_cli.main(argv)
