@@ -68,3 +68,23 @@ def test_tp_tutorial_runs_over_two_processes() -> None:
     result = _run(["-m", "shardwise.launch", "--nproc", "2", script, "--tp", "2", "--steps", "2"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "largest difference" in result.stdout
+
+
+def _getting_started_program() -> str:
+    """The program of docs/getting-started.md's "One program, three ways"."""
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    section = text.split("## One program, three ways", 1)[1]
+    return re.search(r"^```python\n(.*?)^```", section, re.S | re.M)[1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [["--nproc", "2"], ["--nproc", "4"],
+                                  ["--nproc", "4", "--threads"]], ids=" ".join)
+def test_the_getting_started_program_runs_three_ways(mode: list[str], tmp_path: Path) -> None:
+    """As the page says: in processes (one or two devices each) and in rank threads; in one
+    process test_docs runs it."""
+    script = tmp_path / "train.py"
+    script.write_text(_getting_started_program())
+    result = _run(["-m", "shardwise.launch", *mode, str(script)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(re.findall(r"step \d: loss", result.stdout)) == 3
