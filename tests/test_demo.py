@@ -61,7 +61,7 @@ def test_demo_in_one_process_matches_single_device(tmp_path: Path) -> None:
 def test_demo_exits_non_zero_when_losses_differ(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(demo, "_tolerance", lambda losses: -1.0)
-    assert demo.main(["--steps", "1", "--mesh", "1x2", "--no-progress"]) == 1
+    assert demo_cli.main(["--steps", "1", "--mesh", "1x2", "--no-progress"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
 
@@ -161,7 +161,7 @@ def test_arguments_the_demo_cannot_run_with_are_refused_in_one_line(
     args: list[str], said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        demo.main([*args, "--no-progress"])
+        demo_cli.main([*args, "--no-progress"])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if "error:" in line]
@@ -184,7 +184,7 @@ def test_a_plot_that_could_not_be_written_is_refused_before_training(
 ) -> None:
     monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("training started"))
     with pytest.raises(SystemExit) as exit_info:
-        demo.main(["--plot", str(tmp_path / name), "--steps", "1", "--no-progress"])
+        demo_cli.main(["--plot", str(tmp_path / name), "--steps", "1", "--no-progress"])
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and said in errors[0], errors
@@ -198,6 +198,10 @@ def test_plot_without_matplotlib_is_refused_before_training(
                         lambda name, *a: None if name == "matplotlib" else real(name, *a))
     monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("training started"))
     with pytest.raises(SystemExit) as exit_info:
-        demo.main(["--plot", str(tmp_path / "c.png"), "--no-progress"])
+        demo_cli.main(["--plot", str(tmp_path / "c.png"), "--no-progress"])
     assert exit_info.value.code == 2
     assert "--plot needs matplotlib: pip install 'shardwise[demo]'" in capsys.readouterr().err
+
+
+def test_the_option_checks_know_the_models_head_count() -> None:
+    assert demo.GPTConfig().heads == demo_cli.HEADS
