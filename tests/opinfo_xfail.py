@@ -29,6 +29,16 @@ XFAIL: dict[str, str] = {
     'nn.functional.linear_cross_entropy.chunked_none': (
         'no rule: torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default'
     ),
+    'pca_lowrank': (
+        'torch.svd_lowrank draws its random projection as a plain tensor and multiplies '
+        'the DTensor by it: a plain tensor of more than one element beside DTensors is '
+        'refused (call it inside shardwise.implicit_replication())'
+    ),
+    'svd_lowrank': (
+        'torch.svd_lowrank draws its random projection as a plain tensor and multiplies '
+        'the DTensor by it: a plain tensor of more than one element beside DTensors is '
+        'refused (call it inside shardwise.implicit_replication())'
+    ),
     'resize_': (
         "resize_ changes the storage of each component; a DTensor's global shape cannot "
         'be resized in place (make a new DTensor)'
