@@ -112,6 +112,7 @@ def test_demo_in_four_rank_threads_prints_the_same_losses() -> None:
         capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "4 rank threads of one process" in proc.stdout
     assert "peak not measured in rank threads" in proc.stdout
     losses = _losses(proc.stdout)
     assert len(losses) == 1 and abs(losses[0][0] - losses[0][1]) <= 2e-6

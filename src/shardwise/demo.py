@@ -238,8 +238,9 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     say(f"GPT ({sum(p.numel() for p in single.parameters())} parameters: {cfg.layers} blocks, "
         f"dim {cfg.dim}, {cfg.heads} heads, vocabulary {cfg.vocab}, sequence {cfg.seq}) on mesh "
         f"dp={dp_size} x tp={tp_size}: {dp_name} on 'dp', tensor + sequence parallel on 'tp'"
-        + (f", {_world_size()} processes (gloo)" if _world_size() > 1
-           else ", simulated devices in one process"))
+        + (", simulated devices in one process" if _world_size() == 1
+           else f", {_world_size()} processes (gloo)" if settings.RANK_THREAD.get() is None
+           else f", {_world_size()} rank threads of one process"))
     losses_sharded, losses_single, bytes_per_step = [], [], []
     comm: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     names = mesh.mesh_dim_names or ()
