@@ -1,6 +1,6 @@
 """Run every benchmark in ``bench/`` and collect the results: ``bench/results/results.json``, the
 plot ``bench/results/summary.png`` (ratios against torch.distributed.tensor) and the tables of
-``docs/performance.md`` with the targets of issues 22 and 13, met or the remaining gap (or not
+``docs/performance.md`` with the performance goals, each met or its remaining gap (or not
 measured, when the benchmark that measures it did not run or does not record it yet).
 
 Each benchmark runs in its own subprocess (the multi-process ones through
@@ -8,6 +8,7 @@ Each benchmark runs in its own subprocess (the multi-process ones through
 ``bench/results/<name>.txt``.
 
 Run: python bench/run_all.py [--quick] [--no-docs] [--only NAME,NAME] [--out DIR]
+     python bench/run_all.py --docs-only   # docs/performance.md again from results.json
 """
 
 from __future__ import annotations
@@ -200,14 +201,14 @@ REASONS = {
                      "sources on 2x2x2 whose exchange at the bound must be shown to beat "
                      "every collective order (45 step prices and 33 bound evaluations for "
                      "(S1,P,P)->(S0,R,S2) against a median of 6 and 5), about 0.5 ms of CPU "
-                     "time measured alone on the 2-core machine: a max above 1 ms here is "
+                     "time measured alone on a 2-core host: a max above 1 ms here is "
                      "other load",
     "redistribute": "every transition is one native collective, received in place, and a "
                     "repeated one brings its data with the mismatch-check header (one round "
                     "trip). Partial -> Replicate stays bit-identical to the embedded run: over "
                     "2 processes both send their whole component and add it (a ring's bytes; "
                     "gloo's own all_reduce after the header's round trip measured no faster at "
-                    "4 MiB and slower below), within this machine's noise of DTensor (0.7x to "
+                    "4 MiB and slower below), within the host's noise of DTensor (0.7x to "
                     "1.5x at 1024 across runs of the same code); over 4 an all_to_all, a "
                     "combine and an all_gather against gloo's one ring all_reduce; integer "
                     "sums, max and min take gloo's all_reduce (order-free). Against the raw "
@@ -250,8 +251,8 @@ REASONS = {
                      "and per collective its native transport (the header that catches "
                      "divergent programs, the coordinate-order combine that keeps the bits "
                      "equal to the embedded run), about 0.2-0.3 ms more than gloo's all_reduce "
-                     "of a 64 KiB activation on 2 processes measured alone. On this 2-core "
-                     "machine gloo's loopback exchange itself swings severalfold between runs "
+                     "of a 64 KiB activation on 2 processes measured alone. On a 2-core "
+                     "host gloo's loopback exchange itself swings severalfold between runs "
                      "(a back-to-back 64 KiB exchange measured 0.18 ms and 1.5 ms in two runs "
                      "of one script), so ratios move by +-0.1 between runs. FSDP x TP packs "
                      "each unit's parameters (InterleavedShard ones included) into one "
@@ -885,16 +886,16 @@ def write_docs(results: dict, path: Path) -> None:
         "",
     ]
     if m["load_average"] and m["load_average"][0] > m["cores"]:
-        md += ["The machine was loaded by other work during this run (load average above the "
-               "core count): the times are noisy, regenerate on a quiet machine.", ""]
+        md += ["The host was loaded by other work during this run (load average above the "
+               "core count): the times are noisy.", ""]
     md += [
         "![ratios against torch DTensor](../bench/results/summary.png)",
         "",
-        "## Targets of issue 22",
+        "## Goals: training steps, dispatch, redistribution, optimizer, rank threads",
         "",
     ]
     md += _table(["target", "status", "measured"], [list(t) for t in targets_22(bench)])
-    md += ["## Targets of issue 13", ""]
+    md += ["## Goals: planning and redistribution", ""]
     md += _table(["target", "status", "measured"], [list(t) for t in targets(bench)])
     failed = [k for k, v in results["benchmarks"].items() if not v.get("results")]
     if failed:
@@ -911,7 +912,14 @@ def main() -> None:
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/performance.md")
     parser.add_argument("--only", help="comma-separated benchmark names: " + ", ".join(BENCHMARKS))
     parser.add_argument("--out", help="results folder (default bench/results)")
+    parser.add_argument("--docs-only", action="store_true",
+                        help="rewrite docs/performance.md from the results folder's "
+                        "results.json, running nothing")
     args = parser.parse_args()
+    if args.docs_only:
+        stored = (Path(args.out) if args.out else BENCH / "results") / "results.json"
+        write_docs(json.loads(stored.read_text()), ROOT / "docs" / "performance.md")
+        return
     names = args.only.split(",") if args.only else list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

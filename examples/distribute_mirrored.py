@@ -71,7 +71,8 @@ def main() -> int:
         strategy = swd.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
         losses = train(strategy, args.steps)
         if strategy.worker_index == 0:
-            print(f"MultiWorkerMirroredStrategy (2 processes x 2 devices): {show(losses)}")
+            world = int(os.environ["WORLD_SIZE"])
+            print(f"MultiWorkerMirroredStrategy ({world} processes x 2 devices): {show(losses)}")
         return 0
     mirrored = train(swd.MirroredStrategy([f"cpu:{i}" for i in range(4)]), args.steps)
     print(f"MirroredStrategy (4 devices):                          {show(mirrored)}")

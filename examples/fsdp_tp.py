@@ -110,13 +110,15 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(args.steps):
         tokens = torch.randint(0, 24, (8, 12), generator=g)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        with sw.allow_implicit_redistribute():
-            logits = model(inputs)  # the batch is sharded over "dp" by fully_shard
-            dtargets = sw.distribute_tensor(targets, mesh, [Shard(0), Replicate()])
-            loss = F.cross_entropy(logits.flatten(0, 1), dtargets.flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        # the global batch as DTensors, sharded over "dp": one meaning in one process and
+        # across processes (a plain tensor would be each rank's own batch there)
+        dinputs, dtargets = (sw.distribute_tensor(t, mesh, [Shard(0), Replicate()])
+                             for t in (inputs, targets))
+        logits = model(dinputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), dtargets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
         ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten())
         ref_opt.zero_grad()
         ref_loss.backward()

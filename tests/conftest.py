@@ -311,6 +311,7 @@ WHOLE_FILES = frozenset({
     "test_bench.py",
     "test_demo.py",
     "test_examples.py",
+    "test_packaging.py",
     "test_pytorch_programs.py",
     "test_torchtitan_llama.py",
     "test_two_hosts.py",

@@ -8,5 +8,15 @@ XFAIL: dict[str, str] = {
         'with out= matmuls into plain buffers (aten.mm.out); shardwise runs no out= '
         'variants'
     ),
+    'pca_lowrank': (
+        'torch.svd_lowrank draws its random projection as a plain tensor and multiplies '
+        'the DTensor by it: a plain tensor of more than one element beside DTensors is '
+        'refused (call it inside shardwise.implicit_replication())'
+    ),
+    'svd_lowrank': (
+        'torch.svd_lowrank draws its random projection as a plain tensor and multiplies '
+        'the DTensor by it: a plain tensor of more than one element beside DTensors is '
+        'refused (call it inside shardwise.implicit_replication())'
+    ),
     'to_sparse': 'sparse DTensors are not supported (distribute_tensor refuses sparse inputs)',
 }

@@ -187,7 +187,7 @@ def test_the_packages_users_import_load_the_op_layer() -> None:
     _run(
         "import importlib, sys\n"
         "for name in ['parallel', 'distribute', 'checkpoint', 'tf_dtensor', 'debug',\n"
-        "             'deferred_init', 'cli', 'demo']:\n"
+        "             'deferred_init', 'tour', 'demo']:\n"
         "    for m in [m for m in sys.modules if m.split('.')[0] == 'shardwise']:\n"
         "        del sys.modules[m]\n"
         "    importlib.import_module('shardwise.' + name)\n"

@@ -141,7 +141,7 @@ def test_report_tables_targets_and_plot(tmp_path: Path) -> None:
     doc = tmp_path / "performance.md"
     run_all.write_docs(results, doc)
     text = doc.read_text()
-    for heading in ("## Targets of issue 13", "## Per-op dispatch", "## Planner",
+    for heading in ("## Goals: planning and redistribution", "## Per-op dispatch", "## Planner",
                     "## Redistribution, 2 gloo processes", "## Tensor-parallel training step",
                     "## Overlap", "## Checkpoint", "## Launcher", "## One process, many ranks",
                     "## Compiled tensor-parallel step, 2 gloo processes"):
@@ -225,7 +225,8 @@ def test_issue_22_targets(tmp_path: Path) -> None:
     doc = tmp_path / "performance.md"
     run_all.write_docs(results, doc)
     text = doc.read_text()
-    assert "## Targets of issue 22" in text and "## Optimizer step, 2 processes" in text
+    assert "## Goals: training steps, dispatch, redistribution, optimizer, rank threads" in text
+    assert "## Optimizer step, 2 processes" in text
     assert "| foreach=True | 1 all_reduce | 4 | 0.60 | 0.40 | 1.50 |" in text
     assert "| CPU | 2.00 | 20.00 | 1.25 |" in text
 

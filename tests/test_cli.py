@@ -1,10 +1,19 @@
-"""The command line: the data-model tour checks its round trips; commands dispatch."""
+"""The command line: the data-model tour checks its round trips; commands dispatch; arguments
+are parsed before torch is imported; ``--version``."""
 
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from shardwise.cli import main, tour
+import shardwise
+from shardwise.cli import main
+from shardwise.tour import tour
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def test_tour_round_trips() -> None:
@@ -30,3 +39,35 @@ def test_bad_mesh_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
         main(["demo", "--mesh", "2by2"])
     assert exit_info.value.code == 2
     assert "--mesh wants DPxTP" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    version = capsys.readouterr().out.split()
+    assert version == ["shardwise", shardwise.__version__]
+    assert all(part.isdigit() for part in shardwise.__version__.split(".")[:3])
+
+
+def test_arguments_are_parsed_before_torch_is_imported() -> None:
+    """Usage lines, --version and refused options come without importing torch (seconds to
+    minutes on a loaded machine)."""
+    script = (
+        "import sys\n"
+        "from shardwise.cli import main\n"
+        "for argv in (['--help'], ['--version'], ['demo', '--help'], ['launch', '--help'],\n"
+        "             ['demo', '--mesh', '1x3'], ['demo', '--plot', '/no/such/dir/x.png']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "torch imported: False" in proc.stdout
+    assert "shardwise launch" in proc.stdout and "--nproc" in proc.stdout  # launch --help
+    assert "the directory '/no/such/dir' does not exist" in proc.stderr

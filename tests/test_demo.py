@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from shardwise import demo
+from shardwise import demo, demo_cli
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _args(*extra: str):
-    return demo.build_parser().parse_args(["--steps", "2", "--no-progress", *extra])
+    return demo_cli.build_parser().parse_args(["--steps", "2", "--no-progress", *extra])
 
 
 def _losses(text: str) -> list[tuple[float, float]]:
@@ -60,7 +60,7 @@ def test_demo_in_one_process_matches_single_device(tmp_path: Path) -> None:
 def test_demo_exits_non_zero_when_losses_differ(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(demo, "_tolerance", lambda losses: -1.0)
-    assert demo.main(["--steps", "1", "--mesh", "1x2", "--no-progress"]) == 1
+    assert demo_cli.main(["--steps", "1", "--mesh", "1x2", "--no-progress"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
 
@@ -78,6 +78,43 @@ def test_demo_over_two_processes_prints_the_same_losses() -> None:
     assert len(losses) == 2
     for sharded, single in losses:
         assert abs(sharded - single) <= 2e-6
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["demo", "--nproc", "4"],  # README: the same run over 4 gloo processes
+        ["demo", "--nproc", "4", "--mesh", "4x1", "--fsdp"],  # a plain parameter beside TP
+        ["demo", "--nproc", "4", "--mesh", "1x4", "--tied"],
+    ],
+    ids=" ".join,
+)
+def test_demo_over_four_processes_prints_the_same_losses(command: list[str]) -> None:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise", *command, "--steps", "1", "--batch", "8",
+         "--no-progress"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "4 processes" in proc.stdout
+    losses = _losses(proc.stdout)
+    assert len(losses) == 1 and abs(losses[0][0] - losses[0][1]) <= 2e-6
+
+
+def test_demo_in_four_rank_threads_prints_the_same_losses() -> None:
+    """``python -m shardwise.launch --threads``: a rank thread owns one device, as a process."""
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise.launch", "--nproc", "4", "--threads", "-m",
+         "shardwise", "demo", "--steps", "1", "--batch", "8", "--no-progress"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "4 rank threads of one process" in proc.stdout
+    assert "peak not measured in rank threads" in proc.stdout
+    losses = _losses(proc.stdout)
+    assert len(losses) == 1 and abs(losses[0][0] - losses[0][1]) <= 2e-6
 
 
 def _demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -124,9 +161,47 @@ def test_arguments_the_demo_cannot_run_with_are_refused_in_one_line(
     args: list[str], said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        demo.main([*args, "--no-progress"])
+        demo_cli.main([*args, "--no-progress"])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if "error:" in line]
     assert len(errors) == 1 and said in errors[0], captured.err
     assert "matches" not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("missing/curves.png", "the directory"),
+        ("curves.pngx", "matplotlib cannot tell the image format from .pngx; end the name with "
+                        "one of"),
+        ("curves", "a name without an extension"),
+    ],
+)
+def test_a_plot_that_could_not_be_written_is_refused_before_training(
+    name: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo_cli.main(["--plot", str(tmp_path / name), "--steps", "1", "--no-progress"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and said in errors[0], errors
+
+
+def test_plot_without_matplotlib_is_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = demo_cli.importlib.util.find_spec
+    monkeypatch.setattr(demo_cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo_cli.main(["--plot", str(tmp_path / "c.png"), "--no-progress"])
+    assert exit_info.value.code == 2
+    assert "--plot needs matplotlib: pip install 'shardwise[demo]'" in capsys.readouterr().err
+
+
+def test_the_option_checks_know_the_models_head_count() -> None:
+    assert demo.GPTConfig().heads == demo_cli.HEADS

@@ -190,12 +190,13 @@ def test_different_meshes_are_refused() -> None:
         torch.ops.aten.add.Tensor(a, b)
 
 
-def test_plain_tensors_need_implicit_replication_unless_small(mesh) -> None:
-    x, big, small = torch.randn(4, 5), torch.randn(4, 5), torch.randn(5)
+def test_plain_tensors_need_implicit_replication_unless_one_element(mesh) -> None:
+    x, big, small, one = torch.randn(4, 5), torch.randn(4, 5), torch.randn(5), torch.randn(1)
     dt = sw.distribute_tensor(x, mesh, [Shard(0)])
-    torch.testing.assert_close((dt + small).full_tensor(), x + small)  # a small constant
-    with pytest.raises(sw.MeshError, match="implicit_replication"):
-        dt + big
+    torch.testing.assert_close((dt + one).full_tensor(), x + one)  # a one-element constant
+    for plain in (small, big):  # any size above one element: the same rule
+        with pytest.raises(sw.MeshError, match="implicit_replication"):
+            dt + plain
     with sw.implicit_replication():
         torch.testing.assert_close((dt + big).full_tensor(), x + big)
 

@@ -46,10 +46,16 @@ def _within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
 
 # ----- matmul family: the contraction dim sharded gives Partial("sum") --------------------------
 
+def _addmm_whole_bias(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """addmm with a plain bias every rank holds whole (taken as replicated)."""
+    with sw.implicit_replication():
+        return torch.addmm(torch.full((2,), 0.5, dtype=a.dtype), a, b)
+
+
 ROW_PARALLEL: dict[str, Callable] = {
     "mm": torch.mm,
     "matmul": torch.matmul,
-    "addmm": lambda a, b: torch.addmm(torch.full((2,), 0.5, dtype=a.dtype), a, b),
+    "addmm": lambda a, b: _addmm_whole_bias(a, b),
     "bmm": lambda a, b: torch.bmm(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0),
     "linear": lambda a, b: F.linear(a, b.t()),
     "einsum": lambda a, b: torch.einsum("ik,kj->ij", a, b),

@@ -35,8 +35,9 @@ def test_batch_norm_training_oracle() -> None:
 def test_batch_norm_eval_and_instance_norm_oracle() -> None:
     x, rm, rv = randn(6, 3, 4), randn(3, seed=1), randn(3, seed=2).abs() + 0.5
 
-    def eval_fn(x):  # running statistics of 3 values: small constants, taken as replicated
-        return F.batch_norm(x, rm, rv, training=False)
+    def eval_fn(x):  # running statistics: plain tensors every rank holds whole
+        with sw.implicit_replication():
+            return F.batch_norm(x, rm, rv, training=False)
 
     run_oracle(eval_fn, [x], mesh_shapes=MESHES, max_cases=4)
     run_oracle(F.instance_norm, [x], mesh_shapes=MESHES, max_cases=4)

@@ -24,7 +24,8 @@ def well_conditioned(*batch: int, n: int = 3, seed: int = 0) -> torch.Tensor:
 
 
 def spd(a: torch.Tensor) -> torch.Tensor:
-    return a @ a.mT + torch.eye(a.shape[-1], dtype=a.dtype)
+    with sw.implicit_replication():  # the plain identity: every rank holds it whole
+        return a @ a.mT + torch.eye(a.shape[-1], dtype=a.dtype)
 
 
 LINALG = [

@@ -18,10 +18,22 @@ def randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _with_index(fn):
+    """``fn`` given the plain ``INDEX`` (a whole value every rank holds: taken as replicated
+    inside ``implicit_replication()``, PyTorch's rule for plain tensors beside DTensors)."""
+
+    def run(*args):
+        with sw.implicit_replication():
+            return fn(*args)
+
+    return run
+
+
 CASES = [
-    ("index_fill", lambda x: x.index_fill(1, INDEX, -1.0), [(5, 4)]),
-    ("index_copy", lambda x, s: x.index_copy(1, INDEX, s), [(5, 4), (5, 3)]),
-    ("index_reduce", lambda x, s: x.index_reduce(1, INDEX, s, "amax"), [(5, 4), (5, 3)]),
+    ("index_fill", _with_index(lambda x: x.index_fill(1, INDEX, -1.0)), [(5, 4)]),
+    ("index_copy", _with_index(lambda x, s: x.index_copy(1, INDEX, s)), [(5, 4), (5, 3)]),
+    ("index_reduce", _with_index(lambda x, s: x.index_reduce(1, INDEX, s, "amax")),
+     [(5, 4), (5, 3)]),
     ("slice_scatter", lambda x, s: torch.slice_scatter(x, s, 1, 1, 4), [(5, 6), (5, 3)]),
     ("select_scatter", lambda x, s: torch.select_scatter(x, s, 0, 2), [(4, 5), (5,)]),
     ("diagonal_scatter", lambda x, s: torch.diagonal_scatter(x, s, 0, 1, 2),

@@ -34,14 +34,25 @@ def test_order_statistic_oracle(name, fn) -> None:
 BOUNDARIES = torch.tensor([-1.0, 0.0, 0.5, 2.0])
 
 
+def _whole(fn):
+    """``fn`` with the plain ``BOUNDARIES`` every rank holds whole taken as replicated."""
+
+    def run(*args):
+        with sw.implicit_replication():
+            return fn(*args)
+
+    return run
+
+
 def test_searches_oracle() -> None:
     x = randn(5, 4)
-    run_oracle(lambda x: torch.bucketize(x, BOUNDARIES), [x], mesh_shapes=MESHES, max_cases=3)
-    run_oracle(lambda x: torch.searchsorted(BOUNDARIES, x, right=True), [x],
+    run_oracle(_whole(lambda x: torch.bucketize(x, BOUNDARIES)), [x], mesh_shapes=MESHES,
+               max_cases=3)
+    run_oracle(_whole(lambda x: torch.searchsorted(BOUNDARIES, x, right=True)), [x],
                mesh_shapes=MESHES, max_cases=3)
     seqs = torch.sort(randn(5, 6, seed=1), dim=1).values
     run_oracle(torch.searchsorted, [seqs, x], mesh_shapes=MESHES, max_cases=4, grad=False)
-    run_oracle(lambda x: torch.isin(x.round(), BOUNDARIES), [x], mesh_shapes=MESHES,
+    run_oracle(_whole(lambda x: torch.isin(x.round(), BOUNDARIES)), [x], mesh_shapes=MESHES,
                max_cases=3)
 
 

@@ -138,3 +138,44 @@ def test_fsdp_over_tensor_parallel_shards_packs_and_trains_like_one_device(rows:
         assert counter.counts["reduce_scatter"] == 1, dict(counter.counts)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.full_tensor(), single.get_parameter(name), msg=name)
+
+
+class _Interrupting(nn.Module):
+    """Raises ``error`` from its forward while ``armed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        return x
+
+
+@pytest.mark.parametrize("how", ["fully_shard", "replicate"])
+@pytest.mark.parametrize(
+    "error", [KeyboardInterrupt(), pytest.fail.Exception("timeout"), RuntimeError("boom")],
+    ids=["KeyboardInterrupt", "test timeout", "RuntimeError"],
+)
+def test_an_interrupted_forward_restores_what_its_hooks_set(how: str, error: BaseException
+                                                            ) -> None:
+    """Ctrl-C, a test's timeout (a BaseException) or an error inside the forward: the next
+    forward runs as if it never happened (same view, same stored parameters)."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, inner = _model(), _model()
+    stop = _Interrupting()
+    model = nn.Sequential(inner, stop)
+    if how == "fully_shard":
+        fully_shard(inner[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        sw.parallel.replicate(model, mesh)
+    stored = [p for p in model.parameters()]
+    x, _ = _data()[0]
+    stop.error = error
+    with pytest.raises(type(error)):
+        model(x)
+    stop.error = None
+    assert [p for p in model.parameters()] == stored  # the stored parameters are back
+    torch.testing.assert_close(model(x).full_tensor(), ref(x), atol=1e-6, rtol=1e-5)

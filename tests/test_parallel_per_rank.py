@@ -237,7 +237,23 @@ def _small_plain_job() -> list[str]:
 
 def test_small_plain_tensors_are_not_taken_as_replicated_per_rank() -> None:
     assert run_in_processes(_small_plain_job, 2, timeout=120) == [["refused", "True"]] * 2
-    mesh = sw.init_device_mesh("cpu", (2,))  # the global view: a small constant is replicated
-    logits = sw.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
-    got = (logits[:, 0] - torch.tensor([0.0, 1.0, 1.0, 0.0])).full_tensor()
-    assert torch.equal(got, torch.arange(8.0).reshape(4, 2)[:, 0] - torch.tensor([0, 1, 1, 0.0]))
+
+
+@pytest.mark.parametrize("rows", [4, 64])
+def test_one_rule_for_plain_tensors_of_every_size_in_the_global_view(rows: int) -> None:
+    """Embedded, as per rank: a plain tensor of more than one element beside a DTensor is
+    refused whatever its size (the error names the fix); one element, or inside
+    ``implicit_replication()``, it is taken as replicated."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = torch.arange(2.0 * rows).reshape(rows, 2)
+    logits = sw.distribute_tensor(x, mesh, [Shard(0)])
+    labels = torch.arange(rows) % 2
+    with pytest.raises(sw.MeshError, match="only a 0-d or one-element tensor") as err:
+        logits[:, 0] - labels
+    assert "implicit_replication" in str(err.value) and "distribute_tensor" in str(err.value)
+    with pytest.raises(sw.MeshError, match=f"plain torch.Tensor of shape \\[{rows}\\]"):
+        F.cross_entropy(logits, labels)
+    assert torch.equal((logits * torch.tensor([2.0])).full_tensor(), x * 2)
+    with sw.implicit_replication():
+        got = F.cross_entropy(logits, labels).full_tensor()
+    torch.testing.assert_close(got, F.cross_entropy(x, labels))

@@ -66,3 +66,22 @@ def test_redistribute_same_placements_with_a_dtype_casts(mesh):
     out = dt.redistribute(mesh, [Shard(0)], forward_dtype=torch.float64)
     assert out.dtype == torch.float64 and out.placements == (Shard(0),)
     assert torch.equal(out.full_tensor(), torch.arange(4.0, dtype=torch.float64))
+
+
+def test_from_local_takes_torchs_keywords_and_grad_placements(mesh):
+    """``DTensor.from_local(local_tensor=..., grad_placements=...)`` as in PyTorch: with
+    ``grad_placements=[Partial()]`` each local gradient is a piece of the pending sum (they
+    add up to the global gradient); by default each is the whole (replicated) gradient."""
+    w = torch.randn(3)
+    dw = sw.distribute_tensor(w, mesh, [Replicate()])
+    pieces = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    dt = sw.DTensor.from_local(local_tensor=pieces, device_mesh=mesh, placements=[Replicate()],
+                               grad_placements=[Partial()])
+    (dt * dw).sum().backward()
+    torch.testing.assert_close(pieces[0].grad + pieces[1].grad, w)
+    pieces = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    (sw.DTensor.from_local(local_tensor=pieces, device_mesh=mesh) * dw).sum().backward()
+    for p in pieces:
+        torch.testing.assert_close(p.grad, w)
+    with pytest.raises(InvalidPlacementError, match="grad_placements"):
+        sw.DTensor.from_local(pieces, mesh, [Replicate()], grad_placements=[Shard(0)])

@@ -125,7 +125,8 @@ def test_weighted_nll_mean_is_exact_where_local_means_are_not() -> None:
     target, weight = torch.tensor([0, 0, 0, 2, 2, 1]), torch.tensor([1.0, 2.0, 5.0])
     mesh = _mesh(2)
     loss = F.nll_loss(sw.distribute_tensor(logp, mesh, [Shard(0)]),
-                      sw.distribute_tensor(target, mesh, [Shard(0)]), weight=weight.clone())
+                      sw.distribute_tensor(target, mesh, [Shard(0)]),
+                      weight=sw.distribute_tensor(weight, mesh, [Replicate()]))
     assert loss.placements == (Partial("avg"),)
     expected = F.nll_loss(logp, target, weight=weight)
     torch.testing.assert_close(loss.full_tensor(), expected)

@@ -9,6 +9,8 @@ Submodules are reachable as attributes too (``shardwise.parallel``).
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
+
 import importlib
 import importlib.util
 import os

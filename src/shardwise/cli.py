@@ -1,5 +1,7 @@
-"""Command line: ``python -m shardwise demo`` trains a sharded GPT beside a single-device one
-(``shardwise.demo``); ``tour`` shows the data model on a 2x3 mesh."""
+"""Command line: ``shardwise demo`` trains a sharded GPT beside a single-device one
+(``shardwise.demo``), ``shardwise tour`` shows the data model on a 2x3 mesh, ``shardwise
+launch`` (also ``shardwise-run``) runs a script over N processes or rank threads
+(``shardwise.launch``). Arguments are parsed before torch is imported."""
 
 from __future__ import annotations
 
@@ -7,66 +9,21 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import torch
-
-from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
-from .comm import CommCounter
-from .debug import explain_redistribute, visualize_sharding
-from .dtensor import distribute_tensor
-from .mesh import init_device_mesh
-from .placements import Partial, Placement, Replicate, Shard
-
-
-def tour(out=sys.stdout) -> None:
-    """Distribute a 7x10 tensor on a 2x3 mesh several ways, redistribute, check round trips."""
-
-    def say(text: str = "") -> None:
-        print(text, file=out)
-
-    mesh = init_device_mesh("cpu", (2, 3), mesh_dim_names=("x", "y"))
-    tensor = torch.arange(70, dtype=torch.float32).reshape(7, 10)
-    say(f"mesh {mesh}: this process owns devices {list(mesh.local_device_ids)}")
-    say(f"global tensor: shape {list(tensor.shape)} (7 rows do not divide by 2, 10 cols by 3)")
-    layouts: list[list[Placement]] = [
-        [Shard(0), Shard(1)],
-        [Shard(0), Replicate()],
-        [Shard(1), Shard(1)],
-        [Replicate(), Partial()],
-    ]
-    for placements in layouts:
-        dt = distribute_tensor(tensor, mesh, placements)
-        say(f"\nplacements {placements}: which device holds which block (rows x cols)")
-        visualize_sharding(dt, file=out)
-        if not torch.equal(dt.full_tensor(), tensor):
-            raise SystemExit(f"round trip through {placements} changed the value")
-    source = distribute_tensor(tensor, mesh, [Shard(0), Shard(0)])
-    target: list[Placement] = [Replicate(), Shard(1)]
-    plan = explain_redistribute(source, target)
-    say(f"\nredistribute {list(source.placements)} -> {target}: plan")
-    for step in plan.steps:
-        say(
-            f"  mesh dim {step.mesh_dim}: {step.source} -> {step.target} by {step.collective}, "
-            f"{step.bytes} bytes received"
-        )
-    with CommCounter() as counter:
-        moved = source.redistribute(placements=target)
-    say(f"counted: {dict(counter.counts)} moving {counter.total_bytes} bytes "
-        f"(plan said {plan.bytes})")
-    visualize_sharding(moved, file=out)
-    back = moved.redistribute(placements=[Shard(0), Shard(0)]).full_tensor()
-    ok = torch.equal(back, tensor) and torch.equal(moved.full_tensor(), tensor)
-    say(f"\nround trip equals the original: {ok}")
-    if not ok:
-        raise SystemExit(1)
+from . import __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # its own options: shardwise demo --help
-        from .demo import main as demo_main
+        from .demo_cli import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:1] == ["launch"]:  # its own options: shardwise launch --help
+        from .launch import main as launch_main
+
+        return launch_main(argv[1:])
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "demo",
@@ -74,7 +31,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(see shardwise demo --help)",
     )
     sub.add_parser("tour", help="show the data model on a 2x3 mesh of simulated devices")
+    sub.add_parser(
+        "launch",
+        help="run a script over N local processes (gloo) or rank threads, like torchrun "
+        "(see shardwise launch --help; also the shardwise-run command)",
+    )
     args = parser.parse_args(argv)
     if args.command == "tour":
+        from .tour import tour  # torch: only now
+
         tour()
     return 0

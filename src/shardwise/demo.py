@@ -24,11 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
-from . import runtime
+from . import runtime, settings
 from .comm import CommCounter
 from .deferred_init import deferred_init
 from .dtensor import DTensor, distribute_tensor
-from .launch import positive_int
 from .memory import track_allocations
 from .mesh import DeviceMesh, init_device_mesh
 from .op_inputs import allow_implicit_redistribute
@@ -52,7 +51,7 @@ class GPTConfig:
     vocab: int = 32
     seq: int = 16
     dim: int = 32
-    heads: int = 4
+    heads: int = 4  # demo_cli.HEADS: the options are checked without importing this module
     layers: int = 2
     tied: bool = False
 
@@ -201,64 +200,10 @@ class DemoResult:
     losses_single: list[float]
     comm_per_step: dict[tuple[str, str], tuple[float, float]]  # (kind, dim) -> (count, bytes)
     bytes_per_step: list[int]
-    memory: dict[str, int]
+    memory: dict[str, int | None]  # sharded_peak: None where not measured (rank threads)
     wall_s: float
     max_difference: float
     tolerance: float
-
-
-def parse_mesh(text: str) -> tuple[int, int]:
-    """``"2x2"`` -> (2, 2): data-parallel size x tensor-parallel size."""
-    try:
-        dp, tp = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh wants DPxTP such as 2x2, got {text!r}") from None
-    if dp < 1 or tp < 1:
-        raise argparse.ArgumentTypeError(f"--mesh sizes must be positive, got {text!r}")
-    return dp, tp
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardwise demo",
-        description="Train a small GPT with data x tensor (+ sequence) parallelism on a mesh of "
-        "simulated devices, next to the same model on one device from the same seed; compare "
-        "the losses step by step and show the communication and the parameter placements.",
-    )
-    parser.add_argument("--mesh", type=parse_mesh, default=(2, 2), metavar="DPxTP",
-                        help="mesh shape: data-parallel x tensor-parallel size (default 2x2; "
-                        "4x1, 1x4... work too)")
-    parser.add_argument("--steps", type=positive_int,
-                        default=30, help="training steps (default 30)")
-    parser.add_argument("--batch", type=positive_int,
-                        default=16, help="global batch size (default 16)")
-    parser.add_argument("--lr", type=_positive_float, default=1e-2,
-                        help="AdamW learning rate (default 0.01)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
-    parser.add_argument("--layers", type=positive_int,
-                        default=2, help="transformer blocks (default 2)")
-    parser.add_argument("--tied", action="store_true",
-                        help="tie the output head to the token embedding")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="data parallel by fully_shard (parameters and optimizer state "
-                        "Shard(0) on the data dim) instead of replicate")
-    parser.add_argument("--nproc", type=positive_int, default=1,
-                        help="run over this many gloo processes on this host (the mesh size "
-                        "must be a multiple of it); prints the same losses")
-    parser.add_argument("--plot", metavar="FILE",
-                        help="write the loss curves and bytes per step as a PNG (matplotlib)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
 
 
 def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
@@ -277,12 +222,16 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
 
     manual_seed(args.seed)
     single = GPT(cfg)
-    with track_allocations() as sharded_alloc:
+    if settings.RANK_THREAD.get() is None:
+        with track_allocations() as sharded_alloc:
+            model = sharded_model(cfg, mesh, args.seed, args.fsdp)
+        peak: int | None = sharded_alloc.peak_bytes
+    else:  # torch's profiler is one per process: rank threads would share (and crash) it
         model = sharded_model(cfg, mesh, args.seed, args.fsdp)
+        peak = None
     start_alike(single, model)
-    materialized = _local_bytes(model)
-    memory = _memory(single, model, mesh)
-    memory.update(sharded_peak=sharded_alloc.peak_bytes, materialized=materialized)
+    memory = _memory(single, model)
+    memory.update(sharded_peak=peak, materialized=_local_bytes(model))
 
     opt_single = torch.optim.AdamW(single.parameters(), lr=args.lr, weight_decay=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -290,8 +239,9 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     say(f"GPT ({sum(p.numel() for p in single.parameters())} parameters: {cfg.layers} blocks, "
         f"dim {cfg.dim}, {cfg.heads} heads, vocabulary {cfg.vocab}, sequence {cfg.seq}) on mesh "
         f"dp={dp_size} x tp={tp_size}: {dp_name} on 'dp', tensor + sequence parallel on 'tp'"
-        + (f", {_world_size()} processes (gloo)" if _world_size() > 1
-           else ", simulated devices in one process"))
+        + (", simulated devices in one process" if _world_size() == 1
+           else f", {_world_size()} processes (gloo)" if settings.RANK_THREAD.get() is None
+           else f", {_world_size()} rank threads of one process"))
     losses_sharded, losses_single, bytes_per_step = [], [], []
     comm: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     names = mesh.mesh_dim_names or ()
@@ -324,7 +274,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> DemoResult:
     result = DemoResult(losses_sharded, losses_single,
                         {k: (v[0], v[1]) for k, v in comm.items()}, bytes_per_step, memory,
                         wall, worst, tolerance)
-    if args.plot and talk:
+    if args.plot and talk:  # demo_cli checked the file name and matplotlib before training
         plot(result, args.plot)
         say(f"plot written to {args.plot}")
     return result
@@ -440,12 +390,14 @@ def _local_bytes(model: nn.Module) -> int:
     )
 
 
-def _memory(single: nn.Module, model: nn.Module, mesh: DeviceMesh) -> dict[str, int]:
+def _memory(single: nn.Module, model: nn.Module) -> dict[str, int]:
+    """Parameter bytes of the single-device model, of the sharded model's largest device of
+    this process, and of the largest parameter."""
     per_device: dict[int, int] = defaultdict(int)
     for p in model.parameters():
         if isinstance(p, DTensor):
-            for d in mesh.device_ids:
-                per_device[d] += math.prod(p._spec.local_shape(d)) * p.element_size()
+            for d, c in zip(p.device_mesh.local_device_ids, p._components, strict=True):
+                per_device[d] += c.numel() * c.element_size()
     return {
         "single_model": sum(p.numel() * p.element_size() for p in single.parameters()),
         "sharded_per_device": max(per_device.values()),
@@ -453,11 +405,15 @@ def _memory(single: nn.Module, model: nn.Module, mesh: DeviceMesh) -> dict[str, 
     }
 
 
-def _memory_table(say: Any, memory: dict[str, int]) -> None:
+def _memory_table(say: Any, memory: dict[str, Any]) -> None:
     bound = memory["materialized"] + memory["largest_parameter"]
     say("\nparameter memory (bytes)")
     say(f"  single-device model                {memory['single_model']:>9}")
-    say(f"  sharded model, largest device      {memory['sharded_per_device']:>9}")
+    say(f"  sharded model, largest device here {memory['sharded_per_device']:>9}")
+    if memory["sharded_peak"] is None:
+        say("  building the sharded model from meta: peak not measured in rank threads (the "
+            "allocation profiler is one per process)")
+        return
     say(f"  building the sharded model from meta in this process: peak {memory['sharded_peak']}"
         f" <= its shards {memory['materialized']} + one full parameter "
         f"{memory['largest_parameter']}: {memory['sharded_peak'] <= bound}")
@@ -525,52 +481,3 @@ def plot(result: DemoResult, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``shardwise demo``: run (or launch over ``--nproc`` processes) and check the result."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    problem = _mesh_problem(args.mesh, args.nproc)
-    if problem:
-        parser.error(problem)
-    if args.nproc > 1:
-        from .launch import launch
-
-        forwarded = _without_nproc(list(sys.argv[1:] if argv is None else argv))
-        return launch("shardwise", ["demo", *forwarded], nproc=args.nproc, module=True)
-    result = run(args)
-    return 0 if result.max_difference <= result.tolerance else 1
-
-
-def _mesh_problem(mesh: tuple[int, int], nproc: int) -> str | None:
-    """Why the demo cannot run on ``mesh`` over ``nproc`` processes, in one line (None: it
-    can)."""
-    dp, tp = mesh
-    heads = GPTConfig().heads
-    if heads % tp:
-        fits = [n for n in range(1, heads + 1) if heads % n == 0]
-        return (f"--mesh {dp}x{tp}: the tensor-parallel size must divide the model's {heads} "
-                f"attention heads, so TP is one of {fits}")
-    size = dp * tp
-    if size % nproc:
-        fits = [n for n in range(1, size + 1) if size % n == 0]
-        choices = ", ".join(map(str, fits[:-1])) + f" or {fits[-1]}" if len(fits) > 1 else "1"
-        return (f"--nproc {nproc} does not divide the {size} devices of --mesh {dp}x{tp}: use "
-                f"--nproc {choices}, or a mesh whose size is a multiple of {nproc} (such as "
-                f"--mesh {nproc}x1)")
-    return None
-
-
-def _without_nproc(argv: list[str]) -> list[str]:
-    if "demo" in argv[:1]:
-        argv = argv[1:]
-    kept, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            kept.append(a)
-    return kept

@@ -149,22 +149,25 @@ class DTensor(torch.Tensor):
     @staticmethod
     @dynamo_opaque
     def from_local(
-        local: torch.Tensor | Sequence[torch.Tensor],
+        local_tensor: torch.Tensor | Sequence[torch.Tensor],
         device_mesh: DeviceMesh | None = None,
         placements: Sequence[Placement] | None = None,
         *,
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
         run_check: bool = False,
+        grad_placements: Sequence[Placement] | None = None,
         async_op: bool = False,
     ) -> DTensor:
         """A DTensor from this process's components (a tensor, or one per local device).
 
         Components must follow chunk geometry; the global shape is inferred from them unless
         ``shape`` is given. ``run_check`` broadcasts Replicate components from coordinate 0.
-        ``async_op``: return at once; pending components and the broadcast finish in the
-        background (see ``AsyncDTensor``). As in PyTorch, the mesh defaults to the current one
-        (``with mesh:``) and the placements to Replicate on every mesh dim.
+        ``grad_placements`` (PyTorch's): the placements the gradient is brought to before
+        its components become the local tensors' gradients (default: ``placements``, Partial
+        dims reduced). ``async_op``: return at once; pending components and the broadcast
+        finish in the background (see ``AsyncDTensor``). As in PyTorch, the mesh defaults to
+        the current one (``with mesh:``) and the placements to Replicate on every mesh dim.
         """
         device_mesh = mesh_or_current(device_mesh, "DTensor.from_local")
         if placements is None:
@@ -173,24 +176,34 @@ class DTensor(torch.Tensor):
         if (
             replica is not None
             and replica.count > 1
-            and isinstance(local, torch.Tensor)
+            and isinstance(local_tensor, torch.Tensor)
             and len(device_mesh.local_device_ids) == replica.count
         ):  # per-replica view: this thread's piece; one DTensor built from every replica's
             return replica.merge(
-                local,
+                local_tensor,
                 lambda pieces: DTensor.from_local(
-                    pieces, device_mesh, placements, shape=shape, stride=stride, run_check=run_check
+                    pieces, device_mesh, placements, shape=shape, stride=stride,
+                    run_check=run_check, grad_placements=grad_placements,
                 ),
             )
         if not device_mesh.local_device_ids:
-            return _outside_mesh(local, device_mesh, placements, shape)
+            return _outside_mesh(local_tensor, device_mesh, placements, shape)
         if async_op:
-            return from_local_async(local, device_mesh, placements, shape, stride, run_check)
-        components = _as_components(local, device_mesh, placements)
+            if grad_placements is not None:
+                raise InvalidArgumentError(
+                    f"DTensor.from_local(async_op=True, grad_placements={list(grad_placements)})"
+                    f" on {device_mesh}: grad_placements is not supported with async_op; build "
+                    f"it synchronously, or call .redistribute on the gradient yourself"
+                )
+            return from_local_async(local_tensor, device_mesh, placements, shape, stride, run_check)
+        components = _as_components(local_tensor, device_mesh, placements)
         spec = _spec_from_components(components, device_mesh, placements, shape, stride)
         if run_check:
             components = _broadcast_replicated(spec, components)
-        return _FromLocal.apply(spec, *components)
+        grad_spec = None if grad_placements is None else _grad_spec(
+            spec, grad_placements, "DTensor.from_local"
+        )
+        return _FromLocal.apply(spec, grad_spec, *components)
 
     @dynamo_opaque
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -686,13 +699,19 @@ def local_components(dtensor: DTensor) -> list[torch.Tensor]:
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, spec: DTensorSpec, *components: torch.Tensor) -> DTensor:
-        ctx.spec = spec
+    def forward(
+        ctx, spec: DTensorSpec, grad_spec: DTensorSpec | None, *components: torch.Tensor
+    ) -> DTensor:
+        ctx.spec, ctx.grad_spec = spec, grad_spec
         return DTensor([c.view_as(c) for c in components], spec)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        return (None, *_grad_components(grad, ctx.spec))
+        if ctx.grad_spec is not None:  # from_local(grad_placements=...): brought there as is
+            target = ctx.grad_spec.placements
+            moved = grad if grad.placements == target else grad.redistribute(placements=target)
+            return (None, None, *moved._components)
+        return (None, None, *_grad_components(grad, ctx.spec))
 
 
 def _grad_components(grad: DTensor, spec: DTensorSpec) -> list[torch.Tensor]:

@@ -1,9 +1,9 @@
 """An op's inputs brought where its sharding needs them: plain tensors among DTensors taken as
-replicated by PyTorch's rule (small constants, ``implicit_replication()``, autograd's backward)
-or refused, composite ops whose decomposition makes plain tensors named as exceptions
-(``register_plain_making_decomposition``), composite ops that read a tensor argument's values
-(``register_value_reading_decomposition``), and DTensor inputs moved to the chosen placements
-under the explicit-redistribution rule (a move that needs a collective raises
+replicated by PyTorch's rule (0-d or one-element constants, ``implicit_replication()``,
+autograd's backward) or refused, composite ops whose decomposition makes plain tensors named
+as exceptions (``register_plain_making_decomposition``), composite ops that read a tensor
+argument's values (``register_value_reading_decomposition``), and DTensor inputs moved to the
+chosen placements under the explicit-redistribution rule (a move that needs a collective raises
 ``ImplicitRedistributeError`` unless ``allow_implicit_redistribute()`` is on or autograd's
 backward runs). ``dispatch`` uses it for every op, handlers that bypass dispatch
 (``ops/common``) through the same functions.
@@ -55,9 +55,6 @@ def set_redistribute_logging(enabled: bool) -> None:
 # ----- plain tensors among DTensors ------------------------------------------------------------
 
 
-SMALL_CONSTANT_NUMEL = 16
-
-
 @contextlib.contextmanager
 def implicit_replication(enabled: bool = True) -> Iterator[None]:
     """Within the block, plain tensors mixed with DTensors are taken as replicated global
@@ -68,29 +65,33 @@ def implicit_replication(enabled: bool = True) -> Iterator[None]:
 
 def _refused(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> bool:
     """True if the plain ``tensor`` cannot be taken as replicated beside ``func``'s DTensors:
-    it is larger than a small constant (one element per rank, see ``plain_tensors``), outside
-    autograd's backward and outside ``implicit_replication()``."""
-    small = 1 if plain_is_local(mesh) else SMALL_CONSTANT_NUMEL
+    it has more than one element (one rule for every size and view, see ``plain_tensors``),
+    outside autograd's backward and outside ``implicit_replication()``."""
     return (
-        tensor.numel() > small
+        tensor.numel() > 1
         and torch._C._current_graph_task_id() == -1
         and not settings.IMPLICIT_REPLICATION.get()
     )
 
 
 def _refusal(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> MeshError:
+    view = "this rank's local data" if plain_is_local(mesh) else "a global value"
     return MeshError(
-        f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)}; "
-        f"distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)) or "
-        f"take it as replicated inside `with shardwise.implicit_replication():`"
+        f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)} "
+        f"(here {view}); only a 0-d or one-element tensor is taken as replicated by itself. "
+        f"Distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)), or, if "
+        f"every rank holds the same whole value, take it as replicated inside "
+        f"`with shardwise.implicit_replication():`"
     )
 
 
 def implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """A plain tensor among DTensor arguments is taken as replicated when it is a small
-    constant (TF DTensor's rule; per rank, one element), when autograd's backward made it, or
-    inside ``implicit_replication()`` (which ``register_plain_making_decomposition`` turns on
-    for the decompositions it names); otherwise it is refused with a ``MeshError``."""
+    """A plain tensor among DTensor arguments is taken as replicated when it is a 0-d or
+    one-element constant, when autograd's backward made it, or inside
+    ``implicit_replication()`` (which ``register_plain_making_decomposition`` turns on for
+    the decompositions it names); otherwise it is refused with a ``MeshError``. The rule is
+    the same for every size and in both views: a program that works at toy size works at
+    real size."""
     if _refused(func, tensor, mesh):
         raise _refusal(func, tensor, mesh)
     return distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)

@@ -318,7 +318,7 @@ def wrap_replicated(mesh: DeviceMesh, results: list[Any]) -> Any:
 
 def as_dtensors(op: Any, values: Sequence[Any]) -> list[Any]:
     """``values`` with their plain tensors (0-d ones aside) replicated on the DTensors' mesh
-    by dispatch's rule (small constants, inside ``implicit_replication()`` or autograd's
+    by dispatch's rule (one-element constants, inside ``implicit_replication()`` or autograd's
     backward; others are refused with a ``MeshError``)."""
     mesh = next(a for a in values if isinstance(a, DTensor)).device_mesh
     return [

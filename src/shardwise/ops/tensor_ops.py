@@ -12,6 +12,7 @@ from ..comm.reduction import cast_keeps_partial
 from ..errors import InvalidArgumentError
 from ..factories import keeps_value
 from ..mesh import DeviceMesh
+from ..op_inputs import register_plain_making_decomposition
 from ..placements import Partial, Placement, Replicate, Shard, with_dim
 from ..spec import DTensorSpec, TensorMeta, contiguous_meta
 from .common import (
@@ -283,3 +284,8 @@ register_local_args([aten.tril.default, aten.triu.default], _tril_local)
 # in place: the strategy keeps the input's placements among its options
 register_op_strategy([aten.tril_.default, aten.triu_.default], RuntimeSchemaInfo(1))(tril_strategy)
 register_local_args([aten.tril_.default, aten.triu_.default], _tril_local)
+
+
+# F.one_hot has no rule of its own: torch's decomposition compares the labels with an
+# ``arange(num_classes)`` it makes as a plain tensor
+register_plain_making_decomposition(aten.one_hot.default, "arange(num_classes)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,7 +22,15 @@ from .vescale import apply_vescale_plan, is_vescale_plan
 PartitionFn = Callable[[str, nn.Module, DeviceMesh], None]
 InputFn = Callable[[nn.Module, Any, DeviceMesh], Any]
 OutputFn = Callable[[nn.Module, Any, DeviceMesh], Any]
-Plan = ParallelStyle | Mapping[PlanKey, ParallelStyle] | Mapping[str, Mapping]
+# a dict literal's key type is inferred exactly (dict[str, ColwiseParallel]) and Mapping keys
+# are invariant: each key type is listed, so type checkers accept {"0": ColwiseParallel()}
+Plan = (
+    ParallelStyle
+    | Mapping[str, ParallelStyle]
+    | Mapping[re.Pattern, ParallelStyle]
+    | Mapping[PlanKey, ParallelStyle]
+    | Mapping[str, Mapping]
+)
 
 
 def distribute_module(

@@ -160,9 +160,17 @@ def to_layout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
 
 
 @dynamo_opaque
-def on_tp(x: DTensor, tp_dim: int, placement: Placement) -> DTensor:
-    """``x`` with the tp mesh dim moved to ``placement`` (other mesh dims unchanged)."""
-    return to_layout(x, on_tp_dim(x.device_mesh, tp_dim, placement, base=x.placements))
+def on_tp(x: DTensor, mesh: DeviceMesh, tp_dim: int, placement: Placement) -> DTensor:
+    """``x`` with the tp mesh dim of ``mesh`` moved to ``placement`` (other mesh dims
+    unchanged). ``x`` may live on a larger mesh of the same root (the global view beside data
+    parallelism, when tensor parallelism was applied per rank on the tp sub-mesh): the tp dim
+    is then found there by what it is in the root."""
+    here = x.device_mesh
+    if here != mesh and here.root_mesh == mesh.root_mesh:
+        root_dim = mesh.root_dims[tp_dim]
+        if root_dim in here.root_dims:
+            tp_dim = here.root_dims.index(root_dim)
+    return to_layout(x, on_tp_dim(here, tp_dim, placement, base=x.placements))
 
 
 @dynamo_opaque

@@ -402,6 +402,43 @@ class GatheredView(torch.autograd.Function):
         return DTensor([piece.to(dtype)], spec), *rest_of_args
 
 
+class OnCombinedMesh(torch.autograd.Function):
+    """Global view beside tensor parallelism per rank: a parameter gathered on the
+    data-parallel mesh alone (a plain one, kept there as FSDP2 + TP keeps it) as the same
+    tensor on the unit's ``combined`` mesh (Replicate on the other dims), so it meets the
+    activations there. Backward reduces the gradient over the other dims and hands it back on
+    the data-parallel mesh, still pending over its dims."""
+
+    @staticmethod
+    def forward(ctx, gathered: DTensor, dp: DataParallelDims, combined: DataParallelDims):
+        ctx.dp, ctx.combined = dp, combined
+        mesh = combined.mesh
+        placements: list[Placement] = [Replicate()] * mesh.ndim
+        for d, p in zip(_dims_in(dp.mesh, mesh), gathered.placements, strict=True):
+            placements[d] = p
+        by_device = dict(zip(dp.mesh.local_device_ids, gathered._components, strict=True))
+        comps = [by_device[d] for d in mesh.local_device_ids]
+        return DTensor(comps, DTensorSpec(mesh, tuple(placements), gathered._spec.tensor_meta))
+
+    @staticmethod
+    @eager_under_dynamo
+    def backward(ctx, grad: DTensor):
+        dp, mesh = ctx.dp, ctx.combined.mesh
+        dims = _dims_in(dp.mesh, mesh)
+        target = [p if d in dims else Replicate() for d, p in enumerate(grad.placements)]
+        if list(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
+        by_device = dict(zip(mesh.local_device_ids, grad._components, strict=True))
+        comps = [by_device[d] for d in dp.mesh.local_device_ids]
+        spec = DTensorSpec(dp.mesh, tuple(target[d] for d in dims), grad._spec.tensor_meta)
+        return DTensor(comps, spec), None, None
+
+
+def _dims_in(sub: DeviceMesh, mesh: DeviceMesh) -> list[int]:
+    """The dims of ``mesh`` that ``sub``'s dims are (two sub-meshes of one root)."""
+    return [mesh.root_dims.index(d) for d in sub.root_dims]
+
+
 def reduce_gradient(param: DTensor, storage: tuple[Placement, ...]) -> None:
     """``param.grad`` (pending over the data-parallel dims) reduced to the stored placements,
     in the parameter's dtype."""

@@ -8,7 +8,7 @@ packed collective per unit as FSDP2; the others each on their own."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from ..tracing import eager_under_dynamo
 from .data_parallel import (
     DataParallelDims,
     GatheredView,
+    OnCombinedMesh,
     choose_view,
     enter_view,
     gather_packed,
@@ -88,7 +89,7 @@ class DataParallelUnit:
         self.held: dict[int, tuple[str, torch.Tensor, Any]] = {}  # k -> (view, tensor, version)
         self.regathered: dict[int, tuple[list[torch.Tensor], Any]] = {}  # backward's, k -> ...
         self.storages: dict[int, int] = {}  # storage of a view's piece -> slot index
-        self.active: list[tuple] = []  # per forward: (view token, saving, view, stored params)
+        self.active: list[_Active] = []  # the forwards in progress, innermost last
         self.members: dict[int, list[int]] = {}  # id of a hooked module -> its slots
         self.reducer = _Buckets(self, bucket_cap) if bucket_cap is not None else _Packed(self)
         for k, slot in enumerate(slots):
@@ -140,16 +141,29 @@ class DataParallelUnit:
             return held[1]
         slot = self.slots[k]
         stored = slot.stored
-        if view == "global" and self._as_stored(slot, stored):
+        lifted = view == "global" and slot.dp is not self.dp
+        if view == "global" and not lifted and self._as_stored(slot, stored):
             return stored  # replicate's parameter: the gathered view would be itself
         if isinstance(self.offload, CPUOffloadPolicy) and self.dp.mesh.device_type != "cpu":
             stored = stored.to(self.dp.mesh.device_type)
-        tensor = GatheredView.apply(
-            stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
-            self.mp.reduce_dtype, self._scale(slot), pieces,
-        )
+        tensor = self._gathered(slot, stored, view, self._scale(slot), pieces)
         for piece in _pieces(tensor):
             self.storages[piece.untyped_storage().data_ptr()] = k
+        return tensor
+
+    def _gathered(
+        self, slot: Slot, stored: DTensor, view: str, scale: float,
+        pieces: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """``GatheredView`` of ``stored``; in the global view, a parameter kept on the
+        data-parallel mesh alone (``DataParallelDims.plain``) is moved onto the unit's mesh,
+        where the activations are."""
+        tensor = GatheredView.apply(
+            stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
+            self.mp.reduce_dtype, scale, pieces,
+        )
+        if view == "global" and slot.dp is not self.dp:
+            tensor = OnCombinedMesh.apply(tensor, slot.dp, self.dp)
         return tensor
 
     def _as_stored(self, slot: Slot, stored: DTensor) -> bool:
@@ -202,46 +216,60 @@ class DataParallelUnit:
     @torch.compiler.disable
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         view, outermost = choose_view(self.dp, args, kwargs)
-        token = enter_view(view) if outermost else None
+        # what this forward sets is on the stack from here: ``after_forward`` (or ``unwind``,
+        # for an exit it does not see) restores it
+        entry = _Active(module, enter_view(view) if outermost else None, view)
+        self.active.append(entry)
         if view == "global" and outermost:
             args, kwargs = shard_batch(self.dp, args, kwargs)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
-        stored = {}
         for k, tensor in self.views_of(self._slots_of(module), view).items():
             slot = self.slots[k]
-            stored[k] = slot.stored
+            entry.stored[k] = slot.stored
             slot.owner._parameters[slot.name] = tensor
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = not outermost  # PyTorch: the root keeps its parameters for backward
-        saving = None
         if reshard and torch.is_grad_enabled():
             saving = torch.autograd.graph.saved_tensors_hooks(
                 self._pack, functools.partial(self._unpack, view)
             )
             saving.__enter__()
-        self.active.append((token, saving, view, stored))
+            entry.saving = saving
         return args, kwargs
 
     @torch.compiler.disable
     def after_forward(self, module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> Any:
-        token, saving, view, stored = self.active.pop()
-        if saving is not None:
-            saving.__exit__(None, None, None)
-        for k, param in stored.items():
-            slot = self.slots[k]
-            viewed = slot.owner._parameters[slot.name]
-            slot.owner._parameters[slot.name] = param
-            if not self.reshard_after_backward and k not in self.held:
-                self.held[k] = (view, viewed, self._version(k))
-        if token is not None:
-            leave_view(token)
-        if not self.active:
-            self.storages.clear()
+        if not self.active or self.active[-1].module is not module:
+            return output  # its pre-hook failed before setting anything (torch calls us anyway)
+        self._restore(self.active.pop(), keep=True)
         if self.mp.output_dtype is not None:
             output = _cast_floating(output, self.mp.output_dtype)
         return output
+
+    def unwind(self, depth: int) -> None:
+        """Restore what the forwards begun beyond ``depth`` set and did not restore: their
+        exit skipped ``after_forward`` (torch calls it on an ``Exception`` only, not on a
+        ``KeyboardInterrupt`` or a test's timeout)."""
+        while len(self.active) > depth:
+            self._restore(self.active.pop(), keep=False)
+
+    def _restore(self, entry: _Active, keep: bool) -> None:
+        """Put the stored parameters back, leave the view and the saved-tensor hooks;
+        ``keep``: hold the gathered ones when ``reshard_after_backward`` is off."""
+        if entry.saving is not None:
+            entry.saving.__exit__(None, None, None)
+        for k, param in entry.stored.items():
+            slot = self.slots[k]
+            viewed = slot.owner._parameters[slot.name]
+            slot.owner._parameters[slot.name] = param
+            if keep and not self.reshard_after_backward and k not in self.held:
+                self.held[k] = (entry.view, viewed, self._version(k))
+        if entry.token is not None:
+            leave_view(entry.token)
+        if not self.active:
+            self.storages.clear()
 
     @eager_under_dynamo  # autograd calls it for real, also from a compiled forward
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -264,10 +292,7 @@ class DataParallelUnit:
         k, spec, views = packed
         slot = self.slots[k]
         with torch.no_grad():
-            fresh = GatheredView.apply(
-                slot.stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
-                self.mp.reduce_dtype, 1.0, self._regather(k),
-            )
+            fresh = self._gathered(slot, slot.stored, view, 1.0, self._regather(k))
         pieces = [
             p.as_strided(shape, stride, offset)
             for p, (shape, stride, offset) in zip(_pieces(fresh), views, strict=True)
@@ -314,6 +339,43 @@ class DataParallelUnit:
             for d in slot.dp.shard:
                 target[d] = slot.storage[d]
             param.grad = grad.redistribute(placements=target)
+
+
+@dataclass
+class _Active:
+    """One forward in progress: its module, the view it entered (the token of the outermost),
+    the saved-tensor hooks it set, the stored parameters it swapped out."""
+
+    module: nn.Module
+    token: Any
+    view: str
+    saving: Any = None
+    stored: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class DataParallelModule:
+    """Base of the classes ``fully_shard`` and ``replicate`` give a module: a call that
+    leaves by an exit the forward hooks do not see (a ``BaseException``) still restores what
+    its pre-forward hook set."""
+
+    _shardwise_units: list[DataParallelUnit]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        units = self._shardwise_units
+        depths = [len(unit.active) for unit in units]
+        try:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            for unit, depth in zip(units, depths, strict=True):
+                if len(unit.active) > depth:
+                    unit.unwind(depth)
+
+
+def guard_calls(module: nn.Module, unit: DataParallelUnit) -> None:
+    """Register ``unit`` with ``module`` (whose class is a ``DataParallelModule``), so each
+    call of it restores what ``unit``'s hooks set, however it exits."""
+    units = module.__dict__.setdefault("_shardwise_units", [])
+    units.append(unit)
 
 
 def _pieces(tensor: Any) -> list[torch.Tensor]:

@@ -31,12 +31,12 @@ from .data_parallel import (
     resolve_dims,
     stored_value,
 )
-from .dp_unit import DataParallelUnit, Slot
+from .dp_unit import DataParallelModule, DataParallelUnit, Slot, guard_calls
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import guard_loading
 
 
-class FSDPModule:
+class FSDPModule(DataParallelModule):
     """What ``fully_shard`` makes of a module (its class becomes ``FSDP<Class>``): FSDP2's
     methods over the parameters that call manages."""
 
@@ -109,6 +109,7 @@ def _as_fsdp_module(module: nn.Module, unit: DataParallelUnit) -> None:
             _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
         module.__class__ = _CLASSES[cls]
     module._shardwise_unit = unit
+    guard_calls(module, unit)
 
 
 ShardPlacementFn = Callable[[nn.Parameter], Shard | None]

@@ -23,7 +23,7 @@ from .data_parallel import (
     resolve_dims,
     stored_value,
 )
-from .dp_unit import DataParallelUnit, Slot
+from .dp_unit import DataParallelModule, DataParallelUnit, Slot, guard_calls
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import guard_loading
 
@@ -58,4 +58,13 @@ def replicate(
     guard_loading(module)
     module.register_forward_pre_hook(unit.before_forward, with_kwargs=True)
     module.register_forward_hook(unit.after_forward, with_kwargs=True, always_call=True)
+    cls = type(module)
+    if not issubclass(cls, DataParallelModule):  # PyTorch's replicate makes it DDP<Class>
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"DDP{cls.__name__}", (DataParallelModule, cls), {})
+        module.__class__ = _CLASSES[cls]
+    guard_calls(module, unit)
     return module
+
+
+_CLASSES: dict[type, type] = {}

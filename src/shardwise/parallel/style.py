@@ -74,7 +74,7 @@ def _prepare(
     ):
         shape = (*x.shape[:-1], features)
     x = as_dtensor(x, mesh, on_tp_dim(mesh, tp_dim, given), shape)
-    return on_tp(x, tp_dim, desired)
+    return on_tp(x, mesh, tp_dim, desired)
 
 
 def _fail_module(style: ParallelStyle, module: nn.Module, entry: str, fits: str) -> None:
@@ -125,7 +125,7 @@ class _LinearStyle(ParallelStyle):
 
         def post(_module: nn.Module, _args: tuple, out: Any) -> Any:
             if isinstance(out, DTensor):
-                out = on_tp(out, tp_dim, self.output_layouts)
+                out = on_tp(out, mesh, tp_dim, self.output_layouts)
             return local_output(out, self.use_local_output)
 
         module.register_forward_pre_hook(pre)
@@ -241,7 +241,7 @@ class SequenceParallel(ParallelStyle):
 
         def post(_module: nn.Module, _args: tuple, out: Any) -> Any:
             if isinstance(out, DTensor):
-                out = on_tp(out, tp_dim, shard)
+                out = on_tp(out, mesh, tp_dim, shard)
             return local_output(out, self.use_local_output)
 
         module.register_forward_pre_hook(pre)
