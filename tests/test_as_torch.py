@@ -112,3 +112,38 @@ def test_a_torch_program_trains_through_the_switch_as_on_one_device(
             mine = got["params"][name]
             mine = [v for row in mine for v in (row if isinstance(row, list) else [row])]
             assert mine == pytest.approx(flat, rel=1e-5, abs=1e-6), name
+
+
+# transformers and accelerate are no dependency of shardwise: a venv that has them (with the same
+# torch) is named by SHARDWISE_LIBRARY_PYTHON, else this interpreter is tried
+LIBRARY_PYTHON = os.environ.get("SHARDWISE_LIBRARY_PYTHON", sys.executable)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("nproc", "threads"), [(2, False), (4, False), (2, True)],
+                         ids=["2proc", "4proc", "2threads"])
+def test_transformers_tensor_parallel_through_the_switch_equals_one_device(
+    tmp_path: Path, nproc: int, threads: bool
+) -> None:
+    found = subprocess.run([LIBRARY_PYTHON, "-c", "import transformers, accelerate"],
+                           capture_output=True, text=True, timeout=300, env=ENV)
+    if found.returncode:
+        pytest.skip(f"transformers and accelerate do not import in {LIBRARY_PYTHON} (set "
+                    f"SHARDWISE_LIBRARY_PYTHON to a venv with them): {found.stderr[-200:]}")
+    program = str(HERE / "as_torch_programs" / "hf_llama_tp.py")
+    setup = subprocess.run([LIBRARY_PYTHON, program, "setup", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300, env=ENV)
+    assert setup.returncode == 0, setup.stderr[-3000:]
+    mode = ["--threads"] if threads else ["--timeout", "600"]
+    run = subprocess.run(
+        [LIBRARY_PYTHON, "-m", "shardwise.launch", "--nproc", str(nproc), *mode, "--as-torch",
+         program, "rank", str(tmp_path), "sw"],
+        capture_output=True, text=True, timeout=800, env=ENV,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = json.loads((tmp_path / "reference.json").read_text())["losses"]
+    for rank in range(nproc):
+        got = json.loads((tmp_path / f"sw_rank{rank}.json").read_text())
+        assert "shardwise.dtensor.DTensor" in got["classes"]
+        assert got["losses"] == pytest.approx(reference, rel=1e-5)

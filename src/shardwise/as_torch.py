@@ -21,14 +21,14 @@ import warnings
 from typing import Any
 
 # torch module -> (shardwise modules that answer its names, in order; whether names shardwise
-# lacks fall through to torch's module: only FSDP1's, beside FSDP2's)
+# lacks fall through to torch's module: FSDP1's beside FSDP2's, and torch's private helpers)
 SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "torch.distributed.tensor": (("shardwise",), False),
     "torch.distributed.tensor._api": (("shardwise",), False),
     "torch.distributed.tensor.placement_types": (("shardwise.placements",), False),
     "torch.distributed.tensor.device_mesh": (("shardwise.mesh",), False),
-    "torch.distributed.tensor._dtensor_spec": (("shardwise.spec",), False),
-    "torch.distributed.tensor._utils": (("shardwise.geometry",), False),
+    "torch.distributed.tensor._dtensor_spec": (("shardwise.spec",), True),
+    "torch.distributed.tensor._utils": (("shardwise.geometry",), True),
     "torch.distributed.tensor.parallel": (("shardwise.parallel",), False),
     "torch.distributed.tensor.parallel.style": (("shardwise.parallel",), False),
     "torch.distributed.tensor.parallel.api": (("shardwise.parallel",), False),
@@ -39,8 +39,23 @@ SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "torch.distributed._tensor.placement_types": (("shardwise.placements",), False),
     "torch.distributed._tensor.device_mesh": (("shardwise.mesh",), False),
     "torch.distributed.device_mesh": (("shardwise.mesh",), False),
+    "torch.distributed.tensor._random": ((), False),
     "torch.distributed.fsdp": (("shardwise.parallel",), True),
     "torch.distributed._composable.fsdp": (("shardwise.parallel",), True),
+}
+
+
+def _manual_seed(seed: int, device_mesh: Any = None) -> None:
+    """torch's ``tensor._random.manual_seed(seed, mesh)``: shardwise draws every DTensor's
+    values from torch's default generator, for any mesh (``shardwise.manual_seed``)."""
+    from .ops.random import manual_seed
+
+    manual_seed(seed)
+
+
+# names answered here, before the modules of SHIMS
+_OWN: dict[str, dict[str, Any]] = {
+    "torch.distributed.tensor._random": {"manual_seed": _manual_seed},
 }
 # names torch.distributed itself exports from these modules
 _TOP_LEVEL = ("DeviceMesh", "init_device_mesh")
@@ -72,6 +87,9 @@ class _Shim(types.ModuleType):
     def _lookup(self, name: str) -> Any:
         if name.startswith("__"):
             return _MISSING
+        own = _OWN.get(self.__name__, {})
+        if name in own:
+            return own[name]
         for source in self.__dict__["_sources"]:
             try:
                 return getattr(importlib.import_module(source), name)

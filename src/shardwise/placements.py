@@ -227,6 +227,9 @@ class Partial(Placement):
         return f"Partial({self.reduce_op!r})" if self.reduce_op != "sum" else "Partial()"
 
 
+_Partial = Partial  # PyTorch's older name, still imported by its tests and some libraries
+
+
 def normalize_placement(placement: Placement, ndim: int) -> Placement:
     """Return ``placement`` with a negative shard dim made positive for a rank-``ndim`` tensor."""
     if not isinstance(placement, Shard):
