@@ -23,21 +23,33 @@ from shardwise.parallel import fully_shard
 SIZES = ((12, 16), (16, 16), (16, 8))  # (in, out) per layer: distinct packed chunks
 
 
-def _model() -> nn.Sequential:
+class Stack(nn.Sequential):
+    """``nn.Sequential`` whose forward can skip one of its modules (``skip``, an index)."""
+
+    skip: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, m in enumerate(self):
+            if i != self.skip:
+                x = m(x)
+        return x
+
+
+def _model() -> Stack:
     torch.manual_seed(0)
     layers = []
     for i, (a, b) in enumerate(SIZES):
         layers.append(nn.Linear(a, b))
         if i + 1 < len(SIZES):
             layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return Stack(*layers)
 
 
-def _linears(model: nn.Sequential) -> list[nn.Module]:
+def _linears(model: Stack) -> list[nn.Module]:
     return [m for m in model if isinstance(m, nn.Linear)]
 
 
-def _sharded(mesh: sw.DeviceMesh, prefetch: bool) -> nn.Sequential:
+def _sharded(mesh: sw.DeviceMesh, prefetch: bool) -> Stack:
     model = _model()
     for layer in _linears(model):
         fully_shard(layer, mesh=mesh)
@@ -49,13 +61,6 @@ def _sharded(mesh: sw.DeviceMesh, prefetch: bool) -> nn.Sequential:
 
 def _batch(step: int) -> torch.Tensor:
     return torch.randn(8, SIZES[0][0], generator=torch.Generator().manual_seed(10 + step))
-
-
-def _forward(model: nn.Sequential, x: torch.Tensor, skip: int | None = None) -> torch.Tensor:
-    for i, m in enumerate(model):
-        if i != skip:
-            x = m(x)
-    return x
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -116,7 +121,7 @@ def test_prefetch_trains_as_torch(world: int) -> None:
 
 
 @contextmanager
-def _logging(model: nn.Sequential, world: int) -> Iterator[list[tuple[str, object]]]:
+def _logging(model: Stack, world: int) -> Iterator[list[tuple[str, object]]]:
     """Log, in order: data all_gathers issued and waited (by the layer whose packed chunk they
     gather, told apart by its size), reduce-scatters issued, and each layer's forward start
     and end."""
@@ -221,8 +226,9 @@ def diverging() -> str:
     model = _sharded(sw.init_device_mesh("cpu", (world,)), True)
     for step in range(2):
         x = _batch(step).chunk(world)[rank]
+        model.skip = 2 if (step, rank) == (1, 1) else None
         try:
-            _forward(model, x, skip=2 if (step, rank) == (1, 1) else None).sum().backward()
+            model(x).sum().backward()
         except sw.CollectiveMismatchError as err:
             return f"CollectiveMismatchError at step {step}: {err}"
     return "no error"
@@ -265,3 +271,55 @@ def test_explicit_prefetch_one_process() -> None:
             losses.append(_full(loss))
         results.append(torch.stack(losses))
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def _edited_run(prefetch: bool) -> list[torch.Tensor]:
+    """Three steps in one process; in the second, layer 0's forward scales layer 1's stored
+    weight in place (after layer 1's gather was prefetched); in the third, layer 1 is skipped
+    (the recorded order changes)."""
+    model = _sharded(sw.init_device_mesh("cpu", (2,)), prefetch)
+    first, second, _ = _linears(model)
+    edit = []
+
+    def scale(*_: object) -> None:
+        if edit:
+            with torch.no_grad():
+                second.weight.mul_(2.0)
+
+    first.register_forward_hook(scale)
+    losses = []
+    for step in range(3):
+        edit[:] = [True] if step == 1 else []
+        model.skip = 2 if step == 2 else None
+        out = model(_batch(step))
+        out.pow(2).mean().backward()
+        losses.append(_full(out))
+    return losses
+
+
+def test_stale_or_off_order_prefetch_is_not_used() -> None:
+    """A prefetched gather of parameters changed since, or of a unit the forward no longer
+    reaches next, is never used: the values are those without prefetch."""
+    for got, want in zip(_edited_run(True), _edited_run(False), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_held_parameters_follow_in_place_writes() -> None:
+    """``set_reshard_after_backward(False)`` keeps gathered parameters while unchanged; an
+    in-place write through the DTensor parameter (its own version counter moves, not its
+    components') is a change: the next forward computes with the new values, as torch."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for sharded in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        if sharded:
+            fully_shard(model[0], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            model.set_reshard_after_backward(False)
+        model(x).sum().backward()
+        with torch.no_grad():
+            model[0].weight.mul_(2.0)
+        outs.append(_full(model(x)))
+    torch.testing.assert_close(outs[0], outs[1])

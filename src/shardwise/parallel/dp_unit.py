@@ -115,8 +115,10 @@ class DataParallelUnit:
 
     # ----- views -----------------------------------------------------------------------------
     def _version(self, k: int) -> tuple:
+        """Changes whenever slot ``k``'s stored parameter does: replaced, or written in place
+        (through the DTensor, whose own counter moves, or through its components)."""
         stored = self.slots[k].stored
-        return (id(stored), tuple(c._version for c in stored._components))
+        return (id(stored), stored._version, tuple(c._version for c in stored._components))
 
     def views_of(
         self, ks: list[int], view: str, prefetched: Prefetched | None = None
