@@ -151,27 +151,35 @@ def all_gather(
 
 def all_gather_tensor(
     mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor], gather_dim: int,
-    shapes: native.Shapes = None,
-) -> list[torch.Tensor]:
+    shapes: native.Shapes = None, async_op: bool = False,
+) -> list[torch.Tensor] | native.Pending[list[torch.Tensor]]:
     """Every device gets its group's components concatenated along ``gather_dim``, in
     coordinate order (``all_gather`` then ``torch.cat``, but pieces from other processes land
-    in the result as they arrive: one copy fewer; ``shapes`` as in ``all_gather``)."""
-    out: list[torch.Tensor] = [torch.empty(0)] * len(components)
+    in the result as they arrive: one copy fewer; ``shapes`` as in ``all_gather``).
+    ``async_op``: a ``native.Pending`` whose ``finish()`` waits for the backend collectives
+    issued here (in-process groups and the point-to-point transport are done at once); the
+    collective is counted when finished."""
+    out: list = [torch.empty(0)] * len(components)
     inside, across = _split_groups(mesh, mesh_dim)
     for members, indices in inside:
         for k, i in enumerate(indices):
             out[i] = torch.cat([_to(components[j], mesh, members[k]) for j in indices],
                                gather_dim)
     traffic = _across(out, "all_gather_tensor", mesh, mesh_dim, across, components, gather_dim,
-                      shapes=shapes)
-    received = sum(
-        _nbytes(out[i]) - _nbytes(components[i])  # accounting.all_gather_received
-        for _, indices in inside + across
-        for i in indices
-        if i is not None
-    )
-    _record("all_gather", mesh_dim, received, traffic, mesh)
-    return out
+                      shapes=shapes, **({"wait": False} if async_op else {}))
+
+    def finish() -> list[torch.Tensor]:
+        done = [o.finish() if isinstance(o, native.Pending) else o for o in out]
+        received = sum(
+            _nbytes(done[i]) - _nbytes(components[i])  # accounting.all_gather_received
+            for _, indices in inside + across
+            for i in indices
+            if i is not None
+        )
+        _record("all_gather", mesh_dim, received, traffic, mesh)
+        return done
+
+    return native.Pending(finish) if async_op else finish()
 
 
 def reduce_scatter(

@@ -8,7 +8,9 @@ ring and tree algorithms and nothing waits on the host.
 No shape travels: the shapes of every member's piece come from the spec every process holds
 (``shapes``: device id -> its component's shape; without it, every member's piece has this
 process's shape). Uneven pieces are padded to the largest and cut after, as PyTorch pads.
-Nothing is read back to the host on this path.
+Nothing is read back to the host on this path. ``all_gather`` may also return before the
+wait (``wait=False``): a ``Pending`` whose ``finish()`` waits, so the data moves while the
+caller computes (fully_shard's prefetch).
 
 Before (on CPU) or beside (on an accelerator) each collective, the processes of a group agree
 (``agreement.py``): a fingerprint of what each is about to do, exchanged on a CPU side group, so
@@ -24,9 +26,11 @@ the backends do not reduce, always take that path (the backends' max and min dro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from math import prod
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -43,6 +47,8 @@ from .reduction import combine, finish
 Shapes = Callable[[int], Sequence[int]] | None
 
 _functional = torch.ops._c10d_functional
+T = TypeVar("T")
+U = TypeVar("U")
 # dtypes both gloo and NCCL reduce (complex ones as pairs of reals, for sums)
 _BACKEND_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                    torch.uint8, torch.int32, torch.int64)
@@ -123,8 +129,22 @@ class _Backend:
         """Issue one functional collective ``op(*args, group name)`` and wait for its result (a
         stream wait on an accelerator, not a host one); failures and the timeout become
         shardwise's errors."""
+        return self.wait(self.issue(op, *args))
+
+    def issue(self, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+        """``run`` without the wait: the collective's output, valid once ``wait`` returns."""
+        with self._errors():
+            return op(*args, self.name)
+
+    def wait(self, issued: torch.Tensor) -> torch.Tensor:
+        """Wait for a collective that ``issue`` started."""
+        with self._errors():
+            return _functional.wait_tensor(issued)
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
         try:
-            return _functional.wait_tensor(op(*args, self.name))
+            yield
         except RuntimeError as err:
             text = str(err)
             kind = CollectiveTimeoutError if "timed out" in text.lower() else CollectiveError
@@ -134,18 +154,29 @@ class _Backend:
     def all_gather_bytes(self, mine: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Member j's bytes (``sizes[j]`` of them) from every member, by one
         ``all_gather_into_tensor``, each padded to the largest; views of one fresh buffer."""
+        return self.start_all_gather_bytes(mine, sizes)()
+
+    def start_all_gather_bytes(self, mine: torch.Tensor, sizes: Sequence[int]
+                               ) -> Callable[[], list[torch.Tensor]]:
+        """``all_gather_bytes`` issued now; returns the call that waits for it and cuts the
+        pieces out."""
         width = max(sizes)
         if width == 0:
-            return [mine[:0]] * self.n
+            return lambda: [mine[:0]] * self.n
         if mine.numel() < width:
             padded = mine.new_zeros(width)
             padded[: mine.numel()] = mine
             mine = padded
-        out = self.run(_functional.all_gather_into_tensor, mine, self.n)
+        issued = self.issue(_functional.all_gather_into_tensor, mine, self.n)
         self.call.traffic.payload += sum(sizes) - sizes[self.k]
         self.call.traffic.meta += width * (self.n - 1) - sum(sizes) + sizes[self.k]  # padding
         at = [self.rank_of[j] * width for j in range(self.n)]
-        return [out[a : a + s] for a, s in zip(at, sizes, strict=True)]
+
+        def pieces() -> list[torch.Tensor]:
+            out = self.wait(issued)
+            return [out[a : a + s] for a, s in zip(at, sizes, strict=True)]
+
+        return pieces
 
     def all_to_all_bytes(self, send: Sequence[torch.Tensor], receive: Sequence[int]
                          ) -> list[torch.Tensor]:
@@ -228,6 +259,24 @@ def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(list(pieces), dim)
 
 
+class Pending(Generic[T]):
+    """A result whose collectives are issued and not yet waited for (PyTorch's functional
+    collectives before their ``wait_tensor``): ``finish()`` waits, once, and returns it."""
+
+    def __init__(self, finish: Callable[[], T]) -> None:
+        self._finish: Callable[[], T] | None = finish
+        self._value: T | None = None
+
+    def finish(self) -> T:
+        if self._finish is not None:
+            self._value, self._finish = self._finish(), None
+        return self._value  # type: ignore[return-value]
+
+    def then(self, fn: Callable[[T], U]) -> Pending[U]:
+        """The pending result of ``fn`` applied to this one once it is finished."""
+        return Pending(lambda: fn(self.finish()))
+
+
 def _call(kind: str, mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
           sample: torch.Tensor, detail: str = "") -> Call:
     return Call(kind, mesh, mesh_dim, groups, sample, detail, transport=protocol.NATIVE)
@@ -238,13 +287,14 @@ def _call(kind: str, mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
 
 def all_gather(
     mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor],
-    shapes: Shapes = None,
-) -> tuple[dict[int, list[torch.Tensor]], Traffic]:
-    """Every member's piece, as views of one buffer that one ``all_gather_into_tensor`` filled."""
+    shapes: Shapes = None, wait: bool = True,
+) -> tuple[dict[int, Any], Traffic]:
+    """Every member's piece, as views of one buffer that one ``all_gather_into_tensor`` filled
+    (``wait=False``: each result a ``Pending``, the collective issued after the agreement)."""
     sample = components[0]
     call = _call("all_gather", mesh, mesh_dim, groups, sample)
     call.check(lambda group: {"ndim": sample.ndim})
-    out = {}
+    out: dict[int, Any] = {}
     for group in sorted(groups):
         g = _Backend(call, group)
         piece = components[g.local]
@@ -258,21 +308,34 @@ def all_gather(
             raise CollectiveMismatchError(
                 f"{call.what()}: this process's piece has shape {list(piece.shape)} where the "
                 f"spec says {list(every[g.k])}")
-        got = g.all_gather_bytes(as_bytes(piece), [_nbytes(s, sample.dtype) for s in every])
-        finish_check()
-        out[g.local] = Received(_typed(p, sample.dtype, s) for p, s in zip(got, every,
-                                                                           strict=True))
+        got = g.start_all_gather_bytes(as_bytes(piece),
+                                       [_nbytes(s, sample.dtype) for s in every])
+
+        def received(got: Callable[[], list[torch.Tensor]] = got,
+                     finish_check: Callable[[], None] = finish_check,
+                     every: list[tuple[int, ...]] = every) -> Received:
+            pieces = got()
+            finish_check()
+            return Received(_typed(p, sample.dtype, s) for p, s in zip(pieces, every,
+                                                                       strict=True))
+
+        result = Pending(received)
+        out[g.local] = result.finish() if wait else result
     return out, call.traffic
 
 
 def all_gather_tensor(
     mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group], components: Sequence[torch.Tensor],
-    gather_dim: int, shapes: Shapes = None,
-) -> tuple[dict[int, torch.Tensor], Traffic]:
+    gather_dim: int, shapes: Shapes = None, wait: bool = True,
+) -> tuple[dict[int, Any], Traffic]:
     """``all_gather`` joined along ``gather_dim``: a view of the gathered buffer where the pieces
-    lie in order along it (even pieces along the first non-trivial dim), else one copy."""
-    gathered, traffic = all_gather(mesh, mesh_dim, groups, components, shapes)
-    return {i: join(pieces, gather_dim) for i, pieces in gathered.items()}, traffic
+    lie in order along it (even pieces along the first non-trivial dim), else one copy
+    (``wait=False``: each a ``Pending``)."""
+    gathered, traffic = all_gather(mesh, mesh_dim, groups, components, shapes, wait)
+    if wait:
+        return {i: join(pieces, gather_dim) for i, pieces in gathered.items()}, traffic
+    return {i: pending.then(lambda pieces: join(pieces, gather_dim))
+            for i, pending in gathered.items()}, traffic
 
 
 def all_to_all(

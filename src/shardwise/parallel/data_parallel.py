@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm, runtime
+from ..comm.native import Pending
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import DataParallelError
 from ..geometry import chunk_sizes
@@ -493,17 +494,24 @@ def _rows(param: DTensor, storage: Sequence[Placement], d: int) -> int:
 
 
 def gather_packed(
-    stored: Sequence[DTensor], d: int, dtype: torch.dtype | None
-) -> list[list[torch.Tensor]]:
+    stored: Sequence[DTensor], d: int, dtype: torch.dtype | None, async_op: bool = False
+) -> list[list[torch.Tensor]] | Pending[list[list[torch.Tensor]]]:
     """Per parameter, its components gathered over mesh dim ``d`` (cast to ``dtype``), by one
     ``all_gather_tensor`` of every parameter's flattened local chunk (each ``packed_dim`` ``d``,
     on one mesh): FSDP2's packed all-gather, each chunk padded to the largest. Each gathered
-    component has its own storage."""
+    component has its own storage. ``async_op``: the chunks are packed and the collective
+    issued now, a ``Pending`` whose ``finish()`` waits and cuts the parameters out (fully_shard's
+    prefetch)."""
     mesh = stored[0].device_mesh
     n = mesh.shape[d]
     n_local = len(stored[0]._components)
     rows_of = [_rows(s, s.placements, d) for s in stored]
     widths = [-(-r // n) for r in rows_of]  # rows of the largest chunk
+    rests = [[s._components[i].shape[1:] for s in stored] for i in range(n_local)]
+
+    def describe() -> str:
+        return f"fully_shard's packed gather of {len(stored)} parameters"
+
     with torch.no_grad():
         flats = []
         for i in range(n_local):
@@ -511,19 +519,26 @@ def gather_packed(
             for s, width in zip(stored, widths, strict=True):
                 parts += _padded(s._components[i], width, dtype)
             flats.append(torch.cat(parts))
-        with comm.moving(lambda: f"fully_shard's packed gather of {len(stored)} parameters"):
-            gathered = comm.all_gather_tensor(mesh, d, flats, 0, lambda _: flats[0].shape)
-        out: list[list[torch.Tensor]] = [[] for _ in stored]
-        for i in range(n_local):
-            rows = gathered[i].view(n, -1)
-            start = 0
-            for j, (s, width, r) in enumerate(zip(stored, widths, rows_of, strict=True)):
-                rest = s._components[i].shape[1:]
-                end = start + width * rest.numel()
-                whole = rows[:, start:end].reshape(n * width, *rest)
-                out[j].append(whole if n * width == r else whole[:r])
-                start = end
-    return out
+        with comm.moving(describe):
+            gathered = comm.all_gather_tensor(mesh, d, flats, 0, lambda _: flats[0].shape,
+                                              async_op=True)
+
+    def cut() -> list[list[torch.Tensor]]:
+        with torch.no_grad(), comm.moving(describe):
+            whole_flats = gathered.finish()
+            out: list[list[torch.Tensor]] = [[] for _ in stored]
+            for i in range(n_local):
+                rows = whole_flats[i].view(n, -1)
+                start = 0
+                for j, (rest, width, r) in enumerate(zip(rests[i], widths, rows_of,
+                                                         strict=True)):
+                    end = start + width * rest.numel()
+                    whole = rows[:, start:end].reshape(n * width, *rest)
+                    out[j].append(whole if n * width == r else whole[:r])
+                    start = end
+        return out
+
+    return Pending(cut) if async_op else cut()
 
 
 def _padded(c: torch.Tensor, width: int, dtype: torch.dtype | None) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ packed collective per unit as FSDP2; the others each on their own."""
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .. import comm
+from ..comm.native import Pending
 from ..deferred_init import is_meta
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
@@ -38,6 +40,10 @@ from .data_parallel import (
     shard_batch,
 )
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+_SCHEDULE: contextvars.ContextVar[_Schedule | None] = contextvars.ContextVar(
+    "shardwise_fsdp_schedule", default=None
+)
 
 
 @dataclass
@@ -91,6 +97,15 @@ class DataParallelUnit:
         self.storages: dict[int, int] = {}  # storage of a view's piece -> slot index
         self.active: list[_Active] = []  # the forwards in progress, innermost last
         self.members: dict[int, list[int]] = {}  # id of a hooked module -> its slots
+        # prefetch (``_Schedule``): the gathers issued early, those of a module's next forward
+        # (by module id, with their view) and those of the next backward's re-gather
+        self.prefetched: dict[int, tuple[str, Prefetched]] = {}
+        self.prefetched_back: Prefetched = {}
+        self.schedule: _Schedule | None = None  # its own, where it runs outermost
+        self.backward_schedule: _Schedule | None = None  # the one its last forward ran under
+        self.forward_targets: dict[int, list[tuple[DataParallelUnit, nn.Module]]] = {}
+        self.backward_targets: list[DataParallelUnit] = []
+        self.forward_depth = self.backward_depth = 1
         self.reducer = _Buckets(self, bucket_cap) if bucket_cap is not None else _Packed(self)
         for k, slot in enumerate(slots):
             if slot.stored.requires_grad:
@@ -100,27 +115,103 @@ class DataParallelUnit:
 
     # ----- views -----------------------------------------------------------------------------
     def _version(self, k: int) -> tuple:
+        """Changes whenever slot ``k``'s stored parameter does: replaced, or written in place
+        (through the DTensor, whose own counter moves, or through its components)."""
         stored = self.slots[k].stored
-        return (id(stored), tuple(c._version for c in stored._components))
+        return (id(stored), stored._version, tuple(c._version for c in stored._components))
 
-    def views_of(self, ks: list[int], view: str) -> dict[int, torch.Tensor]:
+    def views_of(
+        self, ks: list[int], view: str, prefetched: Prefetched | None = None
+    ) -> dict[int, torch.Tensor]:
         """``view_of`` for each of the slots ``ks``, those to gather that share a packing key
-        (``_pack_key``) by one packed gather."""
+        (``_pack_key``) by one packed gather (the one in ``prefetched`` if it gathered them as
+        they are now)."""
         out: dict[int, torch.Tensor] = {}
+        ready, groups = self._to_gather(ks, view)
+        for k in ready:
+            out[k] = self.view_of(k, view)
+        for key, members in groups.items():
+            gathered = self._take(prefetched, key, members)
+            for k, pieces in zip(members, gathered, strict=True):
+                out[k] = self.view_of(k, view, pieces)
+        _drop(prefetched)
+        return out
+
+    def _to_gather(self, ks: list[int], view: str) -> tuple[list[int], dict[tuple, list[int]]]:
+        """(the slots of ``ks`` no packed gather serves: held or going on their own; those to
+        gather, by packing key)."""
+        ready: list[int] = []
         groups: dict[tuple, list[int]] = {}
         for k in ks:
             key = self._pack_key(k)
             held = self.held.get(k)
             if key is None or (held is not None and held[0] == view
                                and held[2] == self._version(k)):
-                out[k] = self.view_of(k, view)
+                ready.append(k)
             else:
                 groups.setdefault(key, []).append(k)
-        for (_dp, d, dtype), members in groups.items():
-            gathered = gather_packed([self.slots[k].stored for k in members], d, dtype)
-            for k, pieces in zip(members, gathered, strict=True):
-                out[k] = self.view_of(k, view, pieces)
-        return out
+        return ready, groups
+
+    def _take(self, prefetched: Prefetched | None, key: tuple, members: list[int]
+              ) -> list[list[torch.Tensor]]:
+        """The packed gather of ``members`` (sharing ``key``): the prefetched one when it
+        gathered these slots at their present versions, else one now (a stale prefetch is
+        waited for and dropped)."""
+        entry = prefetched.pop(key, None) if prefetched else None
+        if entry is not None:
+            if entry[0] == members and entry[1] == [self._version(k) for k in members]:
+                return entry[2].finish()
+            entry[2].finish()
+        return gather_packed([self.slots[k].stored for k in members], key[1], key[2])
+
+    def _issue(self, groups: dict[tuple, list[int]]) -> Prefetched:
+        """The packed gathers of ``groups`` issued now, waited at first use."""
+        return {
+            key: (members, [self._version(k) for k in members],
+                  gather_packed([self.slots[k].stored for k in members], key[1], key[2],
+                                async_op=True))
+            for key, members in groups.items()
+        }
+
+    def prefetch(self, module: nn.Module, view: str) -> None:
+        """Issue the packed gathers ``module``'s next forward in ``view`` will need, unless
+        issued already."""
+        if id(module) not in self.prefetched:
+            groups = self._to_gather(self._slots_of(module), view)[1]
+            if groups:
+                self.prefetched[id(module)] = (view, self._issue(groups))
+
+    def _regather_groups(self) -> dict[tuple, list[int]]:
+        """What backward re-gathers: every slot not held, by packing key."""
+        groups: dict[tuple, list[int]] = {}
+        for j in range(len(self.slots)):
+            key = self._pack_key(j)
+            if key is not None and j not in self.held:
+                groups.setdefault(key, []).append(j)
+        return groups
+
+    def prefetch_regather(self) -> None:
+        """Issue backward's re-gather of this unit now (inside a backward), unless done or
+        issued already; what is left unused when the backward ends is dropped."""
+        if self.prefetched_back or self.regathered:
+            return
+        groups = self._regather_groups()
+        if groups:
+            self.prefetched_back = self._issue(groups)
+            torch.autograd.Variable._execution_engine.queue_callback(self.drop_regather)
+
+    def drop_regather(self) -> None:
+        _drop(self.prefetched_back)
+
+    def drop_forward(self) -> None:
+        """Wait for and drop the gathers prefetched for forwards: none is used after this."""
+        for _, entries in self.prefetched.values():
+            _drop(entries)
+        self.prefetched.clear()
+
+    def drop_prefetched(self) -> None:
+        self.drop_forward()
+        self.drop_regather()
 
     def _pack_key(self, k: int) -> tuple | None:
         """What slot ``k``'s packed gather shares with the others it travels with (its mesh
@@ -202,12 +293,14 @@ class DataParallelUnit:
 
     def unshard(self) -> None:
         """Gather every parameter now and hold it until ``reshard`` (or a change to it)."""
+        self.drop_prefetched()
         view = "local" if plain_is_local(self.dp.mesh) else "global"
         for k, tensor in self.views_of(list(range(len(self.slots))), view).items():
             self.held[k] = (view, tensor, self._version(k))
 
     def reshard(self) -> None:
         """Free the held gathered parameters."""
+        self.drop_prefetched()
         self.held.clear()
 
     # ----- forward hooks ---------------------------------------------------------------------
@@ -224,10 +317,23 @@ class DataParallelUnit:
             args, kwargs = shard_batch(self.dp, args, kwargs)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
-        for k, tensor in self.views_of(self._slots_of(module), view).items():
+        schedule = _SCHEDULE.get()
+        if outermost:
+            if self.schedule is None:
+                self.schedule = _Schedule()
+            schedule = self.schedule
+            schedule.start()
+            entry.schedule_token = _SCHEDULE.set(schedule)
+        mine = self.prefetched.pop(id(module), None)
+        if mine is not None and mine[0] != view:
+            _drop(mine[1])
+        for k, tensor in self.views_of(self._slots_of(module), view,
+                                       mine[1] if mine is not None else None).items():
             slot = self.slots[k]
             entry.stored[k] = slot.stored
             slot.owner._parameters[slot.name] = tensor
+        if schedule is not None:
+            schedule.arrive(self, module, view)
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = not outermost  # PyTorch: the root keeps its parameters for backward
@@ -237,6 +343,7 @@ class DataParallelUnit:
             )
             saving.__enter__()
             entry.saving = saving
+            self.backward_schedule = schedule
         return args, kwargs
 
     @torch.compiler.disable
@@ -268,6 +375,9 @@ class DataParallelUnit:
                 self.held[k] = (entry.view, viewed, self._version(k))
         if entry.token is not None:
             leave_view(entry.token)
+        if entry.schedule_token is not None:
+            _SCHEDULE.reset(entry.schedule_token)
+            self.schedule.close()  # type: ignore[union-attr]
         if not self.active:
             self.storages.clear()
 
@@ -281,6 +391,8 @@ class DataParallelUnit:
         k = self.storages.get(pieces[0].untyped_storage().data_ptr())
         if k is None or k in self.held:
             return tensor
+        if self.backward_schedule is not None:
+            self.backward_schedule.saving.setdefault(self, None)
         views = [(p.shape, p.stride(), p.storage_offset()) for p in pieces]
         spec = tensor._spec if isinstance(tensor, DTensor) else None
         return (k, spec, views)
@@ -309,15 +421,19 @@ class DataParallelUnit:
         hit = self.regathered.get(k)
         if hit is not None and hit[1] == self._version(k):
             return hit[0]
-        members = [j for j in range(len(self.slots))
-                   if j not in self.held and self._pack_key(j) == key]
-        gathered = gather_packed([self.slots[j].stored for j in members], key[1], key[2])
+        members = self._regather_groups()[key]
+        gathered = self._take(self.prefetched_back, key, members)
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self.regathered.clear)
         except RuntimeError:  # not in a backward: nothing would drop them
             return gathered[members.index(k)]
         for j, pieces in zip(members, gathered, strict=True):
             self.regathered[j] = (pieces, self._version(j))
+        schedule = self.backward_schedule
+        for unit in self.backward_targets or (
+            schedule.before(self, self.backward_depth) if schedule is not None else []
+        ):
+            unit.prefetch_regather()
         return self.regathered[k][0]
 
     # ----- gradients -------------------------------------------------------------------------
@@ -344,13 +460,15 @@ class DataParallelUnit:
 @dataclass
 class _Active:
     """One forward in progress: its module, the view it entered (the token of the outermost),
-    the saved-tensor hooks it set, the stored parameters it swapped out."""
+    the saved-tensor hooks it set, the stored parameters it swapped out, the prefetch schedule
+    it entered."""
 
     module: nn.Module
     token: Any
     view: str
     saving: Any = None
     stored: dict[int, torch.Tensor] = field(default_factory=dict)
+    schedule_token: Any = None  # the prefetch schedule it entered, when outermost
 
 
 class DataParallelModule:
@@ -393,6 +511,67 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+# pack key -> (slots, their versions when issued, the packed gather issued early)
+Prefetched = dict[tuple, tuple[list[int], list[tuple], Pending]]
+
+
+def _drop(prefetched: Prefetched | None) -> None:
+    """Wait for the gathers left in ``prefetched`` (issued on every process) and drop them."""
+    if prefetched:
+        for _, _, pending in prefetched.values():
+            pending.finish()
+        prefetched.clear()
+
+
+class _Schedule:
+    """The order in which the units of one outermost forward gather (FSDP2 records it at its
+    root): each forward records it; in the next, a unit that gathers issues the gathers of the
+    ``forward_depth`` that follow it, and in backward, a unit that re-gathers issues those of
+    the ``backward_depth`` units that saved parameters before it in forward. Decisions depend
+    on the recorded order alone (the same on every process of an SPMD program), never on
+    timing; once this forward leaves the recorded order, what was issued early is dropped and
+    nothing more is."""
+
+    def __init__(self) -> None:
+        self.order: list[tuple[DataParallelUnit, nn.Module]] = []  # the last forward's
+        self.current: list[tuple[DataParallelUnit, nn.Module]] = []
+        self.saving: dict[DataParallelUnit, None] = {}  # units that saved, in forward order
+        self.issued: dict[DataParallelUnit, None] = {}
+        self.on_course = True
+
+    def start(self) -> None:
+        self.current, self.saving, self.issued, self.on_course = [], {}, {}, True
+
+    def arrive(self, unit: DataParallelUnit, module: nn.Module, view: str) -> None:
+        """``module`` of ``unit`` has gathered: issue what follows it."""
+        at = len(self.current)
+        self.current.append((unit, module))
+        if self.on_course and self.order[at : at + 1] != [(unit, module)]:
+            self.on_course = False
+            for early in self.issued:
+                early.drop_forward()
+        targets = unit.forward_targets.get(id(module)) or (
+            self.order[at + 1 : at + 1 + unit.forward_depth] if self.on_course else [])
+        for target, target_module in targets:
+            target.prefetch(target_module, view)
+            self.issued.setdefault(target, None)
+
+    def close(self) -> None:
+        """The outermost forward ended: drop what it did not use, keep its order."""
+        for early in self.issued:
+            early.drop_forward()
+        if self.current != self.order:
+            self.order = self.current
+
+    def before(self, unit: DataParallelUnit, depth: int) -> list[DataParallelUnit]:
+        """The ``depth`` units that saved for backward before ``unit``, nearest first."""
+        saving = list(self.saving)
+        if unit not in self.saving:
+            return []
+        at = saving.index(unit)
+        return saving[max(0, at - depth) : at][::-1]
 
 
 class _Packed:

@@ -94,9 +94,45 @@ class FSDPModule(DataParallelModule):
         for unit in self._units(True):
             unit.gradient_divide_factor = float(factor)
 
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module gathers its parameters for forward, also issue the gathers of
+        ``modules`` (instead of the next module in the recorded order), waited when their
+        forward starts; an empty list restores the implicit prefetch (FSDP2's)."""
+        unit = self._shardwise_unit
+        unit.forward_targets[id(self)] = [
+            (m._shardwise_unit, m) for m in _fsdp_modules(modules, "forward")]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module re-gathers its parameters in backward, also issue the re-gathers
+        of ``modules`` (instead of the module before it in forward); an empty list restores
+        the implicit prefetch (FSDP2's)."""
+        self._shardwise_unit.backward_targets = [
+            m._shardwise_unit for m in _fsdp_modules(modules, "backward")]
+
+    def set_implicit_prefetch(self, forward: int = 1, backward: int = 1, *,
+                              recurse: bool = True) -> None:
+        """How many modules ahead the implicit prefetch gathers (shardwise's; FSDP2's
+        implicit prefetch is one module): in forward, those that follow this one in the
+        order recorded by the previous forward; in backward, those that ran before it in
+        forward. 0 turns it off."""
+        if forward < 0 or backward < 0:
+            raise DataParallelError(f"set_implicit_prefetch needs counts >= 0, got forward="
+                                    f"{forward!r}, backward={backward!r}")
+        for unit in self._units(recurse):
+            unit.forward_depth, unit.backward_depth = forward, backward
+
     def _units(self, recurse: bool) -> list[DataParallelUnit]:
         modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         return [m._shardwise_unit for m in modules if isinstance(m, FSDPModule)]
+
+
+def _fsdp_modules(modules: Sequence[Any], what: str) -> list[FSDPModule]:
+    bad = [m for m in modules if not isinstance(m, FSDPModule)]
+    if bad:
+        raise DataParallelError(
+            f"set_modules_to_{what}_prefetch expects modules fully_shard was applied to, got "
+            f"{', '.join(type(m).__name__ for m in bad)}")
+    return list(modules)
 
 
 _CLASSES: dict[type, type] = {}
