@@ -698,6 +698,8 @@ class Mesh(DeviceMesh):
     Which devices this process owns follows from its rank (DESIGN.md); ``local_device_ids``,
     when given, must agree. The device type is read from ``local_devices`` (``"CPU:0"``,
     ``"/job:localhost/replica:0/task:0/device:GPU:0"``, torch devices) or ``device_type``.
+    Its ``global_device_ids`` run row-major from 0, as TF requires (``any_order``: any order,
+    for ``create_mesh(devices=...)``).
     """
 
     def __init__(
@@ -710,6 +712,7 @@ class Mesh(DeviceMesh):
         global_devices: Sequence[Any] | None = None,
         *,
         device_type: str | None = None,
+        any_order: bool = False,
     ) -> None:
         if local_device_ids is not None and local_devices is not None and (
             len(local_device_ids) != len(local_devices)
@@ -719,7 +722,7 @@ class Mesh(DeviceMesh):
                 f"{list(local_devices)} differ in length (TF 2.21 raises ValueError)"
             )
         ids = torch.as_tensor(global_device_ids)
-        if not torch.equal(ids.reshape(-1), torch.arange(ids.numel())):
+        if not any_order and not torch.equal(ids.reshape(-1), torch.arange(ids.numel())):
             raise MeshError(
                 f"Mesh: global_device_ids must increase row-major from 0 (TF 2.21 raises "
                 f"ValueError), got {ids.tolist()}; DeviceMesh(device_type, ids) takes any order"
@@ -882,4 +885,4 @@ def create_mesh(
         ids = torch.arange(math.prod(shape)).reshape(shape)
     else:
         ids = _mesh_ids(list(devices)).reshape(shape)
-    return Mesh(names, ids, device_type=device_type)
+    return Mesh(names, ids, device_type=device_type, any_order=True)
