@@ -867,6 +867,65 @@ def _gpu_section(folder: Path) -> list[str]:
     return md
 
 
+def _engine_section(folder: Path) -> list[str]:
+    """The engine across processes (``bench/results/engine``, written by
+    ``bench/engine_check.sh``): redistribution against the raw backend collective, training
+    steps against hand-written and DTensor, and the per-collective model."""
+    if not folder.is_dir():
+        return []
+    md = ["## The engine across processes", "",
+          "Measured by `bash bench/engine_check.sh` (gloo on this CPU host, one device per "
+          "process); each collective is one call of the process group's own collective beside "
+          "the agreement's one-word gather.", ""]
+    rows = []
+    for world in (2, 4):
+        f = folder / f"redistribute_{world}.json"
+        if f.exists():
+            for r in json.loads(f.read_text())["rows"]:
+                rows.append([world, r["transition"], r["size"], r["raw_collective"],
+                             r["shardwise_ms"], r["raw_ms"], r["torch_dt_ms"], r["ratio_vs_raw"],
+                             r["ratio_vs_torch_dt"]])
+    if rows:
+        md += ["### Redistribution (ms, median, slowest rank)", ""]
+        md += _table(["procs", "transition", "size", "raw", "shardwise", "raw ms", "torch DT",
+                      "vs raw", "vs DT"], rows)
+    rows = []
+    for world in (2, 4):
+        f = folder / f"training_{world}.json"
+        if f.exists():
+            for name, m in json.loads(f.read_text())["models"].items():
+                rows.append([world, name, m["shardwise"]["step_ms"], m["hand"]["step_ms"],
+                             m["torch_dt"]["step_ms"], m["ratio_time_vs_hand"],
+                             m["ratio_time_vs_torch_dt"]])
+    if rows:
+        md += ["### Training step (ms, median)", ""]
+        md += _table(["procs", "model", "shardwise", "hand", "torch DT", "vs hand", "vs DT"],
+                     rows)
+    f = folder / "model.json"
+    if f.exists():
+        model = json.loads(f.read_text())
+        p = model["params"]
+        md += ["### Per collective: point to point against the backend, measured and modelled",
+               "",
+               "shardwise's engine before the backend path swapped a header with every peer "
+               "(read on the host) and moved data point to point; `bench/bench_collective_"
+               "model.py` measures both message patterns on gloo at N = 2, 4, 8 and fits "
+               "`rounds x alpha + messages x o + bytes x beta` to all of them: "
+               f"alpha {p['alpha_us']:.1f} us per dependent round, o {p['o_us']:.2f} us per "
+               f"message posted, {1 / max(p['beta_us_per_byte'], 1e-12):.0f} bytes per us.",
+               ""]
+        md += _table(["N", "bytes", "collective", "engine", "measured us", "model us"],
+                     [[r["n"], r["bytes"], r["collective"], r["engine"], r["us"], r["model_us"]]
+                      for r in model["measured"]])
+        md += [f"Modelled for large N with that fit (the backend all_reduce as a tree, as "
+               f"NCCL's; the point-to-point path with an assumed {model['sync_us']:g} us host "
+               f"sync per collective, the header's read on an accelerator):", ""]
+        md += _table(["N", "bytes", "collective", "point to point ms", "backend ms", "ratio"],
+                     [[r["n"], r["bytes"], r["collective"], r["point_to_point_us"] / 1e3,
+                       r["backend_us"] / 1e3, r["ratio"]] for r in model["modelled"]])
+    return md
+
+
 def write_docs(results: dict, path: Path) -> None:
     bench = {k: v["results"] for k, v in results["benchmarks"].items() if v.get("results")}
     m = results["machine"]
@@ -902,6 +961,7 @@ def write_docs(results: dict, path: Path) -> None:
         md += [f"Benchmarks that did not finish: {', '.join(failed)} "
                "(see bench/results/<name>.txt).", ""]
     md += _section_tables(bench)
+    md += _engine_section(BENCH / "results" / "engine")
     md += _gpu_section(BENCH / "results" / "gpu")
     path.write_text("\n".join(md).rstrip() + "\n")
 

@@ -27,11 +27,11 @@ from port import UnportableImport, port
 # (program, processes, shardwise's ranks as threads of one process): every program on 4
 # processes, the sequence-parallel and FSDP x TP ones on 2 as well, and ranks as threads on the
 # FSDP x TP one, which runs every layer the others do (the suite's time goes to these runs)
+# 4 processes (and 4 rank threads for FSDP x TP, which runs every layer the others do): the
+# 2-process runs took 40 s of the suite's 10 minutes and the launcher tests cover 2 processes
 PASSING = [
     ("tensor_parallel_example", 4, False),
-    ("sequence_parallel_example", 2, False),
     ("sequence_parallel_example", 4, False),
-    ("fsdp_tp_example", 2, False),
     ("fsdp_tp_example", 4, False),
     ("fsdp_tp_example", 4, True),
 ]
