@@ -15,12 +15,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
-# 4 processes and 4 rank threads, as the docstrings say (2 processes: tp_tutorial.py below,
-# distribute_mirrored.py in test_example_runs, the getting-started program, the demo)
+# 2 and 4 processes and 4 rank threads, as the docstrings say (tp_tutorial.py and
+# distribute_mirrored.py at 2: test_tp_tutorial_runs_over_two_processes, test_example_runs)
 LAUNCHED = [
     (script, mode)
     for script in EXAMPLES
-    for mode in (["--nproc", "4"], ["--nproc", "4", "--threads"])
+    for mode in (["--nproc", "2"], ["--nproc", "4"], ["--nproc", "4", "--threads"])
+    if mode != ["--nproc", "2"] or script.name not in ("distribute_mirrored.py", "tp_tutorial.py")
 ]
 
 
