@@ -63,10 +63,8 @@ def _across(
     if not groups:
         return distributed.Traffic()
     background.drain()  # background collectives first: every process keeps the same order
-    first = args[0][0]
-    sample = first[0] if isinstance(first, (list, tuple)) else first
     with one_thread(lambda: f"{collective} over mesh dim {mesh_dim} of {mesh}"):
-        if native.applies(mesh, mesh_dim, sample):
+        if native.applies(mesh, mesh_dim):
             results, traffic = getattr(native, collective)(mesh, mesh_dim, groups, *args,
                                                            **spec_shapes)
         else:

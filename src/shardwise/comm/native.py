@@ -76,7 +76,7 @@ def _one_device_per_process(mesh: DeviceMesh, mesh_dim: int) -> bool:
     )
 
 
-def applies(mesh: DeviceMesh, mesh_dim: int, sample: torch.Tensor | None) -> bool:
+def applies(mesh: DeviceMesh, mesh_dim: int) -> bool:
     """Whether the backend's collectives serve the cross-process groups of ``mesh_dim``: every
     such group has one device per process."""
     return _one_device_per_process(mesh, mesh_dim)
@@ -87,7 +87,7 @@ class _Backend:
 
     def __init__(self, call: Call, group: Group) -> None:
         members, indices = group
-        self.call, self.members, self.n = call, members, len(members)
+        self.call, self.group, self.members, self.n = call, group, members, len(members)
         self.ranks = call.ranks[members]
         self.pg = group_for_ranks(self.ranks)
         self.name = self.pg.group_name
@@ -100,9 +100,8 @@ class _Backend:
 
     def _fields(self, fields: dict[str, object]) -> tuple[dict[str, object], dict]:
         call = self.call
-        group = next(g for g in call.groups if g[0] == self.members)
         return ({"collective": call.kind + call.detail, "sequence": call.seq[self.ranks],
-                 "dtype": str(call.sample.dtype), **fields}, call.fields(group))
+                 "dtype": str(call.sample.dtype), **fields}, call.fields(self.group))
 
     def agree(self, device: torch.device, **fields: object) -> Callable[[], None]:
         """Start this group's agreement on ``fields`` (and the call's); returns the check to
@@ -114,7 +113,7 @@ class _Backend:
         self.call.traffic.meta += 8 * (self.n - 1)
         if device.type == "cpu":
             check()
-            return lambda: None
+            return _checked
         return check
 
     def learn(self, own: object, **fields: object) -> list:
@@ -209,7 +208,7 @@ def _tracing() -> bool:
 
 
 def _checked() -> None:
-    """The check of a collective whose agreement came with its shapes (``_Backend.learn``)."""
+    """The check of a collective whose agreement is done (or, traced, not made)."""
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -454,24 +453,12 @@ def all_reduce(
         else:
             bounds = _chunks(component.numel(), g.n)
             flat = component.contiguous().reshape(-1)
-            reduced = g.ordered_reduce_scatter([flat[a:b] for a, b in bounds], op) if all(
-                b - a == bounds[0][1] - bounds[0][0] for a, b in bounds) else _uneven_chunks(
-                g, flat, bounds, op)
+            # member k gets ring chunk k of every member: of one size, even where chunks differ
+            reduced = g.ordered_reduce_scatter([flat[a:b] for a, b in bounds], op)
             got = g.all_gather_bytes(as_bytes(reduced), [(b - a) * item for a, b in bounds])
             out[g.local] = torch.cat(got).view(sample.dtype).view(component.shape)
         finish_check()
     return out, call.traffic
-
-
-def _uneven_chunks(g: _Backend, flat: torch.Tensor, bounds: list[tuple[int, int]],
-                   op: str) -> torch.Tensor:
-    """``ordered_reduce_scatter`` of ring chunks of other sizes: member k receives chunk k of
-    every member (all of one size), which an all_to_all of the chunks gives as it is."""
-    start, stop = bounds[g.k]
-    got = g.all_to_all_bytes([flat[a:b] for a, b in bounds],
-                             [(stop - start) * flat.element_size()] * g.n)
-    reduced = combine([_typed(t, flat.dtype, (stop - start,)) for t in got], op)
-    return finish(reduced, op, g.n, flat.dtype)
 
 
 def broadcast(

@@ -121,7 +121,7 @@ def lowers(plan: RedistributePlan, mesh: DeviceMesh) -> bool:
     a collective on one mesh dim whose groups have one device per process."""
     return all(
         step.collective in _LOWERED
-        and (step.collective == "local" or native.applies(mesh, step.mesh_dim, None))
+        and (step.collective == "local" or native.applies(mesh, step.mesh_dim))
         for step in plan.steps
     )
 
