@@ -5,8 +5,9 @@ ones, and it holds one local component per device this process owns, in ascendin
 
 Pending results of background collectives (``redistribute(..., async_op=True)``,
 ``DTensor.from_local(..., async_op=True)``) are ``AsyncDTensor``s: global metadata is known at
-once, the components are computed by the background worker (``comm.background``) and the first
-use of them (any op, ``unpack``, ``full_tensor``...) waits, as ``wait()`` does. ``to_local()``
+once, the components are computed by the background worker (``comm.background``), or, where
+every collective is the backend's own, issued at once and left unwaited, and the first use of
+them (any op, ``unpack``, ``full_tensor``...) waits, as ``wait()`` does. ``to_local()``
 of a pending DTensor returns an ``AsyncCollectiveTensor``, a tensor that waits on first use, as
 PyTorch's does. Results are those of the blocking path, bit for bit: the worker runs the same
 plan on the same components.
@@ -31,7 +32,7 @@ from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponents
 from .geometry import extract_local
 from .mesh import DeviceMesh, Mesh, mesh_or_current
 from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
-from .redistribute import cross_mesh, execute_plan, plan_redistribute
+from .redistribute import cross_mesh, execute_plan, issues_async, plan_redistribute
 from .spec import (
     LOW_PRECISION,
     DTensorSpec,
@@ -1015,7 +1016,8 @@ class _AsyncRedistribute(_Redistribute):
 
         # checked against the budgets now; the job charges them in this context's copy
         with budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]):
-            work = background.submit(job, f"redistribute of {spec} to {list(target)}")
+            start = background.issue if issues_async(plan, spec.mesh) else background.submit
+            work = start(job, f"redistribute of {spec} to {list(target)}")
         return AsyncDTensor(work, spec.with_placements(target))
 
 

@@ -125,6 +125,9 @@ DEBUG_CHECKS: Setting[bool] = Setting("debug_checks", env_flag("SHARDWISE_DEBUG_
 # Cross-process reductions combine in coordinate order (the embedded run's bits) instead of the
 # backend's order.
 DETERMINISTIC: Setting[bool] = Setting("deterministic", env_flag("SHARDWISE_DETERMINISTIC"))
+# Backend collectives (``comm.native``) return their results unwaited, as torch's functional
+# collectives do: ``AsyncCollectiveTensor``s that wait at the first op that is not a view.
+WAIT_AT_FIRST_USE: Setting[bool] = Setting("wait_at_first_use", False)
 # What the collectives inside ``comm.moving`` blocks are moving (innermost last), for errors.
 MOVING: Setting[tuple] = Setting("moving", ())
 # The meshes of the ``with mesh:`` and ``default_mesh(mesh)`` blocks of this context, innermost

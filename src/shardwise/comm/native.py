@@ -8,9 +8,12 @@ ring and tree algorithms and nothing waits on the host.
 No shape travels: the shapes of every member's piece come from the spec every process holds
 (``shapes``: device id -> its component's shape; without it, every member's piece has this
 process's shape). Uneven pieces are padded to the largest and cut after, as PyTorch pads.
-Nothing is read back to the host on this path. ``all_gather`` may also return before the
-wait (``wait=False``): a ``Pending`` whose ``finish()`` waits, so the data moves while the
-caller computes (fully_shard's prefetch).
+Nothing is read back to the host on this path. Under ``settings.WAIT_AT_FIRST_USE`` (eager
+``redistribute(async_op=True)``) results are not waited here: each is torch's
+``AsyncCollectiveTensor``, as PyTorch's functional collectives return, whose view ops (the cuts
+and joins after a collective) stay unwaited and whose first other op waits, so the data moves
+while the caller computes. ``all_gather`` may also return before the wait (``wait=False``): a
+``Pending`` whose ``finish()`` waits (fully_shard's prefetch).
 
 Before (on CPU) or beside (on an accelerator) each collective, the processes of a group agree
 (``agreement.py``): a fingerprint of what each is about to do, exchanged on a CPU side group, so
@@ -33,6 +36,7 @@ from math import prod
 from typing import Any, Generic, TypeVar
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from .. import settings
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
@@ -126,8 +130,8 @@ class _Backend:
 
     def run(self, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
         """Issue one functional collective ``op(*args, group name)`` and wait for its result (a
-        stream wait on an accelerator, not a host one); failures and the timeout become
-        shardwise's errors."""
+        stream wait on an accelerator, not a host one), or leave it to wait at first use
+        (``wait``); failures and the timeout become shardwise's errors."""
         return self.wait(self.issue(op, *args))
 
     def issue(self, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
@@ -136,7 +140,10 @@ class _Backend:
             return op(*args, self.name)
 
     def wait(self, issued: torch.Tensor) -> torch.Tensor:
-        """Wait for a collective that ``issue`` started."""
+        """Wait for a collective that ``issue`` started; under ``WAIT_AT_FIRST_USE`` (eager),
+        its result unwaited instead, an ``AsyncCollectiveTensor`` that waits at first use."""
+        if settings.WAIT_AT_FIRST_USE.get() and not _tracing():
+            return AsyncCollectiveTensor(issued)
         with self._errors():
             return _functional.wait_tensor(issued)
 
@@ -240,7 +247,9 @@ def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """``torch.cat(pieces, dim)``, without the copy when ``pieces`` is ``Received`` and they
     lie in order along ``dim`` (an all_gather or all_to_all along the first non-trivial dim):
     then a view of their buffer."""
-    first = pieces[0]
+    lazy = isinstance(pieces[0], AsyncCollectiveTensor)  # not waited: the view stays so
+    raw = [p.elem for p in pieces] if lazy else pieces
+    first = raw[0]
     if (
         isinstance(pieces, Received)
         and not _tracing()
@@ -248,13 +257,14 @@ def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
         and all(
             prod(p.shape[:dim]) == 1
             and p.shape[:dim] + p.shape[dim + 1 :] == first.shape[:dim] + first.shape[dim + 1 :]
-            for p in pieces
+            for p in raw
         )
-        and _adjacent(pieces)
+        and _adjacent(raw)
     ):
         shape = list(first.shape)
-        shape[dim] = sum(p.shape[dim] for p in pieces)
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+        shape[dim] = sum(p.shape[dim] for p in raw)
+        out = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+        return AsyncCollectiveTensor(out) if lazy else out
     return torch.cat(list(pieces), dim)
 
 
@@ -479,8 +489,9 @@ def broadcast(
         finish_check = g.agree(sample.device, src=src, shape=list(component.shape))
         if g.k == src or component.numel() == 0:
             value = component
-            if component.numel():
-                g.run(_functional.broadcast, as_bytes(component), g.owners[src])
+            if component.numel():  # waited here: nothing else holds the result
+                with settings.WAIT_AT_FIRST_USE.override(False):
+                    g.run(_functional.broadcast, as_bytes(component), g.owners[src])
         else:
             received = g.run(_functional.broadcast, as_bytes(component), g.owners[src])
             value = received.view(sample.dtype).view(component.shape)

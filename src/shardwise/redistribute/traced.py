@@ -126,6 +126,13 @@ def lowers(plan: RedistributePlan, mesh: DeviceMesh) -> bool:
     )
 
 
+def issues_async(plan: RedistributePlan, mesh: DeviceMesh) -> bool:
+    """Whether ``plan``, run across processes, is backend collectives only (it ``lowers``):
+    an asynchronous run issues them at once and leaves the results to wait at first use
+    (``comm.background.issue``), no worker thread."""
+    return spans_processes(mesh) and lowers(plan, mesh)
+
+
 def execute_plan(
     plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:

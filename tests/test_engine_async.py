@@ -1,0 +1,85 @@
+"""``redistribute(async_op=True)`` on the backend path (one device per process): the
+collectives are issued at once by the calling thread (no worker thread), the result waits at
+its first use, not at issue, so an op between issue and use runs before the wait; the values
+are the blocking run's and the single-process oracle's."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import shardwise as sw
+from mp_harness import run_in_processes
+from shardwise.placements import Partial, Replicate, Shard
+
+pytestmark = pytest.mark.slow
+
+CASES = [("S0", "R"), ("S0", "S1"), ("P", "R"), ("P", "S0")]
+_PLACE = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+
+
+def _async_program() -> dict:
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = sw.init_device_mesh("cpu", (world,))
+    # small integers: sums are exact whatever order the backend adds in
+    full = torch.randint(-8, 8, (4 * world, 6 * world),
+                         generator=torch.Generator().manual_seed(0)).float()
+    functional = torch.ops._c10d_functional
+    real_wait = functional.wait_tensor
+    out: dict = {}
+    for src, dst in CASES:
+        if src == "P":  # rank r holds (r + 1) * full: the sum is full * world(world+1)/2
+            dt = sw.DTensor.from_local(full * (rank + 1), mesh, [Partial()])
+            value = full * (world * (world + 1) // 2)
+        else:
+            dt = sw.distribute_tensor(full, mesh, [_PLACE[src]])
+            value = full
+        target = [_PLACE[dst]]
+        blocking = dt.redistribute(placements=target).to_local()
+        events: list[str] = []
+
+        def counted(t: torch.Tensor, events: list[str] = events) -> torch.Tensor:
+            events.append("wait")
+            return real_wait(t)
+
+        functional.wait_tensor = counted
+        try:
+            pending = dt.redistribute(placements=target, async_op=True)
+            events.append("issued")
+            torch.ones(3).add_(1)  # an op between issue and use
+            events.append("between")
+            used = pending * 1  # the first use
+            events.append("used")
+            used * 1
+            events.append("again")
+        finally:
+            functional.wait_tensor = real_wait
+        if dst == "R":
+            oracle = value
+        else:
+            dim = _PLACE[dst].dim
+            oracle = value.chunk(world, dim)[rank]
+        out[src, dst] = {
+            "events": events,
+            "pending_type": type(pending).__name__,
+            "equal_oracle": torch.equal(used.to_local(), oracle),
+            "equal_blocking": torch.equal(pending.to_local(), blocking),
+        }
+    out["worker_thread"] = any(t.name == "shardwise-collectives" for t in threading.enumerate())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_redistribute_waits_at_first_use(world: int) -> None:
+    for rank, result in enumerate(run_in_processes(_async_program, world, timeout=180)):
+        assert result.pop("worker_thread") is False, f"rank {rank}: a worker thread ran"
+        for case, got in result.items():
+            # nothing waited at issue, the op between ran first, the first use waited once
+            assert got["events"] == ["issued", "between", "wait", "used", "again"], (rank, case,
+                                                                                    got)
+            assert got["pending_type"] == "AsyncDTensor", (rank, case, got)
+            assert got["equal_oracle"] and got["equal_blocking"], (rank, case, got)
