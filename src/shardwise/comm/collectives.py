@@ -294,8 +294,9 @@ def all_to_all_tensor(
                 out.append(tuple(shape))
             return out
 
+        # dense chunks: even ones lie in order in one buffer, which the backend sends as it is
         traffic = _across(lists, "all_to_all", mesh, mesh_dim, across,
-                          [_chunks(c, split_dim, n) for c in components],
+                          [_dense_chunks(c, split_dim, n) for c in components],
                           receive_shapes=arriving)
         for _, indices in across:
             for k, i in enumerate(indices):

@@ -190,7 +190,7 @@ class _Backend:
         each member sent here (``receive[j]`` bytes from member j), by one
         ``all_to_all_single``: views of one fresh buffer in member order."""
         flat = [as_bytes(send[j]) for j in self.member_at]
-        packed = torch.cat(flat) if len(flat) > 1 else flat[0]
+        packed = _flat(flat)
         arriving = [receive[j] for j in self.member_at]
         out = self.run(_functional.all_to_all_single, packed, arriving,
                        [t.numel() for t in flat])
@@ -236,6 +236,18 @@ def _adjacent(pieces: Sequence[torch.Tensor]) -> bool:
             return False
         offset += p.numel()
     return True
+
+
+def _flat(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``pieces`` one after the other as one flat tensor: a view where they already lie so
+    (the even chunks of a dense tensor along its first dim), else one copy."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first.reshape(-1)
+    if not _tracing() and not isinstance(first, AsyncCollectiveTensor) and _adjacent(pieces):
+        return first.as_strided((sum(p.numel() for p in pieces),), (1,),
+                                first.storage_offset())
+    return torch.cat([p.reshape(-1) for p in pieces])
 
 
 class Received(list):
@@ -406,7 +418,7 @@ def reduce_scatter(
             continue
         ordered = [mine[j] for j in g.member_at]  # the backend scatters in rank order
         if all(p.numel() == width for p in ordered):
-            flat = torch.cat([p.reshape(-1) for p in ordered])
+            flat = _flat(ordered)
         else:
             flat = mine[0].new_zeros(g.n * width)
             for at, p in enumerate(ordered):
