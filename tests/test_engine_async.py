@@ -1,7 +1,8 @@
 """``redistribute(async_op=True)`` on the backend path (one device per process): the
 collectives are issued at once by the calling thread (no worker thread), the result waits at
-its first use, not at issue, so an op between issue and use runs before the wait; the values
-are the blocking run's and the single-process oracle's."""
+its first use, not at issue, so an op between issue and use runs before the wait; views of
+its local tensor stay unwaited (torch's AsyncCollectiveTensor); the values are the blocking
+run's and the single-process oracle's."""
 
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ def _async_program() -> dict:
             events.append("used")
             used * 1
             events.append("again")
+            local = dt.redistribute(placements=target, async_op=True).to_local()
+            flat = local.view(-1)  # a view: not waited
+            events.append("viewed")
+            summed = flat.sum()
+            events.append("summed")
         finally:
             functional.wait_tensor = real_wait
         if dst == "R":
@@ -68,6 +74,7 @@ def _async_program() -> dict:
             "pending_type": type(pending).__name__,
             "equal_oracle": torch.equal(used.to_local(), oracle),
             "equal_blocking": torch.equal(pending.to_local(), blocking),
+            "local_sum": torch.equal(summed, oracle.sum()),
         }
     out["worker_thread"] = any(t.name == "shardwise-collectives" for t in threading.enumerate())
     return out
@@ -79,7 +86,8 @@ def test_async_redistribute_waits_at_first_use(world: int) -> None:
         assert result.pop("worker_thread") is False, f"rank {rank}: a worker thread ran"
         for case, got in result.items():
             # nothing waited at issue, the op between ran first, the first use waited once
-            assert got["events"] == ["issued", "between", "wait", "used", "again"], (rank, case,
-                                                                                    got)
+            assert got["events"] == ["issued", "between", "wait", "used", "again",
+                                     "viewed", "wait", "summed"], (rank, case, got)
             assert got["pending_type"] == "AsyncDTensor", (rank, case, got)
             assert got["equal_oracle"] and got["equal_blocking"], (rank, case, got)
+            assert got["local_sum"], (rank, case, got)

@@ -934,6 +934,8 @@ class AsyncDTensor(DTensor):
             return super().to_local()
         if len(self.device_mesh.local_device_ids) != 1:
             return super().to_local()  # raises LocalComponentsError
+        if isinstance(work, background.Issued):  # torch's, as issued: views stay unwaited
+            return work.unwaited()[0]
         device = self.device_mesh.local_device_ids[0]
         return AsyncCollectiveTensor(
             work,

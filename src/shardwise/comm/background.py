@@ -132,6 +132,11 @@ class Issued(Work[list]):
             self._error = err
             self._done.set()
 
+    def unwaited(self) -> list:
+        """The job's tensors as issued (torch's ``AsyncCollectiveTensor``s where a collective
+        is pending: view ops on them stay unwaited), or its error raised."""
+        return self._result if self._error is None else self._outcome()
+
     def wait(self) -> list:
         if not self._done.is_set():
             try:
