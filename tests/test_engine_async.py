@@ -1,8 +1,9 @@
-"""``redistribute(async_op=True)`` on the backend path (one device per process): the
-collectives are issued at once by the calling thread (no worker thread), the result waits at
-its first use, not at issue, so an op between issue and use runs before the wait; views of
-its local tensor stay unwaited (torch's AsyncCollectiveTensor); the values are the blocking
-run's and the single-process oracle's."""
+"""The backend path's redistribution (one device per process). ``async_op=True`` issues the
+collectives at once on the calling thread (no worker thread) and the result waits at its first
+use, not at issue, so an op between issue and use runs before the wait; views of its local
+tensor stay unwaited (torch's AsyncCollectiveTensor); the values are the blocking run's and the
+single-process oracle's. No copy is made beside the collective where the data already lies as
+it is sent and received."""
 
 from __future__ import annotations
 
@@ -76,7 +77,44 @@ def _async_program() -> dict:
             "equal_blocking": torch.equal(pending.to_local(), blocking),
             "local_sum": torch.equal(summed, oracle.sum()),
         }
+    out["copies"] = _copies(mesh, full)
     out["worker_thread"] = any(t.name == "shardwise-collectives" for t in threading.enumerate())
+    return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _copies(mesh: sw.DeviceMesh, full: torch.Tensor) -> dict:
+    """Per transition, whether the collective's input is the component's own memory (no pack
+    copy before it) and the result is the collective's output (no join copy after it)."""
+    functional = torch.ops._c10d_functional
+    seen: dict = {}
+    saved = {}
+    for name in ("all_gather_into_tensor", "all_to_all_single", "reduce_scatter_tensor"):
+        real = saved[name] = getattr(functional, name)
+
+        def wrapped(inp: torch.Tensor, *args: object, real=real, name=name) -> torch.Tensor:
+            result = real(inp, *args)
+            seen[name] = (_storage(inp), _storage(result))
+            return result
+
+        setattr(functional, name, wrapped)
+    out = {}
+    try:
+        for src, dst, name in [("S0", "R", "all_gather_into_tensor"),
+                               ("S0", "S1", "all_to_all_single"),
+                               ("P", "S0", "reduce_scatter_tensor")]:
+            dt = sw.distribute_tensor(full, mesh, [_PLACE[src]])
+            if src == "P":
+                dt = sw.DTensor.from_local(full.clone(), mesh, [Partial()])
+            got = dt.redistribute(placements=[_PLACE[dst]]).to_local()
+            sent, received = seen.pop(name)
+            out[src, dst] = (sent == _storage(dt.to_local()), received == _storage(got))
+    finally:
+        for name, real in saved.items():
+            setattr(functional, name, real)
     return out
 
 
@@ -84,6 +122,10 @@ def _async_program() -> dict:
 def test_async_redistribute_waits_at_first_use(world: int) -> None:
     for rank, result in enumerate(run_in_processes(_async_program, world, timeout=180)):
         assert result.pop("worker_thread") is False, f"rank {rank}: a worker thread ran"
+        # sent from the component itself where it lies as sent (S0: rows); S0 -> S1 lays its
+        # columns out once; every result is the collective's own output
+        assert result.pop("copies") == {("S0", "R"): (True, True), ("S0", "S1"): (False, True),
+                                        ("P", "S0"): (True, True)}, rank
         for case, got in result.items():
             # nothing waited at issue, the op between ran first, the first use waited once
             assert got["events"] == ["issued", "between", "wait", "used", "again",
