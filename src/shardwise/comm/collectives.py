@@ -129,6 +129,28 @@ def all_reduce(
     return out
 
 
+def all_reduce_flat(
+    mesh: DeviceMesh, mesh_dims: Sequence[int], values: Sequence[Sequence[torch.Tensor]],
+    op: str = "sum",
+) -> list[list[torch.Tensor]]:
+    """``values[j][i]``: tensor j on local device i, all of one dtype. Each device's tensors
+    copied into one fresh buffer, one ``all_reduce`` per mesh dim of ``mesh_dims``, and cut
+    back: ``out[j][i]`` is a view of device i's reduced buffer shaped as ``values[j][i]`` (a
+    gradient bucket: one collective for many tensors; nothing aliases ``values``)."""
+    n_local = len(values[0])
+    flats = [torch.cat([v[i].reshape(-1) for v in values]) for i in range(n_local)]
+    for d in mesh_dims:
+        flats = all_reduce(mesh, d, flats, op)
+    out: list[list[torch.Tensor]] = [[] for _ in values]
+    for i, flat in enumerate(flats):
+        at = 0
+        for j, v in enumerate(values):
+            piece = v[i]
+            out[j].append(flat[at : at + piece.numel()].view(piece.shape))
+            at += piece.numel()
+    return out
+
+
 def all_gather(
     mesh: DeviceMesh, mesh_dim: int, components: Sequence[torch.Tensor],
     shapes: native.Shapes = None,

@@ -698,32 +698,17 @@ class _Buckets:
         is pending over and stored whole on, such as a sequence-parallel norm's weight over
         'tp') of the run of parameters that share it (``params`` lists them side by side)."""
         grads: list[DTensor] = [p.grad for p in params]
-        n_local = len(mesh.local_device_ids)
-        flats = [torch.cat([g._components[i].reshape(-1) for g in grads]) for i in range(n_local)]
         with comm.moving(lambda: f"replicate's gradient bucket of {len(grads)} tensors"):
-            for d in dims:
-                flats = comm.all_reduce(mesh, d, flats, op)
-            start, bounds = 0, [0] * n_local
+            reduced = comm.all_reduce_flat(mesh, dims, [g._components for g in grads], op)
+            start = 0
             for j in range(len(grads) + 1):
                 if j < len(grads) and (j == start or more[j] == more[start]):
                     continue
-                ends = [bounds[i] + sum(g._components[i].numel() for g in grads[start:j])
-                        for i in range(n_local)]
-                if more[start]:
-                    run = [flats[i][bounds[i]:ends[i]] for i in range(n_local)]
-                    for d, run_op in more[start]:
-                        run = comm.all_reduce(mesh, d, run, run_op)
-                    for i in range(n_local):
-                        flats[i][bounds[i]:ends[i]] = run[i]
-                start, bounds = j, ends
-        offsets = [0] * n_local
-        for p, g, extra in zip(params, grads, more, strict=True):
-            pieces = []
-            for i in range(n_local):
-                local = g._components[i]
-                end = offsets[i] + local.numel()
-                pieces.append(flats[i][offsets[i] : end].view_as(local))
-                offsets[i] = end
+                for d, run_op in more[start]:
+                    reduced[start:j] = comm.all_reduce_flat(mesh, (d,), reduced[start:j],
+                                                            run_op)
+                start = j
+        for p, g, extra, pieces in zip(params, grads, more, reduced, strict=True):
             placements = list(g.placements)
             for d in (*dims, *(d for d, _ in extra)):
                 placements[d] = Replicate()
