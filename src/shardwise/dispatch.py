@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from .dtensor import DTensor, check_partials, set_dispatch_handler
 from .errors import (
@@ -45,6 +44,7 @@ from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrateg
 from .placements import Placement
 from .redistribute import compile_plan, plan_redistribute
 from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta, pending_sum
+from .torch_compat import OpOverload, is_torch_function_mode_enabled, make_wrapper_subclass, pytree
 
 aten = torch.ops.aten
 log = logging.getLogger("shardwise.redistribute")
@@ -94,7 +94,7 @@ class _Op:
         self.written = _written_arguments(func)
         self.view = _is_view(func)
         # the kernel without OpOverload.__call__'s Python frame
-        self.call = func._op if type(func) is torch._ops.OpOverload else func
+        self.call = func._op if type(func) is OpOverload else func
         self.binding = _binding(func)
         self.decisions: dict[tuple, _Entry] = {}
 
@@ -898,10 +898,10 @@ def _wrap_one(spec: DTensorSpec | None, components: list) -> Any:
     return _new_dtensor(components, spec)
 
 
-_make_wrapper = torch.Tensor._make_wrapper_subclass
+_make_wrapper = make_wrapper_subclass
 _Tensor = torch.Tensor
 _strided = torch.strided
-_function_mode = torch._C._is_torch_function_mode_enabled  # bindings would call into it
+_function_mode = is_torch_function_mode_enabled  # bindings would call into it
 
 
 def _new_dtensor(components: list[torch.Tensor], spec: DTensorSpec) -> DTensor:

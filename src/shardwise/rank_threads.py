@@ -39,13 +39,18 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from . import process_wide, runtime, settings
 from .comm.wire import Mailbox
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidArgumentError
+from .torch_compat import (
+    C10dWorld,
+    c10d_world,
+    set_c10d_world,
+    set_thread_isolation_mode,
+    tree_leaves,
+)
 
 T = TypeVar("T")
 _GRACE_S = 5.0  # after a rank fails, how long the others get to fail or finish
@@ -56,7 +61,7 @@ def _rank() -> settings.RankThread | None:
     return settings.RANK_THREAD.get()
 
 
-class _RankWorld(c10d._World):
+class _RankWorld(C10dWorld):
     """One rank thread's ``torch.distributed`` state (c10d keeps its maps in module globals)."""
 
     def __init__(self) -> None:
@@ -248,22 +253,22 @@ def _installed() -> Iterator[_Generator]:
             "run_threads is already running in this process; rank threads cannot start rank "
             "threads of their own"
         )
-    world, environ = c10d._world, os.environ
+    world, environ = c10d_world(), os.environ
     generator = torch.random.default_generator
     switch = _Generator(generator)
-    c10d._world = _WorldSwitch(world)
+    set_c10d_world(_WorldSwitch(world))
     os.environ = _Environ(environ)  # type: ignore[assignment]  # noqa: B003 - a view, not a reset
     torch.random.default_generator = switch  # type: ignore[assignment]
     # process groups are registered by name (the same names in every rank): one registry per
     # thread
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    set_thread_isolation_mode(True)
     try:
         yield switch
     finally:
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        set_thread_isolation_mode(False)
         torch.random.default_generator = generator
         os.environ = environ  # type: ignore[assignment]  # noqa: B003
-        c10d._world = world
+        set_c10d_world(world)
         _installed_lock.release()
 
 

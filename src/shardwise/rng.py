@@ -35,6 +35,7 @@ from .geometry import segments_size, split_segments
 from .mesh import DeviceMesh
 from .placements import RaggedShard, Shard
 from .spec import DTensorSpec
+from .torch_compat import kernel_default_generator
 
 T = TypeVar("T")
 aten = torch.ops.aten
@@ -113,7 +114,7 @@ def _draw_cpu(
     spec: DTensorSpec, ids: Sequence[int], draw: Callable[[int], T],
     generator: torch.Generator | None,
 ) -> list[T]:
-    kernel = torch._C.default_generator  # the one kernels draw from (rank threads swap theirs in)
+    kernel = kernel_default_generator()  # the one kernels draw from (rank threads swap theirs in)
     shards = [shard_index(spec, d) for d in ids]
     out = []
     with settings.drawing_from_default_generator():

@@ -27,10 +27,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from . import settings
 from .errors import CollectiveError, CollectiveTimeoutError, MeshError
+from .torch_compat import c10d_world, get_default_group, new_process_group_helper
 
 
 def initialized() -> bool:
@@ -225,11 +225,11 @@ def _new_group(ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup
     different groups before name it differently and each waits for the others under its own
     name forever. So the group is made as ``new_group`` makes it, with the name given (each set
     of ranks is made once per process, so the name is unique)."""
-    default = c10d._get_default_group()
-    default_backend, store = c10d._world.pg_map[default]
+    default = get_default_group()
+    default_backend, store = c10d_world().pg_map[default]
     prefix = "shardwise_ranks_" if backend is None else f"shardwise_{backend}_ranks_"
     name = prefix + "_".join(map(str, ranks))
-    pg, _ = c10d._new_process_group_helper(
+    pg, _ = new_process_group_helper(
         len(ranks),
         ranks.index(dist.get_rank()),
         list(ranks),
@@ -240,7 +240,7 @@ def _new_group(ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup
         device_id=None if backend else default.bound_device_id,
         group_desc=f"shardwise ranks {list(ranks)}",
     )
-    c10d._world.pg_group_ranks[pg] = {rank: i for i, rank in enumerate(ranks)}
+    c10d_world().pg_group_ranks[pg] = {rank: i for i, rank in enumerate(ranks)}
     return pg
 
 

@@ -116,6 +116,9 @@ IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
 IMPLICIT_REPLICATION: Setting[bool] = Setting("implicit_replication", False)
 # Every redistribution an op makes is logged with the user's call site.
 LOG_REDISTRIBUTE: Setting[bool] = Setting("log_redistribute", False)
+# The top-level packages whose code is the library's, not the program's (``call_site``): their
+# torch factory calls stay plain under ``default_mesh``, and call sites skip their frames.
+LIBRARY_PACKAGES: Setting[tuple[str, ...]] = Setting("library_packages", ("torch", "shardwise"))
 # Every cross-process collective (and process-group setup) is bounded by this many seconds.
 COLLECTIVE_TIMEOUT: Setting[float] = Setting(
     "collective_timeout", env_seconds("SHARDWISE_COLLECTIVE_TIMEOUT", 300.0)

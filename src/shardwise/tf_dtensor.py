@@ -33,6 +33,7 @@ from .layout import MATCH, UNSHARDED, Layout
 from .mesh import DeviceMesh, Mesh, current_mesh, init_device_mesh, tf_device_type
 from .placements import Placement, Replicate
 from .spec import DTensorSpec, TensorMeta
+from .torch_compat import is_fx_symbolic_tracing
 
 # ----- pack / unpack -------------------------------------------------------------------------
 
@@ -455,7 +456,7 @@ def _require_eager(what: str) -> None:
     """TF's rule: ``pack``, ``unpack`` and ``fetch_layout`` run eagerly, never while tracing."""
     if torch.compiler.is_compiling():
         _raise_not_eager_compiled(what)
-    if torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+    if torch.jit.is_tracing() or is_fx_symbolic_tracing():
         _raise_not_eager(what)
 
 

@@ -37,6 +37,7 @@ import torch
 from .. import settings
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
+from ..torch_compat import c10d_functional, len_torch_dispatch_stack
 from . import agreement, protocol
 from .accounting import all_reduce_received
 from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks
@@ -46,7 +47,7 @@ from .reduction import combine, finish
 # (a metadata gather on the side group: the generic collectives, never the hot path)
 Shapes = Callable[[int], Sequence[int]] | None
 
-_functional = torch.ops._c10d_functional
+_functional = c10d_functional
 T = TypeVar("T")
 U = TypeVar("U")
 # dtypes both gloo and NCCL reduce (complex ones as pairs of reals, for sums)
@@ -204,7 +205,7 @@ def _tracing() -> bool:
     """Whether a tracer (torch.compile's) records this collective instead of running it: then
     it is the functional collective and its wait alone, with no agreement and no view of a
     buffer's storage."""
-    return torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+    return len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
 
 
 def _checked() -> None:

@@ -30,6 +30,7 @@ from ..placements import (
     is_special_shard,
 )
 from ..spec import DTensorSpec
+from ..torch_compat import DisableTorchDispatch
 from .common import (
     DimOption,
     bind,
@@ -414,7 +415,7 @@ def _inplace_view(op: object, args: tuple, kwargs: dict) -> object:
     give its spec and components to the input and correct the wrapper's sizes and strides."""
     out = _INPLACE_VIEWS[op](op, args, kwargs)
     self = args[0]
-    with torch._C._DisableTorchDispatch():
+    with DisableTorchDispatch():
         op(self, *args[1:], **kwargs)
     self._spec = out._spec
     self._components = out._components

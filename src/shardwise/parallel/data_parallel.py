@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm, runtime
 from ..comm.native import Pending
@@ -40,6 +39,7 @@ from ..mesh import DeviceMesh, init_device_mesh, require_mesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..plain_tensors import plain_is_local
 from ..spec import DTensorSpec, TensorMeta
+from ..torch_compat import tree_flatten, tree_map
 from ..tracing import eager_under_dynamo
 
 MANAGED = "_shardwise_data_parallel"  # set on parameters a data-parallel call manages

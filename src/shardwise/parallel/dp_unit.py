@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from .. import comm
 from ..comm.native import Pending
@@ -23,6 +22,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate
 from ..plain_tensors import plain_is_local
+from ..torch_compat import queue_autograd_callback, tree_map
 from ..tracing import eager_under_dynamo
 from .data_parallel import (
     DataParallelDims,
@@ -198,7 +198,7 @@ class DataParallelUnit:
         groups = self._regather_groups()
         if groups:
             self.prefetched_back = self._issue(groups)
-            torch.autograd.Variable._execution_engine.queue_callback(self.drop_regather)
+            queue_autograd_callback(self.drop_regather)
 
     def drop_regather(self) -> None:
         _drop(self.prefetched_back)
@@ -424,7 +424,7 @@ class DataParallelUnit:
         members = self._regather_groups()[key]
         gathered = self._take(self.prefetched_back, key, members)
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self.regathered.clear)
+            queue_autograd_callback(self.regathered.clear)
         except RuntimeError:  # not in a backward: nothing would drop them
             return gathered[members.index(k)]
         for j, pieces in zip(members, gathered, strict=True):
@@ -597,7 +597,7 @@ class _Packed:
                 1 for j, slot in enumerate(unit.slots)
                 if slot.stored.requires_grad and unit._pack_key(j) is not None
             )
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_autograd_callback(self._finish)
         self.waiting[k] = param
         if len(self.waiting) == self.expected:
             self._flush()
@@ -652,7 +652,7 @@ class _Buckets:
     def ready(self, k: int, param: torch.Tensor) -> None:
         if not self.pending:
             self.pending = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_autograd_callback(self._finish)
         b = self.bucket_of[k]
         self.waiting[b].append((k, param))
         if len(self.waiting[b]) == len(self.buckets[b]):
