@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .caches import PER_LAYOUT, PER_OP, cached, register
 from .dtensor import DTensor, check_partials, set_dispatch_handler
 from .errors import (
     DTensorCollectiveError,
@@ -193,7 +193,7 @@ _generation = [0]
 # Decisions kept, over all ops: a variable sequence length makes new shapes, new keys, so the
 # cache is bounded. Past the bound the oldest published decision goes (oldest first, which keeps
 # the hit path free of bookkeeping); one still in use is decided again on its next call.
-DECISION_CACHE_SIZE = 4096
+DECISION_CACHE_SIZE = PER_LAYOUT
 _published: dict[tuple[_Op, tuple], None] = {}  # (op, key) in publishing order
 
 
@@ -206,6 +206,7 @@ def clear_sharding_cache() -> None:
 
 
 registry.on_registry_change(clear_sharding_cache)
+register("shardwise.dispatch sharding decisions", clear_sharding_cache)
 
 
 def _no_op(plan: Any, mesh: DeviceMesh) -> bool:
@@ -916,7 +917,7 @@ def _new_dtensor(components: list[torch.Tensor], spec: DTensorSpec) -> DTensor:
     return out
 
 
-@functools.lru_cache(maxsize=8192)  # one entry per op overload
+@cached(PER_OP)  # one entry per op overload
 def _is_view(func: Any) -> bool:
     """An op whose output aliases its input (``view``, ``select``, ``transpose``...)."""
     schema = getattr(func, "_schema", None)
@@ -926,7 +927,7 @@ def _is_view(func: Any) -> bool:
     return alias is not None and not alias.is_write
 
 
-@functools.lru_cache(maxsize=8192)  # one entry per op overload
+@cached(PER_OP)  # one entry per op overload
 def _written_arguments(func: Any) -> frozenset:
     """The positions and names of the arguments the op writes (its schema's ``(a!)``)."""
     schema = getattr(func, "_schema", None)
@@ -940,7 +941,7 @@ def _written_arguments(func: Any) -> frozenset:
     )
 
 
-@functools.lru_cache(maxsize=8192)  # one entry per op overload
+@cached(PER_OP)  # one entry per op overload
 def _is_inplace(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import lru_cache
 
 import torch
 
+from ..caches import PER_GROUP, cached
 from ..call_site import call_site
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
@@ -37,7 +37,7 @@ from .wire import post_receive, post_send, wait
 Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local index of each or None
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def group_ranks(mesh: DeviceMesh, mesh_dim: int) -> dict[tuple[int, ...], tuple[int, ...]]:
     """For each cross-process device group along ``mesh_dim`` holding a device of this process,
     the ranks of the processes that own its members. Creates their process groups, in mesh order."""

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import lru_cache
 from math import prod
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from .. import settings
+from ..caches import PER_GROUP, cached
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
 from ..torch_compat import c10d_functional, len_torch_dispatch_stack
@@ -67,7 +67,7 @@ def _backend_reduces(op: str, dtype: torch.dtype) -> bool:
     return op in ("max", "min") and dtype in _INTEGERS
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def _one_device_per_process(mesh: DeviceMesh, mesh_dim: int) -> bool:
     """Every group along ``mesh_dim`` has its members in distinct processes (the same answer
     in every process, so all take the same path)."""

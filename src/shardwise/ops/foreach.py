@@ -7,10 +7,10 @@ scaling by Python scalars or by one replicated scalar tensor (``clip_grad_norm_`
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
+from ..caches import PER_GROUP, PER_LAYOUT, cached
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Placement, Replicate, Shard, is_any_shard, norm_partial
@@ -127,12 +127,12 @@ def _norms_at_once(tensors: list, order: float) -> list[DTensor] | None:
             for j, t in enumerate(tensors)]
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def _whole_or_sharded(placements: tuple[Placement, ...]) -> bool:
     return all(type(p) in (Shard, InterleavedShard) or p.is_replicate() for p in placements)
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _norm_spec(spec: DTensorSpec, pending: Placement, dtype: torch.dtype) -> DTensorSpec:
     """The spec of the norm of a tensor of ``spec``: pending where it is sharded (one spec
     object per input spec, so its Partials are checked once)."""

@@ -10,12 +10,12 @@ among equally cheap ones dispatch keeps the inputs as they are.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from math import prod
 
 import torch
 
+from ..caches import PER_LAYOUT, cached
 from ..errors import InvalidArgumentError, InvalidPlacementError
 from ..geometry import Segments, shard_segments
 from ..mesh import DeviceMesh
@@ -282,7 +282,7 @@ def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:
     return [int(s) for s in args[1]]
 
 
-@functools.lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _cached_local_size(
     global_size: Callable[[tuple, DTensorSpec], list[int]], size: tuple, spec: DTensorSpec,
     out_spec: DTensorSpec, device: int,

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..caches import PER_LAYOUT, register
 from ..comm import native
 from ..comm.distributed import spans_processes
 from ..mesh import DeviceMesh
@@ -32,7 +33,8 @@ from .run import local_splits, run_plan
 
 # key -> (plan, mesh, local output shapes)
 _entries: dict[str, tuple[RedistributePlan, DeviceMesh, list[torch.Size]]] = {}
-TRACED_CACHE_SIZE = 4096
+TRACED_CACHE_SIZE = PER_LAYOUT
+register("shardwise.redistribute.traced._entries", _entries.clear)
 _lock = threading.Lock()
 
 
