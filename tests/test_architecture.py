@@ -33,7 +33,8 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 # layers below it, never from one above. A name covers a module or a whole subpackage; every
 # module of the package is in exactly one layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "settings", "torch_compat", "call_site", "process_wide")),
+    ("foundation", ("errors", "settings", "torch_compat", "call_site", "process_wide",
+                    "caches")),
     ("runtime", ("runtime",)),
     ("data", ("placements", "mesh", "layout", "spec", "geometry", "plain_tensors", "tracing")),
     ("communication", ("comm", "budget")),
@@ -265,6 +266,29 @@ def test_import_shardwise_loads_nothing_and_every_public_name_resolves() -> None
         "    print('missing ok')\n"
     )
     assert out.splitlines() == ["[] False", "missing ok"]
+
+
+# Where state outside ``settings.py`` is allowed, and why.
+AMBIENT_ALLOWED: dict[str, str] = {
+    "shardwise": "reads SHARDWISE_AS_TORCH before loading settings, so import loads nothing",
+    "shardwise.launch": "copies the environment into its child processes' own",
+    "shardwise.rank_threads": "installs the per-thread view of os.environ that settings reads",
+    "shardwise.comm.wire": "a mailbox's own per-thread slot (an instance's, not the module's)",
+    "shardwise.ops.embedding": "the embedding mask's threading.local (being removed: issue 31)",
+}
+
+
+def test_ambient_state_lives_in_settings() -> None:
+    """No ContextVar, threading.local or environment read outside settings.py (each exception
+    in ``AMBIENT_ALLOWED`` with why)."""
+    ambient = ("ContextVar(", "threading.local", "os.environ", "os.getenv")
+    found = {
+        name: [a for a in ambient if a in path.read_text()]
+        for name, (path, _) in _modules().items()
+        if name not in ("shardwise.settings", *AMBIENT_ALLOWED)
+    }
+    found = {name: uses for name, uses in found.items() if uses}
+    assert not found, f"ambient state outside shardwise.settings: {found}"
 
 
 def test_the_top_level_is_small_and_every_moved_name_warns_and_resolves() -> None:

@@ -303,7 +303,7 @@ def _one_intra_op_thread(nproc: int) -> Iterator[None]:
     """As torchrun gives each of several processes one intra-op thread unless
     ``OMP_NUM_THREADS`` says otherwise: torch's intra-op pool is the process's, and every rank
     thread entering a parallel kernel would bring a team of its own onto the same cores."""
-    if nproc == 1 or "OMP_NUM_THREADS" in os.environ:
+    if nproc == 1 or settings.environ("OMP_NUM_THREADS") is not None:
         yield
         return
     before = torch.get_num_threads()
@@ -326,7 +326,7 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        **({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if nproc > 1 else {}),
+        **({"OMP_NUM_THREADS": settings.environ("OMP_NUM_THREADS") or "1"} if nproc > 1 else {}),
     }
 
 
@@ -341,10 +341,11 @@ def _check_alone(nproc: int) -> None:
             f"combine with several processes (gloo cannot run two threads' collectives on one "
             f"group)"
         )
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(settings.environ("WORLD_SIZE") or "1") > 1:
         raise InvalidArgumentError(
             f"threads mode runs {nproc} ranks in this process, but this process was started as "
-            f"rank {os.environ.get('RANK')} of WORLD_SIZE={os.environ['WORLD_SIZE']} processes; "
+            f"rank {settings.environ('RANK')} of WORLD_SIZE={settings.environ('WORLD_SIZE')} "
+            f"processes; "
             f"threads mode does not combine with several processes: start one process"
         )
 

@@ -182,7 +182,8 @@ def _with_offset(state: torch.Tensor, increment: int) -> torch.Tensor:
     return out
 
 
-_checked_generators: set[tuple] = set()
+# the (mesh, device) pairs this process compared (a rank thread is a process of its own)
+_checked_generators: settings.ProcessLocal[set[tuple]] = settings.ProcessLocal(set)
 
 
 def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
@@ -193,7 +194,7 @@ def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
     key = (mesh, device)
     if len(mesh.local_device_ids) == mesh.size():
         return  # one process holds the whole mesh: there is no other generator to compare
-    if key in _checked_generators and not comm.debug_checks_enabled():
+    if key in _checked_generators.get() and not comm.debug_checks_enabled():
         return
     state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
     fields = {"generator state": hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16]}
@@ -202,4 +203,4 @@ def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
         "every process before random DTensor ops"
     ):
         comm.agree(mesh, "random op", fields, state)
-    _checked_generators.add(key)
+    _checked_generators.get().add(key)

@@ -19,7 +19,6 @@ collectives themselves happens here:
 from __future__ import annotations
 
 import atexit
-import os
 import socket
 import threading
 import time
@@ -56,7 +55,7 @@ def start(device_type: str, wanted: bool | None) -> None:
     ``MASTER_PORT`` missing) or malformed: never one process owning every device instead."""
     if wanted is False or not dist.is_available() or dist.is_initialized():
         return
-    env = os.environ
+    env = settings.torchrun_environ()
     if wanted is None and _env_int("WORLD_SIZE", 1) <= 1:
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
@@ -87,7 +86,7 @@ def start(device_type: str, wanted: bool | None) -> None:
 def _env_int(name: str, default: int) -> int:
     """The torchrun variable ``name`` as an integer (``default`` when unset); ``MeshError``
     naming it for anything else."""
-    text = os.environ.get(name)
+    text = settings.environ(name)
     if text is None:
         return default
     try:
@@ -101,7 +100,7 @@ def rendezvous(rank: int, world: int, seconds: float) -> Any:
     ``world`` processes have joined it. Reaching the store and waiting for the others share
     one deadline of ``seconds``; past it raise ``CollectiveTimeoutError`` naming the ranks that
     did not come (or rank 0's store that could not be reached)."""
-    addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
+    addr, port = settings.torchrun_environ()["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
     deadline = time.monotonic() + seconds
     if rank != 0:
         _wait_for_store(rank, world, addr, port, seconds, deadline)

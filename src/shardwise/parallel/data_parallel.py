@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm, runtime
+from .. import comm, runtime, settings
 from ..comm.native import Pending
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import DataParallelError
@@ -288,9 +288,7 @@ def _owning(stored: DTensor) -> DTensor:
 
 # ----- which view a forward runs in -----------------------------------------------------------
 
-_OUTERMOST: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "shardwise_data_parallel_view", default=None
-)
+_OUTERMOST = settings.DATA_PARALLEL_VIEW
 
 
 def choose_view(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[str, bool]:
@@ -310,11 +308,11 @@ def choose_view(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[str, b
 
 
 def enter_view(view: str) -> contextvars.Token:
-    return _OUTERMOST.set(view)
+    return _OUTERMOST.enter(view)
 
 
 def leave_view(token: contextvars.Token) -> None:
-    _OUTERMOST.reset(token)
+    _OUTERMOST.leave(token)
 
 
 def shard_batch(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -7,7 +7,6 @@ packed collective per unit as FSDP2; the others each on their own."""
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm
+from .. import comm, settings
 from ..comm.native import Pending
 from ..deferred_init import is_meta
 from ..dtensor import DTensor
@@ -41,9 +40,7 @@ from .data_parallel import (
 )
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-_SCHEDULE: contextvars.ContextVar[_Schedule | None] = contextvars.ContextVar(
-    "shardwise_fsdp_schedule", default=None
-)
+_SCHEDULE = settings.FSDP_SCHEDULE  # the _Schedule of the outermost fully_shard forward
 
 
 @dataclass
@@ -323,7 +320,7 @@ class DataParallelUnit:
                 self.schedule = _Schedule()
             schedule = self.schedule
             schedule.start()
-            entry.schedule_token = _SCHEDULE.set(schedule)
+            entry.schedule_token = _SCHEDULE.enter(schedule)
         mine = self.prefetched.pop(id(module), None)
         if mine is not None and mine[0] != view:
             _drop(mine[1])
@@ -376,7 +373,7 @@ class DataParallelUnit:
         if entry.token is not None:
             leave_view(entry.token)
         if entry.schedule_token is not None:
-            _SCHEDULE.reset(entry.schedule_token)
+            _SCHEDULE.leave(entry.schedule_token)
             self.schedule.close()  # type: ignore[union-attr]
         if not self.active:
             self.storages.clear()
