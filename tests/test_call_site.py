@@ -25,7 +25,7 @@ def test_factory_calls_of_a_declared_library_stay_plain_under_default_mesh() -> 
     mesh = sw.init_device_mesh("cpu", (2,))
     library = _module_calling("mylib.layers", "torch.ones(3)")
     library.torch = torch
-    with sw.default_mesh(mesh):
+    with sw.tf.default_mesh(mesh):
         assert isinstance(library.make(), sw.DTensor)  # undeclared: the program's own call
         with settings.LIBRARY_PACKAGES.override((*settings.LIBRARY_PACKAGES.get(), "mylib")):
             made = library.make()

@@ -405,8 +405,9 @@ def _decide(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -> D
         raise UnsupportedOpError(
             f"{func} has no sharding rule or strategy for DTensor inputs "
             f"{[list(s.placements) for s in specs]}; register one with "
-            f"shardwise.register_op_strategy([{func}]) or shardwise.register_prop_rule(...), "
-            f"or handle it with shardwise.bypass_dispatch"
+            f"shardwise.rules.register_op_strategy([{func}]) or "
+            f"shardwise.rules.register_prop_rule(...), "
+            f"or handle it with shardwise.rules.bypass_dispatch"
         )
     if reg.strategy is not None:
         schema = _to_schema(

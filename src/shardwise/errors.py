@@ -76,7 +76,7 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class CollectiveMismatchError(CollectiveError):
     """Processes entered different collectives, or the same one on different tensors
-    (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""
+    (found by the debug checks, ``shardwise.config.set_debug_checks(True)``)."""
 
 
 class ConcurrentCollectiveError(CollectiveError):
@@ -149,7 +149,7 @@ class DataParallelError(ShardwiseError, ValueError):
 
 class StrategyValidationError(ShardwiseError, AssertionError):
     """A sharding strategy, forced on sample inputs, gave a value or placements that differ
-    from single-device PyTorch (``shardwise.validate_strategy``)."""
+    from single-device PyTorch (``shardwise.rules.validate_strategy``)."""
 
 
 class StateDictMismatchError(ShardwiseError, RuntimeError):

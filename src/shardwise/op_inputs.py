@@ -87,7 +87,7 @@ def _refusal(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> MeshError:
         f"(here {view}); only a 0-d or one-element tensor is taken as replicated by itself. "
         f"Distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)), or, if "
         f"every rank holds the same whole value, take it as replicated inside "
-        f"`with shardwise.implicit_replication():`"
+        f"`with shardwise.config.implicit_replication():`"
     )
 
 
@@ -221,7 +221,7 @@ def run_moves(
         raise ImplicitRedistributeError(
             f"{func} on {dtensors[0].device_mesh} needs its inputs redistributed:\n"
             + "\n".join(lines)
-            + "\nor allow it with `with shardwise.allow_implicit_redistribute():`"
+            + "\nor allow it with `with shardwise.config.allow_implicit_redistribute():`"
         )
     log_moves = bool(moving) and settings.LOG_REDISTRIBUTE.get()
     if budgeted:  # a comm_budget allows the moves it has room for, checked before any runs

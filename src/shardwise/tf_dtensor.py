@@ -448,7 +448,7 @@ def _raise_not_eager(what: str) -> None:
 # Under torch.compile the check must run when the compiled code runs: dynamo would otherwise
 # give up on the frame and run it eagerly, where it succeeds. fullgraph=True reports the reason.
 _raise_not_eager_compiled = torch.compiler.disable(
-    _raise_not_eager, reason=f"shardwise.pack/unpack/fetch_layout {_NOT_EAGER}"
+    _raise_not_eager, reason=f"shardwise.tf.pack/unpack/fetch_layout {_NOT_EAGER}"
 )
 
 
@@ -533,7 +533,7 @@ def _has_layout(tensor: DTensor, layout: Layout) -> bool:
 
 def _check_layout_arg(layout: Any, what: str) -> None:
     if not isinstance(layout, Layout):
-        raise ShardwiseTypeError(f"{what} needs a shardwise.Layout, got {_describe(layout)}")
+        raise ShardwiseTypeError(f"{what} needs a shardwise.tf.Layout, got {_describe(layout)}")
 
 
 def _check_rank(tensor: torch.Tensor, layout: Layout, what: str) -> None:
