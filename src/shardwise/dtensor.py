@@ -20,9 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch.optim import optimizer as _optimizer
-from torch.utils import _foreach_utils
 
 from . import budget, comm, settings
 from .comm import background
@@ -40,6 +37,12 @@ from .spec import (
     contiguous_meta,
     make_tensor_meta,
     validate_placements,
+)
+from .torch_compat import (
+    disabled_torch_function_impl,
+    foreach_supported_types,
+    make_wrapper_subclass,
+    pytree,
 )
 from .tracing import dynamo_opaque, eager_under_dynamo
 
@@ -75,7 +78,7 @@ class DTensor(torch.Tensor):
     _spec: DTensorSpec
     _components: list[torch.Tensor]
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @staticmethod
     @eager_under_dynamo
@@ -90,7 +93,7 @@ class DTensor(torch.Tensor):
             if first.dtype != held and first.dtype.is_floating_point:
                 components = [c.to(held) for c in components]
         device = first.device if first is not None else spec.mesh.device_of(0)
-        out = torch.Tensor._make_wrapper_subclass(
+        out = make_wrapper_subclass(
             cls,
             meta.shape,
             strides=meta.stride,
@@ -895,7 +898,7 @@ class AsyncDTensor(DTensor):
     ) -> AsyncDTensor:
         meta = spec.tensor_meta
         device = spec.mesh.device_of(spec.mesh.local_device_ids[0])
-        out = torch.Tensor._make_wrapper_subclass(
+        out = make_wrapper_subclass(
             cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=device,
             requires_grad=requires_grad,
         )
@@ -954,7 +957,7 @@ class AsyncCollectiveTensor(torch.Tensor):
     """A plain tensor that a background collective is still computing: any op on it, and
     ``wait()``, first wait for the collective and then see the plain result."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @staticmethod
     def __new__(
@@ -965,7 +968,7 @@ class AsyncCollectiveTensor(torch.Tensor):
         dtype: torch.dtype,
         device: torch.device,
     ) -> AsyncCollectiveTensor:
-        out = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+        out = make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
         out._work, out._index = work, index
         return out
 
@@ -1077,6 +1080,6 @@ torch.serialization.add_safe_globals(
 # torch's foreach paths take DTensors as they take torch's own DTensor: clip_grad_norm_ and
 # the optimizers choose foreach by the parameters' type (``foreach=None``), so without this a
 # DTensor would fall back to one dispatch per tensor where plain tensors run one per list
-for _types in (_foreach_utils._foreach_supported_types, _optimizer._foreach_supported_types):
+for _types in foreach_supported_types():
     if DTensor not in _types:
         _types.append(DTensor)

@@ -11,12 +11,12 @@ same whatever the transport) and the bytes that really crossed processes to the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 from typing import Any
 
 import torch
 
 from .. import runtime
+from ..caches import PER_LAYOUT, cached
 from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh
 from . import accounting, background, distributed, native
@@ -24,7 +24,7 @@ from .reduction import norm_terms, reduce_terms
 from .safety import one_thread
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def local_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple[tuple[int, ...], tuple], ...]:
     """Groups along ``mesh_dim`` that hold a local device: (member ids, local index or None)."""
     local_index = {d: i for i, d in enumerate(mesh.local_device_ids)}
@@ -35,7 +35,7 @@ def local_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple[tuple[int, ...]
     return tuple(groups.items())
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
     """(groups all in this process, groups that span processes) along ``mesh_dim``."""
     inside, across = [], []
@@ -244,7 +244,7 @@ def all_to_all(
     return out
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _joinable_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
     """``_split_groups``, each group all in this process with the ``torch.device`` its
     members keep their components on, or None when they use several."""

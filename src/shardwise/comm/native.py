@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import lru_cache
 from math import prod
 from typing import Any, Generic, TypeVar
 
@@ -39,8 +38,10 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from .. import settings
+from ..caches import PER_GROUP, cached
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
+from ..torch_compat import c10d_functional, len_torch_dispatch_stack
 from . import agreement, protocol
 from .accounting import all_reduce_received
 from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks
@@ -50,7 +51,7 @@ from .reduction import combine, finish
 # (a metadata gather on the side group: the generic collectives, never the hot path)
 Shapes = Callable[[int], Sequence[int]] | None
 
-_functional = torch.ops._c10d_functional
+_functional = c10d_functional
 T = TypeVar("T")
 U = TypeVar("U")
 # dtypes both gloo and NCCL reduce (complex ones as pairs of reals, for sums)
@@ -70,7 +71,7 @@ def _backend_reduces(op: str, dtype: torch.dtype) -> bool:
     return op in ("max", "min") and dtype in _INTEGERS
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def _one_device_per_process(mesh: DeviceMesh, mesh_dim: int) -> bool:
     """Every group along ``mesh_dim`` has its members in distinct processes (the same answer
     in every process, so all take the same path)."""
@@ -211,7 +212,7 @@ def _tracing() -> bool:
     """Whether a tracer (torch.compile's) records this collective instead of running it: then
     it is the functional collective and its wait alone, with no agreement and no view of a
     buffer's storage."""
-    return torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+    return len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
 
 
 def _checked() -> None:
