@@ -17,6 +17,9 @@ import torch
 import torch.distributed.distributed_c10d as _c10d
 import torch.utils._pytree as pytree  # flatten/unflatten of nested args; torch has no public one
 from torch._ops import OpOverload, OpOverloadPacket  # the types of aten ops and their packets
+from torch.distributed._functional_collectives import (  # waited at first non-view use
+    AsyncCollectiveTensor,
+)
 from torch.utils._python_dispatch import (
     TorchDispatchMode,  # the base of fast_call's op cache
     _disable_current_modes,
@@ -145,6 +148,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AsyncCollectiveTensor",
     "C10dWorld",
     "DisableTorchDispatch",
     "DispatchKey",

@@ -23,10 +23,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
 from .. import settings
 from ..errors import CollectiveError, ShardwiseError
+from ..torch_compat import AsyncCollectiveTensor
 from .safety import moving
 
 T = TypeVar("T")

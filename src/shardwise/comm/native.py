@@ -35,13 +35,12 @@ from math import prod
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from .. import settings
 from ..caches import PER_GROUP, cached
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
-from ..torch_compat import c10d_functional, len_torch_dispatch_stack
+from ..torch_compat import AsyncCollectiveTensor, c10d_functional, len_torch_dispatch_stack
 from . import agreement, protocol
 from .accounting import all_reduce_received
 from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks
