@@ -182,6 +182,51 @@ def test_pre_and_post_patches_wrap_dispatch(mesh) -> None:
     assert torch.equal(double(sw.distribute_tensor(x, mesh, [Shard(1)])).full_tensor(), x * 2)
 
 
+def test_remove_hooks_removes_every_hook_and_keeps_the_rule(mesh) -> None:
+    """One entry per op: removing its hooks removes the local-args hook and the predicate too
+    (they were left behind in tables of their own)."""
+    x = torch.randn(6, 2)
+    calls = []
+
+    def plus_one(args, kwargs, specs, out, device):
+        return (args[0] + 1, *args[1:]), kwargs
+
+    def post(op, result, args, kwargs):
+        calls.append(result.placements)
+        return result
+
+    sw.rules.register_local_args([DOUBLE], plus_one)
+    try:
+        hooked = double(sw.distribute_tensor(x, mesh, [Shard(0)]))
+    finally:
+        sw.rules.remove_hooks([DOUBLE])
+    assert torch.equal(hooked.full_tensor(), (x + 1) * 2)
+    out = double(sw.distribute_tensor(x, mesh, [Shard(0)]))  # the rule stays, no hook runs
+    assert torch.equal(out.full_tensor(), x * 2)
+    sw.rules.register_post_patch([DOUBLE], post, applies=lambda specs, out: False)
+    try:
+        double(sw.distribute_tensor(x, mesh, [Shard(0)]))
+    finally:
+        sw.rules.remove_hooks([DOUBLE])
+    sw.rules.register_post_patch([DOUBLE], post)  # no predicate left over: runs for every decision
+    try:
+        double(sw.distribute_tensor(x, mesh, [Shard(0)]))
+    finally:
+        sw.rules.remove_hooks([DOUBLE])
+    assert calls == [(Shard(0),)]
+
+
+def test_unregister_forgets_the_whole_entry(mesh) -> None:
+    from shardwise.ops import registry
+
+    sw.rules.register_prop_rule([UNREGISTERED])(double_rule)
+    sw.rules.register_local_args([UNREGISTERED], lambda args, kwargs, specs, out, device: (args, kwargs))
+    registry.unregister([UNREGISTERED])
+    assert registry.registration(UNREGISTERED) is None
+    with pytest.raises(sw.errors.UnsupportedOpError, match="no sharding rule"):
+        unregistered(sw.distribute_tensor(torch.randn(4), mesh, [Shard(0)]))
+
+
 def test_different_meshes_are_refused() -> None:
     a = sw.distribute_tensor(torch.randn(4), sw.init_device_mesh("cpu", (2,)), [Shard(0)])
     b = sw.distribute_tensor(torch.randn(4), sw.init_device_mesh("cpu", (4,)), [Shard(0)])

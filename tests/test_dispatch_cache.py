@@ -23,14 +23,14 @@ MESH22 = sw.init_device_mesh("cpu", (2, 2))
 def decisions(monkeypatch: pytest.MonkeyPatch) -> list:
     """The ops that reached ``_decide`` (missed the cache) since the fixture started."""
     seen: list = []
-    real = sw_dispatch._decide
+    real = sw_dispatch.decide
 
     def counting(func, *args):
         seen.append(func)
         return real(func, *args)
 
     sw.rules.clear_sharding_cache()
-    monkeypatch.setattr(sw_dispatch, "_decide", counting)
+    monkeypatch.setattr(sw_dispatch, "decide", counting)
     return seen
 
 
@@ -69,7 +69,7 @@ def test_scalar_tensors_of_other_dtypes_get_their_own_output_dtype() -> None:
 
 
 def test_static_numbers_of_other_types_are_other_keys() -> None:
-    key = sw_dispatch._scan
+    key = sw_dispatch.scan
     a = sw.distribute_tensor(torch.ones(4), MESH2, [Shard(0)])
     keys = {key((a, v), {}, 1)[0] for v in (1, 1.0, True)}
     assert len(keys) == 3

@@ -113,8 +113,7 @@ def test_embedding_hooks_apply_only_to_a_vocabulary_split(placements: list) -> N
             assert torch.equal(F.embedding(i, w).full_tensor(), F.embedding(idx, weight))
     entry = _entry(aten.embedding.default)
     vocabulary = placements == [Shard(0)]
-    assert (entry.local_args is not None) == vocabulary
-    assert (entry.post is not None) == vocabulary
+    assert (entry.local_call is not None) == vocabulary
 
 
 def test_a_replicated_embedding_on_one_device_is_one_kernel_call() -> None:

@@ -222,7 +222,7 @@ def test_a_decision_published_meanwhile_by_another_thread_is_not_half_used(
     the cache, thread B publishes the same key, A must still fill in its own decision."""
     sw.rules.clear_sharding_cache()
     x = sw.distribute_tensor(torch.arange(6.0).reshape(3, 2), MESH2, [Shard(0)])
-    real = sw_dispatch._decide
+    real = sw_dispatch.decide
     entered = []
 
     def decide_while_another_thread_publishes(*args: object) -> object:
@@ -234,7 +234,7 @@ def test_a_decision_published_meanwhile_by_another_thread_is_not_half_used(
             t.join(10)
         return decision
 
-    monkeypatch.setattr(sw_dispatch, "_decide", decide_while_another_thread_publishes)
+    monkeypatch.setattr(sw_dispatch, "decide", decide_while_another_thread_publishes)
     out = x.transpose(0, 1)
     assert entered and torch.equal(out.full_tensor(), torch.arange(6.0).reshape(3, 2).T)
 

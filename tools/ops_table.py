@@ -37,19 +37,19 @@ TORCH_DTENSOR_OPINFO_XFAILS = 376
 def op_table_markdown() -> str:
     """``docs/ops.md``: every op shardwise runs on DTensors, how, and the count beside torch's."""
     rows: dict[str, tuple[str, str, str]] = {}
-    for op, reg in registry.registered_ops().items():
-        fn = reg.strategy or reg.rule
-        if not fn.__module__.startswith("shardwise."):
+    for op, entry in registry.entries().items():
+        if entry.handler is not None:
+            kind, fn = "handler", entry.handler
+        elif entry.propagates:
+            kind = "strategy" if entry.strategy else "rule"
+            fn = entry.strategy or entry.rule
+        else:
+            continue
+        if not getattr(fn, "__module__", "").startswith("shardwise."):
             continue  # a user's registration, not a built-in
         if getattr(op, "namespace", "aten") != "aten":
             continue  # prims.fma: registered once torch.compile has defined it
-        kind = "strategy" if reg.strategy else "rule"
         rows[str(op)] = (kind, fn.__module__.rsplit(".", 1)[-1], _first_line(fn))
-    for op, handler in registry.BYPASS_DISPATCH.items():
-        if not getattr(handler, "__module__", "").startswith("shardwise."):
-            continue
-        module = handler.__module__.rsplit(".", 1)[-1]
-        rows[str(op)] = ("handler", module, _first_line(handler))
     lines = [
         "# Supported ops",
         "",

@@ -9,20 +9,19 @@ Per mesh dim an embedding lookup can run four ways:
   indices that fall in its rows and writes zeros elsewhere, so the output is ``Partial("sum")``
   (vocabulary-parallel embedding, as in Megatron and PyTorch's ``_MaskPartial``).
 
-The masked lookup needs per-device arguments: a local-args hook shifts the indices into the
-device's rows (clamped, so the kernel stays in bounds) and a post-patch zeroes the looked-up rows
-of indices that belong to other devices. The backward mirrors it: the weight gradient's
+The masked lookup is one device's kernel call (a local-call hook): the indices shifted into
+the device's rows (clamped, so the kernel stays in bounds), then the looked-up rows of indices
+that belong to other devices zeroed. The backward mirrors it: the weight gradient's
 vocabulary shard is computed from the gradient rows whose index falls in the device's rows.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..dtensor import DTensor
 from ..geometry import shard_segments
 from ..mesh import DeviceMesh
 from ..placements import Shard
@@ -33,22 +32,11 @@ from .registry import (
     OpStrategy,
     RuntimeSchemaInfo,
     register_local_args,
+    register_local_call,
     register_op_strategy,
-    register_post_patch,
 )
 
 aten = torch.ops.aten
-
-
-class _Masks(threading.local):
-    """Per-device masks (device id -> bool tensor of in-range indices) of the embedding call
-    being dispatched, handed from the local-args hook to the post-patch."""
-
-    def __init__(self) -> None:
-        self.by_device: dict[int, torch.Tensor] = {}
-
-
-_masks = _Masks()
 
 
 def _vocab_rows(
@@ -82,32 +70,21 @@ def embedding_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     return product_strategy(mesh, options)
 
 
-def _embedding_local_args(
-    args: tuple, kwargs: dict, specs: list[DTensorSpec], _out: Any, device: int
-) -> tuple[tuple, dict]:
-    """Vocabulary-sharded weight: look up local rows and remember which indices were local."""
-    if device == specs[0].mesh.local_device_ids[0]:
-        _masks.by_device.clear()
+def _embedding_local_call(
+    kernel: Callable[..., Any], args: tuple, kwargs: dict, specs: list[DTensorSpec], _out: Any,
+    device: int,
+) -> Any:
+    """Vocabulary-sharded weight: look up the device's rows, then zero the looked-up rows of
+    indices that another device's vocabulary shard holds."""
     weight_spec = specs[0]
     rows = _vocab_rows(weight_spec.mesh, weight_spec.placements, tuple(weight_spec.shape), device)
     if rows is None:
-        return args, kwargs
+        return kernel(*args, **kwargs)
     weight, indices = args[0], args[1]
     local, mask = _local_indices(indices, *rows)
-    _masks.by_device[device] = mask
     if rows[1] == 0:  # an empty vocabulary shard: look up a zero row instead
         weight = weight.new_zeros((1, weight.shape[1]))
-    return (weight, local, *args[2:]), kwargs
-
-
-def _embedding_post_patch(_op: Any, result: DTensor, _args: tuple, _kwargs: dict) -> DTensor:
-    """Zero the looked-up rows of indices that another device's vocabulary shard holds."""
-    if _masks.by_device:
-        for device, component in zip(result.device_mesh.local_device_ids, result._components,
-                                      strict=True):
-            component.masked_fill_(~_masks.by_device[device].unsqueeze(-1), 0)
-        _masks.by_device.clear()
-    return result
+    return kernel(weight, local, *args[2:], **kwargs).masked_fill_(~mask.unsqueeze(-1), 0)
 
 
 def _vocab_sharded(specs: list[DTensorSpec], _out: Any) -> bool:
@@ -119,8 +96,7 @@ def _vocab_sharded(specs: list[DTensorSpec], _out: Any) -> bool:
     )
 
 
-register_local_args(aten.embedding.default, _embedding_local_args, applies=_vocab_sharded)
-register_post_patch(aten.embedding.default, _embedding_post_patch, applies=_vocab_sharded)
+register_local_call(aten.embedding.default, _embedding_local_call, applies=_vocab_sharded)
 
 
 @register_op_strategy(aten.embedding_dense_backward.default, schema_info=RuntimeSchemaInfo(2))

@@ -328,7 +328,8 @@ def _plain_to_replicate(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
 def _chain_pre_patch(ops: Sequence[Any], patch: Any) -> None:
     """Register ``patch`` to run before whatever pre-patch the op already has."""
     for op in ops:
-        previous = registry.PRE_PATCH.get(op)
+        entry = registry.registration(op)
+        previous = entry.pre if entry is not None else None
         if previous is None:
             register_pre_patch(op, patch)
             continue

@@ -8,14 +8,17 @@ Two kinds of registration, as in PyTorch/veScale DTensor:
   ``OpStrategy``s to an ``OpStrategy`` listing every valid ``PlacementStrategy``; dispatch picks
   the one that is cheapest to reach from the actual inputs.
 
-Every built-in op is registered through these functions. Hooks let an op skip the machinery:
-``bypass_dispatch`` (handle the op entirely), ``register_pre_patch``/``register_post_patch``
-(adjust arguments or results around dispatch) and ``bypass_sharding_propagation`` (the output
-takes the first input's spec).
+Every built-in op is registered through these functions, into one ``OpEntry`` per op (one
+table). Hooks let an op skip the machinery: ``bypass_dispatch`` (handle the op entirely),
+``register_pre_patch``/``register_post_patch`` (adjust arguments or results around dispatch),
+``register_local_args``/``register_local_call`` (adjust one device's arguments or kernel call)
+and ``bypass_sharding_propagation`` (the output takes the first input's spec). ``remove_hooks``
+removes every hook of an op, ``unregister`` its whole entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,28 +140,48 @@ class OpStrategy:
 PropRule = Callable[[OpSchema], OutputSharding]
 StrategyFunc = Callable[[DeviceMesh, OpSchema], OpStrategy]
 DispatchHook = Callable[[OpOverload, tuple, dict], Any]
+PrePatch = Callable[[OpOverload, tuple, dict], tuple[tuple, dict]]
+PostPatch = Callable[[OpOverload, Any, tuple, dict], Any]
+LocalArgsHook = Callable[[tuple, dict, list[DTensorSpec], Any, int], tuple[tuple, dict]]
+# (kernel, a device's arguments, input specs after moves, output spec(s), device id) -> result
+LocalCallHook = Callable[[Callable[..., Any], tuple, dict, list[DTensorSpec], Any, int], Any]
+# (input specs after moves, output spec(s)) -> whether the per-call hooks apply to a decision
+HookApplies = Callable[[list[DTensorSpec], OutputSpecs], bool]
 
 
-@dataclass
-class Registration:
-    """What is registered for one op."""
+@dataclass(frozen=True)
+class OpEntry:
+    """Everything registered for one op, in one value: how it shards (``rule`` or
+    ``strategy``, with ``schema_info``; ``keeps_input_spec``: the output takes the first
+    input's spec) or the ``handler`` that runs it instead of dispatch, and the hooks around
+    its run: ``pre`` (arguments before dispatch), ``local_args`` (a device's arguments),
+    ``local_call`` (a device's kernel call), ``post`` (the result), the last three only for
+    the sharding decisions ``applies`` accepts (all when None)."""
 
     rule: PropRule | None = None
     strategy: StrategyFunc | None = None
     schema_info: RuntimeSchemaInfo | None = None
+    keeps_input_spec: bool = False
+    handler: DispatchHook | None = None
+    pre: PrePatch | None = None
+    local_args: LocalArgsHook | None = None
+    local_call: LocalCallHook | None = None
+    post: PostPatch | None = None
+    applies: HookApplies | None = None
+
+    @property
+    def propagates(self) -> bool:
+        """Whether the op has a sharding rule or strategy."""
+        return self.rule is not None or self.strategy is not None
+
+    def without_hooks(self) -> OpEntry | None:
+        """The entry's sharding alone (None when it has none)."""
+        if not self.propagates:
+            return None
+        return OpEntry(self.rule, self.strategy, self.schema_info)
 
 
-_REGISTRY: dict[OpOverload, Registration] = {}
-BYPASS_DISPATCH: dict[OpOverload, DispatchHook] = {}
-PRE_PATCH: dict[OpOverload, Callable[[OpOverload, tuple, dict], tuple[tuple, dict]]] = {}
-POST_PATCH: dict[OpOverload, Callable[[OpOverload, Any, tuple, dict], Any]] = {}
-BYPASS_PROPAGATION: set[OpOverload] = set()
-LocalArgsHook = Callable[[tuple, dict, list[DTensorSpec], Any, int], tuple[tuple, dict]]
-LOCAL_ARGS: dict[OpOverload, LocalArgsHook] = {}
-# (input specs after moves, output spec(s)) -> whether a hook applies to that sharding decision
-HookApplies = Callable[[list[DTensorSpec], OutputSpecs], bool]
-LOCAL_ARGS_APPLIES: dict[OpOverload, HookApplies] = {}
-POST_PATCH_APPLIES: dict[OpOverload, HookApplies] = {}
+_ENTRIES: dict[OpOverload, OpEntry] = {}
 _listeners: list[Callable[[], None]] = []
 
 
@@ -184,15 +207,32 @@ def on_registry_change(listener: Callable[[], None]) -> None:
     _listeners.append(listener)
 
 
+def _update(ops: OpOverload | Iterable[OpOverload], **fields: Any) -> None:
+    """Set ``fields`` of the entry of every op in ``ops`` (made if missing); an ``applies``
+    of None keeps the predicate the entry has."""
+    if "applies" in fields and fields["applies"] is None:
+        del fields["applies"]
+    for op in _overloads(ops):
+        _ENTRIES[op] = dataclasses.replace(_ENTRIES.get(op) or OpEntry(), **fields)
+    _changed()
+
+
+def set_entry(op: OpOverload, entry: OpEntry | None) -> None:
+    """Put ``entry`` in place of whatever ``op`` has (None: nothing)."""
+    if entry is None:
+        _ENTRIES.pop(op, None)
+    else:
+        _ENTRIES[op] = entry
+    _changed()
+
+
 def register_prop_rule(
     ops: OpOverload | Iterable[OpOverload], schema_info: RuntimeSchemaInfo | None = None
 ) -> Callable[[PropRule], PropRule]:
-    """Decorator: register a sharding rule for ``ops`` (replacing what was registered)."""
+    """Decorator: register a sharding rule for ``ops`` (replacing their rule or strategy)."""
 
     def wrap(rule: PropRule) -> PropRule:
-        for op in _overloads(ops):
-            _REGISTRY[op] = Registration(rule=rule, schema_info=schema_info)
-        _changed()
+        _update(ops, rule=rule, strategy=None, schema_info=schema_info)
         return rule
 
     return wrap
@@ -201,12 +241,10 @@ def register_prop_rule(
 def register_op_strategy(
     ops: OpOverload | Iterable[OpOverload], schema_info: RuntimeSchemaInfo | None = None
 ) -> Callable[[StrategyFunc], StrategyFunc]:
-    """Decorator: register a sharding strategy for ``ops`` (replacing what was registered)."""
+    """Decorator: register a sharding strategy for ``ops`` (replacing their rule or strategy)."""
 
     def wrap(strategy: StrategyFunc) -> StrategyFunc:
-        for op in _overloads(ops):
-            _REGISTRY[op] = Registration(strategy=strategy, schema_info=schema_info)
-        _changed()
+        _update(ops, rule=None, strategy=strategy, schema_info=schema_info)
         return strategy
 
     return wrap
@@ -214,47 +252,27 @@ def register_op_strategy(
 
 def bypass_dispatch(ops: OpOverload | Iterable[OpOverload], handler: DispatchHook) -> None:
     """Handle ``ops`` on DTensors with ``handler(op, args, kwargs)`` instead of dispatch."""
-    for op in _overloads(ops):
-        BYPASS_DISPATCH[op] = handler
-    _changed()
+    _update(ops, handler=handler)
 
 
-def register_pre_patch(
-    ops: OpOverload | Iterable[OpOverload],
-    patch: Callable[[OpOverload, tuple, dict], tuple[tuple, dict]],
-) -> None:
+def register_pre_patch(ops: OpOverload | Iterable[OpOverload], patch: PrePatch) -> None:
     """Run ``patch(op, args, kwargs) -> (args, kwargs)`` before dispatching ``ops``."""
-    for op in _overloads(ops):
-        PRE_PATCH[op] = patch
-    _changed()
+    _update(ops, pre=patch)
 
 
 def register_post_patch(
-    ops: OpOverload | Iterable[OpOverload],
-    patch: Callable[[OpOverload, Any, tuple, dict], Any],
-    applies: HookApplies | None = None,
+    ops: OpOverload | Iterable[OpOverload], patch: PostPatch, applies: HookApplies | None = None
 ) -> None:
     """Run ``patch(op, result, args, kwargs) -> result`` after dispatching ``ops``; with
-    ``applies``, only for sharding decisions where ``applies(input_specs, output_specs)``
-    (asked once per cached decision, so other calls pay nothing)."""
-    for op in _overloads(ops):
-        POST_PATCH[op] = patch
-        _set_applies(POST_PATCH_APPLIES, op, applies)
-    _changed()
-
-
-def _set_applies(table: dict, op: OpOverload, applies: HookApplies | None) -> None:
-    if applies is None:
-        table.pop(op, None)
-    else:
-        table[op] = applies
+    ``applies``, the op's per-call hooks run only for sharding decisions where
+    ``applies(input_specs, output_specs)`` (asked once per cached decision, so other calls
+    pay nothing)."""
+    _update(ops, post=patch, applies=applies)
 
 
 def bypass_sharding_propagation(ops: OpOverload | Iterable[OpOverload]) -> None:
     """Skip sharding propagation for ``ops``: the output takes the first input's spec."""
-    for op in _overloads(ops):
-        BYPASS_PROPAGATION.add(op)
-    _changed()
+    _update(ops, keeps_input_spec=True)
 
 
 def register_local_args(
@@ -263,30 +281,36 @@ def register_local_args(
     """Rewrite the non-tensor arguments per component before the local op runs:
     ``hook(args, kwargs, input_specs, output_specs, device_id) -> (args, kwargs)``, where args
     already hold the device's components and ``input_specs`` are the specs the inputs were
-    moved to (e.g. a view's global size becomes the local one). With ``applies``, only for
-    sharding decisions where ``applies(input_specs, output_specs)`` (asked once per cached
-    decision)."""
-    for op in _overloads(ops):
-        LOCAL_ARGS[op] = hook
-        _set_applies(LOCAL_ARGS_APPLIES, op, applies)
-    _changed()
+    moved to (e.g. a view's global size becomes the local one). ``applies`` as for
+    ``register_post_patch``."""
+    _update(ops, local_args=hook, applies=applies)
+
+
+def register_local_call(
+    ops: OpOverload | Iterable[OpOverload], hook: LocalCallHook, applies: HookApplies | None = None
+) -> None:
+    """Run each device's kernel through ``hook(kernel, args, kwargs, input_specs,
+    output_specs, device_id) -> result``: what one device computes and fixes up with data of
+    this call (a vocabulary shard's mask) stays in that call. ``applies`` as for
+    ``register_post_patch``."""
+    _update(ops, local_call=hook, applies=applies)
 
 
 def unregister(ops: OpOverload | Iterable[OpOverload]) -> None:
-    """Forget the rule or strategy registered for ``ops``."""
+    """Forget everything registered for ``ops``: rule or strategy and every hook."""
     for op in _overloads(ops):
-        _REGISTRY.pop(op, None)
+        _ENTRIES.pop(op, None)
     _changed()
 
 
 def remove_hooks(ops: OpOverload | Iterable[OpOverload]) -> None:
-    """Undo ``bypass_dispatch``, patches and propagation bypass for ``ops``."""
+    """Remove every hook of ``ops`` (handler, patches, local args and calls, propagation
+    bypass, predicate), keeping their rule or strategy."""
     for op in _overloads(ops):
-        BYPASS_DISPATCH.pop(op, None)
-        PRE_PATCH.pop(op, None)
-        POST_PATCH.pop(op, None)
-        POST_PATCH_APPLIES.pop(op, None)
-        BYPASS_PROPAGATION.discard(op)
+        entry = _ENTRIES.pop(op, None)
+        kept = entry.without_hooks() if entry is not None else None
+        if kept is not None:
+            _ENTRIES[op] = kept
     _changed()
 
 
@@ -300,19 +324,21 @@ def register_deferred(name: str, register: Callable[[], None]) -> None:
     _DEFERRED[name] = register
 
 
-def registration(op: OpOverload) -> Registration | None:
-    reg = _REGISTRY.get(op)
-    if reg is None and _DEFERRED:
+def registration(op: OpOverload) -> OpEntry | None:
+    """The op's entry (running a deferred registration first), None when nothing is
+    registered."""
+    entry = _ENTRIES.get(op)
+    if entry is None and _DEFERRED:
         register = _DEFERRED.pop(getattr(op, "_name", ""), None)
         if register is not None:
             register()
-            reg = _REGISTRY.get(op)
-    return reg
+            entry = _ENTRIES.get(op)
+    return entry
 
 
-def registered_ops() -> dict[OpOverload, Registration]:
-    """Every op with a rule or strategy (for the generated op table)."""
-    return dict(_REGISTRY)
+def entries() -> dict[OpOverload, OpEntry]:
+    """Every op's entry (for the generated op table)."""
+    return dict(_ENTRIES)
 
 
 def _flatten(args: Any) -> list:

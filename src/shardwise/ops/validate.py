@@ -12,6 +12,7 @@ torch's result and carry the declared output placements. ``SHARDWISE_VALIDATE_AL
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -29,7 +30,7 @@ from ..placements import Partial, Placement, Replicate, Shard, norm_order
 from ..spec import DTensorSpec, make_tensor_meta, validate_placements
 from ..torch_compat import pytree
 from . import registry
-from .registry import OpStrategy, PlacementStrategy, Registration
+from .registry import OpEntry, OpStrategy, PlacementStrategy
 
 MESH_SHAPES: tuple[tuple[int, ...], ...] = ((2,), (3,), (2, 2))
 
@@ -57,16 +58,13 @@ class ValidationReport:
 def forced(op: Any, candidate: PlacementStrategy) -> Iterator[None]:
     """Within the block, ``op``'s strategy returns only ``candidate`` (hooks unchanged)."""
     saved = registry.registration(op)
-    info = saved.schema_info if saved is not None else None
-    registry._REGISTRY[op] = Registration(
-        strategy=lambda mesh, schema: OpStrategy([candidate]), schema_info=info
-    )
-    registry._changed()
+    registry.set_entry(op, dataclasses.replace(
+        saved or OpEntry(), rule=None, strategy=lambda mesh, schema: OpStrategy([candidate])
+    ))
     try:
         yield
     finally:
-        registry._REGISTRY[op] = saved
-        registry._changed()
+        registry.set_entry(op, saved)
 
 
 def adversarial_components(
@@ -355,6 +353,7 @@ def _run_candidate(
     except Exception as err:
         return f"raised {type(err).__name__}: {_first_line(err)}"
     wrong = _compare(got, expected, atol, rtol, check_values)
-    if wrong or op in registry.POST_PATCH:  # a post-patch may finish the op (e.g. reduce)
+    entry = registry.registration(op)
+    if wrong or entry.post is not None:  # a post-patch may finish the op (e.g. reduce)
         return wrong
     return _declared(got, candidate)
