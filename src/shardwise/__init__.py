@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> the submodule defining it
 _NAMES: dict[str, str] = {
-    "AsyncCollectiveTensor": "dtensor",
+    "AsyncCollectiveTensor": "pending",
     "AsyncDTensor": "dtensor",
     "CommCounter": "comm",
-    "CommBudget": "budget",
-    "comm_budget": "budget",
+    "CommBudget": "comm.budget",
+    "comm_budget": "comm.budget",
     "get_collective_timeout": "comm",
     "set_collective_timeout": "comm",
     "set_debug_checks": "comm",
@@ -36,7 +36,7 @@ _NAMES: dict[str, str] = {
     "materialize_module": "deferred_init",
     "clear_sharding_cache": "dispatch",
     "as_torch": "as_torch",
-    "distribute_tensor": "dtensor",
+    "distribute_tensor": "factories",
     "DTensor": "dtensor",
     "local_components": "dtensor",
     "reshard": "dtensor",
@@ -302,7 +302,6 @@ if os.environ.get("SHARDWISE_AS_TORCH"):  # settings.AS_TORCH decides; nothing l
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
     from .as_torch import as_torch
-    from .budget import CommBudget, comm_budget
     from .comm import (
         CommCounter,
         deterministic,
@@ -311,15 +310,14 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         set_debug_checks,
         set_deterministic,
     )
+    from .comm.budget import CommBudget, comm_budget
     from .custom_sharding import register_sharding
     from .debug import explain_redistribute
     from .deferred_init import deferred_init, materialize_module
     from .dispatch import clear_sharding_cache
     from .dtensor import (
-        AsyncCollectiveTensor,
         AsyncDTensor,
         DTensor,
-        distribute_tensor,
         local_components,
         reshard,
     )
@@ -358,7 +356,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
         UnsafeCheckpointError,
         UnsupportedOpError,
     )
-    from .factories import empty, full, ones, rand, randn, zeros
+    from .factories import distribute_tensor, empty, full, ones, rand, randn, zeros
     from .layout import MATCH, UNSHARDED, Layout
     from .local_map import local_map
     from .mesh import DeviceMesh, Mesh, create_mesh, init_device_mesh
@@ -387,6 +385,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs (never run)
     )
     from .ops.validate import ValidationReport, validate_strategy
     from .parallel import distribute_module
+    from .pending import AsyncCollectiveTensor
     from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
     from .redistribute import RedistributePlan, Step
     from .spec import DTensorSpec, TensorMeta
