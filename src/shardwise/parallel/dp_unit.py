@@ -16,13 +16,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .. import comm
 from ..comm.native import Pending
 from ..deferred_init import is_meta
-from ..dtensor import DTensor
+from ..dtensor import DTensor, local_of
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate
 from ..plain_tensors import plain_is_local
+from ..redistribute import move
 from ..tracing import eager_under_dynamo
 from .data_parallel import (
     DataParallelDims,
@@ -118,7 +118,7 @@ class DataParallelUnit:
         """Changes whenever slot ``k``'s stored parameter does: replaced, or written in place
         (through the DTensor, whose own counter moves, or through its components)."""
         stored = self.slots[k].stored
-        return (id(stored), stored._version, tuple(c._version for c in stored._components))
+        return (id(stored), stored._version, tuple(c._version for c in local_of(stored).pieces))
 
     def views_of(
         self, ks: list[int], view: str, prefetched: Prefetched | None = None
@@ -394,7 +394,7 @@ class DataParallelUnit:
         if self.backward_schedule is not None:
             self.backward_schedule.saving.setdefault(self, None)
         views = [(p.shape, p.stride(), p.storage_offset()) for p in pieces]
-        spec = tensor._spec if isinstance(tensor, DTensor) else None
+        spec = local_of(tensor).spec if isinstance(tensor, DTensor) else None
         return (k, spec, views)
 
     @eager_under_dynamo
@@ -498,7 +498,7 @@ def guard_calls(module: nn.Module, unit: DataParallelUnit) -> None:
 
 def _pieces(tensor: Any) -> list[torch.Tensor]:
     if isinstance(tensor, DTensor):
-        return list(tensor._components)
+        return list(local_of(tensor).pieces)
     if isinstance(tensor, torch.Tensor):
         return [tensor]
     return []
@@ -639,7 +639,7 @@ class _Buckets:
             param = unit.slots[k].stored
             if not param.requires_grad:
                 continue
-            nbytes = param._components[0].numel() * param.element_size()  # one device's piece
+            nbytes = local_of(param).pieces[0].numel() * param.element_size()  # one device's piece
             if size + nbytes > cap and (not self.buckets or self.buckets[-1]):
                 self.buckets.append([])
                 size = 0
@@ -698,34 +698,38 @@ class _Buckets:
         is pending over and stored whole on, such as a sequence-parallel norm's weight over
         'tp') of the run of parameters that share it (``params`` lists them side by side)."""
         grads: list[DTensor] = [p.grad for p in params]
+        held = [local_of(g) for g in grads]
         n_local = len(mesh.local_device_ids)
-        flats = [torch.cat([g._components[i].reshape(-1) for g in grads]) for i in range(n_local)]
-        with comm.moving(lambda: f"replicate's gradient bucket of {len(grads)} tensors"):
-            for d in dims:
-                flats = comm.all_reduce(mesh, d, flats, op)
-            start, bounds = 0, [0] * n_local
-            for j in range(len(grads) + 1):
-                if j < len(grads) and (j == start or more[j] == more[start]):
-                    continue
-                ends = [bounds[i] + sum(g._components[i].numel() for g in grads[start:j])
-                        for i in range(n_local)]
-                if more[start]:
-                    run = [flats[i][bounds[i]:ends[i]] for i in range(n_local)]
-                    for d, run_op in more[start]:
-                        run = comm.all_reduce(mesh, d, run, run_op)
-                    for i in range(n_local):
-                        flats[i][bounds[i]:ends[i]] = run[i]
-                start, bounds = j, ends
+        flats = [torch.cat([h.pieces[i].reshape(-1) for h in held]) for i in range(n_local)]
+
+        def what() -> str:
+            return f"replicate's gradient bucket of {len(grads)} tensors"
+
+        for d in dims:
+            flats = move.all_reduce(what, mesh, d, flats, op)
+        start, bounds = 0, [0] * n_local
+        for j in range(len(grads) + 1):
+            if j < len(grads) and (j == start or more[j] == more[start]):
+                continue
+            ends = [bounds[i] + sum(h.pieces[i].numel() for h in held[start:j])
+                    for i in range(n_local)]
+            if more[start]:
+                run = [flats[i][bounds[i]:ends[i]] for i in range(n_local)]
+                for d, run_op in more[start]:
+                    run = move.all_reduce(what, mesh, d, run, run_op)
+                for i in range(n_local):
+                    flats[i][bounds[i]:ends[i]] = run[i]
+            start, bounds = j, ends
         offsets = [0] * n_local
-        for p, g, extra in zip(params, grads, more, strict=True):
+        for p, g, h, extra in zip(params, grads, held, more, strict=True):
             pieces = []
             for i in range(n_local):
-                local = g._components[i]
+                local = h.pieces[i]
                 end = offsets[i] + local.numel()
                 pieces.append(flats[i][offsets[i] : end].view_as(local))
                 offsets[i] = end
             placements = list(g.placements)
             for d in (*dims, *(d for d, _ in extra)):
                 placements[d] = Replicate()
-            p.grad = DTensor(pieces, g._spec.with_placements(placements))
+            p.grad = DTensor(pieces, h.spec.with_placements(placements))
 
