@@ -19,6 +19,7 @@ from .. import comm, settings
 from ..dtensor import DTensor
 from ..errors import DistributeContextError, DistributeTypeError, DistributeValueError
 from ..placements import Partial, Placement, Replicate
+from ..redistribute import move
 from ..spec import DTensorSpec, contiguous_meta
 from . import context
 from .enums import (
@@ -491,8 +492,9 @@ def create_mirrored_variable(
     base = initial_tensor(initial_value, dtype)
     copies = [base.to(d).clone() for d in ext._torch_devices()]
     if ext._num_replicas_in_sync > ext._num_local:  # multi-worker: worker 0's value wins
-        with comm.moving(lambda: f"initial value of variable {name!r}"):
-            copies = [c.contiguous() for c in comm.broadcast(ext.mesh, 0, copies, src=0)]
+        copies = [c.contiguous() for c in move.broadcast(
+            lambda: f"initial value of variable {name!r}", ext.mesh, 0, copies
+        )]
     name = name or "Variable"
     if synchronization == VariableSynchronization.AUTO:  # TF: AUTO means ON_WRITE here
         synchronization = VariableSynchronization.ON_WRITE
