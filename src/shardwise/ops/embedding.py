@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..dtensor import DTensor
+from ..dtensor import DTensor, local_of
 from ..geometry import shard_segments
 from ..mesh import DeviceMesh
 from ..placements import Shard
@@ -103,7 +103,7 @@ def _embedding_local_args(
 def _embedding_post_patch(_op: Any, result: DTensor, _args: tuple, _kwargs: dict) -> DTensor:
     """Zero the looked-up rows of indices that another device's vocabulary shard holds."""
     if _masks.by_device:
-        for device, component in zip(result.device_mesh.local_device_ids, result._components,
+        for device, component in zip(result.device_mesh.local_device_ids, local_of(result).pieces,
                                       strict=True):
             component.masked_fill_(~_masks.by_device[device].unsqueeze(-1), 0)
         _masks.by_device.clear()
