@@ -2,6 +2,8 @@
 
 A DTensor is a ``torch.Tensor`` wrapper subclass: its shape, stride and dtype are the global
 ones, and it holds one local component per device this process owns, in ascending device id.
+The layers above read and replace what it holds through ``Local`` (``local_of``, ``set_local``,
+``build``; ``wrap`` for dispatch's outputs), never through its fields.
 
 Pending results of background collectives (``redistribute(..., async_op=True)``,
 ``DTensor.from_local(..., async_op=True)``) are ``AsyncDTensor``s: global metadata is known at
