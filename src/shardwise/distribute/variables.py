@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import comm, settings
+from .. import settings
 from ..dtensor import DTensor
 from ..errors import DistributeContextError, DistributeTypeError, DistributeValueError
 from ..placements import Partial, Placement, Replicate
@@ -439,7 +439,7 @@ class SyncOnReadVariable(DistributedVariable):
             return first.primary if isinstance(first, Mirrored) else first
         self._reduce_op("read")
         dtensor: Any = self._dtensor
-        with torch.no_grad(), comm.moving(lambda: f"read of SyncOnReadVariable {self.name!r}"):
+        with torch.no_grad():  # the redistribution names its own move
             return dtensor.full_tensor()
 
     def _update(self, kind: str, value: Any) -> SyncOnReadVariable:
