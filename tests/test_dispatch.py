@@ -220,7 +220,9 @@ def test_unregister_forgets_the_whole_entry(mesh) -> None:
     from shardwise.ops import registry
 
     sw.rules.register_prop_rule([UNREGISTERED])(double_rule)
-    sw.rules.register_local_args([UNREGISTERED], lambda args, kwargs, specs, out, device: (args, kwargs))
+    sw.rules.register_local_args(
+        [UNREGISTERED], lambda args, kwargs, specs, out, device: (args, kwargs)
+    )
     registry.unregister([UNREGISTERED])
     assert registry.registration(UNREGISTERED) is None
     with pytest.raises(sw.errors.UnsupportedOpError, match="no sharding rule"):

@@ -188,7 +188,7 @@ def test_first_use_waits_and_to_local_returns_a_waiting_tensor() -> None:
     pending = dt.redistribute(placements=[Replicate()], async_op=True)
     assert torch.equal((pending * 2).full_tensor(), x * 2)  # an op on it waits
     local = dt.redistribute(placements=[Replicate()], async_op=True).to_local()
-    assert isinstance(local, sw.dtensor.AsyncCollectiveTensor)
+    assert isinstance(local, sw.pending.AsyncCollectiveTensor)
     result = local + 1  # first use waits, the result is a plain tensor
     assert type(result) is torch.Tensor and torch.equal(result, x + 1)
     assert torch.equal(local.wait(), x)

@@ -26,7 +26,7 @@ from typing import Any
 # sharding rules), ``shardwise.config`` (switches), ``shardwise.debug``.
 _NAMES: dict[str, str] = {
     "DTensor": "dtensor",
-    "distribute_tensor": "dtensor",
+    "distribute_tensor": "factories",
     "local_components": "dtensor",
     "distribute_module": "parallel",
     "DeviceMesh": "mesh",
@@ -142,7 +142,7 @@ _MOVED: dict[str, str] = {
     "CommBudget": "debug",
     "CommCounter": "debug",
     "explain_redistribute": "debug",
-    "AsyncCollectiveTensor": "dtensor",
+    "AsyncCollectiveTensor": "pending",
     "AsyncDTensor": "dtensor",
     "reshard": "dtensor",
     "DTensorSpec": "spec",

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .components import local_of
 from .placements import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 
@@ -79,7 +80,7 @@ def _local_boxes(dtensor: DTensor) -> list[tuple[int, Box]]:
     """(local index, box) for every box of every local component that loads the value, in
     chunk-list order; empty boxes only for an empty tensor (an empty ragged piece may share
     its offset with a full one)."""
-    spec = dtensor._spec
+    spec = local_of(dtensor).spec
     empty = dtensor.numel() == 0
     return [
         (i, box)
@@ -102,7 +103,7 @@ def _reduced_copy(dtensor: DTensor) -> DTensor:
 
 
 def _without_partial(dtensor: DTensor) -> DTensor:
-    placements = dtensor._spec.placements
+    placements = local_of(dtensor).spec.placements
     if not any(p.is_partial() for p in placements):
         return dtensor
     with torch.no_grad():
@@ -122,8 +123,7 @@ def release_reduced() -> None:
 def create_write_items(fqn: str, dtensor: DTensor) -> list[WriteItem]:
     """One write item per box this process must write (each global element exactly once)."""
     source = _without_partial(dtensor)
-    spec = source._spec
-    components = source._components
+    spec, components = local_of(source).spec, local_of(source).pieces
     empty = source.numel() == 0
     items = []
     for i, device in enumerate(spec.mesh.local_device_ids):
@@ -163,11 +163,11 @@ def create_chunk_list(dtensor: DTensor) -> list[ChunkStorageMetadata]:
     """Every box of every local component that loads the value (replicas too); components
     past coordinate 0 of a Partial("sum") mesh dim are zeroed instead."""
     _reduced.pop(id(dtensor), None)  # a load reads into the tensor itself
-    spec = dtensor._spec
+    spec = local_of(dtensor).spec
     for i, device in enumerate(spec.mesh.local_device_ids):
         if not _is_reader(spec, device):
             with torch.no_grad():
-                dtensor._components[i].zero_()
+                local_of(dtensor).pieces[i].zero_()
     return [
         ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         for _, (offsets, sizes, _) in _local_boxes(dtensor)
@@ -192,7 +192,7 @@ def get_tensor_shard(dtensor: DTensor, index: MetadataIndex) -> torch.Tensor:
             f"offset {list(index.offset or [])}"
         )
     i, (_, sizes, local) = choice
-    view = dtensor._components[i]
+    view = local_of(dtensor).pieces[i]
     for dim, (start, size) in enumerate(zip(local, sizes, strict=True)):
         if (start, size) != (0, view.shape[dim]):
             view = view.narrow(dim, start, size)

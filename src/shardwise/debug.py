@@ -15,10 +15,10 @@ import torch
 
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from . import settings
-from .budget import CommBudget, comm_budget
 from .comm import CommCounter, CommRecord
+from .comm.budget import CommBudget, comm_budget
 from .comm.safety import current_description
-from .dtensor import DTensor
+from .dtensor import DTensor, local_of
 from .errors import InvalidArgumentError
 from .mesh import DeviceMesh
 from .placements import Placement, RaggedShard
@@ -41,7 +41,7 @@ def explain_redistribute(
     its collective, mesh dim and the bytes this process's devices would receive, and beside
     its ``global_bytes`` the ``lower_bound`` no plan can beat (bytes over all devices). With
     another ``device_mesh``, the ``CrossMeshPlan`` of ``reshard`` to that mesh, with its bound."""
-    spec = dtensor._spec
+    spec = local_of(dtensor).spec
     if device_mesh is not None and device_mesh != spec.mesh:
         target = validate_placements(dtensor.shape, device_mesh, placements)
         shape, itemsize = tuple(spec.shape), spec.component_dtype.itemsize
@@ -266,7 +266,7 @@ def visualize_sharding(dtensor: DTensor, header: str = "", file: TextIO | None =
         raise InvalidArgumentError(
             f"visualize_sharding needs a DTensor, got {type(dtensor).__name__}"
         )
-    spec = dtensor._spec
+    spec = local_of(dtensor).spec
     if spec.ndim > 2:
         raise InvalidArgumentError(
             f"visualize_sharding draws 0-, 1- and 2-D tensors; this DTensor has shape "

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
-from .dtensor import DTensor
+from .dtensor import DTensor, local_of
 from .errors import DeferredInitError
 from .placements import Placement
 from .spec import DTensorSpec
@@ -53,7 +53,8 @@ def deferred_init(fn: Callable[..., M], *args: Any, **kwargs: Any) -> M:
 def is_meta(tensor: torch.Tensor) -> bool:
     """True for a meta tensor and for a DTensor whose pieces are meta."""
     if isinstance(tensor, DTensor):
-        return bool(tensor._components) and tensor._components[0].is_meta
+        pieces = local_of(tensor).pieces
+        return bool(pieces) and pieces[0].is_meta
     return tensor.is_meta
 
 
@@ -69,7 +70,7 @@ def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 
 def placed_meta(tensor: DTensor, placements: Sequence[Placement]) -> DTensor:
     """A meta DTensor re-placed: only its metadata changes, no data moves."""
-    spec = tensor._spec.with_placements(tuple(placements))
+    spec = local_of(tensor).spec.with_placements(tuple(placements))
     mesh = spec.mesh
     components = [
         torch.empty(spec.local_shape(d), dtype=tensor.dtype, device="meta")
@@ -240,10 +241,10 @@ def _restore(tensor: torch.Tensor, kept: _Kept) -> None:
 def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return torch.empty_like(tensor, device=device)
-    spec: DTensorSpec = tensor._spec
+    spec: DTensorSpec = local_of(tensor).spec
     mesh = spec.mesh
     components = [
         torch.empty_like(c, device=mesh.device_of(d))
-        for c, d in zip(tensor._components, mesh.local_device_ids, strict=True)
+        for c, d in zip(local_of(tensor).pieces, mesh.local_device_ids, strict=True)
     ]
     return DTensor(components, spec)

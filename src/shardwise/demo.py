@@ -27,7 +27,8 @@ from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op laye
 from . import runtime, settings
 from .comm import CommCounter
 from .deferred_init import deferred_init
-from .dtensor import DTensor, distribute_tensor
+from .dtensor import DTensor, local_of
+from .factories import distribute_tensor
 from .memory import track_allocations
 from .mesh import DeviceMesh, init_device_mesh
 from .op_inputs import allow_implicit_redistribute
@@ -386,7 +387,7 @@ def _local_bytes(model: nn.Module) -> int:
     return sum(
         c.numel() * c.element_size()
         for p in model.parameters()
-        for c in (p._components if isinstance(p, DTensor) else [p])
+        for c in (local_of(p).pieces if isinstance(p, DTensor) else [p])
     )
 
 
@@ -396,7 +397,7 @@ def _memory(single: nn.Module, model: nn.Module) -> dict[str, int]:
     per_device: dict[int, int] = defaultdict(int)
     for p in model.parameters():
         if isinstance(p, DTensor):
-            for d, c in zip(p.device_mesh.local_device_ids, p._components, strict=True):
+            for d, c in zip(p.device_mesh.local_device_ids, local_of(p).pieces, strict=True):
                 per_device[d] += c.numel() * c.element_size()
     return {
         "single_model": sum(p.numel() * p.element_size() for p in single.parameters()),
@@ -431,7 +432,7 @@ def placement_grid(name: str, param: torch.Tensor) -> str:
     (rows: the first mesh dim, columns: the second)."""
     if not isinstance(param, DTensor):
         return f"{name} {list(param.shape)}: a plain tensor"
-    spec = param._spec
+    spec = local_of(param).spec
     mesh = spec.mesh
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     grid = mesh.mesh if mesh.ndim == 2 else mesh.mesh.reshape(1, -1)

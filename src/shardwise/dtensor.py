@@ -2,6 +2,8 @@
 
 A DTensor is a ``torch.Tensor`` wrapper subclass: its shape, stride and dtype are the global
 ones, and it holds one local component per device this process owns, in ascending device id.
+The layers above read and replace what it holds through ``Local`` (``local_of``, ``set_local``,
+``build``; ``wrap`` for dispatch's outputs), never through its fields.
 
 Pending results of background collectives (``redistribute(..., async_op=True)``,
 ``DTensor.from_local(..., async_op=True)``) are ``AsyncDTensor``s: global metadata is known at
@@ -21,28 +23,33 @@ from typing import Any
 
 import torch
 
-from . import budget, comm, settings
-from .comm import background
-from .comm.reduction import reduce_op_problem
-from .comm.safety import redistribution
-from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError, PackError
-from .geometry import extract_local
+from . import settings
+from .components import Local as Local  # the DTensor's pieces, for the layers above
+from .components import (
+    as_components,
+    check_partials,
+    grad_placements_spec,
+    new_wrapper,
+    outside_spec,
+    spec_from_components,
+    with_dtype,
+)
+from .components import local_of as local_of
+from .components import set_local as set_local
+from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError
 from .mesh import DeviceMesh, Mesh, mesh_or_current
+from .pending import PendingComponents, ready
 from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
-from .redistribute import cross_mesh, execute_plan, issues_async, plan_redistribute
+from .redistribute import cross_mesh, move, plan_redistribute
 from .spec import (
     LOW_PRECISION,
     DTensorSpec,
     TensorMeta,
-    contiguous_meta,
-    make_tensor_meta,
     validate_placements,
 )
 from .torch_compat import (
     disabled_torch_function_impl,
     foreach_supported_types,
-    make_wrapper_subclass,
-    pytree,
 )
 from .tracing import dynamo_opaque, eager_under_dynamo
 
@@ -53,23 +60,6 @@ def set_dispatch_handler(handler: DispatchHandler) -> None:
     """Install the ``__torch_dispatch__`` implementation (the ``dispatch`` layer does this):
     the handler becomes the classmethod itself, so an op pays no extra Python frame."""
     DTensor.__torch_dispatch__ = classmethod(eager_under_dynamo(handler))
-
-
-def check_partials(spec: DTensorSpec) -> None:
-    """Raise if a Partial placement of ``spec`` has no meaning for its dtype (the rule lives
-    in ``comm.reduction``): a DTensor never holds such a pending reduction. A spec that
-    passed is marked, so the hot path pays one dict lookup."""
-    if "_partials_ok" in spec.__dict__:
-        return
-    for p in spec.placements:
-        if type(p) is Partial:
-            problem = reduce_op_problem(p.reduce_op, spec.tensor_meta.dtype)
-            if problem is not None:
-                raise InvalidPlacementError(
-                    f"{problem} (tensor shape {list(spec.tensor_meta.shape)}, placements "
-                    f"{list(spec.placements)}, {spec.mesh})"
-                )
-    object.__setattr__(spec, "_partials_ok", True)
 
 
 class DTensor(torch.Tensor):
@@ -93,15 +83,7 @@ class DTensor(torch.Tensor):
             if first.dtype != held and first.dtype.is_floating_point:
                 components = [c.to(held) for c in components]
         device = first.device if first is not None else spec.mesh.device_of(0)
-        out = make_wrapper_subclass(
-            cls,
-            meta.shape,
-            strides=meta.stride,
-            dtype=meta.dtype,
-            device=device,
-            requires_grad=requires_grad,
-        )
-        out._spec = spec
+        out = new_wrapper(cls, spec, device, requires_grad)
         out._components = list(components)
         return out
 
@@ -191,7 +173,8 @@ class DTensor(torch.Tensor):
                 ),
             )
         if not device_mesh.local_device_ids:
-            return _outside_mesh(local_tensor, device_mesh, placements, shape)
+            spec = outside_spec(local_tensor, device_mesh, placements, shape)
+            return DTensor([], spec, requires_grad=local_tensor.requires_grad)
         if async_op:
             if grad_placements is not None:
                 raise InvalidArgumentError(
@@ -200,11 +183,11 @@ class DTensor(torch.Tensor):
                     f"it synchronously, or call .redistribute on the gradient yourself"
                 )
             return from_local_async(local_tensor, device_mesh, placements, shape, stride, run_check)
-        components = _as_components(local_tensor, device_mesh, placements)
-        spec = _spec_from_components(components, device_mesh, placements, shape, stride)
+        components = as_components(local_tensor, device_mesh, placements, DTensor)
+        spec = spec_from_components(components, device_mesh, placements, shape, stride)
         if run_check:
-            components = _broadcast_replicated(spec, components)
-        grad_spec = None if grad_placements is None else _grad_spec(
+            components = move.broadcast_replicated(spec, components)
+        grad_spec = None if grad_placements is None else grad_placements_spec(
             spec, grad_placements, "DTensor.from_local"
         )
         return _FromLocal.apply(spec, grad_spec, *components)
@@ -224,7 +207,8 @@ class DTensor(torch.Tensor):
         index = self._local_index("to_local()")
         if grad_placements is None:
             return local_components(self)[index]
-        return _Unpack.apply(self, _grad_spec(self._spec, grad_placements, "to_local"))[index]
+        grad_spec = grad_placements_spec(self._spec, grad_placements, "to_local")
+        return _Unpack.apply(self, grad_spec)[index]
 
     def _local_index(self, what: str) -> int:
         """Which component is this process's (or this replica thread's)."""
@@ -378,7 +362,7 @@ class DTensor(torch.Tensor):
         replicated = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim)
         if grad_placements is None:
             return _FirstComponent.apply(replicated)
-        grad_spec = _grad_spec(replicated._spec, grad_placements, "full_tensor")
+        grad_spec = grad_placements_spec(replicated._spec, grad_placements, "full_tensor")
         return _FirstComponent.apply(replicated, grad_spec)
 
 
@@ -392,300 +376,6 @@ def _empty_piece(dtensor: DTensor) -> torch.Tensor:
     )
 
 
-def _outside_mesh(
-    local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
-) -> DTensor:
-    """``from_local`` on a process that owns no device of ``mesh`` (PyTorch's non-participating
-    rank): nothing is held or sent; the global shape is ``shape``, or ``local``'s as if every
-    device held a piece of that shape."""
-    if not isinstance(local, torch.Tensor):
-        raise PackError(
-            f"this process owns no device of {mesh}: from_local takes one tensor there (it "
-            f"gives the dtype and, without shape=, the per-device shape), got "
-            f"{type(local).__name__}"
-        )
-    normalized = validate_placements([0] * local.ndim, mesh, placements)
-    if shape is None:
-        shape = list(local.shape)
-        for m, p in enumerate(normalized):
-            if isinstance(p, Shard):
-                shape[p.dim] *= mesh.shape[m]
-    normalized = validate_placements(shape, mesh, normalized)
-    spec = DTensorSpec(mesh, normalized, contiguous_meta(shape, local.dtype))
-    return DTensor([], spec, requires_grad=local.requires_grad)
-
-
-def _as_components(
-    local: torch.Tensor | Sequence[torch.Tensor],
-    mesh: DeviceMesh,
-    placements: Sequence[Placement],
-) -> list[torch.Tensor]:
-    n_local = len(mesh.local_device_ids)
-    if isinstance(local, DTensor):
-        raise PackError(f"from_local/pack got a DTensor {local}; pass its local components")
-    for c in [local] if isinstance(local, torch.Tensor) else local:
-        if isinstance(c, torch.Tensor) and c.is_meta and mesh.device_type != "meta":
-            raise PackError(
-                f"a component of shape {list(c.shape)} is on the meta device (it has no data) "
-                f"but {mesh} is a {mesh.device_type!r} mesh (placements {list(placements)})"
-            )
-    if isinstance(local, torch.Tensor):
-        if n_local == 1 or all(p.is_replicate() for p in placements):
-            return [local] + [local.clone() for _ in range(n_local - 1)]
-        raise PackError(
-            f"this process owns {n_local} devices of {mesh}; pass a list of {n_local} "
-            f"components (one per device, ascending id) for placements {list(placements)}"
-        )
-    components = list(local)
-    if len(components) != n_local:
-        raise PackError(
-            f"expected {n_local} components (one per local device "
-            f"{list(mesh.local_device_ids)} of {mesh}) for placements {list(placements)} but got "
-            f"{len(components)}"
-        )
-    for c in components:
-        if isinstance(c, DTensor) or not isinstance(c, torch.Tensor):
-            raise PackError(
-                f"components must be plain tensors, got {type(c).__name__} "
-                f"(placements {list(placements)}, {mesh})"
-            )
-
-    dtypes = {c.dtype for c in components}
-    if len(dtypes) > 1:
-        raise PackError(f"components have different dtypes {sorted(map(str, dtypes))}")
-    ranks = {c.ndim for c in components}
-    if len(ranks) > 1:
-        raise PackError(f"components have different ranks: {[list(c.shape) for c in components]}")
-    seen: set[int] = set()
-    placed = []
-    for c, d in zip(components, mesh.local_device_ids, strict=True):
-        c = c.to(mesh.device_of(d))
-        placed.append(c.clone() if id(c) in seen else c)  # one tensor given twice: no aliasing
-        seen.add(id(c))
-    return placed
-
-
-def _infer_global_shape(
-    components: list[torch.Tensor], mesh: DeviceMesh, placements: tuple[Placement, ...]
-) -> list[int]:
-    """Sum the sizes along each sharded dim over the devices that split it; when some of them
-    belong to other processes, assume even shards (PyTorch's rule)."""
-    local_ids = mesh.local_device_ids
-    index = {d: i for i, d in enumerate(local_ids)}
-    base = mesh.coordinate_of(local_ids[0])
-    shape = list(components[0].shape)
-    for dim in range(len(shape)):
-        mesh_dims = [m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
-        if not mesh_dims:
-            continue
-        members = [
-            d for d in mesh.device_ids if _differs_only(mesh, d, base, mesh_dims)
-        ]
-        ragged = [placements[m] for m in mesh_dims if isinstance(placements[m], RaggedShard)]
-        if len(mesh_dims) == 1 and ragged:  # the sizes say it, wherever the pieces are
-            shape[dim] = sum(ragged[0].sizes)
-        elif all(d in index for d in members):
-            shape[dim] = sum(components[index[d]].shape[dim] for d in members)
-        else:
-            factor = 1
-            for m in mesh_dims:
-                factor *= mesh.shape[m]
-            shape[dim] = components[0].shape[dim] * factor
-    return shape
-
-
-def _differs_only(mesh: DeviceMesh, device: int, base: tuple[int, ...], dims: list[int]) -> bool:
-    coord = mesh.coordinate_of(device)
-    return all(c == b for m, (c, b) in enumerate(zip(coord, base, strict=True)) if m not in dims)
-
-
-def _spec_from_components(
-    components: list[torch.Tensor],
-    mesh: DeviceMesh,
-    placements: Sequence[Placement],
-    shape: Sequence[int] | None,
-    stride: Sequence[int] | None,
-) -> DTensorSpec:
-    ndim = components[0].ndim
-    local_shapes = f"local component shapes {[list(c.shape) for c in components]}"
-    normalized = validate_placements(
-        [0] * ndim, mesh, placements, described=local_shapes, sizes=False
-    )
-    if shape is None:
-        shape = _infer_global_shape(components, mesh, normalized)
-    elif len(shape) != ndim:
-        raise PackError(f"shape {list(shape)} has rank {len(shape)} but components have {ndim}")
-    normalized = validate_placements(shape, mesh, normalized)
-    meta = contiguous_meta(shape, components[0].dtype)
-    if stride is not None:
-        _check_stride(shape, stride, mesh, normalized)
-        meta = TensorMeta(meta.shape, tuple(stride), meta.dtype)
-    else:
-        meta = TensorMeta(meta.shape, _global_stride(components[0], mesh, normalized, shape),
-                          meta.dtype)
-    spec = DTensorSpec(mesh, normalized, meta)
-    for c, d in zip(components, mesh.local_device_ids, strict=True):
-        if c.shape != spec.local_shape(d):
-            raise PackError(
-                f"component of device {d} has shape {list(c.shape)} but a tensor of global shape "
-                f"{list(shape)} with placements {list(normalized)} on {mesh} puts "
-                f"{list(spec.local_shape(d))} there (components: "
-                f"{[list(x.shape) for x in components]})"
-            )
-    return spec
-
-
-def _global_stride(
-    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
-) -> tuple[int, ...]:
-    """The global stride ``from_local`` gives, PyTorch's rule: the local tensor's stride, where
-    each mesh dim of size n that shards tensor dim d multiplies by n every other stride at
-    least as large as d's (a permuted local tensor gives a permuted global one). Where that
-    does not lay the global shape out densely (a local tensor with gaps, or uneven shards of a
-    given shape), the global stride is the dense one in the local tensor's dim order."""
-    stride = list(local.stride())
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            n = mesh.shape[m]
-            stride = [s * n if i != p.dim and s >= stride[p.dim] else s
-                      for i, s in enumerate(stride)]
-    try:
-        _check_stride(shape, stride, mesh, placements)
-    except PackError:
-        order = sorted(range(len(shape)), key=lambda d: (local.stride(d), local.shape[d]))
-        stride, acc = [0] * len(shape), 1
-        for d in order:
-            stride[d] = acc
-            acc *= max(shape[d], 1)
-    return tuple(stride)
-
-
-def _check_stride(
-    shape: Sequence[int], stride: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
-) -> None:
-    """A global stride must lay the global shape out densely without overlap (a permutation of
-    the contiguous strides: what torch gives a tensor with no gaps nor aliasing)."""
-    stride = list(stride) if isinstance(stride, (list, tuple, torch.Size)) else stride
-    ok = isinstance(stride, list) and len(stride) == len(shape) and all(
-        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stride
-    )
-    if ok:
-        expected = 1
-        for d in sorted(range(len(shape)), key=lambda d: (stride[d], shape[d])):
-            if shape[d] == 1:
-                continue
-            ok = ok and stride[d] == expected
-            expected *= shape[d]
-    if not ok:
-        raise PackError(
-            f"stride {stride!r} does not lay out the global shape {list(shape)} densely (one "
-            f"non-negative stride per dim, a permutation of the contiguous strides); "
-            f"placements {list(placements)}, {mesh}"
-        )
-
-
-def _broadcast_replicated(spec: DTensorSpec, components: list[torch.Tensor]) -> list[torch.Tensor]:
-    with comm.moving(lambda: f"from_local(run_check=True) of {spec}"):
-        for m, p in enumerate(spec.placements):
-            if p.is_replicate():
-                components = comm.broadcast(spec.mesh, m, components)
-    return components
-
-
-@dynamo_opaque
-def distribute_tensor(
-    tensor: torch.Tensor,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-    *,
-    src_data_rank: int | None = 0,
-) -> DTensor:
-    """Place a global ``tensor`` on ``device_mesh``: each device keeps its piece (a leaf DTensor
-    with the tensor's ``requires_grad``, as in PyTorch).
-
-    Across processes, every process passes a tensor of the same shape and dtype (checked: a
-    difference raises ``CollectiveMismatchError`` on every process) and the values are those of
-    the process owning the device at index ``src_data_rank`` of every mesh dim (PyTorch: the
-    group rank on each dim, so ``mesh["tp"]`` of any rank works), which sends each process
-    its devices' pieces. With ``src_data_rank=None`` every process must already hold the same
-    tensor and nothing moves (shapes are then compared only under debug checks). In one process
-    nothing moves either way. Without ``device_mesh``, the current mesh (``with mesh:``).
-    """
-    device_mesh = mesh_or_current(device_mesh, "distribute_tensor")
-    if isinstance(tensor, DTensor):
-        raise InvalidPlacementError(
-            f"distribute_tensor got a DTensor {tensor}; use its redistribute() instead"
-        )
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidArgumentError(
-            f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}"
-        )
-    placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
-    if tensor.layout != torch.strided:
-        raise InvalidArgumentError(
-            f"distribute_tensor got a {tensor.layout} tensor of shape {list(tensor.shape)}; "
-            f"only dense (strided) tensors can be placed on {device_mesh} with {list(placements)}"
-            f": call .to_dense() first"
-        )
-    normalized = validate_placements(tensor.shape, device_mesh, placements)
-    spec = DTensorSpec(device_mesh, normalized, make_tensor_meta(tensor))
-    check_partials(spec)
-    data = tensor.detach()
-    local = device_mesh.local_device_ids
-    owners = sorted({device_mesh.owner_of(d) for d in device_mesh.device_ids})
-    if src_data_rank is not None and (
-        isinstance(src_data_rank, bool)
-        or not isinstance(src_data_rank, int)
-        or not 0 <= src_data_rank < min(device_mesh.shape)
-    ):
-        raise InvalidArgumentError(
-            f"distribute_tensor: src_data_rank={src_data_rank!r} must be None or a rank within "
-            f"each mesh dim of {device_mesh} (0..{min(device_mesh.shape) - 1}, as in PyTorch: "
-            f"the values come from the device at that index of every dim); tensor shape "
-            f"{list(tensor.shape)}, placements {list(normalized)}"
-        )
-    source = None  # the process whose values every device gets
-    if src_data_rank is not None:
-        flat = 0
-        for size in device_mesh.shape:  # row-major index of coordinate (k, k, ..., k)
-            flat = flat * size + src_data_rank
-        source = device_mesh.owner_of(device_mesh.device_ids[flat])
-    if not local:  # a process outside the mesh takes no part and holds nothing (PyTorch's rule)
-        return DTensor([], spec, requires_grad=tensor.requires_grad)
-    if data.is_meta:  # deferred init: meta pieces, materialized later without communication
-        return DTensor(
-            [_component_of(data, spec, d) for d in local], spec, requires_grad=tensor.requires_grad
-        )
-    if len(owners) > 1 and (source is not None or comm.debug_checks_enabled()):
-        fields = {"shape": list(tensor.shape), "dtype": str(tensor.dtype),
-                  "placements": repr(list(normalized)), "src_data_rank": src_data_rank}
-        with comm.moving(lambda: f"distribute_tensor of {spec}"):
-            comm.agree(device_mesh, "distribute_tensor", fields, data)
-    if source is None or len(owners) == 1:
-        components = [_component_of(data, spec, d).to(device_mesh.device_of(d)) for d in local]
-    else:
-        with comm.moving(lambda: f"distribute_tensor of {spec} from rank {source}"):
-            components = comm.scatter_from(
-                device_mesh,
-                source,
-                lambda d: _component_of(data, spec, d),
-                [spec.local_shape(d) for d in local],
-                data,
-            )
-    return DTensor(components, spec, requires_grad=tensor.requires_grad)
-
-
-def _component_of(tensor: torch.Tensor, spec: DTensorSpec, device: int) -> torch.Tensor:
-    """Device ``device``'s piece of the global ``tensor``: its slice; for Partial("sum") dims
-    the first device of the mesh dim keeps the value and the others hold zeros."""
-    piece = extract_local(tensor, spec.local_segments(device))
-    coord = spec.mesh.coordinate_of(device)
-    for m, p in enumerate(spec.placements):
-        if isinstance(p, Partial) and p.zeros_elsewhere and coord[m] != 0:
-            return torch.zeros_like(piece)
-    return piece.clone(memory_format=torch.contiguous_format)
-
-
 def local_components(dtensor: DTensor) -> list[torch.Tensor]:
     """This process's raw components of ``dtensor``, one per local device in ascending id,
     exactly as held (a ``Partial`` dim's pieces unreduced), differentiable. TF's ``unpack``
@@ -696,6 +386,22 @@ def local_components(dtensor: DTensor) -> list[torch.Tensor]:
             + (f" of shape {list(dtensor.shape)}" if isinstance(dtensor, torch.Tensor) else "")
         )
     return list(_Unpack.apply(dtensor))
+
+
+# ----- what this program holds of a DTensor, for the layers above ----------------------------
+
+
+def build(local: Local, *, requires_grad: bool = False) -> DTensor:
+    """A DTensor holding ``local`` (checked as ``DTensor()`` checks, the pieces list copied)."""
+    return DTensor(local.pieces, local.spec, requires_grad=requires_grad)
+
+
+def wrap(pieces: list[torch.Tensor], spec: DTensorSpec) -> DTensor:
+    """A DTensor holding a fresh list of ``pieces`` in the held dtype, of a spec whose Partials
+    were checked: dispatch's outputs, no checks nor copies."""
+    out = new_wrapper(DTensor, spec, pieces[0].device)
+    out._components = pieces
+    return out
 
 
 # ----- autograd functions --------------------------------------------------------------------
@@ -731,22 +437,6 @@ def _grad_components(grad: DTensor, spec: DTensorSpec) -> list[torch.Tensor]:
         if isinstance(p, Partial) and p.reduce_op == "avg":
             scale *= spec.mesh.shape[m]
     return components if scale == 1 else [c / scale for c in components]
-
-
-def _grad_spec(spec: DTensorSpec, grad_placements: Sequence[Placement], what: str) -> DTensorSpec:
-    """``spec`` with the ``grad_placements`` of ``to_local``/``full_tensor``: the gradient keeps
-    the local shapes, so the placements must give every local device the same shape."""
-    target = validate_placements(spec.shape, spec.mesh, grad_placements)
-    grad_spec = spec.with_placements(target)
-    for d in spec.mesh.local_device_ids:
-        if grad_spec.local_shape(d) != spec.local_shape(d):
-            raise InvalidPlacementError(
-                f"{what}(grad_placements={list(grad_placements)}) of a DTensor of shape "
-                f"{list(spec.shape)} with placements {list(spec.placements)} on {spec.mesh}: "
-                f"device {d} holds {list(spec.local_shape(d))} but those placements give it "
-                f"{list(grad_spec.local_shape(d))}; the gradient must have the local shape"
-            )
-    return grad_spec
 
 
 class _Unpack(torch.autograd.Function):
@@ -794,7 +484,7 @@ def reshard(
     sample = torch.empty(0, dtype=dtensor.dtype, device=union.device_of(union.local_device_ids[0]))
     what = (f"reshard from {cross_mesh.describe(source.mesh, source.placements)} to "
             f"{cross_mesh.describe(device_mesh, target)}")
-    comm.agree(union, what, {
+    move.agree(what, union, what, {
         "shape": list(shape), "dtype": str(dtensor.dtype),
         "source": cross_mesh.describe(source.mesh, source.placements),
         "target": cross_mesh.describe(device_mesh, target),
@@ -814,8 +504,9 @@ class _Reshard(torch.autograd.Function):
             tuple(dtensor.shape), held.itemsize, source.mesh,
             source.placements, spec.mesh, spec.placements,
         )
-        with comm.moving(lambda: f"reshard of {source} to {spec}"):
-            components = cross_mesh.run_cross_mesh(plan, dtensor._components, held)
+        components = move.cross_mesh(
+            lambda: f"reshard of {source} to {spec}", plan, dtensor._components, held
+        )
         return DTensor(components, spec)
 
     @staticmethod
@@ -840,15 +531,11 @@ class _Redistribute(torch.autograd.Function):
         components = dtensor._components
         if forward_dtype is not None and forward_dtype != dtensor.dtype:
             components = [c.to(forward_dtype) for c in components]
-            spec = DTensorSpec(spec.mesh, spec.placements, _with_dtype(spec, forward_dtype))
+            spec = DTensorSpec(spec.mesh, spec.placements, with_dtype(spec, forward_dtype))
         # asked for by name: a Shard may spread to a Partial target (op input moves never do)
         plan = plan_redistribute(spec, target, spread=True)
-        with (
-            comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
-                        spec=lambda: redistribution(spec, tuple(target))),
-            budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]),
-        ):
-            components = execute_plan(plan, spec.mesh, components)
+        components = move.run_plan(lambda: f"redistribute of {spec} to {list(target)}",
+                                   "DTensor.redistribute", spec, plan, components)
         return DTensor(components, spec.with_placements(target))
 
     @staticmethod
@@ -859,11 +546,6 @@ class _Redistribute(torch.autograd.Function):
             grad = grad.to(backward_dtype)
         grad = grad.redistribute(placements=target)
         return (grad if grad.dtype == input_dtype else grad.to(input_dtype)), None, None, None
-
-
-def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> TensorMeta:
-    meta = spec.tensor_meta
-    return TensorMeta(meta.shape, meta.stride, dtype)
 
 
 class _FirstComponent(torch.autograd.Function):
@@ -889,116 +571,8 @@ class _FirstComponent(torch.autograd.Function):
 # ----- pending DTensors (async_op=True) -------------------------------------------------------
 
 
-class AsyncDTensor(DTensor):
+class AsyncDTensor(PendingComponents, DTensor):
     """A DTensor whose components a background collective is still computing."""
-
-    @staticmethod
-    def __new__(
-        cls, work: background.Work, spec: DTensorSpec, *, requires_grad: bool = False
-    ) -> AsyncDTensor:
-        meta = spec.tensor_meta
-        device = spec.mesh.device_of(spec.mesh.local_device_ids[0])
-        out = make_wrapper_subclass(
-            cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=device,
-            requires_grad=requires_grad,
-        )
-        out._spec = spec
-        out.__dict__["_ready"] = None
-        out.__dict__["_work"] = work
-        return out
-
-    @property
-    def _components(self) -> list[torch.Tensor]:  # type: ignore[override]
-        work = self.__dict__["_work"]
-        if work is not None:
-            self.__dict__["_ready"] = list(work.wait())
-            self.__dict__["_work"] = None
-        return self.__dict__["_ready"]
-
-    @_components.setter
-    def _components(self, value: list[torch.Tensor]) -> None:
-        self.__dict__["_ready"] = value
-        self.__dict__["_work"] = None
-
-    def is_pending(self) -> bool:
-        """True while the background collective has not finished."""
-        work = self.__dict__["_work"]
-        return work is not None and not work.done()
-
-    def wait(self) -> AsyncDTensor:
-        """Block until the components are ready (an error of the collective is raised here)."""
-        self._components  # noqa: B018 - reading them waits
-        return self
-
-    def to_local(self) -> torch.Tensor:
-        """This process's component; while pending, a tensor that waits on first use."""
-        work = self.__dict__["_work"]
-        if work is None or (self.requires_grad and torch.is_grad_enabled()):
-            return super().to_local()
-        if len(self.device_mesh.local_device_ids) != 1:
-            return super().to_local()  # raises LocalComponentsError
-        if isinstance(work, background.Issued):  # torch's, as issued: views stay unwaited
-            return work.unwaited()[0]
-        device = self.device_mesh.local_device_ids[0]
-        return AsyncCollectiveTensor(
-            work,
-            0,
-            self._spec.local_shape(device),
-            self.dtype,
-            self.device_mesh.device_of(device),
-        )
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
-        state = "pending" if self.is_pending() else "ready"
-        return f"Async{super().__repr__()[:-1]}, {state})"
-
-
-class AsyncCollectiveTensor(torch.Tensor):
-    """A plain tensor that a background collective is still computing: any op on it, and
-    ``wait()``, first wait for the collective and then see the plain result."""
-
-    __torch_function__ = disabled_torch_function_impl
-
-    @staticmethod
-    def __new__(
-        cls,
-        work: background.Work,
-        index: int,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> AsyncCollectiveTensor:
-        out = make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
-        out._work, out._index = work, index
-        return out
-
-    def wait(self) -> torch.Tensor:
-        """The plain tensor (component ``index`` of the job's result), once it is ready."""
-        return self._work.wait()[self._index]
-
-    def is_pending(self) -> bool:
-        return not self._work.done()
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        def unwrap(t: Any) -> Any:
-            return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
-
-        args, kwargs = pytree.tree_map(unwrap, (args, kwargs or {}))
-        return func(*args, **kwargs)
-
-    def data_ptr(self) -> int:
-        return self.wait().data_ptr()
-
-    def tolist(self) -> Any:
-        return self.wait().tolist()
-
-    def numpy(self, *, force: bool = False) -> Any:
-        return self.wait().numpy(force=force)
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
-        state = "pending" if self.is_pending() else repr(self.wait())
-        return f"AsyncCollectiveTensor({state})"
 
 
 # ----- the async paths -----------------------------------------------------------------------
@@ -1013,16 +587,8 @@ class _AsyncRedistribute(_Redistribute):
         ctx.source = spec.placements
         ctx.dtypes = (None, dtensor.dtype)  # the blocking backward, without dtype changes
         plan = plan_redistribute(spec, target, spread=True)
-
-        def job() -> list[torch.Tensor]:
-            with comm.moving(lambda: f"redistribute of {spec} to {list(target)}",
-                             spec=lambda: redistribution(spec, tuple(target))):
-                return execute_plan(plan, spec.mesh, dtensor._components)
-
-        # checked against the budgets now; the job charges them in this context's copy
-        with budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]):
-            start = background.issue if issues_async(plan, spec.mesh) else background.submit
-            work = start(job, f"redistribute of {spec} to {list(target)}")
+        work = move.submit_plan(f"redistribute of {spec} to {list(target)}",
+                                "DTensor.redistribute", spec, plan, dtensor._components)
         return AsyncDTensor(work, spec.with_placements(target))
 
 
@@ -1037,13 +603,10 @@ class _AsyncFromLocal(torch.autograd.Function):
         ctx.spec = spec
 
         def job() -> list[torch.Tensor]:
-            ready = [
-                c.wait() if isinstance(c, AsyncCollectiveTensor) else c.view_as(c)
-                for c in components
-            ]
-            return _broadcast_replicated(spec, ready) if run_check else ready
+            pieces = ready(components)
+            return move.broadcast_replicated(spec, pieces) if run_check else pieces
 
-        return AsyncDTensor(background.submit(job, f"from_local of {spec}"), spec)
+        return AsyncDTensor(move.submit(f"from_local of {spec}", job), spec)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
@@ -1059,8 +622,8 @@ def from_local_async(
     run_check: bool,
 ) -> AsyncDTensor:
     """``DTensor.from_local(..., async_op=True)``: components may be pending themselves."""
-    components = _as_components(local, mesh, placements)
-    spec = _spec_from_components(components, mesh, placements, shape, stride)
+    components = as_components(local, mesh, placements, DTensor)
+    spec = spec_from_components(components, mesh, placements, shape, stride)
     return _AsyncFromLocal.apply(spec, run_check, *components)
 
 

@@ -1,5 +1,5 @@
-"""DTensor factories: ``zeros``, ``ones``, ``empty``, ``full``, ``rand``, ``randn``
-(``torch.distributed.tensor``'s signatures).
+"""DTensor factories: ``distribute_tensor`` (a global tensor placed on a mesh), ``zeros``,
+``ones``, ``empty``, ``full``, ``rand``, ``randn`` (``torch.distributed.tensor``'s signatures).
 
 All of them build each device's component directly, never the global tensor; ``rand`` and
 ``randn`` draw each shard from its own stream (``rng.py``), so after the same seeding they give
@@ -21,12 +21,16 @@ from torch.overrides import TorchFunctionMode
 
 from . import settings
 from .call_site import called_by_library
-from .dtensor import DTensor, distribute_tensor
-from .errors import InvalidArgumentError
+from .comm import debug_checks_enabled
+from .components import check_partials, component_of, source_process
+from .dtensor import DTensor
+from .errors import InvalidArgumentError, InvalidPlacementError
 from .mesh import DeviceMesh, mesh_or_current
 from .placements import Partial, Placement, Replicate
+from .redistribute import move
 from .rng import check_generator, draw_per_shard
-from .spec import DTensorSpec, contiguous_meta, validate_placements
+from .spec import DTensorSpec, contiguous_meta, make_tensor_meta, validate_placements
+from .tracing import dynamo_opaque
 
 aten = torch.ops.aten
 LocalMaker = Callable[[torch.Size, torch.device, bool], torch.Tensor]
@@ -277,3 +281,70 @@ def replicated_factories(mesh: DeviceMesh) -> Iterator[None]:
 
 
 __all__ = ["empty", "full", "ones", "rand", "randn", "replicated_factories", "zeros"]
+
+
+@dynamo_opaque
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Place a global ``tensor`` on ``device_mesh``: each device keeps its piece (a leaf DTensor
+    with the tensor's ``requires_grad``, as in PyTorch).
+
+    Across processes, every process passes a tensor of the same shape and dtype (checked: a
+    difference raises ``CollectiveMismatchError`` on every process) and the values are those of
+    the process owning the device at index ``src_data_rank`` of every mesh dim (PyTorch: the
+    group rank on each dim, so ``mesh["tp"]`` of any rank works), which sends each process
+    its devices' pieces. With ``src_data_rank=None`` every process must already hold the same
+    tensor and nothing moves (shapes are then compared only under debug checks). In one process
+    nothing moves either way. Without ``device_mesh``, the current mesh (``with mesh:``).
+    """
+    device_mesh = mesh_or_current(device_mesh, "distribute_tensor")
+    if isinstance(tensor, DTensor):
+        raise InvalidPlacementError(
+            f"distribute_tensor got a DTensor {tensor}; use its redistribute() instead"
+        )
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgumentError(
+            f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}"
+        )
+    placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
+    if tensor.layout != torch.strided:
+        raise InvalidArgumentError(
+            f"distribute_tensor got a {tensor.layout} tensor of shape {list(tensor.shape)}; "
+            f"only dense (strided) tensors can be placed on {device_mesh} with {list(placements)}"
+            f": call .to_dense() first"
+        )
+    normalized = validate_placements(tensor.shape, device_mesh, placements)
+    spec = DTensorSpec(device_mesh, normalized, make_tensor_meta(tensor))
+    check_partials(spec)
+    data = tensor.detach()
+    local = device_mesh.local_device_ids
+    owners = sorted({device_mesh.owner_of(d) for d in device_mesh.device_ids})
+    source = source_process(tensor.shape, device_mesh, normalized, src_data_rank)
+    if not local:  # a process outside the mesh takes no part and holds nothing (PyTorch's rule)
+        return DTensor([], spec, requires_grad=tensor.requires_grad)
+    if data.is_meta:  # deferred init: meta pieces, materialized later without communication
+        return DTensor(
+            [component_of(data, spec, d) for d in local], spec, requires_grad=tensor.requires_grad
+        )
+    if len(owners) > 1 and (source is not None or debug_checks_enabled()):
+        fields = {"shape": list(tensor.shape), "dtype": str(tensor.dtype),
+                  "placements": repr(list(normalized)), "src_data_rank": src_data_rank}
+        move.agree(lambda: f"distribute_tensor of {spec}", device_mesh, "distribute_tensor",
+                   fields, data)
+    if source is None or len(owners) == 1:
+        components = [component_of(data, spec, d).to(device_mesh.device_of(d)) for d in local]
+    else:
+        components = move.scatter_from(
+            lambda: f"distribute_tensor of {spec} from rank {source}",
+            device_mesh,
+            source,
+            lambda d: component_of(data, spec, d),
+            [spec.local_shape(d) for d in local],
+            data,
+        )
+    return DTensor(components, spec, requires_grad=tensor.requires_grad)

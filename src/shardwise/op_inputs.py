@@ -20,14 +20,15 @@ from typing import Any
 
 import torch
 
-from . import budget, settings
+from . import settings
 from .call_site import call_site
-from .dtensor import DTensor, distribute_tensor
+from .dtensor import DTensor, local_of
 from .errors import ImplicitRedistributeError, MeshError
+from .factories import distribute_tensor
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, norm_order
 from .plain_tensors import plain_is_local
-from .redistribute import execute_plan, plan_redistribute
+from .redistribute import execute_plan, move, plan_redistribute
 from .torch_compat import (
     DispatchKey,
     current_graph_task_id,
@@ -183,12 +184,13 @@ def redistribute_inputs(
     dtensors = list(dtensors)
     moves = []
     for n, (dt, target) in enumerate(zip(dtensors, targets, strict=True)):
-        if dt._spec.placements != tuple(target):
-            plan = plan_redistribute(dt._spec, tuple(target))
-            moves.append((n, plan, functools.partial(execute_plan, plan, dt._spec.mesh)))
+        spec = local_of(dt).spec
+        if spec.placements != tuple(target):
+            plan = plan_redistribute(spec, tuple(target))
+            moves.append((n, plan, functools.partial(execute_plan, plan, spec.mesh)))
     moves = tuple(moves)
     return run_moves(func, dtensors, moves, communicating(moves)) if moves else [
-        dt._components for dt in dtensors
+        local_of(dt).pieces for dt in dtensors
     ]
 
 
@@ -207,9 +209,7 @@ def run_moves(
     pairs that communicate, must be allowed."""
     budgeted = bool(moving) and bool(settings.COMM_BUDGETS.get())
     explicit = tuple((i, p) for i, p in moving if not _scalar_norm(dtensors[i]))
-    if explicit and not budgeted and not settings.IMPLICIT_REDISTRIBUTE.get() and (
-        current_graph_task_id() == -1
-    ):
+    if explicit and not move.implicit_allowed():
         lines = []
         for i, p in explicit:
             dt = dtensors[i]
@@ -225,8 +225,8 @@ def run_moves(
         )
     log_moves = bool(moving) and settings.LOG_REDISTRIBUTE.get()
     if budgeted:  # a comm_budget allows the moves it has room for, checked before any runs
-        with budget.planned(
-            str(func), [(f"input {i}", dtensors[i]._spec, p) for i, p in moving]
+        with move.planned(
+            str(func), [(f"input {i}", local_of(dtensors[i]).spec, p) for i, p in moving]
         ):
             return _run_each(func, dtensors, moves, log_moves)
     return _run_each(func, dtensors, moves, log_moves)
@@ -247,7 +247,7 @@ def _run_each(
     func: Any, dtensors: list[DTensor], moves: tuple, log_moves: bool
 ) -> list[list[torch.Tensor]]:
     """``run_moves``' moves, once allowed: each input's components after its plan."""
-    components = [dt._components for dt in dtensors]
+    components = [local_of(dt).pieces for dt in dtensors]
     for i, plan, run in moves:
         dt = dtensors[i]
         if log_moves and any(s.collective != "local" for s in plan.steps):
@@ -255,7 +255,7 @@ def _run_each(
                 "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, call_site()
             )
         components[i] = _cut(dt, plan, run) if getattr(run, "cuts", False) else run(
-            dt._components
+            local_of(dt).pieces
         )
     return components
 
@@ -266,11 +266,11 @@ _CUTS: dict[int, tuple] = {}
 
 
 def _cut(dt: DTensor, plan: Any, run: Any) -> list[torch.Tensor]:
-    """``run(dt._components)`` for a ``plan`` that only cuts (``compile_plan``'s ``cuts``),
+    """``run(pieces of dt)`` for a ``plan`` that only cuts (``compile_plan``'s ``cuts``),
     the views kept for the next move by that plan while the DTensor holds the same components
     unchanged (a replicated weight that ops cut to the shards' shape at every step is cut
     once): views of its own components hold no memory of their own."""
-    comps = dt._components
+    comps = local_of(dt).pieces
     versions = [c._version for c in comps]  # set_ and resize_ change a component in place
     held = _CUTS.get(id(dt))
     if held is not None and held[0]() is dt and held[2] is comps and (

@@ -18,7 +18,7 @@ import torch
 
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from . import runtime
-from .dtensor import DTensor, distribute_tensor, local_components
+from .dtensor import DTensor, local_components, local_of
 from .errors import (
     InvalidArgumentError,
     LayoutError,
@@ -28,7 +28,7 @@ from .errors import (
     ShardwiseTypeError,
     VariableInputError,
 )
-from .factories import replicated_factories
+from .factories import distribute_tensor, replicated_factories
 from .layout import MATCH, UNSHARDED, Layout
 from .mesh import DeviceMesh, Mesh, current_mesh, init_device_mesh, tf_device_type
 from .placements import Placement, Replicate
@@ -286,8 +286,8 @@ class DVariable(DTensor):
             value = copy_to_mesh(initial_value.detach(), layout)
         dtype = dtype or value.dtype
         with torch.no_grad():
-            components = [c.to(dtype, copy=True) for c in value._components]
-        meta = value._spec.tensor_meta
+            components = [c.to(dtype, copy=True) for c in local_of(value).pieces]
+        meta = local_of(value).spec.tensor_meta
         meta = TensorMeta(meta.shape, meta.stride, dtype)
         spec = DTensorSpec(value.device_mesh, value.placements, meta)
         trainable = trainable and (dtype.is_floating_point or dtype.is_complex)
@@ -338,7 +338,7 @@ class DVariable(DTensor):
             )
         with torch.no_grad():
             source = relayout(value, self._layout)
-            for dst, src in zip(self._components, source._components, strict=True):
+            for dst, src in zip(local_of(self).pieces, local_of(source).pieces, strict=True):
                 op(dst, src)
         return self
 

@@ -11,7 +11,7 @@ import torch
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from .comm import CommCounter
 from .debug import explain_redistribute, visualize_sharding
-from .dtensor import distribute_tensor
+from .factories import distribute_tensor
 from .mesh import init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from .. import runtime
 from ..dcp_protocol import release_reduced
-from ..dtensor import DTensor
+from ..dtensor import DTensor, build, local_of
 from ..errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -334,7 +334,7 @@ def _staging(value: Any) -> Any:
     """``value`` with every tensor replaced by a new uninitialized one of the same kind (a
     DTensor of the same spec), for the load to fill before anything is copied in place."""
     if isinstance(value, DTensor):
-        return DTensor([torch.empty_like(c) for c in value._components], value._spec)
+        return build(local_of(value).map(torch.empty_like))
     if isinstance(value, torch.Tensor):
         return torch.empty_like(value, requires_grad=False)
     if isinstance(value, dict):  # model.state_dict() is an OrderedDict
@@ -350,7 +350,7 @@ def _commit(into: dict | list, staged: dict | list) -> None:
     for key in into if isinstance(into, dict) else range(len(into)):
         target, loaded = into[key], staged[key]
         if isinstance(target, DTensor):
-            for a, b in zip(target._components, loaded._components, strict=True):
+            for a, b in zip(local_of(target).pieces, local_of(loaded).pieces, strict=True):
                 a.copy_(b)
         elif isinstance(target, torch.Tensor):
             target.copy_(loaded)

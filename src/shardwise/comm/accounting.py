@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import budget, settings
+from .. import settings
+from . import budget
 from .safety import current_description
 
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import comm
 from ..dtensor import DTensor
 from ..errors import (
     DistributeAttributeError,
@@ -26,6 +25,7 @@ from ..errors import (
 )
 from ..mesh import DeviceMesh
 from ..placements import Partial
+from ..redistribute import move
 from . import context
 from .enums import ReduceOp, VariableAggregation, VariableSynchronization
 from .replica_context import ReplicaContext
@@ -278,7 +278,7 @@ class StrategyExtended:
             return self._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     # ----- reductions ------------------------------------------------------------------------
-    def _components(self, value: Any) -> list[torch.Tensor] | None:
+    def _replica_values(self, value: Any) -> list[torch.Tensor] | None:
         """The per-replica components of a value to reduce, or None if it is not distributed."""
         if isinstance(value, PerReplica):
             return [torch.as_tensor(v) for v in value.values]
@@ -337,13 +337,11 @@ class StrategyExtended:
         count = torch.tensor(self._num_replicas_in_sync)
         for dtype, idx in by_dtype.items():
             integer_mean = op is ReduceOp.MEAN and not (dtype.is_floating_point or dtype.is_complex)
-            with comm.moving(lambda: f"batch_reduce_to over {self.mesh}"):
-                reduced = comm.all_reduce_flat(
-                    self.mesh, (0,),
-                    [[values[j][i].detach().to(devices[i]) for i in range(len(devices))]
-                     for j in idx],
-                    "sum" if integer_mean else op.partial_op,
-                )
+            reduced = move.all_reduce_flat(
+                lambda: f"batch_reduce_to over {self.mesh}", self.mesh, (0,),
+                [[values[j][i].detach().to(devices[i]) for i in range(len(devices))] for j in idx],
+                "sum" if integer_mean else op.partial_op,
+            )
             for j, pieces in zip(idx, reduced, strict=True):
                 out[j] = [_true_divide(p, count) for p in pieces] if integer_mean else pieces
         return out
@@ -399,8 +397,9 @@ class StrategyExtended:
         else:
             return value
         if self._num_replicas_in_sync > self._num_local:
-            with comm.moving(lambda: f"ONLY_FIRST_REPLICA value over {self.mesh}"):
-                components = comm.broadcast(self.mesh, 0, components, src=0)
+            components = move.broadcast(
+                lambda: f"ONLY_FIRST_REPLICA value over {self.mesh}", self.mesh, 0, components
+            )
         else:
             components = [components[0].to(d) for d in self._torch_devices()]
         return self._place(components, self._torch_devices())
@@ -425,7 +424,7 @@ class StrategyExtended:
         comps: list[list[torch.Tensor]] = []
         for j, (value, destinations) in enumerate(pairs):
             devices = self._destination_devices(destinations)
-            components = self._components(value)
+            components = self._replica_values(value)
             if components is None and self._num_local == 1 and self._num_replicas_in_sync > 1:
                 if isinstance(value, torch.Tensor):  # one local replica: its own value
                     components = [value]
@@ -445,7 +444,7 @@ class StrategyExtended:
     def _reduce(self, op: ReduceOp, value: Any, axis: int | Sequence[int] | None) -> Any:
         if axis is not None:
             return self._reduce_axis(op, value, axis)
-        components = self._components(value)
+        components = self._replica_values(value)
         if components is None and self._num_local == 1 and self._num_replicas_in_sync > 1:
             if isinstance(value, torch.Tensor):
                 components = [value]
@@ -462,7 +461,7 @@ class StrategyExtended:
         return partial.full_tensor()
 
     def _reduce_axis(self, op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
-        components = self._components(value)
+        components = self._replica_values(value)
         if components is None:
             # TF reduces over ``axis`` in every replica (run), then across replicas: a value
             # every replica shares counts once per replica (SUM: N times its sum).
@@ -505,14 +504,16 @@ class StrategyExtended:
             shape = list(c.shape)
             shape[dim] = longest - c.shape[dim]
             padded.append(torch.cat([c, c.new_zeros(shape)], dim=dim))
-        gathered = comm.all_gather(self.mesh, 0, padded, lambda _: padded[0].shape)[0]
+        gathered = move.all_gather(lambda: f"gather over {self.mesh}", self.mesh, 0, padded,
+                                   lambda _: padded[0].shape)[0]
         return torch.cat(
             [p.narrow(dim, 0, n) for p, n in zip(gathered, sizes, strict=True)], dim=dim
         )
 
     def _gathered_sizes(self, components: list[torch.Tensor], dim: int) -> list[int]:
         sizes = [torch.tensor([float(c.shape[dim])]) for c in components]
-        return [int(s.item()) for s in comm.all_gather(self.mesh, 0, sizes)[0]]
+        gathered = move.all_gather(lambda: f"gather's sizes over {self.mesh}", self.mesh, 0, sizes)
+        return [int(s.item()) for s in gathered[0]]
 
     # ----- updates ---------------------------------------------------------------------------
     def update(

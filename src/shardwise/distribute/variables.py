@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from .. import comm, settings
+from .. import settings
 from ..dtensor import DTensor
 from ..errors import DistributeContextError, DistributeTypeError, DistributeValueError
 from ..placements import Partial, Placement, Replicate
+from ..redistribute import move
 from ..spec import DTensorSpec, contiguous_meta
 from . import context
 from .context import StrategyLike as Strategy  # by its shape: strategy.py imports this module
@@ -436,7 +437,7 @@ class SyncOnReadVariable(DistributedVariable):
             return first.primary if isinstance(first, Mirrored) else first
         self._reduce_op("read")
         dtensor: Any = self._dtensor
-        with torch.no_grad(), comm.moving(lambda: f"read of SyncOnReadVariable {self.name!r}"):
+        with torch.no_grad():  # the redistribution names its own move
             return dtensor.full_tensor()
 
     def _update(self, kind: str, value: Any) -> SyncOnReadVariable:
@@ -489,8 +490,9 @@ def create_mirrored_variable(
     base = initial_tensor(initial_value, dtype)
     copies = [base.to(d).clone() for d in ext._torch_devices()]
     if ext._num_replicas_in_sync > ext._num_local:  # multi-worker: worker 0's value wins
-        with comm.moving(lambda: f"initial value of variable {name!r}"):
-            copies = [c.contiguous() for c in comm.broadcast(ext.mesh, 0, copies, src=0)]
+        copies = [c.contiguous() for c in move.broadcast(
+            lambda: f"initial value of variable {name!r}", ext.mesh, 0, copies
+        )]
     name = name or "Variable"
     if synchronization == VariableSynchronization.AUTO:  # TF: AUTO means ON_WRITE here
         synchronization = VariableSynchronization.ON_WRITE

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..dtensor import DTensor
+from ..dtensor import DTensor, local_of
 from ..errors import UnsupportedOpError
 from ..mesh import DeviceMesh
 from ..op_inputs import register_plain_making_decomposition
@@ -136,13 +136,14 @@ def _fix_shapes(_op: Any, result: tuple, _args: tuple, _kwargs: dict) -> tuple:
     fixed = []
     for out in result:
         ids = out.device_mesh.local_device_ids
+        held = local_of(out)
         comps = [
-            c.new_zeros(out._spec.local_shape(i))
-            if c.numel() == 0 and c.shape != out._spec.local_shape(i) else c
-            for i, c in zip(ids, out._components, strict=True)
+            c.new_zeros(held.spec.local_shape(i))
+            if c.numel() == 0 and c.shape != held.spec.local_shape(i) else c
+            for i, c in zip(ids, held.pieces, strict=True)
         ]
-        changed = any(a is not b for a, b in zip(comps, out._components, strict=True))
-        fixed.append(DTensor(comps, out._spec) if changed else out)
+        changed = any(a is not b for a, b in zip(comps, held.pieces, strict=True))
+        fixed.append(DTensor(comps, held.spec) if changed else out)
     return tuple(fixed)
 
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..dtensor import DTensor, distribute_tensor
+from ..dtensor import DTensor
+from ..factories import distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec

@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
-from .. import comm
-from ..dtensor import DTensor
+from ..dtensor import DTensor, local_of
 from ..errors import ImplicitRedistributeError, InvalidArgumentError
 from ..geometry import extract_local
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard, with_dim
+from ..redistribute import move
 from ..spec import DTensorSpec, contiguous_meta, make_tensor_meta
 from .common import (
     DimOption,
@@ -76,7 +76,7 @@ aten = torch.ops.aten
 def _global_reduce(mesh: DeviceMesh, values: list[torch.Tensor], op: str) -> torch.Tensor:
     """One scalar per local device reduced (max/min/sum) over the whole mesh."""
     for m in range(mesh.ndim):
-        values = comm.all_reduce(mesh, m, values, op)
+        values = move.all_reduce("a data-dependent op's global reduction", mesh, m, values, op)
     return values[0]
 
 
@@ -234,14 +234,14 @@ def _put(op: Any, args: tuple, kwargs: dict) -> DTensor:
         )
     rep = replicate(mesh)
     selfc, indexc, sourcec = move_components(op, [self, index, source], [target, rep, rep])
-    spec = DTensorSpec(mesh, target, self._spec.tensor_meta)
+    spec = DTensorSpec(mesh, target, local_of(self).spec.tensor_meta)
     out = []
     for k, device in enumerate(mesh.local_device_ids):
         valid, local = _local_flat_index(spec, device, indexc[k])
         values = sourcec[k].reshape(-1)[valid]
         out.append(selfc[k].put(local[valid], values, accumulate))
     if inplace:  # copied after every result is computed: safe if components share memory
-        for comp, result in zip(self._components, out, strict=True):
+        for comp, result in zip(local_of(self).pieces, out, strict=True):
             comp.copy_(result)
         return self
     return DTensor(out, DTensorSpec(mesh, target, contiguous_meta(self.shape, self.dtype)))
@@ -262,7 +262,7 @@ def _take(op: Any, args: tuple, kwargs: dict) -> DTensor:
             q = Replicate() if q.is_partial() else q
             self_t.append(p), index_t.append(q), out_p.append(q)
     selfc, indexc = move_components(op, [self, index], [self_t, index_t])
-    spec = DTensorSpec(mesh, tuple(self_t), self._spec.tensor_meta)
+    spec = DTensorSpec(mesh, tuple(self_t), local_of(self).spec.tensor_meta)
     out = []
     for k, device in enumerate(mesh.local_device_ids):
         valid, local = _local_flat_index(spec, device, indexc[k])
@@ -593,29 +593,31 @@ def _embedding_renorm(op: Any, args: tuple, kwargs: dict) -> DTensor:
     [idx] = move_components(op, [indices], [replicate(mesh)])
     rows = torch.unique(idx[0].reshape(-1))
     values, picks = [], []
+    weights = local_of(weight)
     for k, device in enumerate(mesh.local_device_ids):
-        local, _ = _runs_lookup(weight._spec.local_segments(device)[0], weight.shape[0], rows)
+        local, _ = _runs_lookup(weights.spec.local_segments(device)[0], weight.shape[0], rows)
         valid = local >= 0
-        comp = weight._components[k]
+        comp = weights.pieces[k]
         picks.append((valid, local[valid], comp[local[valid]]))
         held = comp.new_zeros((rows.numel(), comp.shape[1]))
         held[valid] = picks[-1][2]
         values.append(held)
     for m, p in enumerate(weight.placements):
         if isinstance(p, Partial):
-            values = comm.all_reduce(mesh, m, values, p.reduce_op)
+            values = move.all_reduce("embedding renorm's pending rows", mesh, m, values,
+                                     p.reduce_op)
     parts = [_row_norm_parts(v, norm_type) for v in values]
     pieces, how = [piece for piece, _ in parts], parts[0][1]
     for m, p in enumerate(weight.placements):
         if isinstance(p, Shard) and p.dim == 1:
-            pieces = comm.all_reduce(mesh, m, pieces, how)
+            pieces = move.all_reduce("embedding renorm's row norms", mesh, m, pieces, how)
     for k, (valid, mine, before) in enumerate(picks):
         norm = pieces[k][valid]
         if how == "sum" and norm_type != 0:
             norm = norm.pow(1.0 / norm_type)
         scale = torch.where(norm > max_norm, max_norm / (norm + 1e-7), torch.ones_like(norm))
         # written from values read before any write: idempotent if components share memory
-        weight._components[k][mine] = before * scale.unsqueeze(1)
+        weights.pieces[k][mine] = before * scale.unsqueeze(1)
     return weight
 
 

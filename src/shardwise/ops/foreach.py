@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..caches import PER_GROUP, PER_LAYOUT, cached
-from ..dtensor import DTensor
+from ..dtensor import DTensor, local_of
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Placement, Replicate, Shard, is_any_shard, norm_partial
 from ..spec import DTensorSpec, TensorMeta
@@ -112,19 +112,20 @@ def _norms_at_once(tensors: list, order: float) -> list[DTensor] | None:
     pending = norm_partial(float(order))
     if pending is None or not float(order) > 0 or not tensors:
         return None
-    mesh = tensors[0]._spec.mesh if type(tensors[0]) is DTensor else None
-    for t in tensors:
-        if (type(t) is not DTensor or (t._spec.mesh is not mesh and t._spec.mesh != mesh)
-                or not t._components or not _whole_or_sharded(t._spec.placements)):
+    held = [local_of(t) if type(t) is DTensor else None for t in tensors]
+    mesh = held[0].spec.mesh if held[0] is not None else None
+    for h in held:
+        if (h is None or (h.spec.mesh is not mesh and h.spec.mesh != mesh)
+                or not h.pieces or not _whole_or_sharded(h.spec.placements)):
             return None
-    if math.isinf(order) and any(c.numel() == 0 for t in tensors for c in t._components):
+    if math.isinf(order) and any(c.numel() == 0 for h in held for c in h.pieces):
         return None  # the max of no elements has no value: torch refuses it
-    n_local = len(tensors[0]._components)
-    per_device = [_foreach_norm_kernel([t._components[i] for t in tensors], order)
+    n_local = len(held[0].pieces)
+    per_device = [_foreach_norm_kernel([h.pieces[i] for h in held], order)
                   for i in range(n_local)]
     return [DTensor([norms[j] for norms in per_device],
-                    _norm_spec(t._spec, pending, per_device[0][j].dtype))
-            for j, t in enumerate(tensors)]
+                    _norm_spec(held[j].spec, pending, per_device[0][j].dtype))
+            for j in range(len(tensors))]
 
 
 @cached(PER_GROUP)

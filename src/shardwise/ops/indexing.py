@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..dtensor import DTensor, distribute_tensor
-from ..factories import keeps_value
+from ..dtensor import DTensor
+from ..factories import distribute_tensor, keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Shard
 from ..spec import DTensorSpec

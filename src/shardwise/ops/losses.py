@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..dtensor import DTensor
+from ..dtensor import DTensor, build, local_of
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
@@ -103,8 +103,9 @@ def _nll_forward_post_patch(
     total = total.redistribute(placements=placements)
     mesh = loss.device_mesh
     averaged = math.prod(mesh.shape[m] for m, p in enumerate(loss.placements) if p == AVG)
-    scaled = [s * averaged / w for s, w in zip(loss._components, total._components, strict=True)]
-    return DTensor(scaled, loss._spec), total
+    held = local_of(loss)
+    scaled = held.zip(local_of(total), lambda s, w: s * averaged / w)
+    return DTensor(scaled, held.spec), total
 
 
 for _op in FORWARD_OPS:
@@ -209,7 +210,7 @@ def _elementwise_post_patch(_op: Any, result: DTensor, args: tuple, kwargs: dict
     if _reduction(args, kwargs, 2) != MEAN:
         return result
     count = args[0].numel()
-    return DTensor([c / count for c in result._components], result._spec)
+    return build(local_of(result).map(lambda c: c / count))
 
 
 for _op in ELEMENTWISE_OPS:

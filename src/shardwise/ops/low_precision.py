@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from ..dtensor import DTensor
+from ..dtensor import DTensor, build, local_of
 from ..spec import DTensorSpec, TensorMeta
 
 
 def held_as(result: DTensor, dtype: torch.dtype) -> DTensor:
     """``result`` (float32) as a DTensor of ``dtype`` with the same placements and no
     communication: float32 pieces are kept where a sum is pending, rounded once otherwise."""
-    spec = result._spec
+    held = local_of(result)
+    spec = held.spec
     meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, dtype)
-    return DTensor(result._components, DTensorSpec(spec.mesh, spec.placements, meta))
+    return build(held.replace(spec=DTensorSpec(spec.mesh, spec.placements, meta)))

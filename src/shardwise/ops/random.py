@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ..dtensor import DTensor, _global_stride
+from ..components import global_stride
+from ..dtensor import DTensor, local_of
 from ..factories import keeps_value
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
@@ -106,7 +107,7 @@ def _wrap(components: list[torch.Tensor], mesh: DeviceMesh, placements: tuple,
     if not components:
         return DTensor([], DTensorSpec(mesh, placements, contiguous_meta(shape, dtype)))
     first = components[0]
-    stride = _global_stride(first, mesh, placements, tuple(shape))
+    stride = global_stride(first, mesh, placements, tuple(shape))
     meta = TensorMeta(shape, stride, first.dtype)
     return DTensor(components, DTensorSpec(mesh, placements, meta))
 
@@ -115,11 +116,11 @@ def _random_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``self.uniform_()`` and friends: each component draws its shard in place (a
     Partial("sum") ``self`` keeps the value on its first device and zeros elsewhere)."""
     self: DTensor = args[0]
-    spec = self._spec
+    spec = local_of(self).spec
     moved = _move(op, args[1:], kwargs, self.shape, _no_partial(spec.placements))
-    moved[id(self)] = self._components
+    moved[id(self)] = local_of(self).pieces
     _per_shard(op, args, kwargs, spec, moved)
-    for component, device in zip(self._components, spec.mesh.local_device_ids, strict=True):
+    for component, device in zip(local_of(self).pieces, spec.mesh.local_device_ids, strict=True):
         if not keeps_value(spec, device):
             component.zero_()
     return self
@@ -139,8 +140,8 @@ def _random_out(op: Any, args: tuple, kwargs: dict) -> DTensor:
         moved = _move(op, args, kwargs, self.shape, target)
     else:
         moved = _move(op, args[1:], kwargs, self.shape, target) if len(args) > 1 else {}
-        moved[id(self)] = self._components
-    spec = self._spec.with_placements(target)
+        moved[id(self)] = local_of(self).pieces
+    spec = local_of(self).spec.with_placements(target)
     drawn = _per_shard(op, args, kwargs, spec, moved)
     return _wrap(drawn, self.device_mesh, target, self.shape, self.dtype)
 
@@ -216,12 +217,12 @@ def _rrelu_with_noise(op: Any, args: tuple, kwargs: dict) -> DTensor:
     mesh = x.device_mesh
     target = _no_partial(x.placements)
     moved = _move(op, (x, noise), {}, x.shape, target)
-    spec = x._spec.with_placements(target)
+    spec = local_of(x).spec.with_placements(target)
     out = _wrap(_per_shard(op, args, kwargs, spec, moved), mesh, target, x.shape, x.dtype)
     if noise.placements != target:
-        drawn = DTensor(moved[id(noise)], noise._spec.with_placements(target))
+        drawn = DTensor(moved[id(noise)], local_of(noise).spec.with_placements(target))
         pieces = move_components(op, [drawn], [noise.placements])[0]
-        for component, piece in zip(noise._components, pieces, strict=True):
+        for component, piece in zip(local_of(noise).pieces, pieces, strict=True):
             component.copy_(piece)
     return out
 
@@ -244,8 +245,8 @@ def _native_dropout(op: Any, args: tuple, kwargs: dict) -> tuple[DTensor, DTenso
     one). Dropout is linear given the mask, so a Partial input stays Partial; the mask is
     sharded like the input (Partial dims replicated)."""
     x: DTensor = args[0]
-    drawn = _per_shard(op, args, kwargs, x._spec, {id(x): x._components})
-    out = DTensor([o for o, _ in drawn], x._spec)
+    drawn = _per_shard(op, args, kwargs, local_of(x).spec, {id(x): local_of(x).pieces})
+    out = DTensor([o for o, _ in drawn], local_of(x).spec)
     target = _no_partial(x.placements)
     return out, _wrap([m for _, m in drawn], x.device_mesh, target, x.shape, x.dtype)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..comm.reduction import cast_keeps_partial
-from ..dtensor import DTensor
+from ..dtensor import DTensor, local_of
 from ..mesh import DeviceMesh
 from ..placements import (
     Partial,
@@ -297,9 +297,10 @@ def _local_scalar_dense(op: Any, args: tuple, kwargs: dict) -> Any:
     already checked that the global tensor has one element)."""
     x: DTensor = args[0]
     target = (Replicate(),) * x.device_mesh.ndim
-    components = x._components
+    held = local_of(x)
+    components = held.pieces
     if x.placements != target:
-        components = execute_plan(plan_redistribute(x._spec, target), x.device_mesh, components)
+        components = execute_plan(plan_redistribute(held.spec, target), x.device_mesh, components)
     return op(components[0], **kwargs)
 
 

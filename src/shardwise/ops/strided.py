@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..dtensor import DTensor
+from ..dtensor import DTensor, Local, set_local
 from ..errors import UnsupportedOpError
 from ..op_inputs import redistribute_inputs
 from ..spec import DTensorSpec, make_tensor_meta
@@ -108,8 +108,7 @@ def _resize(op: Any, args: tuple, kwargs: dict) -> DTensor:
     with DisableTorchDispatch():
         aten.resize_.default(self, size)
     mesh = self.device_mesh
-    self._spec = DTensorSpec(mesh, replicate(mesh), make_tensor_meta(local[0]))
-    self._components = local
+    set_local(self, Local(local, DTensorSpec(mesh, replicate(mesh), make_tensor_meta(local[0]))))
     return self
 
 

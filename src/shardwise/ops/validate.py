@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from .. import settings
-from ..dtensor import DTensor, distribute_tensor
+from ..dtensor import DTensor, local_of
 from ..errors import InvalidArgumentError, InvalidPlacementError, StrategyValidationError
+from ..factories import distribute_tensor
 from ..mesh import DeviceMesh, init_device_mesh
 from ..op_inputs import allow_implicit_redistribute
 from ..placements import Partial, Placement, Replicate, Shard, norm_order
@@ -86,7 +87,7 @@ def adversarial_components(
     base = [Replicate() if isinstance(p, Partial) else p for p in placements]
     dt = distribute_tensor(tensor, mesh, base)
     gen = torch.Generator().manual_seed(seed)
-    comps = list(dt._components)
+    comps = list(local_of(dt).pieces)
     # devices that differ only on Replicate mesh dims must hold the same piece: split once per
     # position on the Shard mesh dims, one part per position on the Partial mesh dims
     shard_dims = [m for m, p in enumerate(placements) if isinstance(p, Shard)]
@@ -101,7 +102,7 @@ def adversarial_components(
         for m in partial_dims:
             part = part * mesh.shape[m] + coord[m]
         comps[k] = splits[key][part].clone()  # own storage: in-place ops write per device
-    return DTensor(comps, DTensorSpec(mesh, tuple(placements), dt._spec.tensor_meta))
+    return DTensor(comps, DTensorSpec(mesh, tuple(placements), local_of(dt).spec.tensor_meta))
 
 
 def _noise(like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

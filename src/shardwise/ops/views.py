@@ -16,6 +16,7 @@ from math import prod
 import torch
 
 from ..caches import PER_LAYOUT, cached
+from ..dtensor import local_of, set_local
 from ..errors import InvalidArgumentError, InvalidPlacementError
 from ..geometry import Segments, shard_segments
 from ..mesh import DeviceMesh
@@ -417,8 +418,7 @@ def _inplace_view(op: object, args: tuple, kwargs: dict) -> object:
     self = args[0]
     with DisableTorchDispatch():
         op(self, *args[1:], **kwargs)
-    self._spec = out._spec
-    self._components = out._components
+    set_local(self, local_of(out))
     return self
 
 

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 import torch
 
 from .. import settings
-from ..dtensor import DTensor, distribute_tensor
+from ..dtensor import DTensor
 from ..errors import ParallelPlanError
+from ..factories import distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
 from ..plain_tensors import plain_is_local

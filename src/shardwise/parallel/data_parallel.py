@@ -30,14 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm, runtime, settings
+from .. import runtime, settings
 from ..comm.native import Pending
-from ..dtensor import DTensor, distribute_tensor
+from ..dtensor import DTensor, build, local_of, set_local
 from ..errors import DataParallelError
+from ..factories import distribute_tensor
 from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh, init_device_mesh, require_mesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..plain_tensors import plain_is_local
+from ..redistribute import move
 from ..spec import DTensorSpec, TensorMeta
 from ..torch_compat import tree_flatten, tree_map
 from ..tracing import eager_under_dynamo
@@ -264,10 +266,9 @@ def stored_value(param: torch.Tensor, dp: DataParallelDims, storage: list[Placem
 
     if isinstance(param, DTensor) and param.device_mesh != dp.mesh:
         compute = compute_placements(param, dp, "", "")
-        meta = param._spec.tensor_meta
-        on_root = DTensor(list(param.detach()._components), DTensorSpec(dp.mesh, tuple(compute),
-                                                                        meta))
-        param = on_root
+        held = local_of(param.detach())
+        spec = DTensorSpec(dp.mesh, tuple(compute), held.spec.tensor_meta)
+        param = build(held.replace(spec=spec))
     if isinstance(param, DTensor) and is_meta(param):
         return placed_meta(param, storage)
     if isinstance(param, DTensor):
@@ -278,11 +279,10 @@ def stored_value(param: torch.Tensor, dp: DataParallelDims, storage: list[Placem
 def _owning(stored: DTensor) -> DTensor:
     """``stored`` with every component that is a slice of a larger storage (a shard cut from
     the whole parameter) copied into its own: a stored chunk must not keep the whole alive."""
-    stored._components = [
-        c.clone(memory_format=torch.contiguous_format)
+    set_local(stored, local_of(stored).map(
+        lambda c: c.clone(memory_format=torch.contiguous_format)
         if c.untyped_storage().nbytes() > c.nbytes else c
-        for c in stored._components
-    ]
+    ))
     return stored
 
 
@@ -367,16 +367,15 @@ class GatheredView(torch.autograd.Function):
             source = stored if dtype is None or dtype == stored.dtype else stored.to(dtype)
             gathered = source.redistribute(placements=compute)
         else:
-            meta = dataclasses.replace(stored._spec.tensor_meta, dtype=pieces[0].dtype)
+            meta = dataclasses.replace(local_of(stored).spec.tensor_meta, dtype=pieces[0].dtype)
             gathered = DTensor(list(pieces), DTensorSpec(stored.device_mesh, compute, meta))
         if view == "global":
             return gathered
-        piece = gathered._components[0]
+        held = local_of(gathered)
         if sub is None:
-            return piece
+            return held.pieces[0]
         placements = tuple(p for d, p in enumerate(compute) if d not in dp.dims)
-        meta = gathered._spec.tensor_meta
-        return DTensor([piece], DTensorSpec(sub, placements, meta))
+        return DTensor([held.pieces[0]], DTensorSpec(sub, placements, held.spec.tensor_meta))
 
     @staticmethod
     @eager_under_dynamo  # backward runs it eagerly, also after a compiled forward
@@ -389,7 +388,7 @@ class GatheredView(torch.autograd.Function):
         if ctx.view == "global":
             return grad.to(dtype), *rest_of_args
         if isinstance(grad, DTensor):
-            piece, rest = grad._components[0], list(grad.placements)
+            piece, rest = local_of(grad).pieces[0], list(grad.placements)
         else:
             piece, rest = grad, []
         placements: list[Placement] = []
@@ -415,9 +414,10 @@ class OnCombinedMesh(torch.autograd.Function):
         placements: list[Placement] = [Replicate()] * mesh.ndim
         for d, p in zip(_dims_in(dp.mesh, mesh), gathered.placements, strict=True):
             placements[d] = p
-        by_device = dict(zip(dp.mesh.local_device_ids, gathered._components, strict=True))
+        held = local_of(gathered)
+        by_device = held.by_device()
         comps = [by_device[d] for d in mesh.local_device_ids]
-        return DTensor(comps, DTensorSpec(mesh, tuple(placements), gathered._spec.tensor_meta))
+        return DTensor(comps, DTensorSpec(mesh, tuple(placements), held.spec.tensor_meta))
 
     @staticmethod
     @eager_under_dynamo
@@ -427,9 +427,10 @@ class OnCombinedMesh(torch.autograd.Function):
         target = [p if d in dims else Replicate() for d, p in enumerate(grad.placements)]
         if list(grad.placements) != target:
             grad = grad.redistribute(placements=target)
-        by_device = dict(zip(mesh.local_device_ids, grad._components, strict=True))
+        held = local_of(grad)
+        by_device = held.by_device()
         comps = [by_device[d] for d in dp.mesh.local_device_ids]
-        spec = DTensorSpec(dp.mesh, tuple(target[d] for d in dims), grad._spec.tensor_meta)
+        spec = DTensorSpec(dp.mesh, tuple(target[d] for d in dims), held.spec.tensor_meta)
         return DTensor(comps, spec), None, None
 
 
@@ -502,10 +503,11 @@ def gather_packed(
     prefetch)."""
     mesh = stored[0].device_mesh
     n = mesh.shape[d]
-    n_local = len(stored[0]._components)
+    held = [local_of(s).pieces for s in stored]
+    n_local = len(held[0])
     rows_of = [_rows(s, s.placements, d) for s in stored]
     widths = [-(-r // n) for r in rows_of]  # rows of the largest chunk
-    rests = [[s._components[i].shape[1:] for s in stored] for i in range(n_local)]
+    rests = [[h[i].shape[1:] for h in held] for i in range(n_local)]
 
     def describe() -> str:
         return f"fully_shard's packed gather of {len(stored)} parameters"
@@ -514,15 +516,14 @@ def gather_packed(
         flats = []
         for i in range(n_local):
             parts = []
-            for s, width in zip(stored, widths, strict=True):
-                parts += _padded(s._components[i], width, dtype)
+            for h, width in zip(held, widths, strict=True):
+                parts += _padded(h[i], width, dtype)
             flats.append(torch.cat(parts))
-        with comm.moving(describe):
-            gathered = comm.all_gather_tensor(mesh, d, flats, 0, lambda _: flats[0].shape,
-                                              async_op=True)
+        gathered = move.all_gather_tensor(describe, mesh, d, flats, 0, lambda _: flats[0].shape,
+                                          async_op=True)
 
     def cut() -> list[list[torch.Tensor]]:
-        with torch.no_grad(), comm.moving(describe):
+        with torch.no_grad():
             whole_flats = gathered.finish()
             out: list[list[torch.Tensor]] = [[] for _ in stored]
             for i in range(n_local):
@@ -569,27 +570,29 @@ def reduce_packed(
     grads: list[DTensor] = [p.grad for p in params]
     mesh = grads[0].device_mesh
     n = mesh.shape[d]
-    n_local = len(grads[0]._components)
+    held = [local_of(g) for g in grads]
+    n_local = len(held[0].pieces)
     rows_of = [_rows(g, storage, d) for g, storage in zip(grads, storages, strict=True)]
     widths = [-(-r // n) for r in rows_of]
     coords = [mesh.coordinate_of(device)[d] for device in mesh.local_device_ids]
     with torch.no_grad():
         pieces = []
         for i in range(n_local):
-            packed = torch.cat([torch.cat(_padded(g._components[i], n * w, None)).view(n, -1)
-                                for g, w in zip(grads, widths, strict=True)], 1)
+            packed = torch.cat([torch.cat(_padded(h.pieces[i], n * w, None)).view(n, -1)
+                                for h, w in zip(held, widths, strict=True)], 1)
             pieces.append(list(packed.unbind(0)))
-        with comm.moving(lambda: f"fully_shard's packed gradient of {len(grads)} parameters"):
-            reduced = comm.reduce_scatter(mesh, d, pieces, op)
+        reduced = move.reduce_scatter(
+            lambda: f"fully_shard's packed gradient of {len(grads)} parameters", mesh, d, pieces, op
+        )
         starts = [0] * n_local
-        for p, g, storage, w, r in zip(params, grads, storages, widths, rows_of, strict=True):
+        for p, h, storage, w, r in zip(params, held, storages, widths, rows_of, strict=True):
             comps = []
             sizes = chunk_sizes(r, n)
             for i in range(n_local):
-                rest = g._components[i].shape[1:]
+                rest = h.pieces[i].shape[1:]
                 end = starts[i] + w * rest.numel()
                 whole = reduced[i][starts[i] : end].view(w, *rest)
                 comps.append(whole[: sizes[coords[i]]])
                 starts[i] = end
-            grad = DTensor(comps, g._spec.with_placements(storage))
+            grad = DTensor(comps, h.spec.with_placements(storage))
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm, settings
+from .. import settings
 from ..comm.native import Pending
 from ..deferred_init import is_meta
-from ..dtensor import DTensor
+from ..dtensor import DTensor, local_of
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate
 from ..plain_tensors import plain_is_local
+from ..redistribute import move
 from ..torch_compat import queue_autograd_callback, tree_map
 from ..tracing import eager_under_dynamo
 from .data_parallel import (
@@ -115,7 +116,7 @@ class DataParallelUnit:
         """Changes whenever slot ``k``'s stored parameter does: replaced, or written in place
         (through the DTensor, whose own counter moves, or through its components)."""
         stored = self.slots[k].stored
-        return (id(stored), stored._version, tuple(c._version for c in stored._components))
+        return (id(stored), stored._version, tuple(c._version for c in local_of(stored).pieces))
 
     def views_of(
         self, ks: list[int], view: str, prefetched: Prefetched | None = None
@@ -391,7 +392,7 @@ class DataParallelUnit:
         if self.backward_schedule is not None:
             self.backward_schedule.saving.setdefault(self, None)
         views = [(p.shape, p.stride(), p.storage_offset()) for p in pieces]
-        spec = tensor._spec if isinstance(tensor, DTensor) else None
+        spec = local_of(tensor).spec if isinstance(tensor, DTensor) else None
         return (k, spec, views)
 
     @eager_under_dynamo
@@ -495,7 +496,7 @@ def guard_calls(module: nn.Module, unit: DataParallelUnit) -> None:
 
 def _pieces(tensor: Any) -> list[torch.Tensor]:
     if isinstance(tensor, DTensor):
-        return list(tensor._components)
+        return list(local_of(tensor).pieces)
     if isinstance(tensor, torch.Tensor):
         return [tensor]
     return []
@@ -636,7 +637,7 @@ class _Buckets:
             param = unit.slots[k].stored
             if not param.requires_grad:
                 continue
-            nbytes = param._components[0].numel() * param.element_size()  # one device's piece
+            nbytes = local_of(param).pieces[0].numel() * param.element_size()  # one device's piece
             if size + nbytes > cap and (not self.buckets or self.buckets[-1]):
                 self.buckets.append([])
                 size = 0
@@ -695,19 +696,21 @@ class _Buckets:
         is pending over and stored whole on, such as a sequence-parallel norm's weight over
         'tp') of the run of parameters that share it (``params`` lists them side by side)."""
         grads: list[DTensor] = [p.grad for p in params]
-        with comm.moving(lambda: f"replicate's gradient bucket of {len(grads)} tensors"):
-            reduced = comm.all_reduce_flat(mesh, dims, [g._components for g in grads], op)
-            start = 0
-            for j in range(len(grads) + 1):
-                if j < len(grads) and (j == start or more[j] == more[start]):
-                    continue
-                for d, run_op in more[start]:
-                    reduced[start:j] = comm.all_reduce_flat(mesh, (d,), reduced[start:j],
-                                                            run_op)
-                start = j
+
+        def what() -> str:
+            return f"replicate's gradient bucket of {len(grads)} tensors"
+
+        reduced = move.all_reduce_flat(what, mesh, dims, [local_of(g).pieces for g in grads], op)
+        start = 0
+        for j in range(len(grads) + 1):
+            if j < len(grads) and (j == start or more[j] == more[start]):
+                continue
+            for d, run_op in more[start]:
+                reduced[start:j] = move.all_reduce_flat(what, mesh, (d,), reduced[start:j], run_op)
+            start = j
         for p, g, extra, pieces in zip(params, grads, more, reduced, strict=True):
             placements = list(g.placements)
             for d in (*dims, *(d for d, _ in extra)):
                 placements[d] = Replicate()
-            p.grad = DTensor(pieces, g._spec.with_placements(placements))
+            p.grad = DTensor(pieces, local_of(g).spec.with_placements(placements))
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .. import comm, settings
-from ..dtensor import DTensor, distribute_tensor
+from .. import settings
+from ..dtensor import DTensor, local_of
 from ..errors import (
     InvalidArgumentError,
     InvalidPlacementError,
@@ -31,9 +31,11 @@ from ..errors import (
     MeshError,
     UnsupportedOpError,
 )
+from ..factories import distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard, is_special_shard
 from ..plain_tensors import plain_is_local
+from ..redistribute import move
 from ..spec import DTensorSpec, contiguous_meta
 from .boundary import to_layout
 
@@ -176,9 +178,9 @@ def _acting_device(mesh: DeviceMesh) -> int:
     return ids[0]
 
 
-def _all_reduce(mesh: DeviceMesh, dims: list[int], parts: list[torch.Tensor], op: str):
+def _all_reduce(what: Any, mesh: DeviceMesh, dims: list[int], parts: list[torch.Tensor], op: str):
     for m in dims:
-        parts = comm.all_reduce(mesh, m, parts, op)
+        parts = move.all_reduce(what, mesh, m, parts, op)
     return parts
 
 
@@ -187,29 +189,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: DTensor, target: DTensor, ignore_index: int) -> DTensor:
-        spec, mesh = logits._spec, logits.device_mesh
+        held, labels = local_of(logits), local_of(target)
+        spec, mesh = held.spec, logits.device_mesh
         cd, dims = _class_dim(logits), _class_mesh_dims(logits)
-        parts = logits._components
-        _check_labels(target._components, logits.shape[cd], ignore_index)
-        with comm.moving(lambda: f"loss_parallel cross entropy of {spec}"):
-            maxes = _all_reduce(mesh, dims, [_row_max(x, cd) for x in parts], "max")
-            sums = [(x - m).exp().sum(cd, keepdim=True) for x, m in zip(parts, maxes, strict=True)]
-            sums = _all_reduce(mesh, dims, sums, "sum")
-            lse = [s.log() + m for s, m in zip(sums, maxes, strict=True)]
-            picks, locals_ = [], []
-            for x, t, d in zip(parts, target._components, mesh.local_device_ids, strict=True):
-                start = spec.local_segments(d)[cd][0][0]
-                local = _local_target(t, start, x.shape[cd], ignore_index)
-                locals_.append(local)
-                picked = x.gather(cd, local[0].unsqueeze(cd)).squeeze(cd) if x.shape[cd] else 0
-                picks.append(torch.where(local[1], picked, torch.zeros((), dtype=x.dtype)))
-            picks = _all_reduce(mesh, dims, picks, "sum")
+        parts = held.pieces
+        _check_labels(labels.pieces, logits.shape[cd], ignore_index)
+        def what() -> str:
+            return f"loss_parallel cross entropy of {spec}"
+
+        maxes = _all_reduce(what, mesh, dims, [_row_max(x, cd) for x in parts], "max")
+        sums = [(x - m).exp().sum(cd, keepdim=True) for x, m in zip(parts, maxes, strict=True)]
+        sums = _all_reduce(what, mesh, dims, sums, "sum")
+        lse = [s.log() + m for s, m in zip(sums, maxes, strict=True)]
+        picks, locals_ = [], []
+        for x, t, d in zip(parts, labels.pieces, mesh.local_device_ids, strict=True):
+            start = spec.local_segments(d)[cd][0][0]
+            local = _local_target(t, start, x.shape[cd], ignore_index)
+            locals_.append(local)
+            picked = x.gather(cd, local[0].unsqueeze(cd)).squeeze(cd) if x.shape[cd] else 0
+            picks.append(torch.where(local[1], picked, torch.zeros((), dtype=x.dtype)))
+        picks = _all_reduce(what, mesh, dims, picks, "sum")
         losses = [
             torch.where(t == ignore_index, 0.0, s.squeeze(cd) - p).to(x.dtype)
-            for s, p, t, x in zip(lse, picks, target._components, parts, strict=True)
+            for s, p, t, x in zip(lse, picks, labels.pieces, parts, strict=True)
         ]
         ctx.save_for_backward(*lse, *parts)
-        ctx.state = (spec, target._spec, target._components, locals_, ignore_index)
+        ctx.state = (spec, labels.spec, labels.pieces, locals_, ignore_index)
         out_spec = DTensorSpec(mesh, target.placements, contiguous_meta(target.shape, logits.dtype))
         return DTensor(losses, out_spec)
 
@@ -221,7 +226,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n = len(targets)
         lses, xs = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
         out = []
-        parts = zip(xs, lses, grad._components, targets, locals_, strict=True)
+        parts = zip(xs, lses, local_of(grad).pieces, targets, locals_, strict=True)
         for x, lse, g, t, (index, hit) in parts:
             probs = (x - lse).exp()
             if x.shape[cd]:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..dtensor import DTensor, distribute_tensor
+from ..dtensor import DTensor
+from ..factories import distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
 from ..tracing import eager_under_dynamo

@@ -2,9 +2,9 @@
 run them (``run``, with the point to point ``exchange``; ``traced`` while torch.compile traces).
 
 Every module here imports only from the modules before it in this order, and from the layers
-above (``geometry``, ``spec``, ``comm``): exchange, cross_mesh, plan, run, traced. ``cross_mesh``
-(a move between two meshes, or an explicit redistribution's point to point plan on one) imports
-``exchange`` only.
+above (``geometry``, ``spec``, ``comm``): exchange, cross_mesh, plan, run, traced, move.
+``cross_mesh`` (a move between two meshes, or an explicit redistribution's point to point plan
+on one) imports ``exchange`` only. ``move`` is the one road for bytes of the layers above.
 """
 
 from ..geometry import lower_bound_bytes

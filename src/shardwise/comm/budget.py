@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
-from . import settings
-from .errors import CommBudgetExceededError, CommBudgetWarning, InvalidArgumentError
+from .. import settings
+from ..errors import CommBudgetExceededError, CommBudgetWarning, InvalidArgumentError
 
 Key = str | int  # a mesh dim by name or by index
 
@@ -222,7 +222,7 @@ def _step_text(step: Any) -> str:
 
 
 def _plan_text(what: str, spec: Any, plan: Any) -> str:
-    from .geometry import lower_bound_bytes
+    from ..geometry import lower_bound_bytes
 
     try:
         bound = str(lower_bound_bytes(spec.mesh, tuple(spec.shape), spec.tensor_meta.dtype.itemsize,
@@ -236,14 +236,10 @@ def _plan_text(what: str, spec: Any, plan: Any) -> str:
             f"devices, lower bound {bound})")
 
 
-@contextmanager
-def planned(
-    op: str | Callable[[], str], moves: Sequence[tuple[str, Any, Any]]
-) -> Iterator[None]:
+def planned(op: str | Callable[[], str], moves: Sequence[tuple[str, Any, Any]]) -> Any:
     """Around running the redistribution plans of one operation ``op``, ``moves`` as (what,
     spec, plan) triples: every active budget is checked against the plans' bytes before the
     block runs (raising there moves nothing); the collectives inside are charged to ``op``."""
-    budgets = settings.COMM_BUDGETS.get()
     total = 0
     dims: dict[Key, int] = {}
     for _, spec, plan in moves:
@@ -253,16 +249,38 @@ def planned(
             total += step.bytes
             for key in _dim_keys(spec.mesh, step.mesh_dim):
                 dims[key] = dims.get(key, 0) + step.bytes
-    for budget in budgets:
+    return _ahead(op, total, dims, lambda: "\n".join(_plan_text(*move) for move in moves))
+
+
+def collective(
+    op: str | Callable[[], str], kind: str, mesh: Any, mesh_dim: int, nbytes: Callable[[], int]
+) -> Any:
+    """Around one collective an upper layer runs itself (fully_shard's packed gather, a DDP
+    bucket, a strategy's reduce): checked ahead as a plan of one step of ``nbytes()`` bytes
+    (this process's devices, the cost model's count), when a budget is active."""
+    if not settings.COMM_BUDGETS.get():
+        return nullcontext()
+    moved = nbytes()
+    return _ahead(op, moved, dict.fromkeys(_dim_keys(mesh, mesh_dim), moved), lambda: (
+        f"  {kind} on mesh dim {mesh_dim} of {mesh}: {moved} bytes on this process's devices"
+    ))
+
+
+@contextmanager
+def _ahead(
+    op: str | Callable[[], str], total: int, dims: Mapping[Key, int], details: Callable[[], str]
+) -> Iterator[None]:
+    """Raise (or warn) before anything moves if ``total`` bytes (``dims`` per budget key) would
+    put an active budget over a limit; the collectives inside are charged to ``op``."""
+    for budget in settings.COMM_BUDGETS.get():
         over = budget.excess(total, dims)
         if over:
             name = op() if callable(op) else op
-            plans = "\n".join(_plan_text(*move) for move in moves)
             verb = "nothing was moved" if budget.on_exceed == "raise" else "moving anyway"
             _exceeded(budget, (
                 f"{name} would exceed {budget!r}:\n"
                 + "".join(f"  {line}\n" for line in over)
-                + f"{plans}\n  used so far: {budget.usage()}; {verb}"
+                + f"{details()}\n  used so far: {budget.usage()}; {verb}"
             ))
     with settings.BUDGET_OPERATION.override(_Operation(op, True)):
         yield
