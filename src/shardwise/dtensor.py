@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch.optim import optimizer as _optimizer
 from torch.utils import _foreach_utils
 
-from . import budget, comm, settings
+from . import budget, comm, execution
 from .comm import background
 from .comm.reduction import reduce_op_problem
 from .comm.safety import redistribution
@@ -172,7 +172,7 @@ class DTensor(torch.Tensor):
         device_mesh = mesh_or_current(device_mesh, "DTensor.from_local")
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
-        replica = settings.REPLICA_THREAD.get()
+        replica = execution.replica()
         if (
             replica is not None
             and replica.count > 1
@@ -224,15 +224,15 @@ class DTensor(torch.Tensor):
 
     def _local_index(self, what: str) -> int:
         """Which component is this process's (or this replica thread's)."""
-        replica = settings.REPLICA_THREAD.get()
+        replica = execution.replica()
         if replica is not None and replica.count == len(self._components):
             return replica.index
         if len(self._components) != 1:
             raise LocalComponentsError(
                 f"{what} of a DTensor of shape {list(self.shape)} with placements "
-                f"{list(self.placements)} needs a process that owns one device, but this one owns "
-                f"{len(self._components)} devices {list(self.device_mesh.local_device_ids)} of "
-                f"{self.device_mesh}; use shardwise.local_components(dt) for all its components"
+                f"{list(self.placements)} needs a program acting for one device, but "
+                f"{execution.of(self.device_mesh).describe()}; use "
+                f"shardwise.local_components(dt) for all its components"
             )
         return 0
 

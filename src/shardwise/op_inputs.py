@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 
-from . import budget, settings
+from . import budget, execution, settings
 from .dtensor import DTensor, distribute_tensor
 from .errors import ImplicitRedistributeError, MeshError
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, norm_order
-from .plain_tensors import plain_is_local
 from .redistribute import execute_plan, plan_redistribute
 
 log = logging.getLogger("shardwise.redistribute")
@@ -75,10 +74,11 @@ def _refused(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> bool:
 
 
 def _refusal(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> MeshError:
-    view = "this rank's local data" if plain_is_local(mesh) else "a global value"
+    execution.plain_view(mesh)  # raises where this program acts for no device of the mesh
     return MeshError(
         f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)} "
-        f"(here {view}); only a 0-d or one-element tensor is taken as replicated by itself. "
+        f"({execution.of(mesh).describe()}); only a 0-d or one-element tensor is taken as "
+        f"replicated by itself. "
         f"Distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)), or, if "
         f"every rank holds the same whole value, take it as replicated inside "
         f"`with shardwise.implicit_replication():`"
