@@ -14,6 +14,7 @@ import shardwise as sw
 import shardwise.distribute as swd
 from mp_harness import run_in_processes
 from shardwise import comm, execution, settings
+from shardwise.comm import transport, wire
 from shardwise.execution import Kind, View
 from shardwise.rank_threads import run_threads
 
@@ -25,7 +26,7 @@ def test_embedded_context_acts_for_every_device_in_the_global_view() -> None:
     ctx = execution.of(mesh)
     assert (ctx.kind, ctx.rank, ctx.world) == (Kind.EMBEDDED, 0, 1)
     assert ctx.devices == (0, 1, 2, 3) and ctx.view is View.GLOBAL
-    assert ctx.transport is execution.BACKEND
+    assert ctx.transport is None and wire.transport() is wire.BACKEND
     assert repr(mesh) == (
         "DeviceMesh('cpu', [[0, 1], [2, 3]], mesh_dim_names=('dp', 'tp')) "
         "[embedded, acting for devices [0, 1, 2, 3], global view]"
@@ -41,7 +42,7 @@ def test_embedded_context_acts_for_every_device_in_the_global_view() -> None:
 
 
 def test_a_declared_context_stays_in_its_thread_and_with_block() -> None:
-    made = execution.ExecutionContext(Kind.RANK_THREAD, 3, 4, execution.BACKEND)
+    made = execution.ExecutionContext(Kind.RANK_THREAD, 3, 4)
     seen: dict[str, execution.ExecutionContext] = {}
 
     def other_thread() -> None:
@@ -114,6 +115,7 @@ def _rank_thread_program() -> dict:
         "wide": (execution.of(wide).devices, execution.plain_view(wide)),
         "repr": repr(mesh), "summed": [t.tolist() for t in summed],
         "messages": (counting.sent, counting.received),
+        "group transports": (transport.for_dim(mesh, 0).name, transport.for_dim(wide, 0).name),
     }
 
 
@@ -129,6 +131,7 @@ def test_rank_threads_declare_their_rank_and_share_the_mailbox_transport() -> No
                                f"devices [{r}], per-rank view]")
         assert got["summed"] == [[oracle] * 3, [oracle] * 3]
         assert got["messages"][0] > 0 and got["messages"][1] > 0
+        assert got["group transports"] == ("backend", "point to point")
     # one mailbox, made once for the run
     assert out[0]["transport"].mailbox is out[1]["transport"].mailbox
     assert execution.current().kind is Kind.EMBEDDED  # nothing leaked into the caller
@@ -146,7 +149,7 @@ def _process_program() -> dict:
     wide = sw.DeviceMesh("cpu", [0, 1, 2, 3])
     return {
         "kind": ctx.kind.value, "rank": ctx.rank, "world": ctx.world, "devices": ctx.devices,
-        "view": ctx.view.value, "backend": ctx.transport is execution.BACKEND,
+        "view": ctx.view.value, "backend": wire.transport() is wire.BACKEND,
         "wide": (execution.of(wide).devices, execution.plain_view(wide).value),
         "repr": repr(mesh), "message": message,
     }

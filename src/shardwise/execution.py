@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from . import runtime, settings
+from . import settings
 from .errors import MeshError
 
 if TYPE_CHECKING:
@@ -71,25 +71,6 @@ class Transport(Protocol):
     def wait(self, work: Any, timeout: timedelta) -> None: ...
 
 
-class BackendTransport:
-    """The process group's own ``isend``/``irecv`` over shardwise's groups (a per-rank
-    process; embedded mode has no peer to send to)."""
-
-    name = "backend"
-
-    def send(self, tensor: torch.Tensor, peer: int, ranks: tuple[int, ...], tag: int) -> Any:
-        return dist.isend(tensor, dst=peer, group=runtime.group_for_ranks(ranks), tag=tag)
-
-    def receive(self, buffer: torch.Tensor, peer: int, ranks: tuple[int, ...], tag: int) -> Any:
-        return dist.irecv(buffer, src=peer, group=runtime.group_for_ranks(ranks), tag=tag)
-
-    def wait(self, work: Any, timeout: timedelta) -> None:
-        work.wait(timeout)
-
-
-BACKEND = BackendTransport()
-
-
 @dataclasses.dataclass(frozen=True)
 class Replica:
     """What a replica thread of ``Strategy.run`` acts for: local replica ``index`` of
@@ -103,15 +84,16 @@ class Replica:
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionContext:
-    """Who this program is: ``kind``, ``rank`` of ``world`` processes, its ``transport``, the
-    ``view`` it declares (None: decided per mesh by the devices it acts for), the ``replica``
-    of a replica thread. ``on(mesh)`` binds it to a mesh: ``mesh``, ``devices`` (the devices
-    of it this program acts for) and ``view`` are then set."""
+    """Who this program is: ``kind``, ``rank`` of ``world`` processes, its ``transport``
+    (None: the process group's own ``isend``/``irecv``, ``comm.wire.BACKEND``), the ``view``
+    it declares (None: decided per mesh by the devices it acts for), the ``replica`` of a
+    replica thread. ``on(mesh)`` binds it to a mesh: ``mesh``, ``devices`` (the devices of it
+    this program acts for) and ``view`` are then set."""
 
     kind: Kind
     rank: int
     world: int
-    transport: Transport = dataclasses.field(default=BACKEND, compare=False, repr=False)
+    transport: Transport | None = dataclasses.field(default=None, compare=False, repr=False)
     view: View | None = None
     replica: Replica | None = None
     mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -164,8 +146,9 @@ def current() -> ExecutionContext:
     declared = settings.EXECUTION.get()
     if declared is not None:
         return declared
-    rank, world = runtime.rank_and_world()
-    return _process(rank, world)
+    if dist.is_available() and dist.is_initialized():  # this data layer reads c10d itself
+        return _process(dist.get_rank(), dist.get_world_size())
+    return _process(0, 1)
 
 
 _PROCESS: dict[tuple[int, int], ExecutionContext] = {}
@@ -175,7 +158,7 @@ def _process(rank: int, world: int) -> ExecutionContext:
     made = _PROCESS.get((rank, world))
     if made is None:
         kind = Kind.EMBEDDED if world == 1 else Kind.PROCESS
-        made = _PROCESS[(rank, world)] = ExecutionContext(kind, rank, world, BACKEND)
+        made = _PROCESS[(rank, world)] = ExecutionContext(kind, rank, world)
     return made
 
 

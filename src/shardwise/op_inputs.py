@@ -64,7 +64,7 @@ def implicit_replication(enabled: bool = True) -> Iterator[None]:
 
 def _refused(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> bool:
     """True if the plain ``tensor`` cannot be taken as replicated beside ``func``'s DTensors:
-    it has more than one element (one rule for every size and view, see ``plain_tensors``),
+    it has more than one element (one rule for every size and view, see ``execution``),
     outside autograd's backward and outside ``implicit_replication()``."""
     return (
         tensor.numel() > 1

@@ -1,8 +1,8 @@
 """Point-to-point messages of shardwise's cross-process collectives (``distributed.py``),
 through the transport of the execution context (``execution.Transport``, chosen once when the
-context is made): the backend's ``isend``/``irecv`` between processes
-(``execution.BackendTransport``), and between the rank threads of one process
-(``rank_threads``) a hand-over in memory, ``Mailbox``.
+context is made): the backend's ``isend``/``irecv`` between processes (``BackendTransport``),
+and between the rank threads of one process (``rank_threads``) a hand-over in memory
+(``MailboxTransport`` over their shared ``Mailbox``).
 
 Rank threads share one address space, so a message needs no socket: whichever of the send and
 its matching receive is posted second copies the bytes straight from the sender's tensor into
@@ -21,8 +21,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import execution
+from ..runtime import group_for_ranks
 
 Key = tuple[tuple[int, ...], int, int, int]  # group's ranks, source, destination, tag
 
@@ -187,18 +189,42 @@ class MailboxTransport:
             self.mailbox.turns.take()
 
 
+class BackendTransport:
+    """The process group's own ``isend``/``irecv`` over shardwise's groups: the transport of
+    a context that declares none (a per-rank process; embedded mode has no peer)."""
+
+    name = "backend"
+
+    def send(self, tensor: torch.Tensor, peer: int, ranks: tuple[int, ...], tag: int) -> Any:
+        return dist.isend(tensor, dst=peer, group=group_for_ranks(ranks), tag=tag)
+
+    def receive(self, buffer: torch.Tensor, peer: int, ranks: tuple[int, ...], tag: int) -> Any:
+        return dist.irecv(buffer, src=peer, group=group_for_ranks(ranks), tag=tag)
+
+    def wait(self, work: Any, timeout: timedelta) -> None:
+        work.wait(timeout)
+
+
+BACKEND = BackendTransport()
+
+
+def transport() -> execution.Transport:
+    """The transport of this thread's execution context."""
+    return execution.current().transport or BACKEND
+
+
 def wait(work: Any, timeout: timedelta) -> None:
-    """``work.wait(timeout)`` through this context's transport (``execution.Transport``)."""
-    execution.current().transport.wait(work, timeout)
+    """``work.wait(timeout)`` through this context's transport."""
+    transport().wait(work, timeout)
 
 
 def post_send(tensor: torch.Tensor, dst: int, ranks: tuple[int, ...], tag: int):
     """Post ``tensor`` to global rank ``dst`` of the group over ``ranks`` through this
     context's transport; returns its handle."""
-    return execution.current().transport.send(tensor, dst, ranks, tag)
+    return transport().send(tensor, dst, ranks, tag)
 
 
 def post_receive(buffer: torch.Tensor, src: int, ranks: tuple[int, ...], tag: int):
     """Post a receive into ``buffer`` from global rank ``src`` through this context's
     transport; returns its handle."""
-    return execution.current().transport.receive(buffer, src, ranks, tag)
+    return transport().receive(buffer, src, ranks, tag)

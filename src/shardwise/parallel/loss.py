@@ -6,7 +6,7 @@ all-reduced (max, then sum) over the mesh dims that split the classes, and so is
 logit, which only the device holding the target class contributes. Only ``O(rows)`` values
 move; the backward, ``softmax - one_hot``, is local. Rows may also be sharded (data parallel).
 
-Plain labels follow the plain-tensor rule (``plain_tensors.py``): where the program acts for one
+Plain labels follow the plain-tensor rule (``execution.plain_view``): where the program acts for one
 device of the logits' mesh (a per-rank program) they are this rank's labels, for the rows of the
 logits this device holds; where a process acts for several devices they are every row's labels.
 """
