@@ -109,7 +109,13 @@ def _rank_thread_program() -> dict:
     with settings.EXECUTION.override(
             execution.rank_thread(ctx.rank, ctx.world, counting)):
         summed = comm.all_reduce(wide, 0, mine)
+    first = sw.DeviceMesh("cpu", [0])  # rank 0's device only: rank 1 acts for none of it
+    try:
+        outside = execution.plain_view(first, "a plain batch").value
+    except sw.MeshError as err:
+        outside = str(err)
     return {
+        "outside": outside,
         "kind": ctx.kind, "rank": (ctx.rank, rank), "world": ctx.world,
         "devices": ctx.devices, "view": ctx.view, "transport": ctx.transport,
         "wide": (execution.of(wide).devices, execution.plain_view(wide)),
@@ -132,6 +138,10 @@ def test_rank_threads_declare_their_rank_and_share_the_mailbox_transport() -> No
         assert got["summed"] == [[oracle] * 3, [oracle] * 3]
         assert got["messages"][0] > 0 and got["messages"][1] > 0
         assert got["group transports"] == ("backend", "point to point")
+    assert out[0]["outside"] == "per-rank view"
+    assert out[1]["outside"].startswith(
+        "a plain batch given for DeviceMesh('cpu', [0]): this program acts for no device of "
+        "DeviceMesh('cpu', [0]) [rank thread 1 of 2, acting for no device of it]")
     # one mailbox, made once for the run
     assert out[0]["transport"].mailbox is out[1]["transport"].mailbox
     assert execution.current().kind is Kind.EMBEDDED  # nothing leaked into the caller
