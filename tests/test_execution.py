@@ -161,7 +161,7 @@ def _process_program() -> dict:
         "kind": ctx.kind.value, "rank": ctx.rank, "world": ctx.world, "devices": ctx.devices,
         "view": ctx.view.value, "backend": wire.transport() is wire.BACKEND,
         "wide": (execution.of(wide).devices, execution.plain_view(wide).value),
-        "repr": repr(mesh), "message": message,
+        "repr": repr(mesh), "str": str(mesh), "message": message,
     }
 
 
@@ -175,3 +175,5 @@ def test_per_rank_processes_declare_their_rank_and_the_backend_transport() -> No
         assert got["repr"] == (f"DeviceMesh('cpu', [0, 1]) [per-rank process {r} of 2, acting "
                                f"for devices [{r}], per-rank view]")
         assert f"this program acts for devices [{r}] of {got['repr']}" in got["message"]
+        # messages name the mesh alike in every process (their descriptions are compared)
+        assert got["str"] == "DeviceMesh('cpu', [0, 1])"
