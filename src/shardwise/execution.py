@@ -4,27 +4,27 @@ program's edge"). Every module asks here; none infers it on its own.
 
 One value, ``ExecutionContext``, is made once by whoever creates the context:
 
-- the process (``current()`` without a declared context): *embedded* without a
-  ``torch.distributed`` world of several processes (it acts for every device of a mesh), or a
-  *per-rank process* of a world started by ``torchrun``, ``shardwise.launch`` or
-  ``init_device_mesh`` (``runtime.start``);
+- the process, for a thread that declares none (``current()``, made once per rank and world
+  from torch.distributed's state): *embedded* without a world of several processes (it acts
+  for every device of a mesh), or a *per-rank process* of a world started by ``torchrun``,
+  ``shardwise.launch`` or ``init_device_mesh`` (``runtime.start``);
 - ``rank_threads``: each *rank thread* of the launcher's threads mode, a process of its own
   whose point-to-point messages go through the ranks' shared mailbox;
 - ``Strategy.run``: each *replica thread*, acting for one local replica device in the
   per-rank view (``replica_thread``).
 
-It lives in one setting, ``settings.EXECUTION``, so a thread, or a ``with`` block, sees its
-own. For a mesh, ``of(mesh)`` binds it to the devices of the mesh this program acts for and
-the view of a plain tensor: *per-rank* (a plain tensor is this rank's local data) where it
-acts for one device of the mesh or a replica thread declares it, *global* where it acts for
-several. ``plain_view(mesh, what)`` is that rule for an API given a plain tensor.
+A declared one lives in one setting, ``settings.EXECUTION``, so a thread, or a ``with``
+block, sees its own. For a mesh, ``of(mesh)`` binds it to the devices of the mesh this program
+acts for and the view of a plain tensor: *per-rank* (a plain tensor is this rank's local
+data) where it acts for one device of the mesh or a replica thread declares it, *global* where
+it acts for several. ``plain_view(mesh, what)`` is that rule for an API given a plain tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -205,8 +205,3 @@ def plain_view(mesh: DeviceMesh, what: str = "a plain tensor") -> View:
 def per_rank(mesh: DeviceMesh, what: str = "a plain tensor") -> bool:
     """``plain_view(mesh, what) is View.PER_RANK``."""
     return plain_view(mesh, what) is View.PER_RANK
-
-
-def acting_devices(mesh: DeviceMesh) -> Sequence[int]:
-    """The devices of ``mesh`` this program acts for."""
-    return of(mesh).devices
