@@ -100,18 +100,11 @@ class ExecutionContext:
     devices: tuple[int, ...] = ()
 
     def on(self, mesh: DeviceMesh) -> ExecutionContext:
-        """This context for ``mesh``: the devices of it this program acts for (a replica
-        thread: its replica's, where the mesh has one local device per replica) and the view
-        of a plain tensor (the declared one, else per-rank for one device, global for
-        several)."""
-        local = mesh.local_device_ids
-        replica = self.replica
-        devices = (
-            (local[replica.index],) if replica is not None and replica.count == len(local)
-            else local
-        )
-        view = self.view or (View.PER_RANK if len(devices) == 1 else View.GLOBAL)
-        return dataclasses.replace(self, mesh=mesh, devices=devices, view=view)
+        """This context for ``mesh``, with the devices of it this program acts for and the
+        view of a plain tensor there (``_acting``)."""
+        devices, view = _acting(self, mesh)
+        return ExecutionContext(self.kind, self.rank, self.world, self.transport, view,
+                                self.replica, mesh, devices)
 
     def who(self) -> str:
         """"embedded", "per-rank process 1 of 4", "replica thread 0 of 2, rank 1 of 4"..."""
@@ -138,6 +131,23 @@ class ExecutionContext:
             return f"this program is {self.who()}"
         acts = f"devices {list(self.devices)}" if self.devices else "no device"
         return f"this program acts for {acts} of {self.mesh!r}"
+
+
+def _acting(
+    context: ExecutionContext | None, mesh: DeviceMesh
+) -> tuple[tuple[int, ...], View]:
+    """The devices of ``mesh`` a program in ``context`` (None: a process's own, which declares
+    nothing) acts for, and the view of a plain tensor there: a replica thread acts for its
+    replica's device where the mesh has one local device per replica; the view is the
+    declared one, else per-rank for one device and global for several."""
+    local = mesh.local_device_ids
+    replica = None if context is None else context.replica
+    devices = (
+        (local[replica.index],) if replica is not None and replica.count == len(local)
+        else local
+    )
+    declared = None if context is None else context.view
+    return devices, declared or (View.PER_RANK if len(devices) == 1 else View.GLOBAL)
 
 
 def current() -> ExecutionContext:
@@ -192,14 +202,14 @@ def plain_view(mesh: DeviceMesh, what: str = "a plain tensor") -> View:
     """The view of a plain tensor given for ``mesh``: ``View.PER_RANK`` where it is this
     rank's local data, ``View.GLOBAL`` where it is the global value. Raises ``MeshError``
     where this program acts for no device of the mesh (the tensor has no meaning there)."""
-    context = of(mesh)
-    if not context.devices:
+    devices, view = _acting(settings.EXECUTION.get(), mesh)  # on the hot path: no context made
+    if not devices:
         raise MeshError(
-            f"{what} given for {mesh.torch_repr()}: {context.describe()}, so the tensor is "
+            f"{what} given for {mesh.torch_repr()}: {of(mesh).describe()}, so the tensor is "
             f"neither its local piece nor a global value it could place; call this only on the "
             f"ranks of the mesh"
         )
-    return context.view  # type: ignore[return-value]
+    return view
 
 
 def per_rank(mesh: DeviceMesh, what: str = "a plain tensor") -> bool:
