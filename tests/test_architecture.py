@@ -34,9 +34,9 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 # module of the package is in exactly one layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "settings", "torch_compat", "call_site", "process_wide",
-                    "caches")),
+                    "caches", "execution")),
     ("runtime", ("runtime",)),
-    ("data", ("placements", "mesh", "layout", "spec", "geometry", "plain_tensors", "tracing")),
+    ("data", ("placements", "mesh", "layout", "spec", "geometry", "tracing")),
     ("communication", ("comm",)),
     ("data movement", ("redistribute",)),
     ("tensor", ("dtensor", "components", "pending", "factories", "rng", "local_map",

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import settings
+from . import execution
 from .components import Local as Local  # the DTensor's pieces, for the layers above
 from .components import (
     as_components,
@@ -158,7 +158,7 @@ class DTensor(torch.Tensor):
         device_mesh = mesh_or_current(device_mesh, "DTensor.from_local")
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
-        replica = settings.REPLICA_THREAD.get()
+        replica = execution.replica()
         if (
             replica is not None
             and replica.count > 1
@@ -212,15 +212,15 @@ class DTensor(torch.Tensor):
 
     def _local_index(self, what: str) -> int:
         """Which component is this process's (or this replica thread's)."""
-        replica = settings.REPLICA_THREAD.get()
+        replica = execution.replica()
         if replica is not None and replica.count == len(self._components):
             return replica.index
         if len(self._components) != 1:
             raise LocalComponentsError(
                 f"{what} of a DTensor of shape {list(self.shape)} with placements "
-                f"{list(self.placements)} needs a process that owns one device, but this one owns "
-                f"{len(self._components)} devices {list(self.device_mesh.local_device_ids)} of "
-                f"{self.device_mesh}; use shardwise.local_components(dt) for all its components"
+                f"{list(self.placements)} needs a program acting for one device, but "
+                f"{execution.of(self.device_mesh).describe()}; use "
+                f"shardwise.local_components(dt) for all its components"
             )
         return 0
 

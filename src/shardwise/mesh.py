@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import runtime, settings
+from . import execution, runtime, settings
 from .errors import MeshError, ShardwiseTypeError
 
 
@@ -651,9 +651,22 @@ class DeviceMesh:
     def __hash__(self) -> int:
         return hash(self._key)
 
-    def __repr__(self) -> str:
+    def torch_repr(self) -> str:
+        """PyTorch's repr, the same in every process: "DeviceMesh('cpu', [0, 1])". Also the
+        mesh as messages name it (``str``): what every process describes alike (the
+        descriptions of collectives are compared between processes)."""
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+    __str__ = torch_repr
+
+    def __repr__(self) -> str:
+        """``torch_repr``, then the execution context this program acts in on the mesh
+        (``execution.of``): "DeviceMesh('cpu', [0, 1]) [per-rank process 0 of 2, acting for
+        devices [0], per-rank view]". A meta mesh only plans: no program acts on it."""
+        if self.device_type == "meta":
+            return self.torch_repr()
+        return f"{self.torch_repr()} [{execution.of(self)}]"
 
 
 _TF_DEVICE_TYPES = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "meta": "meta"}

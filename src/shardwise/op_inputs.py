@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 
-from . import settings
+from . import execution, settings
 from .call_site import call_site
 from .dtensor import DTensor, local_of
 from .errors import ImplicitRedistributeError, MeshError
 from .factories import distribute_tensor
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, norm_order
-from .plain_tensors import plain_is_local
 from .redistribute import execute_plan, move, plan_redistribute
 from .torch_compat import (
     DispatchKey,
@@ -72,7 +71,7 @@ def implicit_replication(enabled: bool = True) -> Iterator[None]:
 
 def _refused(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> bool:
     """True if the plain ``tensor`` cannot be taken as replicated beside ``func``'s DTensors:
-    it has more than one element (one rule for every size and view, see ``plain_tensors``),
+    it has more than one element (one rule for every size and view, see ``execution``),
     outside autograd's backward and outside ``implicit_replication()``."""
     return (
         tensor.numel() > 1
@@ -82,10 +81,11 @@ def _refused(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> bool:
 
 
 def _refusal(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> MeshError:
-    view = "this rank's local data" if plain_is_local(mesh) else "a global value"
+    execution.plain_view(mesh)  # raises where this program acts for no device of the mesh
     return MeshError(
         f"{func} mixes DTensors with a plain torch.Tensor of shape {list(tensor.shape)} "
-        f"(here {view}); only a 0-d or one-element tensor is taken as replicated by itself. "
+        f"({execution.of(mesh).describe()}); only a 0-d or one-element tensor is taken as "
+        f"replicated by itself. "
         f"Distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)), or, if "
         f"every rank holds the same whole value, take it as replicated inside "
         f"`with shardwise.config.implicit_replication():`"

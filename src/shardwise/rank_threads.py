@@ -6,9 +6,10 @@ reduced in the same order):
 
 - ``torch.distributed`` state is per rank thread: ``init_process_group``, ``get_rank``,
   ``new_group``... act on the thread's own world (c10d's ``_world`` extension point), and each
-  rank's process groups are real gloo groups over loopback TCP. shardwise's own collectives
-  send their point-to-point messages through the ranks' shared ``comm.wire.Mailbox`` instead:
-  a hand-over in memory.
+  rank's process groups are real gloo groups over loopback TCP (the backend collectives,
+  ``comm/native.py``, run on them). The point-to-point messages of shardwise's own collectives
+  go through the ranks' shared ``comm.wire.Mailbox`` instead, a hand-over in memory: the
+  transport of each rank thread's execution context (``execution.rank_thread``).
 - ``os.environ`` shows each rank thread its torchrun variables (``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``MASTER_ADDR``...); what a rank thread sets there stays its own.
 - torch's default CPU generator is per rank thread: ``torch.manual_seed``, ``get_rng_state``,
@@ -41,8 +42,8 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import process_wide, runtime, settings
-from .comm.wire import Mailbox
+from . import execution, process_wide, runtime, settings
+from .comm.wire import Mailbox, MailboxTransport
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidArgumentError
 from .torch_compat import (
     C10dWorld,
@@ -354,7 +355,9 @@ def _run_rank(
     rank: settings.RankThread, generators: _Generator, fn: Callable[..., T], args: tuple,
     kwargs: dict, done: queue.Queue,
 ) -> None:
-    with settings.RANK_THREAD.override(rank):
+    with (settings.RANK_THREAD.override(rank),
+          settings.EXECUTION.override(execution.rank_thread(
+              rank.rank, rank.world_size, MailboxTransport(rank.mailbox, rank.rank)))):
         rank.mailbox.turns.enroll()
         try:
             with _RankRandom(generators):

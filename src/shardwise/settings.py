@@ -171,24 +171,15 @@ BUDGET_OPERATION: Setting[Any] = Setting("budget_operation", None)
 # The forward/backward schedule of the outermost fully_shard module running (parallel.dp_unit).
 FSDP_SCHEDULE: Setting[Any] = Setting("fsdp_schedule", None)
 # The view the outermost data-parallel forward running chose (parallel.data_parallel).
-DATA_PARALLEL_VIEW: Setting[str | None] = Setting("data_parallel_view", None)
+DATA_PARALLEL_VIEW: Setting[Any] = Setting("data_parallel_view", None)
 
 
-class ReplicaThread:
-    """What a per-replica thread acts for inside ``Strategy.run`` (DESIGN.md "Two views of one
-    program"): its local component ``index`` among ``count`` local replicas, and ``merge``, the
-    rendezvous of the replica threads: ``merge(value, fn)`` waits for every local replica,
-    calls ``fn([value of replica 0, value of replica 1, ...])`` once and returns its result to
-    each of them."""
+# ----- the execution context (shardwise.execution) ----------------------------------------------
+# This thread's ``execution.ExecutionContext``, declared by whoever made it (a rank thread, a
+# replica thread of ``Strategy.run``); None: the process's own (``execution.current``).
+EXECUTION: Setting[Any] = Setting("execution", None)
+# -------------------------------------------------------------------------------------------------
 
-    def __init__(self, index: int, count: int, merge: Any) -> None:
-        self.index = index
-        self.count = count
-        self.merge = merge
-
-
-# The per-replica view: set in the threads of ``shardwise.distribute`` replicas (None: global).
-REPLICA_THREAD: Setting[ReplicaThread | None] = Setting("replica_thread", None)
 # tf.distribute's context of this thread: the current strategy mode (None: default context).
 DISTRIBUTION_MODE: Setting[Any] = Setting("distribution_mode", None)
 # Seconds a replica thread may run before it reaches a merge point or returns.
@@ -215,7 +206,8 @@ class RankThread:
         # the context a draw from torch's default generator runs in (rank_threads: this rank's
         # generator swapped in)
         self.drawing: Callable[[], AbstractContextManager[Any]] = nullcontext
-        # the messages between the ranks of its run (``comm.wire.Mailbox``), shared with them
+        # the messages between the ranks of its run (``comm.wire.Mailbox``), shared with them:
+        # the transport of its execution context
         self.mailbox: Any = None
 
 

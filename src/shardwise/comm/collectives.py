@@ -19,7 +19,7 @@ from .. import runtime
 from ..caches import PER_LAYOUT, cached
 from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh
-from . import accounting, background, distributed, native
+from . import accounting, background, distributed, native, transport
 from .reduction import norm_terms, reduce_terms
 from .safety import one_thread
 
@@ -54,21 +54,16 @@ def _across(
     mesh: DeviceMesh,
     mesh_dim: int,
     groups: list,
-    *args: Any,
-    **spec_shapes: Any,
+    run: Callable[[transport.GroupTransport], transport.Result],
 ) -> distributed.Traffic:
-    """Run ``collective`` for the cross-process ``groups`` (on the backend's own collectives
-    where the groups have one device per process, with the pieces' shapes from the spec,
-    ``spec_shapes``; else point to point); store its results."""
+    """``run`` the cross-process ``groups`` of ``collective`` on the transport of the mesh
+    dim (``transport.for_dim``: the backend's own collectives where the groups have one
+    device per process, else point to point); store its results."""
     if not groups:
         return distributed.Traffic()
     background.drain()  # background collectives first: every process keeps the same order
     with one_thread(lambda: f"{collective} over mesh dim {mesh_dim} of {mesh}"):
-        if native.applies(mesh, mesh_dim):
-            results, traffic = getattr(native, collective)(mesh, mesh_dim, groups, *args,
-                                                           **spec_shapes)
-        else:
-            results, traffic = getattr(distributed, collective)(mesh, mesh_dim, groups, *args)
+        results, traffic = run(transport.for_dim(mesh, mesh_dim))
     for i, result in results.items():
         out[i] = result
     return traffic
@@ -116,7 +111,8 @@ def all_reduce(
         result = reduce_terms([components[i] for i in indices], op)
         for k, i in enumerate(indices):
             out[i] = _to(result if k == 0 else result.clone(), mesh, members[k])
-    traffic = _across(out, "all_reduce", mesh, mesh_dim, across, components, op)
+    traffic = _across(out, "all_reduce", mesh, mesh_dim, across, lambda t: t.all_reduce(
+        mesh, mesh_dim, across, components, op))
     received = sum(
         accounting.all_reduce_received(
             components[i].numel(), components[i].element_size(), len(members), k
@@ -163,7 +159,8 @@ def all_gather(
         pieces = [components[i] for i in indices]
         for k, i in enumerate(indices):
             out[i] = [_to(p, mesh, members[k]) for p in pieces]
-    traffic = _across(out, "all_gather", mesh, mesh_dim, across, components, shapes=shapes)
+    traffic = _across(out, "all_gather", mesh, mesh_dim, across, lambda t: t.all_gather(
+        mesh, mesh_dim, across, components, shapes))
     received = _per_piece_received(inside + across, out, accounting.all_gather_received)
     _record("all_gather", mesh_dim, received, traffic, mesh)
     return out
@@ -185,8 +182,9 @@ def all_gather_tensor(
         for k, i in enumerate(indices):
             out[i] = torch.cat([_to(components[j], mesh, members[k]) for j in indices],
                                gather_dim)
-    traffic = _across(out, "all_gather_tensor", mesh, mesh_dim, across, components, gather_dim,
-                      shapes=shapes, **({"wait": False} if async_op else {}))
+    traffic = _across(out, "all_gather_tensor", mesh, mesh_dim, across, lambda t: (
+        t.all_gather_tensor(mesh, mesh_dim, across, components, gather_dim, shapes,
+                            not async_op)))
 
     def finish() -> list[torch.Tensor]:
         done = [o.finish() if isinstance(o, native.Pending) else o for o in out]
@@ -217,7 +215,8 @@ def reduce_scatter(
     for members, indices in inside:
         for k, i in enumerate(indices):
             out[i] = _to(reduce_terms([pieces[j][k] for j in indices], op), mesh, members[k])
-    traffic = _across(out, "reduce_scatter", mesh, mesh_dim, across, pieces, op)
+    traffic = _across(out, "reduce_scatter", mesh, mesh_dim, across, lambda t: t.reduce_scatter(
+        mesh, mesh_dim, across, pieces, op))
     received = _per_piece_received(inside + across, pieces, accounting.reduce_scatter_received)
     _record("reduce_scatter", mesh_dim, received, traffic, mesh)
     return out
@@ -233,7 +232,8 @@ def all_to_all(
     for members, indices in inside:
         for k, i in enumerate(indices):
             out[i] = [_to(pieces[j][k], mesh, members[k]) for j in indices]
-    traffic = _across(out, "all_to_all", mesh, mesh_dim, across, pieces)
+    traffic = _across(out, "all_to_all", mesh, mesh_dim, across, lambda t: t.all_to_all(
+        mesh, mesh_dim, across, pieces, None))
     received = sum(
         accounting.all_to_all_received([_nbytes(p) for p in out[i]], k)
         for _, indices in inside + across
@@ -317,9 +317,9 @@ def all_to_all_tensor(
             return out
 
         # dense chunks: even ones lie in order in one buffer, which the backend sends as it is
-        traffic = _across(lists, "all_to_all", mesh, mesh_dim, across,
-                          [_dense_chunks(c, split_dim, n) for c in components],
-                          receive_shapes=arriving)
+        chunks = [_dense_chunks(c, split_dim, n) for c in components]
+        traffic = _across(lists, "all_to_all", mesh, mesh_dim, across, lambda t: t.all_to_all(
+            mesh, mesh_dim, across, chunks, arriving))
         for _, indices in across:
             for k, i in enumerate(indices):
                 if i is not None:
@@ -354,7 +354,8 @@ def broadcast(
         source = components[indices[src]]
         for k, i in enumerate(indices):
             out[i] = source if k == src else _to(source.clone(), mesh, members[k])
-    traffic = _across(out, "broadcast", mesh, mesh_dim, across, components, src)
+    traffic = _across(out, "broadcast", mesh, mesh_dim, across, lambda t: t.broadcast(
+        mesh, mesh_dim, across, components, src))
     received = sum(
         accounting.broadcast_received(_nbytes(out[i]), k, src)
         for _, indices in inside + across

@@ -130,7 +130,7 @@ class Call:
         always = self.fields
         common = {
             "collective": self.kind + self.detail,
-            "mesh": repr(self.mesh),
+            "mesh": self.mesh.torch_repr(),
             "mesh_dim": self.mesh_dim,
             "dtype": str(self.sample.dtype),
             "moving": safety.current_description(),

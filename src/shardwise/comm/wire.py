@@ -1,6 +1,8 @@
-"""Point-to-point messages of shardwise's cross-process collectives (``distributed.py``,
-``native.py``): the backend's ``isend``/``irecv`` between processes, and between the rank threads
-of one process (``rank_threads``) a hand-over in memory, ``Mailbox``.
+"""Point-to-point messages of shardwise's cross-process collectives (``distributed.py``),
+through the transport of the execution context (``execution.Transport``, chosen once when the
+context is made): the backend's ``isend``/``irecv`` between processes (``BackendTransport``),
+and between the rank threads of one process (``rank_threads``) a hand-over in memory
+(``MailboxTransport`` over their shared ``Mailbox``).
 
 Rank threads share one address space, so a message needs no socket: whichever of the send and
 its matching receive is posted second copies the bytes straight from the sender's tensor into
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import settings
+from .. import execution
 from ..runtime import group_for_ranks
 
 Key = tuple[tuple[int, ...], int, int, int]  # group's ranks, source, destination, tag
@@ -160,36 +162,69 @@ class Mailbox:
                             waiting.popleft().fail(f"rank {rank} has left {what} this message")
 
 
-def _mailbox() -> Mailbox | None:
-    rank = settings.RANK_THREAD.get()
-    return None if rank is None else rank.mailbox
+class MailboxTransport:
+    """Rank thread ``rank``'s transport (``execution.Transport``): its messages through the
+    ``mailbox`` its run shares; while it waits, its turn goes to another rank."""
+
+    name = "mailbox"
+
+    def __init__(self, mailbox: Mailbox, rank: int) -> None:
+        self.mailbox, self.rank = mailbox, rank
+
+    def send(self, tensor: torch.Tensor, peer: int, ranks: tuple[int, ...], tag: int) -> _Message:
+        return self.mailbox.send(tensor, (ranks, self.rank, peer, tag))
+
+    def receive(self, buffer: torch.Tensor, peer: int, ranks: tuple[int, ...], tag: int
+                ) -> _Message:
+        return self.mailbox.receive(buffer, (ranks, peer, self.rank, tag))
+
+    def wait(self, work: Any, timeout: timedelta) -> None:
+        if work.is_completed():
+            work.wait(timeout)
+            return
+        self.mailbox.turns.give()
+        try:
+            work.wait(timeout)
+        finally:
+            self.mailbox.turns.take()
+
+
+class BackendTransport:
+    """The process group's own ``isend``/``irecv`` over shardwise's groups: the transport of
+    a context that declares none (a per-rank process; embedded mode has no peer)."""
+
+    name = "backend"
+
+    def send(self, tensor: torch.Tensor, peer: int, ranks: tuple[int, ...], tag: int) -> Any:
+        return dist.isend(tensor, dst=peer, group=group_for_ranks(ranks), tag=tag)
+
+    def receive(self, buffer: torch.Tensor, peer: int, ranks: tuple[int, ...], tag: int) -> Any:
+        return dist.irecv(buffer, src=peer, group=group_for_ranks(ranks), tag=tag)
+
+    def wait(self, work: Any, timeout: timedelta) -> None:
+        work.wait(timeout)
+
+
+BACKEND = BackendTransport()
+
+
+def transport() -> execution.Transport:
+    """The transport of this thread's execution context."""
+    return execution.current().transport or BACKEND
 
 
 def wait(work: Any, timeout: timedelta) -> None:
-    """``work.wait(timeout)``; in a rank thread, its turn goes to another rank meanwhile unless
-    the work has completed."""
-    box = _mailbox()
-    if box is None or work.is_completed():
-        work.wait(timeout)
-        return
-    box.turns.give()
-    try:
-        work.wait(timeout)
-    finally:
-        box.turns.take()
+    """``work.wait(timeout)`` through this context's transport."""
+    transport().wait(work, timeout)
 
 
 def post_send(tensor: torch.Tensor, dst: int, ranks: tuple[int, ...], tag: int):
-    """Post ``tensor`` to global rank ``dst`` of the group over ``ranks``; returns its handle."""
-    box = _mailbox()
-    if box is None:
-        return dist.isend(tensor, dst=dst, group=group_for_ranks(ranks), tag=tag)
-    return box.send(tensor, (ranks, dist.get_rank(), dst, tag))
+    """Post ``tensor`` to global rank ``dst`` of the group over ``ranks`` through this
+    context's transport; returns its handle."""
+    return transport().send(tensor, dst, ranks, tag)
 
 
 def post_receive(buffer: torch.Tensor, src: int, ranks: tuple[int, ...], tag: int):
-    """Post a receive into ``buffer`` from global rank ``src``; returns its handle."""
-    box = _mailbox()
-    if box is None:
-        return dist.irecv(buffer, src=src, group=group_for_ranks(ranks), tag=tag)
-    return box.receive(buffer, (ranks, src, dist.get_rank(), tag))
+    """Post a receive into ``buffer`` from global rank ``src`` through this context's
+    transport; returns its handle."""
+    return transport().receive(buffer, src, ranks, tag)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import settings
+from .. import execution, settings
 from ..errors import ReplicaSyncError
 from . import context
 from .context import StrategyLike as Strategy  # by its shape: strategy.py imports this module
@@ -207,11 +207,11 @@ class ReplicaRunner:
         if self.aborted:
             self._release(rep)
             return
-        view = settings.ReplicaThread(rep.index, self.count, self._rendezvous(rep))
+        replica = execution.replica_thread(rep.index, self.count, self._rendezvous(rep))
         try:
             with (
                 context.entered(context.Mode(self.strategy, rc)),
-                settings.REPLICA_THREAD.override(view),
+                settings.EXECUTION.override(replica),
                 torch.set_grad_enabled(grad_enabled),
             ):
                 rep.result = self.fn(*self.args[rep.index], **self.kwargs[rep.index])

@@ -13,13 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import settings
+from .. import execution
 from ..dtensor import DTensor
 from ..errors import ParallelPlanError
 from ..factories import distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
-from ..plain_tensors import plain_is_local
 from ..tracing import dynamo_opaque
 
 
@@ -42,7 +41,7 @@ def tp_on_root(
     over its other dims), so PyTorch's 2-D recipe (``parallelize_module(model, mesh["tp"],
     plan)``, then ``fully_shard(block, mesh=mesh["dp"])``) runs as it does per rank."""
     root = mesh.root_mesh
-    if root is mesh or not root.local_device_ids or plain_is_local(root, what):
+    if root is mesh or not root.local_device_ids or execution.per_rank(root, what):
         return mesh, tp_mesh_dim
     return root, mesh.root_dims[resolve_tp_dim(mesh, tp_mesh_dim)]
 
@@ -91,7 +90,7 @@ def as_dtensor(
             dtensor = made.dtensor()
             if dtensor is not None:
                 return dtensor
-    if plain_is_local(mesh, f"a plain module input of shape {list(x.shape)}"):
+    if execution.per_rank(mesh, f"a plain module input of shape {list(x.shape)}"):
         dtensor = DTensor.from_local(x, mesh, placements, shape=shape)
     elif x.requires_grad and torch.is_grad_enabled():
         dtensor = _Distribute.apply(x, mesh, tuple(placements))
@@ -145,7 +144,7 @@ def _wrap_key(
     """What makes two wrappings of ``x`` interchangeable; None where sharing is not safe:
     tensors being traced (fake or functional subclasses) and the per-replica view, whose
     threads merge their pieces in ``from_local``."""
-    if type(x) is not torch.Tensor or settings.REPLICA_THREAD.get() is not None:
+    if type(x) is not torch.Tensor or execution.replica() is not None:
         return None
     if torch.compiler.is_compiling():
         return None
@@ -183,7 +182,7 @@ def local_output(x: object, use_local_output: bool) -> object:
     output in the global view has no single local tensor, so the DTensor is kept."""
     if not use_local_output or not isinstance(x, DTensor):
         return x
-    if plain_is_local(x.device_mesh):
+    if execution.per_rank(x.device_mesh):
         return x.to_local()
     if all(p.is_replicate() for p in x.placements):
         return x.full_tensor()

@@ -34,11 +34,11 @@ from .. import runtime, settings
 from ..comm.native import Pending
 from ..dtensor import DTensor, build, local_of, set_local
 from ..errors import DataParallelError
+from ..execution import View, of, per_rank, plain_view
 from ..factories import distribute_tensor
 from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh, init_device_mesh, require_mesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
-from ..plain_tensors import plain_is_local
 from ..redistribute import move
 from ..spec import DTensorSpec, TensorMeta
 from ..torch_compat import tree_flatten, tree_map
@@ -131,7 +131,7 @@ def resolve_dims(
         return _checked(DataParallelDims(mesh, shard, rep), replicate_only, what)
     parent = next(iter(meshes)) if meshes else None
     root = mesh.root_mesh
-    if parent is None and root is not mesh and not plain_is_local(root, what):
+    if parent is None and root is not mesh and not per_rank(root, what):
         parent = root  # the global view: data parallelism over these dims of the whole mesh
     if parent is None or parent == mesh:
         if mesh.ndim > 2 or (parent is not None and mesh.ndim > 1):
@@ -172,12 +172,11 @@ def _compose(
             f"same mesh (parallelize_module(model, mesh['tp'], plan), then {what} on "
             f"mesh['dp']), or pass the parameters' mesh with dp_mesh_dims"
         )
-    if not plain_is_local(root, f"{what} of {type(module).__name__}"):
+    if not per_rank(root, f"{what} of {type(module).__name__}"):
         raise DataParallelError(
-            f"{what} of {type(module).__name__} on {dp_mesh} beside parameters on {parent}: this "
-            f"process acts for {root.num_local_devices()} devices of {root} (the embedded global "
-            f"view), where a sub-mesh is one group of devices, not this rank's; apply tensor "
-            f"parallelism on the whole mesh (parallelize_module(model, mesh, plan, "
+            f"{what} of {type(module).__name__} on {dp_mesh} beside parameters on {parent}: "
+            f"{of(root).describe()}, where a sub-mesh is one group of devices, not this rank's; "
+            f"apply tensor parallelism on the whole mesh (parallelize_module(model, mesh, plan, "
             f"tp_mesh_dim=...)) and pass {what} mesh['dp']"
         )
     dims = sorted(dp_mesh.root_dims + parent.root_dims)
@@ -291,8 +290,8 @@ def _owning(stored: DTensor) -> DTensor:
 _OUTERMOST = settings.DATA_PARALLEL_VIEW
 
 
-def choose_view(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[str, bool]:
-    """("local" or "global", whether this is the outermost data-parallel forward). Inner
+def choose_view(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[View, bool]:
+    """(the view of the plain tensors, whether this is the outermost data-parallel forward). Inner
     modules run in the view their outermost module chose; DTensor inputs that carry the
     data-parallel dims choose the global view; otherwise the plain-tensor rule decides."""
     outer = _OUTERMOST.get()
@@ -303,11 +302,11 @@ def choose_view(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[str, b
         if isinstance(x, DTensor):
             m = x.device_mesh
             if m.root_mesh == root and dp_root_dims <= set(m.root_dims):
-                return "global", True
-    return ("local" if plain_is_local(dp.mesh) else "global"), True
+                return View.GLOBAL, True
+    return plain_view(dp.mesh), True
 
 
-def enter_view(view: str) -> contextvars.Token:
+def enter_view(view: View) -> contextvars.Token:
     return _OUTERMOST.enter(view)
 
 
@@ -357,7 +356,7 @@ class GatheredView(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, stored: DTensor, compute: tuple, dp: DataParallelDims, view: str, sub: Any,
+        ctx, stored: DTensor, compute: tuple, dp: DataParallelDims, view: View, sub: Any,
         dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, scale: float,
         pieces: list[torch.Tensor] | None = None,
     ):
@@ -369,7 +368,7 @@ class GatheredView(torch.autograd.Function):
         else:
             meta = dataclasses.replace(local_of(stored).spec.tensor_meta, dtype=pieces[0].dtype)
             gathered = DTensor(list(pieces), DTensorSpec(stored.device_mesh, compute, meta))
-        if view == "global":
+        if view is View.GLOBAL:
             return gathered
         held = local_of(gathered)
         if sub is None:
@@ -385,7 +384,7 @@ class GatheredView(torch.autograd.Function):
         if ctx.scale != 1.0:
             grad = grad * ctx.scale
         rest_of_args = (None,) * 8
-        if ctx.view == "global":
+        if ctx.view is View.GLOBAL:
             return grad.to(dtype), *rest_of_args
         if isinstance(grad, DTensor):
             piece, rest = local_of(grad).pieces[0], list(grad.placements)

@@ -18,9 +18,9 @@ from .. import settings
 from ..comm.native import Pending
 from ..deferred_init import is_meta
 from ..dtensor import DTensor, local_of
+from ..execution import View, plain_view
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate
-from ..plain_tensors import plain_is_local
 from ..redistribute import move
 from ..torch_compat import queue_autograd_callback, tree_map
 from ..tracing import eager_under_dynamo
@@ -119,7 +119,7 @@ class DataParallelUnit:
         return (id(stored), stored._version, tuple(c._version for c in local_of(stored).pieces))
 
     def views_of(
-        self, ks: list[int], view: str, prefetched: Prefetched | None = None
+        self, ks: list[int], view: View, prefetched: Prefetched | None = None
     ) -> dict[int, torch.Tensor]:
         """``view_of`` for each of the slots ``ks``, those to gather that share a packing key
         (``_pack_key``) by one packed gather (the one in ``prefetched`` if it gathered them as
@@ -135,7 +135,7 @@ class DataParallelUnit:
         _drop(prefetched)
         return out
 
-    def _to_gather(self, ks: list[int], view: str) -> tuple[list[int], dict[tuple, list[int]]]:
+    def _to_gather(self, ks: list[int], view: View) -> tuple[list[int], dict[tuple, list[int]]]:
         """(the slots of ``ks`` no packed gather serves: held or going on their own; those to
         gather, by packing key)."""
         ready: list[int] = []
@@ -171,7 +171,7 @@ class DataParallelUnit:
             for key, members in groups.items()
         }
 
-    def prefetch(self, module: nn.Module, view: str) -> None:
+    def prefetch(self, module: nn.Module, view: View) -> None:
         """Issue the packed gathers ``module``'s next forward in ``view`` will need, unless
         issued already."""
         if id(module) not in self.prefetched:
@@ -221,7 +221,7 @@ class DataParallelUnit:
         return slot.dp, d, self.mp.param_dtype or slot.stored.dtype
 
     def view_of(
-        self, k: int, view: str, pieces: list[torch.Tensor] | None = None
+        self, k: int, view: View, pieces: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
         """Slot ``k``'s parameter as the forward computes with it (held ones reused while the
         stored parameter is unchanged; ``pieces``: its components a packed gather brought)."""
@@ -230,8 +230,8 @@ class DataParallelUnit:
             return held[1]
         slot = self.slots[k]
         stored = slot.stored
-        lifted = view == "global" and slot.dp is not self.dp
-        if view == "global" and not lifted and self._as_stored(slot, stored):
+        lifted = view is View.GLOBAL and slot.dp is not self.dp
+        if view is View.GLOBAL and not lifted and self._as_stored(slot, stored):
             return stored  # replicate's parameter: the gathered view would be itself
         if isinstance(self.offload, CPUOffloadPolicy) and self.dp.mesh.device_type != "cpu":
             stored = stored.to(self.dp.mesh.device_type)
@@ -241,7 +241,7 @@ class DataParallelUnit:
         return tensor
 
     def _gathered(
-        self, slot: Slot, stored: DTensor, view: str, scale: float,
+        self, slot: Slot, stored: DTensor, view: View, scale: float,
         pieces: list[torch.Tensor] | None,
     ) -> torch.Tensor:
         """``GatheredView`` of ``stored``; in the global view, a parameter kept on the
@@ -251,7 +251,7 @@ class DataParallelUnit:
             stored, slot.compute, slot.dp, view, slot.sub, self.mp.param_dtype,
             self.mp.reduce_dtype, scale, pieces,
         )
-        if view == "global" and slot.dp is not self.dp:
+        if view is View.GLOBAL and slot.dp is not self.dp:
             tensor = OnCombinedMesh.apply(tensor, slot.dp, self.dp)
         return tensor
 
@@ -292,7 +292,7 @@ class DataParallelUnit:
     def unshard(self) -> None:
         """Gather every parameter now and hold it until ``reshard`` (or a change to it)."""
         self.drop_prefetched()
-        view = "local" if plain_is_local(self.dp.mesh) else "global"
+        view = plain_view(self.dp.mesh)
         for k, tensor in self.views_of(list(range(len(self.slots))), view).items():
             self.held[k] = (view, tensor, self._version(k))
 
@@ -311,7 +311,7 @@ class DataParallelUnit:
         # for an exit it does not see) restores it
         entry = _Active(module, enter_view(view) if outermost else None, view)
         self.active.append(entry)
-        if view == "global" and outermost:
+        if view is View.GLOBAL and outermost:
             args, kwargs = shard_batch(self.dp, args, kwargs)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
@@ -396,7 +396,7 @@ class DataParallelUnit:
         return (k, spec, views)
 
     @eager_under_dynamo
-    def _unpack(self, view: str, packed: Any) -> torch.Tensor:
+    def _unpack(self, view: View, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         k, spec, views = packed
@@ -463,7 +463,7 @@ class _Active:
 
     module: nn.Module
     token: Any
-    view: str
+    view: View
     saving: Any = None
     stored: dict[int, torch.Tensor] = field(default_factory=dict)
     schedule_token: Any = None  # the prefetch schedule it entered, when outermost
@@ -542,7 +542,7 @@ class _Schedule:
     def start(self) -> None:
         self.current, self.saving, self.issued, self.on_course = [], {}, {}, True
 
-    def arrive(self, unit: DataParallelUnit, module: nn.Module, view: str) -> None:
+    def arrive(self, unit: DataParallelUnit, module: nn.Module, view: View) -> None:
         """``module`` of ``unit`` has gathered: issue what follows it."""
         at = len(self.current)
         self.current.append((unit, module))

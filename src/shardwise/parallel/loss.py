@@ -6,7 +6,7 @@ all-reduced (max, then sum) over the mesh dims that split the classes, and so is
 logit, which only the device holding the target class contributes. Only ``O(rows)`` values
 move; the backward, ``softmax - one_hot``, is local. Rows may also be sharded (data parallel).
 
-Plain labels follow the plain-tensor rule (``plain_tensors.py``): where the program acts for one
+Plain labels follow the plain-tensor rule (``execution.plain_view``): where the program acts for one
 device of the logits' mesh (a per-rank program) they are this rank's labels, for the rows of the
 logits this device holds; where a process acts for several devices they are every row's labels.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .. import settings
+from .. import execution
 from ..dtensor import DTensor, local_of
 from ..errors import (
     InvalidArgumentError,
@@ -34,7 +34,6 @@ from ..errors import (
 from ..factories import distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard, is_special_shard
-from ..plain_tensors import plain_is_local
 from ..redistribute import move
 from ..spec import DTensorSpec, contiguous_meta
 from .boundary import to_layout
@@ -48,7 +47,7 @@ def loss_parallel() -> Iterator[None]:
     class dim runs on the shards (PyTorch's ``loss_parallel``); other calls are unchanged. The
     result is a replicated DTensor (per-row for ``reduction="none"``); its backward may run
     after the block. Plain labels are this rank's in a per-rank program, every row's where a
-    process acts for several devices (``plain_is_local``)."""
+    process acts for several devices (``execution.plain_view``)."""
     with _LossParallelMode():
         yield
 
@@ -132,7 +131,7 @@ def _row_placements(logits: DTensor) -> tuple[Placement, ...]:
 def _target_dtensor(target: torch.Tensor, logits: DTensor, rows: tuple[Placement, ...]) -> DTensor:
     """The labels as a DTensor of the rows' shape. A DTensor carries its meaning; a plain
     tensor is this rank's labels (for its rows of the logits) in a per-rank program, and every
-    row's labels where this process acts for several devices (``plain_is_local``)."""
+    row's labels where this process acts for several devices (``execution.plain_view``)."""
     mesh, cd = logits.device_mesh, _class_dim(logits)
     shape = torch.Size(s for d, s in enumerate(logits.shape) if d != cd)
     if isinstance(target, DTensor):
@@ -148,13 +147,13 @@ def _target_dtensor(target: torch.Tensor, logits: DTensor, rows: tuple[Placement
                 f"shape without the class dim {cd}, {list(shape)}, on {mesh}"
             )
         return target
-    if plain_is_local(mesh, f"loss_parallel labels of shape {list(target.shape)}"):
+    if execution.per_rank(mesh, f"loss_parallel labels of shape {list(target.shape)}"):
         spec = DTensorSpec(mesh, rows, contiguous_meta(shape, target.dtype))
         expected = spec.local_shape(_acting_device(mesh))
         if target.shape != expected:
             raise InvalidArgumentError(
                 f"loss_parallel: plain labels of shape {list(target.shape)} are this rank's "
-                f"labels (one device of {mesh}, a per-rank program), so they must cover this "
+                f"labels ({execution.of(mesh).describe()}), so they must cover this "
                 f"rank's rows of the logits {logits}: shape {list(expected)} (labels placed "
                 f"{list(rows)}, global shape {list(shape)}); pass a DTensor for global labels"
             )
@@ -162,7 +161,7 @@ def _target_dtensor(target: torch.Tensor, logits: DTensor, rows: tuple[Placement
     if target.shape != shape:
         raise InvalidArgumentError(
             f"loss_parallel: plain labels of shape {list(target.shape)} are the global labels "
-            f"(this process acts for every local device of {mesh}), so they must have the "
+            f"({execution.of(mesh).describe()}), so they must have the "
             f"logits' shape without the class dim {cd}: {list(shape)} (logits {logits})"
         )
     return distribute_tensor(target, mesh, rows)
@@ -171,11 +170,7 @@ def _target_dtensor(target: torch.Tensor, logits: DTensor, rows: tuple[Placement
 def _acting_device(mesh: DeviceMesh) -> int:
     """The device of ``mesh`` this program acts for where it acts for one (a per-rank
     process, a rank thread, or one replica thread of ``Strategy.run``)."""
-    ids = mesh.local_device_ids
-    replica = settings.REPLICA_THREAD.get()
-    if replica is not None and replica.count == len(ids):
-        return ids[replica.index]
-    return ids[0]
+    return execution.of(mesh).devices[0]
 
 
 def _all_reduce(what: Any, mesh: DeviceMesh, dims: list[int], parts: list[torch.Tensor], op: str):
