@@ -143,6 +143,34 @@ def test_sequence_parallel_between_tp_layers(mesh_shape) -> None:
     assert model.norm.weight.placements[-1] == Replicate()
 
 
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,)])
+def test_sequence_parallel_norm_grads_stay_pending_sums_in_implicit_mode(mesh_shape) -> None:
+    """PyTorch's semantics (implicit mode): a sequence-parallel norm's weight and bias gradients
+    stay pending sums (``Partial``), no collective in backward, as PyTorch's DTensor leaves
+    them; the optimizer step that uses them reduces them and equals one device's step."""
+    torch.manual_seed(5)
+    norm = nn.LayerNorm(6)
+    reference = copy.deepcopy(norm)
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    parallelize_module(norm, mesh, SequenceParallel())
+    x = torch.randn(2, 3 * mesh.size(), 6)
+    dx = sw.distribute_tensor(x, mesh, [Shard(1)])
+    reference(x).sum().backward()
+    with sw.allow_implicit_redistribute():
+        out = norm(dx)
+        with sw.CommCounter() as counter:
+            out.sum().backward()
+        assert counter.records == []
+        for p, ref in zip(norm.parameters(), reference.parameters(), strict=True):
+            assert p.grad.placements == (sw.Partial(),)
+            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, atol=1e-5, rtol=1e-4)
+        torch.optim.SGD(norm.parameters(), lr=0.5).step()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for p, ref in zip(norm.parameters(), reference.parameters(), strict=True):
+        assert p.placements == (Replicate(),)
+        torch.testing.assert_close(p.full_tensor(), ref, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_prepare_module_output_and_input_output(mesh_shape) -> None:
     torch.manual_seed(4)

@@ -3,8 +3,10 @@
 A parameter's gradient can arrive in other placements than the parameter's: a pending sum on
 the tensor-parallel dim (a replicated norm weight applied to a sequence-sharded input, a
 replicated bias after a reduce-scatter), or a shard a backward op chose. A gradient hook moves
-it to the parameter's placements, so optimizers update DTensors of matching placements; pending
-sums over the other mesh dims (data parallel) are left to data parallelism to reduce.
+it to the parameter's placements, so optimizers update DTensors of matching placements in
+explicit mode; pending sums over the other mesh dims (data parallel) are left to data
+parallelism to reduce. With implicit redistribution on (PyTorch's semantics) a pending sum stays
+pending on every dim, as PyTorch leaves it: the optimizer step that uses it reduces it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .. import settings
 from ..dtensor import DTensor, distribute_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
@@ -69,8 +72,9 @@ def _reduce_on(tp_dim: int, placements: tuple[Placement, ...]):
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if not isinstance(grad, DTensor):
             return grad
+        keep = settings.IMPLICIT_REDISTRIBUTE.get()  # PyTorch's: reduced where it is used
         target = [
-            g if g.is_partial() and m != tp_dim else p
+            g if g.is_partial() and (keep or m != tp_dim) else p
             for m, (g, p) in enumerate(zip(grad.placements, placements, strict=True))
         ]
         return grad.redistribute(placements=target)
