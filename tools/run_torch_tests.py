@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,19 +46,36 @@ DEFAULT_FILES = [
     "test/distributed/test_device_mesh.py",
     "test/distributed/_composable/fsdp/test_fully_shard_training.py",
 ]
-MODES = ("torch", "shardwise")
+MODES = ("torch", "shardwise")  # and "implicit": the switch with implicit redistribution on
 # `pytest -v` prints one line per test as it ends: kept even when the file's run is cut off
 RESULT_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
 
+# spawned rank processes (torch's MultiProcContinuousTest) turn the switch on at startup too
+SITECUSTOMIZE = """import os
+if os.environ.get("SHARDWISE_AS_TORCH") == "1":
+    import shardwise  # noqa: F401  (the variable turns the switch on at import)
+"""
+
+
 def run_file(path: Path, mode: str, timeout: int, file_timeout: int, log: Path | None) -> dict:
     """One pytest process over ``path``; returns {test: outcome} and how the run ended."""
+    with tempfile.TemporaryDirectory() as site:
+        (Path(site) / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        return _run_file(path, mode, timeout, file_timeout, log, site)
+
+
+def _run_file(
+    path: Path, mode: str, timeout: int, file_timeout: int, log: Path | None, site: str
+) -> dict:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
-            [str(ROOT / "src"), str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")]
+            [site, str(ROOT / "src"), str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")]
         ),
-        "SHARDWISE_AS_TORCH": "1" if mode == "shardwise" else "0",
+        "SHARDWISE_AS_TORCH": "0" if mode == "torch" else "1",
+        # "implicit": through the switch with PyTorch's implicit redistribution allowed
+        "SHARDWISE_IMPLICIT_REDISTRIBUTE": "1" if mode == "implicit" else "0",
         "SHARDWISE_TT_FORK": "1",
         "PYTHONUNBUFFERED": "1",
     }
