@@ -29,9 +29,11 @@ def distribute_parameter(
     mesh: DeviceMesh,
     placements: Sequence[Placement],
     tp_dim: int | None = None,
+    src_data_rank: int | None = 0,
 ) -> None:
-    """Replace ``module.<name>`` (a parameter or buffer) by a DTensor with ``placements``;
-    with ``tp_dim``, the parameter's gradient is brought to its placements (see above)."""
+    """Replace ``module.<name>`` (a parameter or buffer) by a DTensor with ``placements``
+    (``src_data_rank``: as ``distribute_tensor``'s); with ``tp_dim``, the parameter's gradient
+    is brought to its placements (see above)."""
     value = getattr(module, name)
     if value is None:
         return
@@ -40,7 +42,7 @@ def distribute_parameter(
         if value.device_mesh == mesh and value.placements == tuple(placements):
             return
         value = value.full_tensor()
-    dvalue = distribute_tensor(value.detach(), mesh, placements)
+    dvalue = distribute_tensor(value.detach(), mesh, placements, src_data_rank=src_data_rank)
     if name in module._buffers:
         module._buffers[name] = dvalue
         return
@@ -50,7 +52,9 @@ def distribute_parameter(
     module.register_parameter(name, param)
 
 
-def replicate_rest(module: nn.Module, mesh: DeviceMesh, tp_dim: int | None = None) -> None:
+def replicate_rest(
+    module: nn.Module, mesh: DeviceMesh, tp_dim: int | None = None, src_data_rank: int | None = 0
+) -> None:
     """Every parameter and buffer of ``module`` not yet a DTensor becomes a replicated one
     (``tp_dim``: with the gradient hook of ``distribute_parameter``); a tensor held by several
     modules (tied weights) becomes one DTensor held by all of them."""
@@ -63,7 +67,8 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh, tp_dim: int | None = Non
                 if id(value) in placed:
                     slots[name] = placed[id(value)]
                     continue
-                distribute_parameter(sub, name, mesh, [Replicate()] * mesh.ndim, tp_dim)
+                replicated = [Replicate()] * mesh.ndim
+                distribute_parameter(sub, name, mesh, replicated, tp_dim, src_data_rank)
                 placed[id(value)] = slots[name]
 
 
