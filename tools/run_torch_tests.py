@@ -120,21 +120,27 @@ def _run_file(
     }
 
 
+def _passed(run: dict) -> set[str]:
+    return {t for t, o in run.get("tests", {}).items() if o == "PASSED"}
+
+
 def summary(name: str, runs: dict) -> tuple[str, list[str]]:
     """A table row and the differing tests of one file."""
     torch_run, sw_run = runs.get("torch", {}), runs.get("shardwise", {})
-    on_torch = {t for t, o in torch_run.get("tests", {}).items() if o == "PASSED"}
-    on_sw = {t for t, o in sw_run.get("tests", {}).items() if o == "PASSED"}
+    implicit_run = runs.get("implicit")
+    on_torch, on_sw = _passed(torch_run), _passed(sw_run)
     total = len(set(torch_run.get("tests", {})) | set(sw_run.get("tests", {})))
     lost, gained = sorted(on_torch - on_sw), sorted(on_sw - on_torch)
+    implicit = len(_passed(implicit_run) & on_torch) if implicit_run else "-"
     row = (
-        f"| {name} | {total} | {len(on_torch)} | {len(on_sw & on_torch)} | {len(lost)} "
+        f"| {name} | {total} | {len(on_torch)} | {len(on_sw & on_torch)} | {implicit} "
         f"| {torch_run.get('ended', '-')}, {torch_run.get('seconds', '-')}s "
         f"| {sw_run.get('ended', '-')}, {sw_run.get('seconds', '-')}s |"
     )
     lines = [
         f"  {name}: passes on torch, not through shardwise: {t} "
-        f"({sw_run['tests'].get(t, 'not run')})"
+        f"({sw_run.get('tests', {}).get(t, 'not run')}"
+        + (f"; implicit: {implicit_run['tests'].get(t, 'not run')})" if implicit_run else ")")
         for t in lost
     ]
     lines += [f"  {name}: passes through shardwise only: {t}" for t in gained]
@@ -171,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.results:
                     args.results.write_text(json.dumps(results, indent=1, sort_keys=True))
     print(
-        "| file | tests | pass on torch | of those, pass through shardwise | differ "
-        "| torch run | shardwise run |"
+        "| file | tests | pass on torch | of those, pass through shardwise | of those, "
+        "with implicit moves | torch run | shardwise run |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     details = []
