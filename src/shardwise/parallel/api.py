@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,7 +46,7 @@ def distribute_module(
     distribute its parameters; every parameter and buffer it leaves alone is replicated.
     ``input_fn(module, inputs, mesh)`` and ``output_fn(module, outputs, mesh)`` run around each
     forward call; PyTorch's older two-argument forms ``input_fn(inputs, mesh)`` and
-    ``output_fn(outputs, mesh)`` are accepted too."""
+    ``output_fn(outputs, mesh)`` are accepted too, with PyTorch's ``FutureWarning``."""
     device_mesh = mesh_or_current(device_mesh, "distribute_module")
     if partition_fn is not None:
         for name, sub in list(module.named_modules()):
@@ -77,6 +78,13 @@ def _takes_module(fn: Callable, what: str) -> bool:
         raise ParallelPlanError(
             f"distribute_module's {what} takes (module, value, device_mesh) or (value, "
             f"device_mesh), got a callable of {count} parameters: {fn!r}"
+        )
+    if count == 2:
+        warnings.warn(
+            f"Deprecating distribute_module's two-argument {what}(value, device_mesh), as "
+            f"PyTorch does: pass {what}(module, value, device_mesh)",
+            FutureWarning,
+            stacklevel=3,
         )
     return count == 3
 
