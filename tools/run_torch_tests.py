@@ -58,16 +58,48 @@ if os.environ.get("SHARDWISE_AS_TORCH") == "1":
 """
 
 
+# torch's MultiProcContinuousTest skips the rest of a class after a failure: those run again
+SKIPPED_REST = "skipping rest of tests in Test class"
+
+
 def run_file(path: Path, mode: str, timeout: int, file_timeout: int, log: Path | None) -> dict:
-    """One pytest process over ``path``; returns {test: outcome} and how the run ended."""
+    """pytest over ``path`` (again over the tests a failure made the harness skip, until none
+    is left); returns {test: outcome} and how the run ended."""
+    start, tests, ended, out, pending = time.monotonic(), {}, "", "", [path.name]
     with tempfile.TemporaryDirectory() as site:
         (Path(site) / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        return _run_file(path, mode, timeout, file_timeout, log, site)
+        while pending:
+            left = file_timeout - (time.monotonic() - start)
+            text, ended = _pytest(path, pending, mode, timeout, max(1, int(left)), site)
+            out += text
+            ran = _outcomes(text)
+            tests.update(ran)
+            skipped = [f"{path.name}::{t}" for t, o in ran.items() if o == "SKIPPED"]
+            pending = skipped if SKIPPED_REST in text and len(skipped) < len(ran) else []
+    if log:
+        log.write_text(out)
+    tail = "\n".join(out.splitlines()[-15:]) if not tests else ""
+    return {
+        "tests": tests,
+        "ended": ended,
+        "seconds": round(time.monotonic() - start),
+        "tail": tail,
+    }
 
 
-def _run_file(
-    path: Path, mode: str, timeout: int, file_timeout: int, log: Path | None, site: str
-) -> dict:
+def _outcomes(text: str) -> dict[str, str]:
+    tests = {}
+    for line in text.splitlines():
+        match = RESULT_LINE.match(line)
+        if match:
+            tests[match.group(1).split("::", 1)[1]] = match.group(2)
+    return tests
+
+
+def _pytest(
+    path: Path, targets: list[str], mode: str, timeout: int, file_timeout: int, site: str
+) -> tuple[str, str]:
+    """One pytest process over ``targets`` (the file, or test ids in it): output, how it ended."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
@@ -79,45 +111,26 @@ def _run_file(
         "SHARDWISE_TT_FORK": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    plugins = ["-p", "torch_tests_plugin", "-p", "no:cacheprovider", "-p", "no:randomly"]
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        path.name,
+        *targets,
         "-v",
-        "-p",
-        "torch_tests_plugin",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:randomly",
+        *plugins,
         f"--timeout={timeout}",
         "--rootdir",
         str(path.parent),
     ]
-    start = time.monotonic()
     try:
         proc = subprocess.run(
             cmd, cwd=path.parent, env=env, capture_output=True, text=True, timeout=file_timeout
         )
-        out, ended = proc.stdout + proc.stderr, f"rc={proc.returncode}"
+        return proc.stdout + proc.stderr, f"rc={proc.returncode}"
     except subprocess.TimeoutExpired as err:
         out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else err.stdout or ""
-        ended = f"file timeout {file_timeout}s"
-    if log:
-        log.write_text(out)
-    tests = {}
-    for line in out.splitlines():
-        match = RESULT_LINE.match(line)
-        if match:
-            tests[match.group(1).split("::", 1)[1]] = match.group(2)
-    tail = "\n".join(out.splitlines()[-15:]) if not tests else ""
-    return {
-        "tests": tests,
-        "ended": ended,
-        "seconds": round(time.monotonic() - start),
-        "tail": tail,
-    }
+        return out, f"file timeout {file_timeout}s"
 
 
 def _passed(run: dict) -> set[str]:
