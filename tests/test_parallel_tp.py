@@ -143,6 +143,20 @@ def test_sequence_parallel_between_tp_layers(mesh_shape) -> None:
     assert model.norm.weight.placements[-1] == Replicate()
 
 
+def test_inference_mode_inputs() -> None:
+    """An input made under ``torch.inference_mode()`` (it has no version counter) goes through
+    the styles' input hooks like any other, as in PyTorch."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    module = nn.Identity()
+    parallelize_module(module, mesh, PrepareModuleInput(input_layouts=Replicate(),
+                                                        desired_input_layouts=Shard(0)))
+    with torch.inference_mode():
+        x = torch.randn(4, 7)
+        out = module(x)
+    assert out.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), x)
+
+
 @pytest.mark.parametrize("mesh_shape", [(2,), (3,)])
 def test_sequence_parallel_norm_grads_stay_pending_sums_in_implicit_mode(mesh_shape) -> None:
     """PyTorch's semantics (implicit mode): a sequence-parallel norm's weight and bias gradients
