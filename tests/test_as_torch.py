@@ -79,6 +79,33 @@ def test_the_environment_variable_and_an_early_import(tmp_path: Path) -> None:
     assert off.returncode == 0 and off.stdout.startswith("torch.distributed.tensor")
 
 
+SHARD_TENSOR = """
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, Replicate
+from torch.distributed.tensor._api import _shard_tensor
+import shardwise
+mesh = init_device_mesh("cpu", (2, 2))
+full = torch.arange(24.0).reshape(4, 6)
+with shardwise.debug.CommCounter() as counter:
+    dt = _shard_tensor(full, [Shard(0), Shard(1)], mesh)
+print(type(dt).__module__, dt.placements == (Shard(0), Shard(1)), len(counter.records))
+print(torch.equal(dt.full_tensor(), full))
+"""
+
+
+def test_torchs_private_shard_tensor_keeps_each_shard_without_communication(
+    tmp_path: Path,
+) -> None:
+    """torch's ``tensor._api._shard_tensor`` (PyTorch's test_dtensor.py imports it): the
+    shards of a tensor every process holds, no collective."""
+    script = tmp_path / "shard.py"
+    script.write_text(SHARD_TENSOR)
+    result = _python("-m", "shardwise.as_torch", str(script))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["shardwise.dtensor True 0", "True"]
+
+
 def _reference() -> dict:
     sys.path.insert(0, str(PROGRAM.parent))
     try:

@@ -257,3 +257,26 @@ def test_one_rule_for_plain_tensors_of_every_size_in_the_global_view(rows: int) 
     with sw.config.implicit_replication():
         got = F.cross_entropy(logits, labels).full_tensor()
     torch.testing.assert_close(got, F.cross_entropy(x, labels))
+
+
+def _src_data_rank_job() -> list:
+    """Each process builds other values; ``src_data_rank`` says whose the parameters get."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    torch.manual_seed(mesh.get_rank())
+    out = []
+    for src in (1, None):
+        model = nn.Linear(4, 6)
+        own = model.weight.detach().clone()
+        parallelize_module(model, mesh, ColwiseParallel(), src_data_rank=src)
+        out += [own.tolist(), model.weight.to_local().tolist()]
+    return out
+
+
+def test_parallelize_module_src_data_rank_as_pytorchs() -> None:
+    """PyTorch's ``parallelize_module(..., src_data_rank=)``: 1, every shard comes from rank
+    1's values; None, each process keeps its own rows (no communication)."""
+    results = run_in_processes(_src_data_rank_job, 2, timeout=120)
+    rank1_weight = torch.tensor(results[1][0])
+    for rank, (_, from_rank1, own, kept) in enumerate(results):
+        assert torch.equal(torch.tensor(from_rank1), rank1_weight.chunk(2)[rank])
+        assert torch.equal(torch.tensor(kept), torch.tensor(own).chunk(2)[rank])

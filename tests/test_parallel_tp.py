@@ -143,6 +143,48 @@ def test_sequence_parallel_between_tp_layers(mesh_shape) -> None:
     assert model.norm.weight.placements[-1] == Replicate()
 
 
+def test_inference_mode_inputs() -> None:
+    """An input made under ``torch.inference_mode()`` (it has no version counter) goes through
+    the styles' input hooks like any other, as in PyTorch."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    module = nn.Identity()
+    parallelize_module(module, mesh, PrepareModuleInput(input_layouts=Replicate(),
+                                                        desired_input_layouts=Shard(0)))
+    with torch.inference_mode():
+        x = torch.randn(4, 7)
+        out = module(x)
+    assert out.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), x)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,)])
+def test_sequence_parallel_norm_grads_stay_pending_sums_in_implicit_mode(mesh_shape) -> None:
+    """PyTorch's semantics (implicit mode): a sequence-parallel norm's weight and bias gradients
+    stay pending sums (``Partial``), no collective in backward, as PyTorch's DTensor leaves
+    them; the optimizer step that uses them reduces them and equals one device's step."""
+    torch.manual_seed(5)
+    norm = nn.LayerNorm(6)
+    reference = copy.deepcopy(norm)
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    parallelize_module(norm, mesh, SequenceParallel())
+    x = torch.randn(2, 3 * mesh.size(), 6)
+    dx = sw.distribute_tensor(x, mesh, [Shard(1)])
+    reference(x).sum().backward()
+    with sw.config.allow_implicit_redistribute():
+        out = norm(dx)
+        with sw.debug.CommCounter() as counter:
+            out.sum().backward()
+        assert counter.records == []
+        for p, ref in zip(norm.parameters(), reference.parameters(), strict=True):
+            assert p.grad.placements == (sw.Partial(),)
+            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, atol=1e-5, rtol=1e-4)
+        torch.optim.SGD(norm.parameters(), lr=0.5).step()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for p, ref in zip(norm.parameters(), reference.parameters(), strict=True):
+        assert p.placements == (Replicate(),)
+        torch.testing.assert_close(p.full_tensor(), ref, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_prepare_module_output_and_input_output(mesh_shape) -> None:
     torch.manual_seed(4)

@@ -47,6 +47,9 @@ def test_comm_debug_mode_counts_per_module_and_phase():
     assert counts[torch.ops._c10d_functional.all_gather_into_tensor] == 1
     assert counts[torch.ops.c10d_functional.all_to_all_single] == 2
     assert counts[torch.ops._c10d_functional.all_reduce] == 0
+    # PyTorch's attribute too (its test_dtensor reads it)
+    assert mode.comm_counts[torch.ops.c10d_functional.all_gather_into_tensor] == 1
+    assert mode.comm_counts == counts
     modules = mode.comm_module_counts
     assert modules["Global"]["forward"] == {"all_to_all": 1, "all_gather": 1}
     assert modules["Global"]["backward"] == {"all_to_all": 1}

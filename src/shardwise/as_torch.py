@@ -56,9 +56,18 @@ def _manual_seed(seed: int, device_mesh: Any = None) -> None:
     manual_seed(seed)
 
 
+def _shard_tensor(full_tensor: Any, placements: Any, device_mesh: Any = None) -> Any:
+    """torch's ``tensor._api._shard_tensor``: every process holds the whole tensor and keeps its
+    own shard of it, without communication (``distribute_tensor(..., src_data_rank=None)``)."""
+    from .dtensor import distribute_tensor
+
+    return distribute_tensor(full_tensor, device_mesh, placements, src_data_rank=None)
+
+
 # names answered here, before the modules of SHIMS
 _OWN: dict[str, dict[str, Any]] = {
     "torch.distributed.tensor._random": {"manual_seed": _manual_seed},
+    "torch.distributed.tensor._api": {"_shard_tensor": _shard_tensor},
 }
 # names torch.distributed itself exports from these modules
 _TOP_LEVEL = ("DeviceMesh", "init_device_mesh")

@@ -162,6 +162,11 @@ class CommDebugMode(CommCounter):
         """Collectives run, by kind."""
         return CommCounts(self.counts)
 
+    @property
+    def comm_counts(self) -> CommCounts:
+        """PyTorch's attribute: ``get_comm_counts()``."""
+        return self.get_comm_counts()
+
     def get_total_counts(self) -> int:
         """Collectives run in all."""
         return sum(self.counts.values())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,7 +46,7 @@ def distribute_module(
     distribute its parameters; every parameter and buffer it leaves alone is replicated.
     ``input_fn(module, inputs, mesh)`` and ``output_fn(module, outputs, mesh)`` run around each
     forward call; PyTorch's older two-argument forms ``input_fn(inputs, mesh)`` and
-    ``output_fn(outputs, mesh)`` are accepted too."""
+    ``output_fn(outputs, mesh)`` are accepted too, with PyTorch's ``FutureWarning``."""
     device_mesh = mesh_or_current(device_mesh, "distribute_module")
     if partition_fn is not None:
         for name, sub in list(module.named_modules()):
@@ -78,6 +79,13 @@ def _takes_module(fn: Callable, what: str) -> bool:
             f"distribute_module's {what} takes (module, value, device_mesh) or (value, "
             f"device_mesh), got a callable of {count} parameters: {fn!r}"
         )
+    if count == 2:
+        warnings.warn(
+            f"Deprecating distribute_module's two-argument {what}(value, device_mesh), as "
+            f"PyTorch does: pass {what}(module, value, device_mesh)",
+            FutureWarning,
+            stacklevel=3,
+        )
     return count == 3
 
 
@@ -87,6 +95,7 @@ def parallelize_module(
     parallelize_plan: Plan | None = None,
     *,
     tp_mesh_dim: int | str | None = None,
+    src_data_rank: int | None = 0,
 ) -> nn.Module:
     """Shard ``module`` by a plan: a style for the module itself; a dict from module names,
     globs (``"layers.*.attn"``) or regexes (``re.compile`` or ``"re:..."``) to styles, applied
@@ -96,10 +105,17 @@ def parallelize_module(
     last), every other mesh dim is Replicate, so a 2-D (data x tensor) mesh works as is; in a
     per-rank program (one device per process) they run on the tp sub-mesh through this rank,
     as ``mesh["tp"]`` would give. The mesh defaults to the current one (``with mesh:``), as in
-    PyTorch."""
+    PyTorch. ``src_data_rank``: the rank whose parameter values every style distributes, as
+    in ``distribute_tensor`` (``None``: each process's own values, no communication)."""
     device_mesh, tp_mesh_dim = tp_on_root(
         mesh_or_current(device_mesh, "parallelize_module"), tp_mesh_dim, "parallelize_module"
     )
+    styles = parallelize_plan.values() if isinstance(parallelize_plan, Mapping) else [
+        parallelize_plan
+    ]
+    for style in styles:
+        if isinstance(style, ParallelStyle):
+            style.src_data_rank = src_data_rank
     _apply_plan(module, device_mesh, parallelize_plan, tp_mesh_dim)
     guard_loading(module)
     # a deferred_init tree materializes at its root; a torch.device("meta") module stays meta

@@ -142,9 +142,10 @@ def _wrap_key(
     shape: Sequence[int] | None,
 ) -> tuple | None:
     """What makes two wrappings of ``x`` interchangeable; None where sharing is not safe:
-    tensors being traced (fake or functional subclasses) and the per-replica view, whose
-    threads merge their pieces in ``from_local``."""
-    if type(x) is not torch.Tensor or execution.replica() is not None:
+    tensors being traced (fake or functional subclasses), inference tensors (no version counter
+    tells an in-place change) and the per-replica view, whose threads merge their pieces in
+    ``from_local``."""
+    if type(x) is not torch.Tensor or x.is_inference() or execution.replica() is not None:
         return None
     if torch.compiler.is_compiling():
         return None

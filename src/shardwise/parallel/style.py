@@ -30,6 +30,10 @@ from .params import distribute_parameter, replicate_rest
 class ParallelStyle:
     """How ``parallelize_module`` shards one module (apply it through a plan)."""
 
+    # where a parameter's values come from (distribute_tensor's src_data_rank; None: every
+    # process holds them already, no communication); parallelize_module sets it, as PyTorch's
+    src_data_rank: int | None = 0
+
     def apply(
         self,
         module: nn.Module,
@@ -45,6 +49,13 @@ class ParallelStyle:
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, entry: str) -> None:
         raise NotImplementedError
+
+    def _place(
+        self, module: nn.Module, name: str, mesh: DeviceMesh, tp_dim: int, placement: Placement
+    ) -> None:
+        """``module.<name>`` as a DTensor with ``placement`` on the tp dim (Replicate else)."""
+        placements = on_tp_dim(mesh, tp_dim, placement)
+        distribute_parameter(module, name, mesh, placements, tp_dim, self.src_data_rank)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -180,12 +191,12 @@ class ColwiseParallel(_LinearStyle):
                     )
             shard = Shard(0) if k == 1 else InterleavedShard(0, k)
             for name in ("weight", "bias"):
-                distribute_parameter(module, name, mesh, on_tp_dim(mesh, tp_dim, shard), tp_dim)
+                self._place(module, name, mesh, tp_dim, shard)
         elif isinstance(module, nn.Embedding) and k == 1:
-            distribute_parameter(module, "weight", mesh, on_tp_dim(mesh, tp_dim, Shard(1)), tp_dim)
+            self._place(module, "weight", mesh, tp_dim, Shard(1))
         else:
             _fail_module(self, module, entry, "nn.Linear (or nn.Embedding without interleave)")
-        replicate_rest(module, mesh, tp_dim)
+        replicate_rest(module, mesh, tp_dim, self.src_data_rank)
         self._hooks(module, mesh, tp_dim, Replicate())
 
 
@@ -210,14 +221,14 @@ class RowwiseParallel(_LinearStyle):
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, entry: str) -> None:
         if isinstance(module, nn.Linear):
-            distribute_parameter(module, "weight", mesh, on_tp_dim(mesh, tp_dim, Shard(1)), tp_dim)
+            self._place(module, "weight", mesh, tp_dim, Shard(1))
             desired: Placement = Shard(-1)
         elif isinstance(module, nn.Embedding):
-            distribute_parameter(module, "weight", mesh, on_tp_dim(mesh, tp_dim, Shard(0)), tp_dim)
+            self._place(module, "weight", mesh, tp_dim, Shard(0))
             desired = Replicate()
         else:
             _fail_module(self, module, entry, "nn.Linear or nn.Embedding")
-        replicate_rest(module, mesh, tp_dim)
+        replicate_rest(module, mesh, tp_dim, self.src_data_rank)
         self._hooks(module, mesh, tp_dim, desired)
 
 
@@ -232,7 +243,7 @@ class SequenceParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh, tp_dim: int, entry: str) -> None:
         shard = Shard(self.sequence_dim)
-        replicate_rest(module, mesh, tp_dim)
+        replicate_rest(module, mesh, tp_dim, self.src_data_rank)
 
         def pre(_module: nn.Module, args: tuple) -> tuple:
             if not args:

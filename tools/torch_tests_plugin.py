@@ -1,0 +1,27 @@
+"""pytest plugin for ``tools/run_torch_tests.py``: runs PyTorch's own DTensor test files on torch or
+through shardwise's drop-in switch, with torch's harness.
+
+- ``SHARDWISE_AS_TORCH=1``: the switch goes on here, before pytest imports a test module.
+- ``SHARDWISE_TT_FORK=1``: torch's ``MultiProcessTestCase`` starts its rank processes with fork
+  instead of spawn (each spawned rank imports torch afresh, a minute a test on a loaded 2-core
+  machine); the ranks inherit the parent's modules, the switch included. Both runs get it alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def pytest_configure(config: object) -> None:
+    if os.environ.get("SHARDWISE_AS_TORCH") == "1":
+        from shardwise.as_torch import as_torch
+
+        as_torch()
+    if os.environ.get("SHARDWISE_TT_FORK") == "1":
+        import torch.multiprocessing
+        from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+        def _fork_processes(self: MultiProcessTestCase) -> None:
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+        MultiProcessTestCase._spawn_processes = _fork_processes
