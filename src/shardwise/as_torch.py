@@ -21,10 +21,11 @@ import warnings
 from typing import Any
 
 # torch module -> (shardwise modules that answer its names, in order; whether names shardwise
-# lacks fall through to torch's module: FSDP1's beside FSDP2's, and torch's private helpers)
+# lacks fall through to torch's module: FSDP1's beside FSDP2's, and torch's private helpers).
+# torch.distributed.tensor._api stays torch's: torch's own sharding rules import its DTensor
+# lazily (e.g. when torch.compile first loads inductor) and need torch's class.
 SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "torch.distributed.tensor": (("shardwise",), False),
-    "torch.distributed.tensor._api": (("shardwise",), False),
     "torch.distributed.tensor.placement_types": (("shardwise.placements",), False),
     "torch.distributed.tensor.device_mesh": (("shardwise.mesh",), False),
     "torch.distributed.tensor._dtensor_spec": (("shardwise.spec",), True),
