@@ -94,6 +94,25 @@ def test_torch_compile_loads_torchs_sharding_rules_under_the_switch(tmp_path: Pa
     assert result.stdout.split() == ["True", "shardwise.dtensor"]
 
 
+def test_distributed_checkpoint_loaded_before_the_switch_sees_shardwise_dtensors(
+    tmp_path: Path,
+) -> None:
+    # the switch imports torch's FSDP, which loads DCP's helpers bound to torch's DTensor; they
+    # must take shardwise's for its DTensors (Lightning's load_raw: set_model_state_dict)
+    script = tmp_path / "dcp.py"
+    script.write_text(
+        "import shardwise\n"
+        "import torch.distributed._state_dict_utils as sd\n"
+        "import torch.distributed.checkpoint.planner_helpers as ph\n"
+        "import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp2\n"
+        "print(sd.DTensor is ph.DTensor is shardwise.DTensor, sd.distribute_tensor is "
+        "shardwise.distribute_tensor, fsdp2.DTensor is shardwise.DTensor)\n"
+    )
+    result = _python("-m", "shardwise.as_torch", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True", "False"]  # torch's own FSDP2 stays torch's
+
+
 def _reference() -> dict:
     sys.path.insert(0, str(PROGRAM.parent))
     try:
@@ -176,6 +195,26 @@ def test_transformers_tensor_parallel_through_the_switch_equals_one_device(
         got = json.loads((tmp_path / f"sw_rank{rank}.json").read_text())
         assert "shardwise.dtensor.DTensor" in got["classes"]
         assert got["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("nproc", "threads"), RUNS, ids=RUN_IDS)
+def test_lightning_model_parallel_through_the_switch_equals_one_device(
+    tmp_path: Path, nproc: int, threads: bool
+) -> None:
+    _library("lightning")
+    program = str(PROGRAMS / "lightning_mp.py")
+    setup = subprocess.run([LIBRARY_PYTHON, program, "setup", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300, env=ENV)
+    assert setup.returncode == 0, setup.stderr[-3000:]
+    dp = nproc // 2  # tensor parallel on 2 ranks, FSDP2 x TP on 4
+    _launch(nproc, threads, True, program, "rank", str(tmp_path), "sw", str(dp), "2")
+    reference = json.loads((tmp_path / "reference.json").read_text())["losses"]
+    for rank in range(nproc):
+        got = json.loads((tmp_path / f"sw_rank{rank}.json").read_text())
+        assert "shardwise.dtensor" in got["classes"] and got["load_exact"]
+        assert got["losses"] == pytest.approx(reference, rel=1e-5)  # the last after the load
 
 
 # torchtitan's parallelisms per run: tensor parallel on 2 ranks, FSDP2 x TP on 4

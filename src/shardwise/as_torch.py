@@ -60,6 +60,10 @@ _OWN: dict[str, dict[str, Any]] = {
 }
 # names torch.distributed itself exports from these modules
 _TOP_LEVEL = ("DeviceMesh", "init_device_mesh")
+# torch modules that use DTensors rather than implement them (distributed checkpoint and its
+# state-dict helpers): the names they bound from SHIMS' modules before the switch (importing
+# torch's FSDP loads them) are rebound to shardwise's
+_USERS = ("torch.distributed._state_dict_utils", "torch.distributed.checkpoint")
 
 
 class _Shim(types.ModuleType):
@@ -147,7 +151,24 @@ def as_torch() -> None:
 
     for name in _TOP_LEVEL:
         setattr(dist, name, getattr(mesh, name))
+    _rebind_users(real)
     _accept_meshes(funcol)
+
+
+def _rebind_users(real: dict[str, types.ModuleType | None]) -> None:
+    """In the loaded modules of ``_USERS``, replace each name bound to an object of one of
+    torch's shimmed modules by the shim's answer for that name, where shardwise has one."""
+    users = [m for n, m in list(sys.modules.items())
+             if any(n == u or n.startswith(u + ".") for u in _USERS)]
+    for module in users:
+        for attr, value in list(vars(module).items()):
+            for name, torch_module in real.items():
+                if torch_module is None or getattr(torch_module, attr, None) is not value:
+                    continue
+                mine = sys.modules[name]._lookup(attr)
+                if mine is not _MISSING:
+                    setattr(module, attr, mine)
+                break
 
 
 def _fill_torch_dtensor_cache() -> None:
