@@ -5,6 +5,7 @@ The training program (``as_torch_programs/tp_train.py``: TP, ``clip_grad_norm_``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -157,13 +158,26 @@ RUNS = [(2, False), (4, False), (2, True)]
 RUN_IDS = ["2proc", "4proc", "2threads"]
 
 
-def _library(modules: str) -> None:
-    """Skip unless ``modules`` import in LIBRARY_PYTHON."""
+@functools.cache
+def _import_error(modules: str) -> str:
+    """Why ``modules`` do not import in LIBRARY_PYTHON ("" when they do)."""
     found = subprocess.run([LIBRARY_PYTHON, "-c", f"import {modules}"], capture_output=True,
                            text=True, timeout=300, env=ENV)
-    if found.returncode:
+    return found.stderr[-300:] if found.returncode else ""
+
+
+def _library(modules: str) -> None:
+    """Skip unless ``modules`` import in LIBRARY_PYTHON."""
+    if error := _import_error(modules):
         pytest.skip(f"{modules} do not import in {LIBRARY_PYTHON} (set SHARDWISE_LIBRARY_PYTHON "
-                    f"to a venv with them: scripts/library_venv.sh): {found.stderr[-300:]}")
+                    f"to a venv with them: scripts/library_venv.sh): {error}")
+
+
+def _setup(program: str, folder: Path, *args: str) -> None:
+    """``program setup folder [args]``: what the ranks read, and the reference run if any."""
+    setup = subprocess.run([LIBRARY_PYTHON, program, "setup", str(folder), *args],
+                           capture_output=True, text=True, timeout=300, env=ENV)
+    assert setup.returncode == 0, setup.stderr[-3000:]
 
 
 def _launch(nproc: int, threads: bool, as_torch: bool, *program: str) -> None:
@@ -180,19 +194,23 @@ def _launch(nproc: int, threads: bool, as_torch: bool, *program: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("nproc", "threads"), RUNS, ids=RUN_IDS)
+@pytest.mark.parametrize(("model", "nproc", "threads"),
+                         [*(("llama", *run) for run in RUNS), ("mixtral", 2, False)],
+                         ids=[*(f"llama-{i}" for i in RUN_IDS), "mixtral-2proc"])
 def test_transformers_tensor_parallel_through_the_switch_equals_one_device(
-    tmp_path: Path, nproc: int, threads: bool
+    tmp_path_factory: pytest.TempPathFactory, model: str, nproc: int, threads: bool
 ) -> None:
     _library("transformers, accelerate")
     program = str(PROGRAMS / "hf_llama_tp.py")
-    setup = subprocess.run([LIBRARY_PYTHON, program, "setup", str(tmp_path)],
-                           capture_output=True, text=True, timeout=300, env=ENV)
-    assert setup.returncode == 0, setup.stderr[-3000:]
-    _launch(nproc, threads, True, program, "rank", str(tmp_path), "sw")
-    reference = json.loads((tmp_path / "reference.json").read_text())["losses"]
+    folder = tmp_path_factory.getbasetemp() / f"hf_{model}"
+    if not (folder / "reference.json").exists():  # one checkpoint and reference per model
+        folder.mkdir(exist_ok=True)
+        _setup(program, folder, model)
+    tag = f"sw{nproc}{'t' if threads else 'p'}"
+    _launch(nproc, threads, True, program, "rank", str(folder), tag, model)
+    reference = json.loads((folder / "reference.json").read_text())["losses"]
     for rank in range(nproc):
-        got = json.loads((tmp_path / f"sw_rank{rank}.json").read_text())
+        got = json.loads((folder / f"{tag}_rank{rank}.json").read_text())
         assert "shardwise.dtensor.DTensor" in got["classes"]
         assert got["losses"] == pytest.approx(reference, rel=1e-5)
 
@@ -205,9 +223,7 @@ def test_lightning_model_parallel_through_the_switch_equals_one_device(
 ) -> None:
     _library("lightning")
     program = str(PROGRAMS / "lightning_mp.py")
-    setup = subprocess.run([LIBRARY_PYTHON, program, "setup", str(tmp_path)],
-                           capture_output=True, text=True, timeout=300, env=ENV)
-    assert setup.returncode == 0, setup.stderr[-3000:]
+    _setup(program, tmp_path)
     dp = nproc // 2  # tensor parallel on 2 ranks, FSDP2 x TP on 4
     _launch(nproc, threads, True, program, "rank", str(tmp_path), "sw", str(dp), "2")
     reference = json.loads((tmp_path / "reference.json").read_text())["losses"]
@@ -230,9 +246,7 @@ def titan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dic
     _library("torchtitan.train")
     folder = tmp_path_factory.mktemp("titan")
     program = str(PROGRAMS / "titan_train.py")
-    setup = subprocess.run([LIBRARY_PYTHON, program, "setup", str(folder)], capture_output=True,
-                           text=True, timeout=300, env=ENV)
-    assert setup.returncode == 0, setup.stderr[-3000:]
+    _setup(program, folder)
     _launch(1, False, False, program, "rank", str(folder), "seed")
     return folder, {}
 

@@ -156,12 +156,17 @@ def as_torch() -> None:
 
 
 def _rebind_users(real: dict[str, types.ModuleType | None]) -> None:
-    """In the loaded modules of ``_USERS``, replace each name bound to an object of one of
-    torch's shimmed modules by the shim's answer for that name, where shardwise has one."""
+    """In the loaded modules of ``_USERS``, replace each name bound to a class or function of
+    torch's DTensor modules by the shim's answer for that name, where shardwise has one."""
     users = [m for n, m in list(sys.modules.items())
              if any(n == u or n.startswith(u + ".") for u in _USERS)]
+    owners = ("torch.distributed.tensor", "torch.distributed.device_mesh")
     for module in users:
         for attr, value in list(vars(module).items()):
+            if isinstance(value, types.ModuleType) or not str(
+                getattr(value, "__module__", "")
+            ).startswith(owners):
+                continue
             for name, torch_module in real.items():
                 if torch_module is None or getattr(torch_module, attr, None) is not value:
                     continue

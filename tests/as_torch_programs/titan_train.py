@@ -10,8 +10,9 @@ FOLDER seed`` on one process writes it (``--checkpoint.create_seed_checkpoint``)
 load it (``--checkpoint.initial_load_path``) and save their last step (DCP). torchtitan picks
 CUDA when no accelerator is found, so the run first names the CPU as its device (its device
 module answers the few memory queries with zeros), and torch's FSDP2 modules reduce with plain
-sums (gloo lacks the PREMUL_SUM they use); nothing else of torchtitan is changed. Needs
-torchtitan 0.2.2 (never shardwise's dependency).
+sums (gloo lacks the PREMUL_SUM they use); rank threads parse the arguments one at a time
+(torchtitan's parser, tyro, keeps a process-wide stack). Nothing else of torchtitan is
+changed. Needs torchtitan 0.2.2 (never shardwise's dependency).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import types
 
 import torch
@@ -109,12 +111,21 @@ def rank(folder: str, tag: str, *extra: str) -> None:
     config = os.path.join(folder, "job.toml")
     args = ["--job.config_file", config, "--checkpoint.enable", *ckpt, *extra]
     _cpu_device()
-    from torchtitan.config import ConfigManager
+    import torchtitan.config.manager as manager
     from torchtitan.train import Trainer, main
 
     # main() parses the command line its parser saw at import (sys.argv[1:], shared by rank
-    # threads): give it these arguments instead, the same in every rank
-    ConfigManager.parse_args.__defaults__ = (args,)
+    # threads): it parses these arguments instead, the same in every rank; tyro, its parser,
+    # keeps a process-wide stack while it parses, so rank threads parse one at a time
+    lock = manager.__dict__.setdefault("_rank_threads_parse_lock", threading.Lock())
+    parse = manager.ConfigManager.__dict__.get("_parse_args", manager.ConfigManager.parse_args)
+    manager.ConfigManager._parse_args = parse
+
+    def parse_args(self, _=None):
+        with lock:
+            return parse(self, args)
+
+    manager.ConfigManager.parse_args = parse_args
 
     records: list[tuple[float, float]] = []
 
