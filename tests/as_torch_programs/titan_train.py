@@ -11,8 +11,9 @@ load it (``--checkpoint.initial_load_path``) and save their last step (DCP). tor
 CUDA when no accelerator is found, so the run first names the CPU as its device (its device
 module answers the few memory queries with zeros), and torch's FSDP2 modules reduce with plain
 sums (gloo lacks the PREMUL_SUM they use); rank threads parse the arguments one at a time
-(torchtitan's parser, tyro, keeps a process-wide stack). Nothing else of torchtitan is
-changed. Needs torchtitan 0.2.2 (never shardwise's dependency).
+(torchtitan's parser, tyro, keeps a process-wide stack) and share one tqdm lock (datasets'
+loader). Nothing else of torchtitan is changed. Needs torchtitan 0.2.2 (never shardwise's
+dependency).
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ def rank(folder: str, tag: str, *extra: str) -> None:
             return parse(self, args)
 
     manager.ConfigManager.parse_args = parse_args
+    # datasets loads through tqdm's thread_map, which deletes the tqdm lock it made itself when
+    # done, under other rank threads' feet: make it first, once for all
+    from tqdm import tqdm
+
+    tqdm.get_lock()
 
     records: list[tuple[float, float]] = []
 
