@@ -121,7 +121,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
         ours4 = _inputs(sw, smesh4, grad, device)
         theirs = _inputs(torch_dt, tmesh, grad, device)
         local = (lx.requires_grad_(grad), ly.requires_grad_(grad), lidx)
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             for name, op in OPS.items():
                 row = {"op": name, "autograd": grad}
                 row.update(_interleaved_us(
@@ -134,7 +134,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
                 row["local_4x"] = 4 * row["local"]
                 if not grad:
                     row["shardwise_cold"] = _cold_us(
-                        lambda op=op, a=ours1: op(*a), sw.clear_sharding_cache, repeat
+                        lambda op=op, a=ours1: op(*a), sw.rules.clear_sharding_cache, repeat
                     )
                     row["torch_dt_cold"] = _cold_us(
                         lambda op=op, a=theirs: op(*a), _clear_torch_dt, repeat

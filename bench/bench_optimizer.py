@@ -113,7 +113,7 @@ def clip(mesh: sw.DeviceMesh, world: int, repeats: int) -> list[dict]:
         sharded, plain = _params(mesh)
 
         def ours(sharded=sharded, foreach=foreach) -> torch.Tensor:
-            with sw.allow_implicit_redistribute():  # the norm's reduction
+            with sw.config.allow_implicit_redistribute():  # the norm's reduction
                 return torch.nn.utils.clip_grad_norm_(sharded, 1e9, foreach=foreach)
 
         def hand(plain=plain) -> torch.Tensor:

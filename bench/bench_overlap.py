@@ -68,7 +68,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(dim, dim, generator=gen) / dim**0.5 for _ in range(args.layers)]
     weights = [sw.distribute_tensor(w, mesh, [Shard(0)]) for w in full]
-    shards = [sw.unpack(w)[0] for w in weights]
+    shards = [sw.tf.unpack(w)[0] for w in weights]
 
     def gather(layer: int) -> torch.Tensor:
         return weights[layer].redistribute(placements=[Replicate()]).to_local()

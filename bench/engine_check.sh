@@ -2,8 +2,9 @@
 # The engine across processes on this host's gloo: the per-collective model (bench_collective_
 # model at N = 2, 4, 8, then the fit and the table to N = 1024), redistribution beside the raw
 # backend collective and training steps beside hand-written and torch DTensor on 2 and 4
-# processes. Writes bench/results/engine/*.json; `python bench/run_all.py --docs-only` puts
-# them in docs/performance.md. Run it on a quiet host (about 10 minutes on 2 cores).
+# processes (dim 128, and dim 1024 for the TP models). Writes bench/results/engine/*.json;
+# `python bench/run_all.py --docs-only` puts them in docs/performance.md. Run it on a quiet host
+# (about 15 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=bench/results/engine
@@ -18,4 +19,7 @@ python bench/bench_collective_model.py --model "$out"/collectives_{2,4,8}.json \
 for n in 2 4; do
     launch "$n" bench/bench_redistribute.py 1024 4096 --json "$out/redistribute_$n.json"
     launch "$n" bench/bench_training.py --quick --json "$out/training_$n.json"
+    # a realistic width, where a step is compute and collectives rather than per-op Python
+    launch "$n" bench/bench_training.py --quick --dim 1024 --models mlp,llama \
+        --json "$out/training_1024_$n.json"
 done

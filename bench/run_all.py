@@ -889,6 +889,17 @@ def _engine_section(folder: Path) -> list[str]:
         md += ["### Redistribution (ms, median, slowest rank)", ""]
         md += _table(["procs", "transition", "size", "raw", "shardwise", "raw ms", "torch DT",
                       "vs raw", "vs DT"], rows)
+        md += ["Copies beside the raw collective: none for Shard(0) -> Replicate (the gathered "
+               "buffer is the result), Partial -> Shard(0) (the even row chunks are the "
+               "reduce_scatter's input as they lie) and Partial -> Replicate (one clone, as the "
+               "raw one); one for Shard(0) -> Shard(1), the columns each process sends laid out "
+               "side by side (the raw all_to_all sends rows that already lie so: no layout "
+               "change; on this host a fresh 32 MB buffer's page faults cost as much as the "
+               "copy). The fixed cost beside the raw call is the agreement: one gather of a CPU "
+               "word on the side group, which on CPU must finish before the data moves (gloo "
+               "aborts on messages of another size); on an accelerator it runs while the data "
+               "moves. On this shared 2-core host the times of one setting vary by 2x from run "
+               "to run at 1024 (a few ms: scheduling), so the 1024 ratios are noise-bound.", ""]
     rows = []
     for world in (2, 4):
         f = folder / f"training_{world}.json"
@@ -902,6 +913,24 @@ def _engine_section(folder: Path) -> list[str]:
                "`bench_training.py --quick` (dim 128): a small model, where Python's per-op "
                "dispatch is most of a step; the earlier stop's engine gave the same ratios in "
                "this mode on this host (mlp 2.2x of hand, 0.95x of DT, 2 processes).", ""]
+        md += _table(["procs", "model", "shardwise", "hand", "torch DT", "vs hand", "vs DT"],
+                     rows)
+    rows = []
+    for world in (2, 4):
+        f = folder / f"training_1024_{world}.json"
+        if f.exists():
+            data = json.loads(f.read_text())
+            for name, m in data["models"].items():
+                rows.append([world, name, m["shardwise"]["step_ms"], m["hand"]["step_ms"],
+                             m["torch_dt"]["step_ms"], m["ratio_time_vs_hand"],
+                             m["ratio_time_vs_torch_dt"]])
+    if rows:
+        md += ["### Training step at a realistic width (ms, median)", "",
+               f"`bench_training.py --quick --dim 1024 --models mlp,llama`: hidden size "
+               f"{data['dim']}, batch {data['batch']}x{data['seq']} tokens (the MLP's inner "
+               "width 4x, the Llama block's SwiGLU as torchtitan's), tensor parallel over "
+               "every process: a step is its matmuls and its collectives, as on a cluster, "
+               "rather than per-op Python.", ""]
         md += _table(["procs", "model", "shardwise", "hand", "torch DT", "vs hand", "vs DT"],
                      rows)
     f = folder / "model.json"

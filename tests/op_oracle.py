@@ -86,7 +86,7 @@ def _valid(t: torch.Tensor, mesh: sw.DeviceMesh, placements: tuple) -> bool:
     """Whether the placements fit ``t`` (an interleave must divide at its nesting level)."""
     try:
         validate_placements(t.shape, mesh, placements)
-    except sw.InvalidPlacementError:
+    except sw.errors.InvalidPlacementError:
         return False
     return True
 
@@ -127,7 +127,7 @@ def check_op(
     for t, p, g in zip(tensors, placements, wants_grad, strict=True):
         d = sw.distribute_tensor(t.detach().clone(), mesh, list(p))
         dts.append(d.requires_grad_(g))
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         got = fn(*dts)
     expected = fn(*plain)
     what = f"placements {[list(p) for p in placements]} on mesh {mesh_shape}"
@@ -152,7 +152,7 @@ def check_op(
         w = torch.rand(e.shape, generator=gen, dtype=e.dtype)
         loss_d = loss_d + (_full(g) * w).sum()
         loss_e = loss_e + (e * w).sum()
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         loss_d.backward()
     loss_e.backward()
     for i, (d, t) in enumerate(zip(dts, plain, strict=True)):

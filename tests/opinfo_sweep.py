@@ -103,7 +103,7 @@ def _options(t: torch.Tensor) -> list:
 def _fits(t: torch.Tensor, mesh: sw.DeviceMesh, placements: Sequence) -> bool:
     try:
         validate_placements(t.shape, mesh, placements)
-    except sw.InvalidPlacementError:
+    except sw.errors.InvalidPlacementError:
         return False
     return True
 
@@ -270,9 +270,9 @@ def run_case(
             d = sw.distribute_tensor(leaves[i].detach().clone(), mesh, list(p))
             dleaves[i] = d.requires_grad_(bool(ref_grads) and leaves[i].requires_grad)
         try:
-            with sw.allow_implicit_redistribute():
+            with sw.config.allow_implicit_redistribute():
                 got = _call(opinfo, sample, tree, dleaves)
-        except sw.UnsupportedOpError as err:
+        except sw.errors.UnsupportedOpError as err:
             return UNSUPPORTED, _first_line(err)
         except Exception as err:
             return ERROR, f"{type(err).__name__}: {_first_line(err)} ({where})"
@@ -285,9 +285,9 @@ def run_case(
         try:
             loss_d = sum((_full(g) * w).sum() for (g, _), w in zip(pairs, weights, strict=True))
             inputs = [dleaves[i] for i in tensor_at if dleaves[i].requires_grad]
-            with sw.allow_implicit_redistribute():
+            with sw.config.allow_implicit_redistribute():
                 grads = torch.autograd.grad(loss_d, inputs, allow_unused=True)
-        except sw.UnsupportedOpError as err:
+        except sw.errors.UnsupportedOpError as err:
             return UNSUPPORTED, f"backward: {_first_line(err)}"
         except Exception as err:
             return ERROR, f"backward: {type(err).__name__}: {_first_line(err)} ({where})"
@@ -429,10 +429,11 @@ def validate_new(calls: dict, done: set, *, max_per_mesh: int = 2) -> list[str]:
         if reg is None or reg.strategy is None:
             continue
         try:
-            report = sw.validate_strategy(
+            report = sw.rules.validate_strategy(
                 op, args, kwargs, max_per_mesh=max_per_mesh, raise_on_failure=False
             )
-        except sw.InvalidArgumentError:  # the recorded call does not run alone (views of views)
+        except sw.errors.InvalidArgumentError:  # the recorded call does not run alone (views
+            # of views)
             continue
         failures += [f"{op}: {f}" for f in report.failures]
     return failures
@@ -453,7 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--validate", action="store_true",
-        help="also force every strategy of the ops the samples reach (shardwise.validate_strategy)",
+        help="also force every strategy of the ops the samples reach "
+        "(shardwise.rules.validate_strategy)",
     )
     args = parser.parse_args(argv)
     outcomes, done, wrong_strategies = [], set(), []

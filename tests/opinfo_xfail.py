@@ -11,12 +11,12 @@ XFAIL: dict[str, str] = {
     'pca_lowrank': (
         'torch.svd_lowrank draws its random projection as a plain tensor and multiplies '
         'the DTensor by it: a plain tensor of more than one element beside DTensors is '
-        'refused (call it inside shardwise.implicit_replication())'
+        'refused (call it inside shardwise.config.implicit_replication())'
     ),
     'svd_lowrank': (
         'torch.svd_lowrank draws its random projection as a plain tensor and multiplies '
         'the DTensor by it: a plain tensor of more than one element beside DTensors is '
-        'refused (call it inside shardwise.implicit_replication())'
+        'refused (call it inside shardwise.config.implicit_replication())'
     ),
     'to_sparse': 'sparse DTensors are not supported (distribute_tensor refuses sparse inputs)',
 }

@@ -1,5 +1,7 @@
-"""The package's shape: the import graph of src/shardwise has no new circles, the package loads
-lazily, every public name resolves and every module can be imported first in a fresh process."""
+"""The package's shape: imports run only downward through the layer table (docs/architecture.md),
+the import graph has no circle, torch's private names stay behind ``torch_compat``, the package
+loads lazily, every public name resolves and every module can be imported first in a fresh
+process."""
 
 from __future__ import annotations
 
@@ -27,13 +29,52 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return found
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+# The layers, bottom to top (docs/architecture.md): a module imports from its own layer and the
+# layers below it, never from one above. A name covers a module or a whole subpackage; every
+# module of the package is in exactly one layer.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("errors", "settings", "torch_compat", "call_site", "process_wide",
+                    "caches")),
+    ("runtime", ("runtime",)),
+    ("data", ("placements", "mesh", "layout", "spec", "geometry", "plain_tensors", "tracing")),
+    ("communication", ("comm", "budget")),
+    ("data movement", ("redistribute",)),
+    ("tensor", ("dtensor", "factories", "rng", "local_map", "dcp_protocol")),
+    ("dispatch", ("dispatch", "fast_call", "custom_sharding", "ops", "op_inputs")),
+    ("user", ("parallel", "distribute", "checkpoint", "tf_dtensor", "debug", "deferred_init",
+              "memory", "as_torch", "rank_threads", "launch", "demo", "tour", "tf", "rules",
+              "config")),
+    ("command line", ("cli", "demo_cli", "__main__")),
+]
+
+# Imports that run upward, each with why (lazy, inside a function, never at import time).
+UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` of a dotted module name (the package itself is above them all)."""
+    if module == "shardwise":
+        return len(LAYERS)
+    first = module.split(".")[1]
+    for index, (_, names) in enumerate(LAYERS):
+        if first in names:
+            return index
+    raise AssertionError(f"{module} is in no layer of LAYERS (tests/test_architecture.py)")
+
+
+def _runtime_imports(
+    tree: ast.AST, type_checking: bool = False
+) -> list[ast.Import | ast.ImportFrom]:
     """The import statements of ``tree`` that run, at module level or inside functions (lazy
-    imports count), leaving out ``if TYPE_CHECKING:`` blocks."""
+    imports count), leaving out ``if TYPE_CHECKING:`` blocks unless ``type_checking``."""
     found, todo = [], [tree]
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if (
+            not type_checking
+            and isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test)
+        ):
             todo.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -42,16 +83,17 @@ def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     """Module -> the package modules importing it runs: the module named and, since importing
     ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, its parent packages (those of the
-    importing module itself aside: they started before it did)."""
+    importing module itself aside: they started before it did). With ``type_checking``, the
+    imports of ``if TYPE_CHECKING:`` blocks too (the static map)."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, (path, is_package) in modules.items():
         here = name.split(".") if is_package else name.split(".")[:-1]
         targets = []
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in _runtime_imports(ast.parse(path.read_text()), type_checking):
             if isinstance(node, ast.Import):
                 targets += [a.name for a in node.names]
                 continue
@@ -115,8 +157,84 @@ def test_the_import_graph_sees_lazy_imports_and_parent_packages() -> None:
 
 
 def test_no_import_circle() -> None:
-    circles = import_circles(import_graph())
-    assert not circles, f"import circles: {circles}"
+    circles = import_circles(import_graph(type_checking=True))
+    assert not circles, f"import circles (TYPE_CHECKING imports included): {circles}"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported`` for every import from a lower layer to a higher one."""
+    return sorted(
+        f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
+        for a, deps in graph.items()
+        for b in deps
+        if b != "shardwise" and layer_of(b) > layer_of(a) and (a, b) not in UPWARD_ALLOWED
+    )
+
+
+def test_imports_run_only_downward_through_the_layers() -> None:
+    graph = import_graph()
+    assert [layer_of(m) for m in sorted(graph)]  # every module has a layer
+    upward = upward_imports(graph)
+    assert not upward, "imports reaching up a layer:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    graph = {"shardwise.mesh": {"shardwise.dtensor"}, "shardwise.dtensor": {"shardwise.mesh"}}
+    assert upward_imports(graph) == ["shardwise.mesh (data) -> shardwise.dtensor (tensor)"]
+
+
+def _private(segment: str) -> bool:
+    return segment.startswith("_") and not (segment.startswith("__") and segment.endswith("__"))
+
+
+def private_torch_uses(tree: ast.AST) -> list[str]:
+    """The private torch names a module reaches: imports of private modules or names, and
+    attribute chains with a private part on a name bound to torch (op namespaces' op names
+    such as ``torch.ops.aten._to_copy`` are torch's public ops)."""
+    found, aliases = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    aliases.add(alias.asname or "torch")
+                    if any(map(_private, alias.name.split("."))):
+                        found.append(alias.name)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            if (node.module or "").split(".")[0] == "torch":
+                aliases.update(alias.asname or alias.name for alias in node.names)
+                names = node.module.split(".") + [alias.name for alias in node.names]
+                if any(map(_private, names)):
+                    found.append(node.module)
+    for node in ast.walk(tree):
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id in aliases):
+            continue
+        parts.reverse()
+        if "ops" in parts:
+            parts = parts[: parts.index("ops") + 2]
+        if any(map(_private, parts)):
+            found.append(".".join([node.id, *parts]))
+    return found
+
+
+def test_torch_private_names_stay_behind_the_fence() -> None:
+    found = {
+        name: uses
+        for name, (path, _) in _modules().items()
+        if name != "shardwise.torch_compat"
+        and (uses := private_torch_uses(ast.parse(path.read_text())))
+    }
+    assert not found, f"private torch names outside shardwise.torch_compat: {found}"
+    assert "torch._C._foo" in private_torch_uses(ast.parse("import torch\ntorch._C._foo()\n"))
+    frames = [
+        name
+        for name, (path, _) in _modules().items()
+        if "_getframe" in path.read_text() and name != "shardwise.call_site"
+    ]
+    assert not frames, f"call-frame look-ups outside shardwise.call_site: {frames}"
 
 
 def _run(code: str) -> str:
@@ -148,6 +266,52 @@ def test_import_shardwise_loads_nothing_and_every_public_name_resolves() -> None
         "    print('missing ok')\n"
     )
     assert out.splitlines() == ["[] False", "missing ok"]
+
+
+# Where state outside ``settings.py`` is allowed, and why.
+AMBIENT_ALLOWED: dict[str, str] = {
+    "shardwise": "reads SHARDWISE_AS_TORCH before loading settings, so import loads nothing",
+    "shardwise.launch": "copies the environment into its child processes' own",
+    "shardwise.rank_threads": "installs the per-thread view of os.environ that settings reads",
+    "shardwise.comm.wire": "a mailbox's own per-thread slot (an instance's, not the module's)",
+    "shardwise.ops.embedding": "the embedding mask's threading.local (being removed: issue 31)",
+}
+
+
+def test_ambient_state_lives_in_settings() -> None:
+    """No ContextVar, threading.local or environment read outside settings.py (each exception
+    in ``AMBIENT_ALLOWED`` with why)."""
+    ambient = ("ContextVar(", "threading.local", "os.environ", "os.getenv")
+    found = {
+        name: [a for a in ambient if a in path.read_text()]
+        for name, (path, _) in _modules().items()
+        if name not in ("shardwise.settings", *AMBIENT_ALLOWED)
+    }
+    found = {name: uses for name, uses in found.items() if uses}
+    assert not found, f"ambient state outside shardwise.settings: {found}"
+
+
+def test_the_top_level_is_small_and_every_moved_name_warns_and_resolves() -> None:
+    out = _run(
+        "import importlib, warnings, shardwise\n"
+        "names = shardwise.__all__\n"
+        "assert len(names) == len(set(names)) and not set(names) & set(shardwise._MOVED)\n"
+        "for name, home in shardwise._MOVED.items():\n"
+        "    new = importlib.import_module('shardwise.' + home)\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        value = getattr(shardwise, name)\n"
+        "        exec(f'from shardwise import {name} as again')\n"
+        "    assert value is getattr(new, name) is again, name\n"
+        "    assert len(caught) >= 2, name  # the attribute and the from-import each warn\n"
+        "    assert {w.category for w in caught} == {DeprecationWarning}, name\n"
+        "    assert f'shardwise.{home}.{name}' in str(caught[0].message), name\n"
+        "    assert caught[0].filename == '<string>', (name, caught[0].filename)\n"
+        "    assert name in getattr(new, '__all__', [name]), name\n"
+        "print(len(names), len(shardwise._MOVED))\n"
+    )
+    top, moved = map(int, out.split())
+    assert top <= 25 and top + moved >= 110  # every old name kept its meaning
 
 
 def test_the_launcher_imports_no_torch_and_a_scripts_own_arguments_stay_its_own(

@@ -134,7 +134,7 @@ def _train_step(net: Net, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
     mesh = net.up.weight.device_mesh
     dx = sw.distribute_tensor(x, mesh, [Replicate()] * mesh.ndim)
     opt.zero_grad()
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         net(dx).full_tensor().pow(2).sum().backward()
         opt.step()
 
@@ -207,7 +207,7 @@ def test_mismatched_model_raises_naming_keys_and_loads_nothing(tmp_path: Path) -
     wrong.extra = nn.Linear(2, 2)  # keys the checkpoint lacks
     del wrong.count  # a key the model lacks
     before = {k: v.clone() for k, v in wrong.state_dict().items()}
-    with pytest.raises(sw.CheckpointMismatchError) as err:
+    with pytest.raises(sw.errors.CheckpointMismatchError) as err:
         ckpt.load(tmp_path / "ck", wrong)
     message = str(err.value)
     assert "missing from the checkpoint (2): model.extra.bias, model.extra.weight" in message

@@ -176,7 +176,7 @@ CHANGES = {
 def _bits(net: nn.Module) -> list[bytes]:
     out = []
     for t in net.state_dict().values():
-        for part in sw.unpack(t) if isinstance(t, sw.DTensor) else [t]:
+        for part in sw.tf.unpack(t) if isinstance(t, sw.DTensor) else [t]:
             out.append(part.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return out
 

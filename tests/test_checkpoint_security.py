@@ -73,14 +73,14 @@ def _trained(seed: int, mesh: sw.DeviceMesh, lr: float = 0.01) -> tuple[Net, tor
             setattr(layer, name, nn.Parameter(sw.distribute_tensor(p.detach(), mesh, pl)))
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1)
     x = sw.distribute_tensor(torch.randn(5, 6), mesh, [Replicate()])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         net(x).full_tensor().pow(2).sum().backward()
         opt.step()
     return net, opt
 
 
 def _bits(t: torch.Tensor) -> list[bytes]:
-    parts = sw.unpack(t) if isinstance(t, sw.DTensor) else [t]
+    parts = sw.tf.unpack(t) if isinstance(t, sw.DTensor) else [t]
     return [p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for p in parts]
 
 
@@ -224,7 +224,7 @@ def test_damaged_data_file_loads_nothing(tmp_path: Path, damage: str) -> None:
     before = _snapshot(net, opt)
     with pytest.raises(CheckpointCorruptError) as err:
         ckpt.load(ck, net, opt)
-    assert isinstance(err.value, Exception) and isinstance(err.value, sw.ShardwiseError)
+    assert isinstance(err.value, Exception) and isinstance(err.value, sw.errors.ShardwiseError)
     assert str(data_file) in str(err.value)
     assert _snapshot(net, opt) == before
 
@@ -344,7 +344,7 @@ def test_unsupported_extra_is_refused_at_save(
 ) -> None:
     net = Net()
     ckpt.save(tmp_path / "ck", net, step=1)
-    with pytest.raises(sw.ShardwiseTypeError) as err:
+    with pytest.raises(sw.errors.ShardwiseTypeError) as err:
         ckpt.save(tmp_path / "ck", Net(), **kwargs)
     assert all(f in str(err.value) for f in fragments), str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # nothing written

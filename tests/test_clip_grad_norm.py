@@ -35,7 +35,7 @@ def _check(model, single, norm_type: float, foreach: bool | None) -> tuple[list,
     bytes) and whether its norm and gradients equal the single-device ones."""
     expected = torch.nn.utils.clip_grad_norm_(single.parameters(), 0.05, norm_type,
                                               foreach=foreach)
-    with sw.allow_implicit_redistribute(), CommDebugMode() as mode:
+    with sw.config.allow_implicit_redistribute(), CommDebugMode() as mode:
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type,
                                                foreach=foreach)
     ok = torch.allclose(total.full_tensor(), expected, rtol=1e-5) and all(
@@ -78,7 +78,7 @@ def _fsdp_tp_gpt(norm_type: float, foreach: bool | None) -> tuple[list, bool]:
     ids, targets = demo.make_batch(0, 8, cfg, 0)
     F.cross_entropy(single(ids).transpose(1, 2), targets).backward()
     placements = [Shard(0), Replicate()]
-    with sw.allow_implicit_redistribute(), loss_parallel():
+    with sw.config.allow_implicit_redistribute(), loss_parallel():
         logits = model(sw.distribute_tensor(ids, mesh, placements))
         loss = F.cross_entropy(logits.transpose(1, 2),
                                sw.distribute_tensor(targets, mesh, placements))
@@ -120,7 +120,7 @@ def test_foreach_scaling_keeps_pending_sums_and_reduces_the_rest() -> None:
     reduced first. Values against single-device PyTorch."""
     mesh = sw.init_device_mesh("cpu", (2,))
     pieces = [torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in range(2)]
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         _scale(mesh, pieces)
 
 
@@ -166,7 +166,7 @@ def test_foreach_norm_at_once_equals_per_tensor_norms(order: float) -> None:
     assert (_norms_at_once(tensors[:-1], order) is not None) == (order > 0)
     assert _norms_at_once(with_pending, order) is None
     for group in (tensors[:-1], with_pending, tensors):
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             norms = torch._foreach_norm(group, order)
             for d, n in zip(group, norms, strict=True):
                 alone = torch.linalg.vector_norm(d, order)
@@ -203,5 +203,5 @@ def test_explicit_mode_still_refuses_other_pending_values() -> None:
     for shape, reduce_op in (((), "sum"), ((3,), "norm2")):
         pending = sw.DTensor.from_local([torch.ones(shape), torch.ones(shape)], mesh,
                                         [sw.Partial(reduce_op)])
-        with pytest.raises(sw.ImplicitRedistributeError, match=r"Partial"):
+        with pytest.raises(sw.errors.ImplicitRedistributeError, match=r"Partial"):
             pending + 1.0

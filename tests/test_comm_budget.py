@@ -14,16 +14,10 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import (
-    CommBudgetExceededError,
-    CommBudgetWarning,
-    Partial,
-    Replicate,
-    Shard,
-    settings,
-)
+from shardwise import Partial, Replicate, Shard, settings
 from shardwise import comm as sw_comm
 from shardwise.debug import CommDebugMode
+from shardwise.errors import CommBudgetExceededError, CommBudgetWarning
 
 N = 4
 SHAPE = (8, 4)
@@ -51,9 +45,9 @@ def _partial(mesh: sw.DeviceMesh) -> tuple[torch.Tensor, sw.DTensor]:
 
 def test_implicit_move_within_budget_runs_and_is_charged(mesh: sw.DeviceMesh) -> None:
     total, p = _partial(mesh)
-    with pytest.raises(sw.ImplicitRedistributeError):  # explicit mode outside a budget
+    with pytest.raises(sw.errors.ImplicitRedistributeError):  # explicit mode outside a budget
         torch.exp(p)
-    with sw.comm_budget(bytes=REDUCE_SCATTER) as budget, sw.CommCounter() as counter:
+    with sw.debug.comm_budget(bytes=REDUCE_SCATTER) as budget, sw.debug.CommCounter() as counter:
         out = torch.exp(p)  # needs the pending sum reduced: a reduce-scatter is cheapest
     torch.testing.assert_close(out.full_tensor(), torch.exp(total))
     assert budget.used == counter.total_bytes == REDUCE_SCATTER
@@ -63,7 +57,7 @@ def test_implicit_move_within_budget_runs_and_is_charged(mesh: sw.DeviceMesh) ->
 def test_exceeding_raises_before_moving_with_the_plan(mesh: sw.DeviceMesh) -> None:
     _, p = _partial(mesh)
     limit = REDUCE_SCATTER - 1
-    with sw.comm_budget(bytes=limit) as budget, sw.CommCounter() as counter:
+    with sw.debug.comm_budget(bytes=limit) as budget, sw.debug.CommCounter() as counter:
         with pytest.raises(CommBudgetExceededError) as info:
             torch.exp(p)
     assert counter.total_bytes == 0 and budget.used == 0  # nothing moved
@@ -79,7 +73,7 @@ def test_exceeding_raises_before_moving_with_the_plan(mesh: sw.DeviceMesh) -> No
 
 def test_explicit_redistributions_count_against_the_total(mesh: sw.DeviceMesh) -> None:
     x, dx = _sharded(mesh)
-    with sw.comm_budget(bytes=GATHER + GATHER // 2) as budget:
+    with sw.debug.comm_budget(bytes=GATHER + GATHER // 2) as budget:
         assert torch.equal(dx.full_tensor(), x)
         assert budget.used == GATHER
         with pytest.raises(CommBudgetExceededError) as info:
@@ -92,27 +86,27 @@ def test_explicit_redistributions_count_against_the_total(mesh: sw.DeviceMesh) -
 
 def test_async_redistribute_is_checked_when_asked(mesh: sw.DeviceMesh) -> None:
     x, dx = _sharded(mesh)
-    with sw.comm_budget(bytes=GATHER - 1), pytest.raises(CommBudgetExceededError):
+    with sw.debug.comm_budget(bytes=GATHER - 1), pytest.raises(CommBudgetExceededError):
         dx.redistribute(placements=[Replicate()], async_op=True)
-    with sw.comm_budget(bytes=GATHER) as budget:
+    with sw.debug.comm_budget(bytes=GATHER) as budget:
         out = dx.redistribute(placements=[Replicate()], async_op=True)
         assert torch.equal(out.wait().full_tensor(), x)
     assert budget.used == GATHER
 
 
 def test_a_budget_is_entered_once(mesh: sw.DeviceMesh) -> None:
-    budget = sw.comm_budget(bytes=10)
-    with budget, pytest.raises(sw.InvalidArgumentError, match="already active"), budget:
+    budget = sw.debug.comm_budget(bytes=10)
+    with budget, pytest.raises(sw.errors.InvalidArgumentError, match="already active"), budget:
         pass
 
 
 def test_per_op_limits_each_operation_not_the_sum(mesh: sw.DeviceMesh) -> None:
     x, dx = _sharded(mesh)
-    with sw.comm_budget(per_op=GATHER) as budget:
+    with sw.debug.comm_budget(per_op=GATHER) as budget:
         for _ in range(3):
             assert torch.equal(dx.full_tensor(), x)
     assert budget.used == 3 * GATHER and budget.largest_op == GATHER
-    with sw.comm_budget(per_op=GATHER - 1), pytest.raises(CommBudgetExceededError) as info:
+    with sw.debug.comm_budget(per_op=GATHER - 1), pytest.raises(CommBudgetExceededError) as info:
         dx.full_tensor()
     assert f"per op: {GATHER} bytes > limit {GATHER - 1}" in str(info.value)
 
@@ -120,10 +114,13 @@ def test_per_op_limits_each_operation_not_the_sum(mesh: sw.DeviceMesh) -> None:
 def test_per_op_counts_all_inputs_of_one_op(mesh: sw.DeviceMesh) -> None:
     (_, p), (_, q) = _partial(mesh), _partial(mesh)
     # each operand is reduced on its own: an op moving both moves twice one's bytes
-    with sw.comm_budget(per_op=2 * REDUCE_SCATTER - 1), pytest.raises(CommBudgetExceededError):
+    with (
+        sw.debug.comm_budget(per_op=2 * REDUCE_SCATTER - 1),
+        pytest.raises(CommBudgetExceededError),
+    ):
         torch.exp(p) + torch.exp(q)  # fine so far: one operand each
         torch.maximum(p, q)
-    with sw.comm_budget(per_op=2 * REDUCE_SCATTER) as budget:
+    with sw.debug.comm_budget(per_op=2 * REDUCE_SCATTER) as budget:
         torch.maximum(p, q)
     assert budget.largest_op == 2 * REDUCE_SCATTER
 
@@ -135,16 +132,16 @@ def test_per_mesh_dim_by_name_and_index() -> None:
     # gathering over tp: each device holds a [4, 2] piece and receives its tp partner's
     tp_bytes = 4 * (4 * 2 * 4)
     for per_dim in ({"tp": tp_bytes}, {1: tp_bytes}, {"dp": 0, "tp": tp_bytes}):
-        with sw.comm_budget(per_dim=per_dim) as budget:
+        with sw.debug.comm_budget(per_dim=per_dim) as budget:
             out = dx.redistribute(placements=[Shard(0), Replicate()])
         assert torch.equal(out.full_tensor(), x)
         assert budget.used == tp_bytes and budget.used_per_dim.get("dp", 0) == 0
     for per_dim in ({"tp": tp_bytes - 1}, {1: tp_bytes - 1}):
-        with sw.comm_budget(per_dim=per_dim), pytest.raises(CommBudgetExceededError) as info:
+        with sw.debug.comm_budget(per_dim=per_dim), pytest.raises(CommBudgetExceededError) as info:
             dx.redistribute(placements=[Shard(0), Replicate()])
         key = next(iter(per_dim))
         assert f"mesh dim {key!r}: 0 used + {tp_bytes}" in str(info.value)
-    with sw.comm_budget(per_dim={"dp": 0}), pytest.raises(CommBudgetExceededError):
+    with sw.debug.comm_budget(per_dim={"dp": 0}), pytest.raises(CommBudgetExceededError):
         dx.redistribute(placements=[Replicate(), Shard(1)])
 
 
@@ -156,11 +153,11 @@ def test_an_exchange_is_charged_to_every_dim_it_changes() -> None:
     # the diagonal swap theirs, point to point, changing both mesh dims at once
     swapped = 2 * 4 * 4 * 4
     target = [Shard(1), Shard(0)]
-    with sw.comm_budget(per_dim={"dp": swapped, "tp": swapped}) as budget:
+    with sw.debug.comm_budget(per_dim={"dp": swapped, "tp": swapped}) as budget:
         out = dx.redistribute(placements=target)
     assert torch.equal(out.full_tensor(), x)
     assert budget.used == swapped and budget.used_per_dim == {"dp": swapped, "tp": swapped}
-    with sw.comm_budget(per_dim={"tp": swapped - 1}), pytest.raises(CommBudgetExceededError):
+    with sw.debug.comm_budget(per_dim={"tp": swapped - 1}), pytest.raises(CommBudgetExceededError):
         dx.redistribute(placements=target)
 
 
@@ -174,14 +171,14 @@ def test_the_check_ahead_matches_the_charge_over_placement_pairs() -> None:
     for source in itertools.product(options, repeat=2):
         dx = sw.distribute_tensor(x, mesh, list(source))
         for target in itertools.product(options, repeat=2):
-            planned = sw.explain_redistribute(dx, list(target)).bytes
-            with sw.comm_budget(bytes=planned) as budget, sw.CommCounter() as counter:
+            planned = sw.debug.explain_redistribute(dx, list(target)).bytes
+            with sw.debug.comm_budget(bytes=planned) as budget, sw.debug.CommCounter() as counter:
                 out = dx.redistribute(placements=list(target))
             assert torch.equal(out.full_tensor(), x)
             assert budget.used == counter.total_bytes == planned, (source, target)
             if planned:
                 tried += 1
-                with sw.comm_budget(bytes=planned - 1), sw.CommCounter() as counter:
+                with sw.debug.comm_budget(bytes=planned - 1), sw.debug.CommCounter() as counter:
                     with pytest.raises(CommBudgetExceededError):
                         dx.redistribute(placements=list(target))
                 assert counter.total_bytes == 0
@@ -190,25 +187,25 @@ def test_the_check_ahead_matches_the_charge_over_placement_pairs() -> None:
 
 def test_in_process_moves_are_not_cross_process(mesh: sw.DeviceMesh) -> None:
     x, dx = _sharded(mesh)
-    with sw.comm_budget(cross_process_bytes=0) as budget:
+    with sw.debug.comm_budget(cross_process_bytes=0) as budget:
         assert torch.equal(dx.full_tensor(), x)
     assert budget.used == GATHER and budget.used_cross_process == 0
 
 
 def test_warn_mode_goes_on(mesh: sw.DeviceMesh) -> None:
     total, p = _partial(mesh)
-    with sw.comm_budget(bytes=10, on_exceed="warn") as budget:
+    with sw.debug.comm_budget(bytes=10, on_exceed="warn") as budget:
         with pytest.warns(CommBudgetWarning, match="aten.exp.default would exceed"):
             out = torch.exp(p)
     torch.testing.assert_close(out.full_tensor(), torch.exp(total))
     assert budget.used == REDUCE_SCATTER and budget.remaining() == 0
-    assert issubclass(CommBudgetWarning, sw.ShardwiseWarning)
+    assert issubclass(CommBudgetWarning, sw.errors.ShardwiseWarning)
 
 
 def test_nested_budgets_both_charged_inner_limits_further(mesh: sw.DeviceMesh) -> None:
     _, dx = _sharded(mesh)
-    with sw.comm_budget(bytes=3 * GATHER) as outer:
-        with sw.comm_budget(bytes=GATHER) as inner:
+    with sw.debug.comm_budget(bytes=3 * GATHER) as outer:
+        with sw.debug.comm_budget(bytes=GATHER) as inner:
             dx.full_tensor()
             with pytest.raises(CommBudgetExceededError) as info:
                 dx.full_tensor()
@@ -216,7 +213,7 @@ def test_nested_budgets_both_charged_inner_limits_further(mesh: sw.DeviceMesh) -
         assert inner.used == outer.used == GATHER
         dx.full_tensor()  # the outer one still has room
         assert outer.used == 2 * GATHER
-        with sw.comm_budget(bytes=100 * GATHER) as roomy:  # an inner budget cannot widen
+        with sw.debug.comm_budget(bytes=100 * GATHER) as roomy:  # an inner budget cannot widen
             dx.full_tensor()
             with pytest.raises(CommBudgetExceededError) as info:
                 dx.full_tensor()
@@ -232,7 +229,7 @@ def test_threads_do_not_see_a_budget(mesh: sw.DeviceMesh) -> None:
     def other() -> None:
         seen.append(torch.equal(dx.full_tensor(), x))
 
-    with sw.comm_budget(bytes=0) as budget:
+    with sw.debug.comm_budget(bytes=0) as budget:
         thread = threading.Thread(target=other)
         thread.start()
         thread.join(timeout=60)
@@ -244,7 +241,7 @@ def test_threads_do_not_see_a_budget(mesh: sw.DeviceMesh) -> None:
 def test_a_collective_outside_a_plan_is_checked_after_it_runs(mesh: sw.DeviceMesh) -> None:
     pieces = [torch.ones(4) for _ in range(N)]  # 16 bytes each
     received = N * 2 * (16 - 4)  # ring all-reduce: each device lacks 3 of its 4 chunks, twice
-    with sw.comm_budget(bytes=received - 1) as budget, sw.CommCounter() as counter:
+    with sw.debug.comm_budget(bytes=received - 1) as budget, sw.debug.CommCounter() as counter:
         with pytest.raises(CommBudgetExceededError, match="has already run") as info:
             with sw_comm.moving("the test's pieces"):
                 sw_comm.all_reduce(mesh, 0, pieces)
@@ -254,7 +251,7 @@ def test_a_collective_outside_a_plan_is_checked_after_it_runs(mesh: sw.DeviceMes
 
 def test_comm_debug_mode_table_shows_the_budget(mesh: sw.DeviceMesh) -> None:
     _, dx = _sharded(mesh)
-    with sw.comm_budget(bytes=1000, per_op=GATHER, per_dim={0: 2000}):
+    with sw.debug.comm_budget(bytes=1000, per_op=GATHER, per_dim={0: 2000}):
         with CommDebugMode() as debug:
             dx.full_tensor()
     table = debug.generate_comm_debug_tracing_table(noise_level=0)
@@ -272,13 +269,13 @@ def test_comm_debug_mode_table_shows_the_budget(mesh: sw.DeviceMesh) -> None:
      {"per_dim": {1.0: 3}}],
 )
 def test_bad_limits(kwargs: dict) -> None:
-    with pytest.raises(sw.InvalidArgumentError, match="comm_budget"):
-        sw.comm_budget(**kwargs)
+    with pytest.raises(sw.errors.InvalidArgumentError, match="comm_budget"):
+        sw.debug.comm_budget(**kwargs)
 
 
 def test_no_warning_within_budget(mesh: sw.DeviceMesh) -> None:
     _, dx = _sharded(mesh)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with sw.comm_budget(bytes=GATHER, on_exceed="warn"):
+        with sw.debug.comm_budget(bytes=GATHER, on_exceed="warn"):
             dx.full_tensor()

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import CommBudgetExceededError, CommBudgetWarning, Partial, Replicate, Shard
+from shardwise import Partial, Replicate, Shard
+from shardwise.errors import CommBudgetExceededError, CommBudgetWarning
 
 SHAPE = (8, 4)
 FULL = 8 * 4 * 4  # bytes of the float32 global tensor
@@ -34,27 +35,30 @@ def one_device_per_process() -> dict:
     x = torch.arange(32, dtype=torch.float32).reshape(SHAPE)
     dx = sw.distribute_tensor(x, mesh, [Shard(0)])
     out: dict = {}
-    with sw.comm_budget(bytes=FULL - FULL // w) as budget, sw.CommCounter() as counter:
+    with sw.debug.comm_budget(bytes=FULL - FULL // w) as budget, sw.debug.CommCounter() as counter:
         out["gathered"] = torch.equal(dx.full_tensor(), x)
     out["used"], out["counted"] = budget.used, counter.total_bytes
     out["cross_used"], out["cross_counted"] = (budget.used_cross_process,
                                                counter.total_cross_process_bytes)
-    with sw.comm_budget(bytes=FULL - FULL // w - 1) as budget, sw.CommCounter() as counter:
+    with (
+        sw.debug.comm_budget(bytes=FULL - FULL // w - 1) as budget,
+        sw.debug.CommCounter() as counter,
+    ):
         out["refused"] = _refused(dx.full_tensor)
     out["refused_moved"] = counter.total_bytes + budget.used
     # an op's implicit move: the pending sum reduced by a reduce-scatter
     p = sw.DTensor.from_local(torch.full(SHAPE, rank + 1.0), mesh, [Partial()])
-    with sw.comm_budget(per_op=FULL - FULL // w) as budget:
+    with sw.debug.comm_budget(per_op=FULL - FULL // w) as budget:
         out["exp"] = torch.exp(p).full_tensor()
     out["exp_largest"] = budget.largest_op
-    with sw.comm_budget(per_op=FULL - FULL // w - 1):
+    with sw.debug.comm_budget(per_op=FULL - FULL // w - 1):
         out["exp_refused"] = _refused(lambda: torch.exp(p))
     # every byte crosses processes here: checked as the transport reports it
-    with sw.comm_budget(cross_process_bytes=0):
+    with sw.debug.comm_budget(cross_process_bytes=0):
         out["cross_refused"] = _refused(dx.full_tensor)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with sw.comm_budget(bytes=1, on_exceed="warn"):
+        with sw.debug.comm_budget(bytes=1, on_exceed="warn"):
             out["warned_value"] = torch.equal(dx.full_tensor(), x)
     out["warnings"] = [str(c.message) for c in caught if c.category is CommBudgetWarning]
     return out
@@ -68,13 +72,13 @@ def two_devices_per_process() -> dict:
     across = sw.distribute_tensor(x, mesh, [Shard(0), Replicate()])
     out: dict = {}
     # each of this process's 2 devices lacks the other's half
-    with sw.comm_budget(cross_process_bytes=0, per_dim={"local": FULL, "host": 0}) as budget:
+    with sw.debug.comm_budget(cross_process_bytes=0, per_dim={"local": FULL, "host": 0}) as budget:
         out["inside"] = torch.equal(inside.full_tensor(), x)
     out["inside_used"], out["inside_cross"] = budget.used, budget.used_cross_process
-    with sw.comm_budget(per_dim={"host": FULL - 1}) as budget:
+    with sw.debug.comm_budget(per_dim={"host": FULL - 1}) as budget:
         out["host_refused"] = _refused(across.full_tensor)
     out["host_moved"] = budget.used
-    with sw.comm_budget(cross_process_bytes=0) as budget:
+    with sw.debug.comm_budget(cross_process_bytes=0) as budget:
         out["cross_refused"] = _refused(across.full_tensor)
     out["cross_used"], out["ring_used"] = budget.used_cross_process, budget.used
     return out

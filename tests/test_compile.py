@@ -65,7 +65,7 @@ def test_compiled_function_returns_dtensor_with_eager_spec() -> None:
     def f(t: torch.Tensor) -> torch.Tensor:
         return torch.softmax(t * 2.0, dim=0).sum(1)
 
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         eager = f(dx)
         out = torch.compile(f, backend="aot_eager", fullgraph=True)(dx)
     assert isinstance(out, sw.DTensor) and out.placements == eager.placements
@@ -141,7 +141,7 @@ def _train(module: nn.Module, step, inputs: list) -> tuple[list[float], list]:
         loss.backward()
         losses.append(loss.item())
         grads = [_plain(p.grad).clone() for p in module.parameters()]
-        with sw.allow_implicit_redistribute():  # replicated norms get pending-sum gradients
+        with sw.config.allow_implicit_redistribute():  # replicated norms get pending-sum gradients
             opt.step()
     return losses, grads
 

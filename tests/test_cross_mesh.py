@@ -58,8 +58,8 @@ def _source(x: torch.Tensor, mesh: DeviceMesh, placements: tuple, seed: int) -> 
 
 def _check(dt: sw.DTensor, x: torch.Tensor, target: DeviceMesh, after: tuple) -> int:
     """Move ``dt`` to ``after`` on ``target``, check it, return the bytes counted."""
-    with sw.CommCounter() as counter:
-        out = sw.reshard(dt, target, list(after))
+    with sw.debug.CommCounter() as counter:
+        out = sw.dtensor.reshard(dt, target, list(after))
     assert out.device_mesh == target and out.placements == after
     check_components(sw.local_components(out), x, target, after)
     assert torch.equal(out.full_tensor(), x)
@@ -79,7 +79,7 @@ def test_sweep_values_exact_and_bytes_at_the_bound() -> None:
             for after in itertools.product(OPTIONS, repeat=target.ndim):
                 moved = _check(dt, x, target, after)
                 bound = cross_mesh_lower_bound_bytes(SHAPE, 4, source, before, target, after)
-                plan = sw.explain_redistribute(dt, list(after), device_mesh=target)
+                plan = sw.debug.explain_redistribute(dt, list(after), device_mesh=target)
                 assert plan.global_bytes == moved and plan.lower_bound == bound
                 tried += 1
                 at_bound += moved == bound
@@ -135,7 +135,7 @@ def test_resize_and_stage_handoff_examples() -> None:
     out = dt.redistribute(device_mesh=infer, placements=[Shard(0)])
     assert torch.equal(out.full_tensor(), x)
     stage = _mesh([4, 5])
-    handed = sw.reshard(out, stage, [Shard(1)])
+    handed = sw.dtensor.reshard(out, stage, [Shard(1)])
     assert torch.equal(handed.full_tensor(), x)
     (handed.full_tensor() * 2).sum().backward()
     assert dt.grad.device_mesh == train and dt.grad.placements == dt.placements
@@ -157,8 +157,8 @@ def test_demo_model_resize_4_to_3_beside_gather_and_rescatter() -> None:
         if not isinstance(p, sw.DTensor):
             continue
         after = p.placements  # the same placements, on 3 devices
-        with sw.CommCounter() as counter:
-            out = sw.reshard(p.detach(), mesh3, list(after))
+        with sw.debug.CommCounter() as counter:
+            out = sw.dtensor.reshard(p.detach(), mesh3, list(after))
         assert torch.equal(out.full_tensor(), p.detach().full_tensor())
         moved += counter.total_bytes
         size = p.element_size()
@@ -178,12 +178,12 @@ def test_bad_input_errors_name_meshes_and_placements() -> None:
     a = _mesh([0, 1])
     dt = sw.distribute_tensor(x, a, [Shard(0)])
     with pytest.raises(MeshError, match=r"\[Shard\(dim=1\)\]: the meshes have different device"):
-        sw.reshard(dt, DeviceMesh("meta", [0, 1, 2]), [Shard(1)])
+        sw.dtensor.reshard(dt, DeviceMesh("meta", [0, 1, 2]), [Shard(1)])
     with pytest.raises(InvalidPlacementError, match=r"DeviceMesh\('cpu', \[2, 3, 4\]\)"):
-        sw.reshard(dt, _mesh([2, 3, 4]), [Shard(5)])
+        sw.dtensor.reshard(dt, _mesh([2, 3, 4]), [Shard(5)])
     with pytest.raises(InvalidArgumentError, match="async_op"):
         dt.redistribute(device_mesh=_mesh([2, 3]), placements=[Shard(0)], async_op=True)
     mixed = sw.DTensor.from_local([torch.ones(3, 4)] * 4, _mesh([[0, 1], [2, 3]]),
                                   [Partial("sum"), Partial("max")], shape=(3, 4))
     with pytest.raises(InvalidPlacementError, match=r"Partial\('max'\)\] to .*reduce differently"):
-        sw.reshard(mixed, _mesh([2, 3, 4]), [Replicate()])
+        sw.dtensor.reshard(mixed, _mesh([2, 3, 4]), [Replicate()])

@@ -51,9 +51,9 @@ def _moves(pairs: list, options: tuple) -> list[dict]:
         for before in itertools.product(options, repeat=source.ndim):
             dt = _source(x, source, before)
             for after in itertools.product(options, repeat=target.ndim):
-                plan = sw.explain_redistribute(dt, list(after), device_mesh=target)
-                with sw.CommCounter() as counter:
-                    out = sw.reshard(dt, target, list(after))
+                plan = sw.debug.explain_redistribute(dt, list(after), device_mesh=target)
+                with sw.debug.CommCounter() as counter:
+                    out = sw.dtensor.reshard(dt, target, list(after))
                 ok_bytes = plan.bytes == counter.total_bytes
                 full = out.full_tensor()
                 ok = not target.local_device_ids or torch.equal(full, x)
@@ -122,8 +122,8 @@ def _mismatch() -> str:
     rows = 5 if dist.get_rank() < 2 else 6  # the target's processes think the rows are 6
     dt = sw.distribute_tensor(torch.ones(rows, 7), DeviceMesh("cpu", [0, 1]), [Shard(0)])
     try:
-        sw.reshard(dt, DeviceMesh("cpu", [2, 3]), [Shard(1)])
-    except sw.ShardwiseError as err:
+        sw.dtensor.reshard(dt, DeviceMesh("cpu", [2, 3]), [Shard(1)])
+    except sw.errors.ShardwiseError as err:
         return f"{type(err).__name__}: {err}"
     return "no error"
 

@@ -45,7 +45,7 @@ def test_ops_on_gpu_match_plain_torch() -> None:
     da = sw.distribute_tensor(a, mesh, [Shard(0), Shard(1)])
     db = sw.distribute_tensor(b, mesh, [Replicate(), Shard(0)])
     emb = sw.distribute_tensor(a, mesh, [Replicate(), Shard(1)])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         got = {
             "mm": (da @ db).full_tensor(),
             "add": (da + da * 2).full_tensor(),

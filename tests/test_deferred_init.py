@@ -111,14 +111,14 @@ def test_materialized_shards_equal_the_normal_build_without_a_full_model_allocat
     for name, p in model.named_parameters():
         assert p.placements == tuple(PLACEMENTS[name]), name
     full_model = sum(p.numel() * 4 for p in reference.parameters())
-    largest_shard = max(c.numel() * 4 for p in model.parameters() for c in sw.unpack(p))
-    sharded = sum(c.numel() * 4 for p in model.parameters() for c in sw.unpack(p))
+    largest_shard = max(c.numel() * 4 for p in model.parameters() for c in sw.tf.unpack(p))
+    sharded = sum(c.numel() * 4 for p in model.parameters() for c in sw.tf.unpack(p))
     assert sharded == full_model  # every parameter split over the four devices
     # no device draws a whole parameter: past the shards, one generator state at a time
     assert stats.largest_bytes <= max(largest_shard, GENERATOR_STATE)
     # the shards, the shards of the tied weight's first value, kept aside while the head's
     # reset_parameters overwrites it, and a generator state
-    tied_shards = sum(c.numel() * 4 for c in sw.unpack(model.emb.weight))
+    tied_shards = sum(c.numel() * 4 for c in sw.tf.unpack(model.emb.weight))
     assert stats.peak_bytes <= sharded + tied_shards + GENERATOR_STATE
     _assert_equal_params(model, _built_like(reference, model, 7))
 
@@ -138,7 +138,7 @@ def test_fully_shard_and_replicate_leave_a_meta_model_on_meta_as_fsdp2() -> None
             model = build()
         shard(model)
         assert is_deferred(model)
-        assert all(sw.is_dtensor(p) and p._components[0].is_meta for p in model.parameters())
+        assert all(sw.tf.is_dtensor(p) and p._components[0].is_meta for p in model.parameters())
         model.to_empty(device="cpu")
         sw.manual_seed(3)
         for m in model.modules():
@@ -202,7 +202,7 @@ def test_tensor_parallel_children_then_fully_shard_root_materialize_into_2d_shar
     # the dp chunk of each device's own tp shard (FSDP2's strided shard)
     assert model[0].weight.placements == (InterleavedShard(0, interleaved_size=2), Shard(0))
     assert model[2].weight.placements == (Shard(0), Shard(1))
-    shards = sum(c.numel() * 4 for p in model.parameters() for c in sw.unpack(p))
+    shards = sum(c.numel() * 4 for p in model.parameters() for c in sw.tf.unpack(p))
     assert stats.peak_bytes <= shards + GENERATOR_STATE
     _assert_equal_params(model, _built_like(reference, model, 2))
 
@@ -217,7 +217,7 @@ def test_inner_replicate_units_keep_their_gradient_reduction_after_materializing
     replicate(model, mesh)
     x = torch.randn(4, 6)
     reference(x).square().sum().backward()
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         model(x).square().sum().backward()
     assert counter.counts["all_reduce"] == 2  # one bucket per replicate() unit
     for p, ref in zip(model.parameters(), reference.parameters(), strict=True):

@@ -8,14 +8,13 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import (
+from shardwise import Replicate, Shard
+from shardwise.rules import (
     OpSchema,
     OpStrategy,
     OutputSharding,
     PlacementStrategy,
-    Replicate,
     RuntimeSchemaInfo,
-    Shard,
 )
 from shardwise.spec import DTensorSpec
 
@@ -56,13 +55,13 @@ ROWSUM = torch.ops.swtest.rowsum.default
 UNREGISTERED = torch.ops.swtest.unregistered.default
 
 
-@sw.register_prop_rule([DOUBLE])
+@sw.rules.register_prop_rule([DOUBLE])
 def double_rule(schema: OpSchema) -> OutputSharding:
     (spec,) = schema.args_schema
     return OutputSharding(DTensorSpec(spec.mesh, spec.placements, spec.tensor_meta))
 
 
-@sw.register_op_strategy([ROWSUM], schema_info=RuntimeSchemaInfo(1))
+@sw.rules.register_op_strategy([ROWSUM], schema_info=RuntimeSchemaInfo(1))
 def rowsum_strategy(mesh: sw.DeviceMesh, schema: OpSchema) -> OpStrategy:
     (arg,) = schema.args_schema
     options = [[Replicate()], [Shard(0)]]
@@ -91,7 +90,7 @@ def test_user_rule_for_custom_op(mesh) -> None:
 
 def test_user_strategy_picks_the_placement_needing_no_move(mesh) -> None:
     x = torch.randn(7, 5)
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = rowsum(sw.distribute_tensor(x, mesh, [Shard(0)]))
     assert out.placements == (Shard(0),) and counter.total_bytes == 0
     torch.testing.assert_close(out.full_tensor(), x.sum(1, keepdim=True))
@@ -99,7 +98,7 @@ def test_user_strategy_picks_the_placement_needing_no_move(mesh) -> None:
 
 def test_explicit_mode_refuses_communication_and_names_the_fix(mesh) -> None:
     dt = sw.distribute_tensor(torch.randn(7, 5), mesh, [Shard(1)])
-    with pytest.raises(sw.ImplicitRedistributeError) as err:
+    with pytest.raises(sw.errors.ImplicitRedistributeError) as err:
         rowsum(dt)
     text = str(err.value)
     assert "swtest.rowsum" in text and "[7, 5]" in text and "Shard(dim=1)" in text
@@ -109,13 +108,13 @@ def test_explicit_mode_refuses_communication_and_names_the_fix(mesh) -> None:
 def test_implicit_mode_moves_the_cheapest_way_and_counts_it(mesh, caplog) -> None:
     x = torch.randn(7, 5)
     dt = sw.distribute_tensor(x, mesh, [Shard(1)])
-    sw.set_redistribute_logging(True)
+    sw.config.set_redistribute_logging(True)
     try:
         with caplog.at_level(logging.INFO, logger="shardwise.redistribute"):
-            with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+            with sw.config.allow_implicit_redistribute(), sw.debug.CommCounter() as counter:
                 out = rowsum(dt)
     finally:
-        sw.set_redistribute_logging(False)
+        sw.config.set_redistribute_logging(False)
     torch.testing.assert_close(out.full_tensor(), x.sum(1, keepdim=True))
     # Shard(1) -> Shard(0) is one all_to_all, cheaper than the all_gather to Replicate.
     assert dict(counter.counts) == {"all_to_all": 1}
@@ -125,7 +124,7 @@ def test_implicit_mode_moves_the_cheapest_way_and_counts_it(mesh, caplog) -> Non
 
 def test_unsupported_op_error_names_op_and_how_to_register(mesh) -> None:
     dt = sw.distribute_tensor(torch.randn(4), mesh, [Shard(0)])
-    with pytest.raises(sw.UnsupportedOpError) as err:
+    with pytest.raises(sw.errors.UnsupportedOpError) as err:
         unregistered(dt)
     assert isinstance(err.value, NotImplementedError)
     assert "swtest.unregistered" in str(err.value) and "register_op_strategy" in str(err.value)
@@ -133,11 +132,11 @@ def test_unsupported_op_error_names_op_and_how_to_register(mesh) -> None:
 
 def test_bypass_sharding_propagation_takes_first_input_spec(mesh) -> None:
     x = torch.randn(6, 2)
-    sw.bypass_sharding_propagation([UNREGISTERED])
+    sw.rules.bypass_sharding_propagation([UNREGISTERED])
     try:
         out = unregistered(sw.distribute_tensor(x, mesh, [Shard(0)]))
     finally:
-        sw.remove_hooks([UNREGISTERED])
+        sw.rules.remove_hooks([UNREGISTERED])
     assert out.placements == (Shard(0),)
     assert torch.equal(out.full_tensor(), x + 1)
 
@@ -151,11 +150,11 @@ def test_bypass_dispatch_handles_the_op(mesh) -> None:
         return sw.DTensor([c - 1 for c in dt._components], dt._spec)
 
     x = torch.randn(5)
-    sw.bypass_dispatch([UNREGISTERED], handler)
+    sw.rules.bypass_dispatch([UNREGISTERED], handler)
     try:
         out = unregistered(sw.distribute_tensor(x, mesh, [Shard(0)]))
     finally:
-        sw.remove_hooks([UNREGISTERED])
+        sw.rules.remove_hooks([UNREGISTERED])
     assert calls == [UNREGISTERED]
     assert torch.equal(out.full_tensor(), x - 1)
 
@@ -172,12 +171,12 @@ def test_pre_and_post_patches_wrap_dispatch(mesh) -> None:
         return sw.DTensor([c * 10 for c in result._components], result._spec)
 
     x = torch.randn(5, 3)
-    sw.register_pre_patch([DOUBLE], pre)
-    sw.register_post_patch([DOUBLE], post)
+    sw.rules.register_pre_patch([DOUBLE], pre)
+    sw.rules.register_post_patch([DOUBLE], post)
     try:
         out = double(sw.distribute_tensor(x, mesh, [Shard(1)]))
     finally:
-        sw.remove_hooks([DOUBLE])
+        sw.rules.remove_hooks([DOUBLE])
     assert seen == [("pre", (Shard(1),)), ("post", (Shard(1),))]
     assert torch.equal(out.full_tensor(), x * 20)
     assert torch.equal(double(sw.distribute_tensor(x, mesh, [Shard(1)])).full_tensor(), x * 2)
@@ -186,7 +185,7 @@ def test_pre_and_post_patches_wrap_dispatch(mesh) -> None:
 def test_different_meshes_are_refused() -> None:
     a = sw.distribute_tensor(torch.randn(4), sw.init_device_mesh("cpu", (2,)), [Shard(0)])
     b = sw.distribute_tensor(torch.randn(4), sw.init_device_mesh("cpu", (4,)), [Shard(0)])
-    with pytest.raises(sw.MeshError, match="different meshes"):
+    with pytest.raises(sw.errors.MeshError, match="different meshes"):
         torch.ops.aten.add.Tensor(a, b)
 
 
@@ -195,16 +194,16 @@ def test_plain_tensors_need_implicit_replication_unless_one_element(mesh) -> Non
     dt = sw.distribute_tensor(x, mesh, [Shard(0)])
     torch.testing.assert_close((dt + one).full_tensor(), x + one)  # a one-element constant
     for plain in (small, big):  # any size above one element: the same rule
-        with pytest.raises(sw.MeshError, match="implicit_replication"):
+        with pytest.raises(sw.errors.MeshError, match="implicit_replication"):
             dt + plain
-    with sw.implicit_replication():
+    with sw.config.implicit_replication():
         torch.testing.assert_close((dt + big).full_tensor(), x + big)
 
 
 def test_three_dim_causal_attention_with_its_plain_mask(mesh) -> None:
     q = torch.randn(3, 5, 4)
     dq = sw.distribute_tensor(q, mesh, [Shard(0)])
-    with sw.implicit_replication():
+    with sw.config.implicit_replication():
         out = torch.nn.functional.scaled_dot_product_attention(dq, dq, dq, is_causal=True)
     expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     torch.testing.assert_close(out.full_tensor(), expected)
@@ -214,9 +213,9 @@ def test_inplace_op_moves_self_when_allowed_and_refuses_otherwise(mesh) -> None:
     x = torch.randn(5, 6)
     part = sw.distribute_tensor(x, mesh, [Shard(1)]).sum(1, keepdim=True)  # Partial("sum")
     assert part.placements[0].is_partial()
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         part.add_(1.0)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         part.add_(1.0)
     assert not part.placements[0].is_partial()
     torch.testing.assert_close(part.full_tensor(), x.sum(1, keepdim=True) + 1)
@@ -226,7 +225,7 @@ def test_rms_norm_over_a_sharded_dim(mesh) -> None:
     x, w = torch.randn(5, 3, 6), torch.randn(6)
     dx = sw.distribute_tensor(x, mesh, [Shard(2)])
     dw = sw.distribute_tensor(w, mesh, [Replicate()])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         out = torch.nn.functional.rms_norm(dx, (6,), dw)
     torch.testing.assert_close(out.full_tensor(), torch.nn.functional.rms_norm(x, (6,), w))
 
@@ -247,9 +246,9 @@ def test_backward_moves_data_in_explicit_mode_and_counts_it(mesh) -> None:
     x = torch.randn(7, 5)
     dx = sw.distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
     out = _RowsumInBackward.apply(dx)
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         rowsum(out)  # the same op in forward is refused
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out.full_tensor().sum().backward()
     assert counter.total_bytes > 0
     torch.testing.assert_close(dx.grad.full_tensor(), torch.full((7, 5), 6.0))

@@ -29,7 +29,7 @@ def decisions(monkeypatch: pytest.MonkeyPatch) -> list:
         seen.append(func)
         return real(func, *args)
 
-    sw.clear_sharding_cache()
+    sw.rules.clear_sharding_cache()
     monkeypatch.setattr(sw_dispatch, "_decide", counting)
     return seen
 
@@ -84,9 +84,9 @@ def test_warm_in_place_write_into_view_of_moved_input_still_raises() -> None:
         expected = x.clone()
         expected[:, 2] = 1.0
         assert torch.equal(dx.full_tensor(), expected)
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             row = dx.select(0, 1)  # a sharded dim: the view is of a gathered copy
-            with pytest.raises(sw.UnsupportedOpError, match="would not see the write"):
+            with pytest.raises(sw.errors.UnsupportedOpError, match="would not see the write"):
                 row.fill_(2.0)
         assert torch.equal(dx.full_tensor(), expected)
 
@@ -155,7 +155,7 @@ def test_concurrent_warm_and_cold_dispatch_from_threads() -> None:
     def clear() -> None:
         start.wait(10)
         for _ in range(40):
-            sw.clear_sharding_cache()
+            sw.rules.clear_sharding_cache()
 
     threads = [threading.Thread(target=work, args=(m,)) for m in (MESH1, MESH2, MESH22)]
     threads.append(threading.Thread(target=clear))

@@ -70,7 +70,7 @@ def test_warm_calls_through_the_binding_equal_torch() -> None:
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     a = sw.distribute_tensor(x, MESH1, [Shard(0)])
     b = sw.distribute_tensor(y, MESH1, [Replicate()])
-    sw.clear_sharding_cache()
+    sw.rules.clear_sharding_cache()
     for _ in range(2):
         assert torch.equal((a + b).full_tensor(), x + y)
         assert torch.equal(torch.mm(a, b).full_tensor(), torch.mm(x, y))
@@ -107,8 +107,8 @@ def test_embedding_hooks_apply_only_to_a_vocabulary_split(placements: list) -> N
     weight, idx = torch.randn(10, 4), torch.tensor([[0, 9, 3], [5, 5, 1]])
     w = sw.distribute_tensor(weight, MESH2, placements)
     i = sw.distribute_tensor(idx, MESH2, [Replicate()])
-    sw.clear_sharding_cache()
-    with sw.allow_implicit_redistribute():
+    sw.rules.clear_sharding_cache()
+    with sw.config.allow_implicit_redistribute():
         for _ in range(2):  # cold, then warm
             assert torch.equal(F.embedding(i, w).full_tensor(), F.embedding(idx, weight))
     entry = _entry(aten.embedding.default)
@@ -121,7 +121,7 @@ def test_a_replicated_embedding_on_one_device_is_one_kernel_call() -> None:
     weight, idx = torch.randn(10, 4), torch.tensor([1, 2, 9])
     w = sw.distribute_tensor(weight, MESH1, [Shard(0)])  # split over one device: whole
     i = sw.distribute_tensor(idx, MESH1, [Replicate()])
-    sw.clear_sharding_cache()
+    sw.rules.clear_sharding_cache()
     for _ in range(2):
         assert torch.equal(F.embedding(i, w).full_tensor(), F.embedding(idx, weight))
     assert _entry(aten.embedding.default).direct
@@ -136,13 +136,15 @@ def test_a_post_patch_with_a_predicate_runs_only_where_it_applies() -> None:
         return result
 
     x = torch.randn(4, 2)
-    sw.register_post_patch(op, patch, applies=lambda specs, out: specs[0].placements[0].is_shard())
+    sw.rules.register_post_patch(
+        op, patch, applies=lambda specs, out: specs[0].placements[0].is_shard()
+    )
     try:
         for placements in ([Shard(0)], [Replicate()], [Shard(0)]):
             d = sw.distribute_tensor(x, MESH2, placements)
             assert torch.equal((-d).full_tensor(), -x)
     finally:
-        sw.remove_hooks(op)
+        sw.rules.remove_hooks(op)
     assert calls == [(Shard(0),), (Shard(0),)]
 
 
@@ -162,7 +164,7 @@ def test_ops_on_a_list_of_dtensors_take_the_direct_path() -> None:
     x, y = torch.randn(6, 4), torch.randn(6, 4)
     a = sw.distribute_tensor(x, MESH1, [Shard(0)])
     b = sw.distribute_tensor(y, MESH1, [Shard(0)])
-    sw.clear_sharding_cache()
+    sw.rules.clear_sharding_cache()
     for _ in range(2):  # the cold call, then the cached one
         assert torch.equal(torch.cat([a, a], 1).full_tensor(), torch.cat([x, x], 1))
         assert torch.equal(torch.cat((a, b), 0).full_tensor(), torch.cat((x, y), 0))
@@ -174,7 +176,7 @@ def test_ops_on_a_list_of_dtensors_on_several_devices_equal_torch() -> None:
     x, y = torch.randn(6, 4), torch.randn(6, 4)
     a = sw.distribute_tensor(x, MESH2, [Shard(0)])
     b = sw.distribute_tensor(y, MESH2, [Replicate()])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         for _ in range(2):
             assert torch.equal(torch.cat([a, a], 1).full_tensor(), torch.cat([x, x], 1))
             assert torch.equal(torch.cat((a, b), 0).full_tensor(), torch.cat((x, y), 0))
@@ -190,7 +192,7 @@ def test_foreach_ops_over_several_lists_of_dtensors_equal_torch(mesh) -> None:
     placements = [[Shard(0)], [Replicate()]]
     lists = [[sw.distribute_tensor(t, mesh, p) for t, p in zip(ts, placements, strict=True)]
              for ts in plain]
-    sw.clear_sharding_cache()
+    sw.rules.clear_sharding_cache()
     for _ in range(2):  # the cold call, then the cached one
         torch._foreach_addcmul_(lists[0], lists[1], lists[2], value=0.5)
         torch._foreach_addcmul_(plain[0], plain[1], plain[2], value=0.5)

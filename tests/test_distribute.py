@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import shardwise.distribute as swd
-from shardwise import CommCounter, DTensor, Replicate, Shard, settings
+from shardwise import DTensor, Replicate, Shard, settings
+from shardwise.debug import CommCounter
 from shardwise.distribute import ReduceOp
 from shardwise.distribute import VariableAggregation as VA
 from shardwise.distribute import VariableSynchronization as VS

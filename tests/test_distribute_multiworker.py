@@ -14,7 +14,7 @@ import torch
 
 import shardwise.distribute as swd
 from mp_harness import run_in_processes
-from shardwise import CommCounter
+from shardwise.debug import CommCounter
 from shardwise.distribute import VariableAggregation as VA
 from shardwise.distribute import VariableSynchronization as VS
 

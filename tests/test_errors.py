@@ -15,10 +15,12 @@ MESH22 = sw.init_device_mesh("cpu", (2, 2))
 X = torch.zeros(4, 6)
 
 
-def _raises(call: Callable[[], object], cls: type[Exception], *fragments: str) -> sw.ShardwiseError:
+def _raises(
+    call: Callable[[], object], cls: type[Exception], *fragments: str
+) -> sw.errors.ShardwiseError:
     with pytest.raises(cls) as info:
         call()
-    assert isinstance(info.value, sw.ShardwiseError)
+    assert isinstance(info.value, sw.errors.ShardwiseError)
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message, (fragment, message)
@@ -29,7 +31,7 @@ def test_shard_dim_out_of_range() -> None:
     for dim in (2, -3):
         err = _raises(
             lambda dim=dim: sw.distribute_tensor(X, MESH4, [Shard(dim)]),
-            sw.InvalidPlacementError,
+            sw.errors.InvalidPlacementError,
             "[4, 6]",
             f"Shard(dim={dim})",
             str(MESH4),
@@ -38,14 +40,14 @@ def test_shard_dim_out_of_range() -> None:
     dt = sw.distribute_tensor(X, MESH22, [Shard(0), Replicate()])
     _raises(
         lambda: dt.redistribute(placements=[Replicate(), Shard(5)]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "[4, 6]",
         "Shard(dim=5)",
         str(MESH22),
     )
     _raises(
         lambda: sw.distribute_tensor(torch.tensor(3.0), MESH4, [Shard(0)]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "scalar",
         "Shard(dim=0)",
     )
@@ -54,7 +56,7 @@ def test_shard_dim_out_of_range() -> None:
 def test_from_local_shard_dim_out_of_range_names_the_components() -> None:
     err = _raises(
         lambda: sw.DTensor.from_local([torch.zeros(1, 6)] * 4, MESH4, [Shard(3)]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "[1, 6]",
         "Shard(dim=3)",
         str(MESH4),
@@ -65,7 +67,7 @@ def test_from_local_shard_dim_out_of_range_names_the_components() -> None:
 def test_interleaved_size_that_does_not_divide() -> None:
     _raises(
         lambda: sw.distribute_tensor(torch.zeros(10), MESH4, [InterleavedShard(0, 3)]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "[10]",
         "InterleavedShard(dim=0, interleaved_size=3)",
         str(MESH4),
@@ -73,7 +75,7 @@ def test_interleaved_size_that_does_not_divide() -> None:
     # nested: mesh dim 0 leaves 4 and 3 rows, and 3 does not split into 2 blocks
     _raises(
         lambda: sw.distribute_tensor(torch.zeros(7), MESH22, [Shard(0), InterleavedShard(0, 2)]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "[7]",
         "InterleavedShard(dim=0, interleaved_size=2)",
         str(MESH22),
@@ -81,18 +83,18 @@ def test_interleaved_size_that_does_not_divide() -> None:
     dt = sw.distribute_tensor(X, MESH4, [Shard(0)])
     _raises(
         lambda: dt.redistribute(placements=[InterleavedShard(1, 4)]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "[4, 6]",
         "interleaved_size=4",
     )
-    with pytest.raises(sw.InvalidPlacementError):
+    with pytest.raises(sw.errors.InvalidPlacementError):
         InterleavedShard(0, 0)
 
 
 def test_placement_count_must_match_mesh() -> None:
     err = _raises(
         lambda: sw.distribute_tensor(X, MESH22, [Shard(0)]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "[4, 6]",
         "[Shard(dim=0)]",
         str(MESH22),
@@ -101,20 +103,20 @@ def test_placement_count_must_match_mesh() -> None:
     dt = sw.distribute_tensor(X, MESH4, [Shard(0)])
     _raises(
         lambda: dt.redistribute(placements=[Replicate(), Replicate()]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "[4, 6]",
         "[Replicate(), Replicate()]",
         str(MESH4),
     )
     _raises(
-        lambda: sw.explain_redistribute(dt, []),
-        sw.InvalidPlacementError,
+        lambda: sw.debug.explain_redistribute(dt, []),
+        sw.errors.InvalidPlacementError,
         "[4, 6]",
         str(MESH4),
     )
     _raises(
         lambda: sw.DTensor.from_local([torch.zeros(1, 6)] * 4, MESH4, [Shard(0), Replicate()]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "[1, 6]",
         "[Shard(dim=0), Replicate()]",
         str(MESH4),
@@ -127,7 +129,7 @@ def test_tensors_on_different_meshes() -> None:
     meta = DeviceMesh("meta", [[0, 1], [2, 3]])
     err = _raises(
         lambda: dt.redistribute(meta, [Shard(1), Replicate()]),
-        sw.MeshError,
+        sw.errors.MeshError,
         str(MESH4),
         str(meta),
         "[4, 6]",
@@ -143,7 +145,7 @@ def test_from_local_components_that_do_not_fit() -> None:
     parts = [torch.zeros(1, 6)] + [torch.zeros(3, 6)] * 3  # global 10 rows: chunks are 3,3,3,1
     err = _raises(
         lambda: sw.DTensor.from_local(parts, MESH4, [Shard(0)]),
-        sw.PackError,
+        sw.errors.PackError,
         "[1, 6]",
         "[3, 6]",
         "[10, 6]",
@@ -153,14 +155,14 @@ def test_from_local_components_that_do_not_fit() -> None:
     assert isinstance(err, ValueError)
     _raises(
         lambda: sw.DTensor.from_local([torch.zeros(1, 6)] * 4, MESH4, [Shard(0)], shape=(5, 6)),
-        sw.PackError,
+        sw.errors.PackError,
         "[5, 6]",
         "[2, 6]",
         "Shard(dim=0)",
     )
     _raises(
         lambda: sw.DTensor.from_local([torch.zeros(1, 6)] * 3, MESH4, [Shard(0)]),
-        sw.PackError,
+        sw.errors.PackError,
         "4 components",
         "3",
         "Shard(dim=0)",
@@ -169,14 +171,14 @@ def test_from_local_components_that_do_not_fit() -> None:
     replicated = [torch.zeros(2, 2), torch.zeros(2, 3), torch.zeros(2, 2), torch.zeros(2, 2)]
     _raises(
         lambda: sw.DTensor.from_local(replicated, MESH22, [Replicate(), Partial()]),
-        sw.PackError,
+        sw.errors.PackError,
         "[2, 3]",
         "[2, 2]",
         "Partial()",
     )
     _raises(
         lambda: sw.DTensor.from_local(torch.zeros(2, 6), MESH4, [Shard(0)]),
-        sw.PackError,
+        sw.errors.PackError,
         "4 components",
         "Shard(dim=0)",
     )
@@ -186,7 +188,7 @@ def test_to_local_with_several_local_devices_points_to_local_components() -> Non
     dt = sw.distribute_tensor(X, MESH22, [Shard(0), Partial()])
     err = _raises(
         lambda: dt.to_local(),
-        sw.LocalComponentsError,
+        sw.errors.LocalComponentsError,
         "local_components",
         str(MESH22),
         "[4, 6]",
@@ -198,15 +200,15 @@ def test_to_local_with_several_local_devices_points_to_local_components() -> Non
 
 def test_bad_placement_values() -> None:
     for make in (lambda: Partial("prod"), lambda: Shard(1.5), lambda: InterleavedShard(0, -1)):
-        err = _raises(make, sw.InvalidPlacementError)
+        err = _raises(make, sw.errors.InvalidPlacementError)
         assert isinstance(err, ValueError)
     _raises(
         lambda: sw.distribute_tensor(X, MESH4, ["Shard(0)"]),
-        sw.InvalidPlacementError,
+        sw.errors.InvalidPlacementError,
         "'Shard(0)'",
         "[4, 6]",
     )
-    _raises(lambda: sw.unpack(X), sw.InvalidArgumentError, "[4, 6]")
+    _raises(lambda: sw.tf.unpack(X), sw.errors.InvalidArgumentError, "[4, 6]")
 
 
 def test_placements_that_passed_once_are_remembered_and_others_still_refused() -> None:

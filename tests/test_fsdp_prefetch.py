@@ -74,7 +74,7 @@ def train(prefetch: bool, steps: int = 4) -> dict:
     model = _sharded(mesh, prefetch)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
     losses = []
-    with sw.deterministic():
+    with sw.config.deterministic():
         for step in range(steps):
             loss = model(_batch(step).chunk(world)[rank]).pow(2).mean()
             loss.backward()
@@ -229,7 +229,7 @@ def diverging() -> str:
         model.skip = 2 if (step, rank) == (1, 1) else None
         try:
             model(x).sum().backward()
-        except sw.CollectiveMismatchError as err:
+        except sw.errors.CollectiveMismatchError as err:
             return f"CollectiveMismatchError at step {step}: {err}"
     return "no error"
 

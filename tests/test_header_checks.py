@@ -43,7 +43,7 @@ def gather_other_sizes() -> dict:
     the others gather, after the same all_gather repeated."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = sw.init_device_mesh("cpu", (world,))
-    sw.set_collective_timeout(60)
+    sw.config.set_collective_timeout(60)
     out: dict = {}
     for kib in PIECES_KIB:
         rows = kib // 4
@@ -69,9 +69,9 @@ def gather_other_sizes() -> dict:
     x = sw.distribute_tensor(torch.ones(4 * world * (2 if rank == 0 else 1), 3), several,
                              [Shard(0)], src_data_rank=None)  # rank 0's has twice the rows
     for debug in (False, True):
-        sw.set_debug_checks(debug)
+        sw.config.set_debug_checks(debug)
         out[("several", debug)] = _outcome(x.full_tensor)
-    sw.set_debug_checks(False)
+    sw.config.set_debug_checks(False)
     return out
 
 
@@ -102,7 +102,7 @@ def different_collectives(timeout: float) -> dict:
     one, and the other way round, with debug checks off."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = sw.init_device_mesh("cpu", (world,))
-    sw.set_collective_timeout(timeout)
+    sw.config.set_collective_timeout(timeout)
     partial = sw.DTensor.from_local(torch.ones(5, 3), mesh, [Partial()])
     out: dict = {}
     for last_reduces in (True, False):

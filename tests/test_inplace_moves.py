@@ -24,7 +24,7 @@ def test_foreach_inplace_writes_every_moved_element() -> None:
     mesh = sw.init_device_mesh("cpu", (4,))
     pairs = [(torch.randn(3, 8), torch.randn(8, 5)) for _ in range(3)]
     xs = [_pending(mesh, a, b) for a, b in pairs]
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         torch._foreach_exp_(xs)
     for x, (a, b) in zip(xs, pairs, strict=True):
         torch.testing.assert_close(x.full_tensor(), torch.exp(a @ b), rtol=1e-5, atol=1e-5)
@@ -37,7 +37,7 @@ def test_foreach_inplace_with_a_second_list_moves_every_self() -> None:
     others = [torch.randn(4, 4) for _ in range(2)]
     xs = [_pending(mesh, a, b) for a, b in pairs]
     ys = [sw.distribute_tensor(o, mesh, [Replicate()]) for o in others]
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         torch._foreach_maximum_(xs, ys)
     for x, (a, b), o in zip(xs, pairs, others, strict=True):
         torch.testing.assert_close(x.full_tensor(), torch.maximum(a @ b, o))

@@ -48,7 +48,7 @@ def _axpy_setup(ctx, inputs, output) -> None:
 axpy.register_autograd(_axpy_backward, setup_context=_axpy_setup)
 
 
-@sw.register_sharding(torch.ops.shardwise_test.axpy.default)
+@sw.rules.register_sharding(torch.ops.shardwise_test.axpy.default)
 def _axpy_sharding(x, y, alpha):
     """Elementwise: any tensor dim sharded alike on x, y and the output, or all replicated."""
     options = [([Replicate()], [Replicate(), Replicate(), None])]
@@ -73,7 +73,7 @@ def test_data_ptr_is_the_local_component_pointer() -> None:
 
 def test_data_ptr_with_several_local_devices_says_what_to_use(mesh22: sw.DeviceMesh) -> None:
     dt = sw.distribute_tensor(torch.zeros(4, 4), mesh22, [Shard(0), Replicate()])
-    with pytest.raises(sw.LocalComponentsError, match=r"local_components.*local_map") as err:
+    with pytest.raises(sw.errors.LocalComponentsError, match=r"local_components.*local_map") as err:
         dt.data_ptr()
     assert "[4, 4]" in str(err.value) and "Shard(dim=0)" in str(err.value)
 
@@ -106,7 +106,7 @@ def test_local_map_checks_and_redistributes_inputs(mesh22: sw.DeviceMesh) -> Non
     dx = sw.distribute_tensor(x, mesh22, [Shard(1), Replicate()])
     want = [Shard(0), Shard(1)]
     mapped = sw.local_map(torch.sin, out_placements=want, in_placements=(want,))
-    with pytest.raises(sw.InvalidPlacementError, match=r"redistribute_inputs=True") as err:
+    with pytest.raises(sw.errors.InvalidPlacementError, match=r"redistribute_inputs=True") as err:
         mapped(dx)
     assert "[4, 6]" in str(err.value)
     again = sw.local_map(
@@ -114,7 +114,7 @@ def test_local_map_checks_and_redistributes_inputs(mesh22: sw.DeviceMesh) -> Non
     )
     out = again(dx)
     assert out.placements == tuple(want) and torch.equal(out.full_tensor(), torch.sin(x))
-    with pytest.raises(sw.InvalidArgumentError, match="2 entries"):
+    with pytest.raises(sw.errors.InvalidArgumentError, match="2 entries"):
         sw.local_map(torch.sin, out_placements=(want, want))(dx)
     # decorator form, a non-tensor output, a plain tensor argument passed through
     bias = torch.ones(6)
@@ -169,11 +169,11 @@ def test_async_redistribute_equals_blocking_bit_for_bit(
         dt = sw.DTensor.from_local(
             [torch.randn(c.shape) for c in sw.local_components(dt)], mesh22, source, shape=shape
         )
-    with sw.CommCounter() as expected:
+    with sw.debug.CommCounter() as expected:
         blocking = dt.redistribute(placements=target)
-    with sw.CommCounter() as counted:
+    with sw.debug.CommCounter() as counted:
         pending = dt.redistribute(placements=target, async_op=True)
-        assert isinstance(pending, sw.AsyncDTensor)
+        assert isinstance(pending, sw.dtensor.AsyncDTensor)
         assert pending.shape == blocking.shape and pending.placements == blocking.placements
         ready = pending.wait()
     assert counted.counts == expected.counts and counted.bytes == expected.bytes
@@ -188,12 +188,12 @@ def test_first_use_waits_and_to_local_returns_a_waiting_tensor() -> None:
     pending = dt.redistribute(placements=[Replicate()], async_op=True)
     assert torch.equal((pending * 2).full_tensor(), x * 2)  # an op on it waits
     local = dt.redistribute(placements=[Replicate()], async_op=True).to_local()
-    assert isinstance(local, sw.AsyncCollectiveTensor)
+    assert isinstance(local, sw.dtensor.AsyncCollectiveTensor)
     result = local + 1  # first use waits, the result is a plain tensor
     assert type(result) is torch.Tensor and torch.equal(result, x + 1)
     assert torch.equal(local.wait(), x)
     back = sw.DTensor.from_local(local, mesh, [Replicate()], async_op=True)
-    assert isinstance(back, sw.AsyncDTensor) and torch.equal(back.full_tensor(), x)
+    assert isinstance(back, sw.dtensor.AsyncDTensor) and torch.equal(back.full_tensor(), x)
 
 
 def test_async_redistribute_is_differentiable(mesh22: sw.DeviceMesh) -> None:
@@ -218,13 +218,15 @@ def test_background_error_surfaces_at_wait_naming_the_collective() -> None:
     from shardwise.comm import background
 
     work = background.submit(lambda: 1 / 0, "all_gather of the test tensor")
-    with pytest.raises(sw.CollectiveError, match=r"all_gather of the test tensor.*division"):
+    with pytest.raises(sw.errors.CollectiveError, match=r"all_gather of the test tensor.*division"):
         work.wait()
 
     def timeout() -> None:
-        raise sw.CollectiveTimeoutError("peer 1 did not answer")
+        raise sw.errors.CollectiveTimeoutError("peer 1 did not answer")
 
     work = background.submit(timeout, "broadcast of y")
-    with pytest.raises(sw.CollectiveTimeoutError, match=r"broadcast of y.*peer 1 did not answer"):
+    with pytest.raises(
+        sw.errors.CollectiveTimeoutError, match=r"broadcast of y.*peer 1 did not answer"
+    ):
         work.wait()
     assert background.submit(lambda: 42, "fine").wait() == 42  # the worker lives on

@@ -118,12 +118,12 @@ def save_job(ckdir: str) -> dict:
     model = _shard_model(_model(), _mesh((2,)), [Shard(0)])
     ckpt.save(Path(ckdir) / "train", model, step=3)
 
-    sw.set_collective_timeout(2.0)  # last: rank 0 skips the collective rank 1 waits on
+    sw.config.set_collective_timeout(2.0)  # last: rank 0 skips the collective rank 1 waits on
     if dist_rank() == 1:
         pending = dt.redistribute(placements=[Replicate()], async_op=True)
         try:
             pending.wait()
-        except sw.CollectiveTimeoutError as err:
+        except sw.errors.CollectiveTimeoutError as err:
             out["error"] = str(err)
     return out
 

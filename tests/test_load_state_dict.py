@@ -72,7 +72,7 @@ def test_mismatches_raise_shardwise_error_and_load_nothing(strict: bool) -> None
         before = _values(model)
         state = {k: sw.distribute_tensor(v, MESH, [Replicate()]) for k, v in source.items()}
         state[key] = entry
-        with pytest.raises(sw.StateDictMismatchError) as caught:
+        with pytest.raises(sw.errors.StateDictMismatchError) as caught:
             model.load_state_dict(state, strict=strict)
         assert isinstance(caught.value, RuntimeError)  # `except RuntimeError` still catches it
         for word in words:
@@ -87,7 +87,7 @@ def test_a_dtensor_into_a_plain_parameter_and_hand_built_modules() -> None:
     weight, bias = layer.weight.full_tensor().clone(), layer.bias.detach().clone()
     state = {"weight": torch.zeros(2, 3),
              "bias": sw.distribute_tensor(torch.zeros(2), MESH, [Replicate()])}
-    with pytest.raises(sw.StateDictMismatchError) as caught:
+    with pytest.raises(sw.errors.StateDictMismatchError) as caught:
         layer.load_state_dict(state, strict=False)
     message = str(caught.value)
     assert "'weight'" in message and "'bias'" in message and ".full_tensor()" in message
@@ -104,4 +104,4 @@ def test_plain_modules_keep_torchs_behaviour() -> None:
         with pytest.raises(RuntimeError, match="size mismatch") as caught:
             plain.load_state_dict({"weight": torch.zeros(2, 4), "bias": torch.zeros(2)},
                                   strict=strict)
-        assert not isinstance(caught.value, sw.ShardwiseError)
+        assert not isinstance(caught.value, sw.errors.ShardwiseError)

@@ -188,15 +188,17 @@ def _error_checks(mesh: sw.DeviceMesh) -> int:
     flat = logits.flatten(0, 1)
     with loss_parallel():
         if dp > 1:  # every row's labels, given as this rank's
-            with pytest.raises(sw.InvalidArgumentError, match=r"shape \[12\].*\[6\]"):
+            with pytest.raises(sw.errors.InvalidArgumentError, match=r"shape \[12\].*\[6\]"):
                 F.cross_entropy(flat, labels.flatten())
-        with pytest.raises(sw.InvalidArgumentError, match=r"shape \[5\]"):
+        with pytest.raises(sw.errors.InvalidArgumentError, match=r"shape \[5\]"):
             F.cross_entropy(flat, labels.flatten()[:5])
         other = DTensor.from_local(labels[:ROWS].flatten(), mesh["tp"], [Replicate()])
-        with pytest.raises(sw.MeshError, match="logits' mesh"):
+        with pytest.raises(sw.errors.MeshError, match="logits' mesh"):
             F.cross_entropy(flat, other)
         wrong = DTensor.from_local(labels[:ROWS], mesh, [Shard(0), Replicate()])
-        with pytest.raises(sw.InvalidArgumentError, match=rf"global shape \[{dp * ROWS}, 3\]"):
+        with pytest.raises(
+            sw.errors.InvalidArgumentError, match=rf"global shape \[{dp * ROWS}, 3\]"
+        ):
             F.cross_entropy(flat, wrong)
     return 1
 
@@ -229,7 +231,9 @@ def test_plain_labels_are_global_with_several_devices_in_one_process() -> None:
     with loss_parallel():
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
         one_rank = labels[:ROWS].flatten(0, 1)  # one rank's labels: not every row's
-        with pytest.raises(sw.InvalidArgumentError, match=r"\[6\] are the global labels.*\[12\]"):
+        with pytest.raises(
+            sw.errors.InvalidArgumentError, match=r"\[6\] are the global labels.*\[12\]"
+        ):
             F.cross_entropy(logits.flatten(0, 1), one_rank)
     loss.backward()
     torch.testing.assert_close(loss.full_tensor(), want, **TOL)
@@ -249,7 +253,7 @@ def test_plain_labels_are_the_replicas_in_strategy_run() -> None:
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
             try:
                 F.cross_entropy(logits.flatten(0, 1), labels[:1].flatten(), reduction="sum")
-            except sw.InvalidArgumentError as err:
+            except sw.errors.InvalidArgumentError as err:
                 return loss.to_local(), str(err)
         return loss.to_local(), ""
 

@@ -48,7 +48,7 @@ def _within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def _addmm_whole_bias(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """addmm with a plain bias every rank holds whole (taken as replicated)."""
-    with sw.implicit_replication():
+    with sw.config.implicit_replication():
         return torch.addmm(torch.full((2,), 0.5, dtype=a.dtype), a, b)
 
 
@@ -148,8 +148,8 @@ def test_float32_pieces_are_what_moves_and_what_the_planner_prices() -> None:
     a, b = _cancelling(f16)
     out = _d(a, [Shard(1)], MESH4) @ _d(b, [Shard(0)], MESH4)
     wide = out._spec
-    as_f32 = sw.DTensorSpec(wide.mesh, wide.placements,
-                           sw.TensorMeta(wide.shape, wide.tensor_meta.stride, f32))
+    as_f32 = sw.spec.DTensorSpec(wide.mesh, wide.placements,
+                           sw.spec.TensorMeta(wide.shape, wide.tensor_meta.stride, f32))
     for target in ([Shard(0)], [Shard(1)]):  # a reduce_scatter of float32 pieces
         half_plan = plan_redistribute(wide, target)
         assert half_plan.global_bytes == plan_redistribute(as_f32, target).global_bytes > 0
@@ -159,7 +159,7 @@ def test_float32_pieces_are_what_moves_and_what_the_planner_prices() -> None:
     assert [s.collective for s in half_plan.steps] == ["reduce_scatter", "all_gather"]
     assert half_plan.global_bytes < plan_redistribute(as_f32, [Replicate()]).global_bytes
     for target in ([Replicate()], [Shard(0)], [Shard(1)]):
-        with sw.CommCounter() as counter:
+        with sw.debug.CommCounter() as counter:
             got = out.redistribute(placements=target)
         assert counter.total_bytes == plan_redistribute(wide, target).bytes  # moved as priced
         assert torch.equal(got.full_tensor(), a @ b)

@@ -99,7 +99,7 @@ def test_equality_and_hash() -> None:
 
 
 def test_create_mesh_is_named_row_major() -> None:
-    mesh = sw.create_mesh([("x", 2), ("y", 3)])
+    mesh = sw.tf.create_mesh([("x", 2), ("y", 3)])
     assert mesh == sw.init_device_mesh("cpu", (2, 3), mesh_dim_names=("x", "y"))
 
 
@@ -114,27 +114,27 @@ def test_create_mesh_is_named_row_major() -> None:
         (lambda: DeviceMesh("cpu", [[0, 1]], mesh_dim_names=("x", "x")), "('x', 'x')"),
         (lambda: sw.init_device_mesh("cpu", (2, 0)), "(2, 0)"),
         (lambda: sw.init_device_mesh("cpu", ()), "()"),
-        (lambda: sw.create_mesh([("x", 2)], devices=[0, 1, 2]), "3 devices"),
+        (lambda: sw.tf.create_mesh([("x", 2)], devices=[0, 1, 2]), "3 devices"),
     ],
 )
 def test_malformed_meshes_raise(make: object, fragment: str) -> None:
-    with pytest.raises(sw.MeshError) as info:
+    with pytest.raises(sw.errors.MeshError) as info:
         make()
-    assert isinstance(info.value, sw.ShardwiseError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, sw.errors.ShardwiseError) and isinstance(info.value, ValueError)
     assert fragment in str(info.value)
 
 
 def test_bad_dims_raise(mesh3d: DeviceMesh) -> None:
-    with pytest.raises(sw.MeshError, match="'z'") as info:
+    with pytest.raises(sw.errors.MeshError, match="'z'") as info:
         mesh3d["z"]
     assert isinstance(info.value, KeyError)
-    with pytest.raises(sw.MeshError, match="mesh dim 3"):
+    with pytest.raises(sw.errors.MeshError, match="mesh dim 3"):
         mesh3d.size(3)
-    with pytest.raises(sw.MeshError, match="repeat"):
+    with pytest.raises(sw.errors.MeshError, match="repeat"):
         mesh3d.submeshes(["a", 0])
-    with pytest.raises(sw.MeshError, match="device 12"):
+    with pytest.raises(sw.errors.MeshError, match="device 12"):
         mesh3d.coordinate_of(12)
-    with pytest.raises(sw.MeshError, match="needs a mesh_dim"):
+    with pytest.raises(sw.errors.MeshError, match="needs a mesh_dim"):
         mesh3d.get_local_rank()
-    with pytest.raises(sw.MeshError, match="'a'"):
+    with pytest.raises(sw.errors.MeshError, match="'a'"):
         DeviceMesh("cpu", [0, 1])["a"]

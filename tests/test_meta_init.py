@@ -203,7 +203,7 @@ def plan_placement(name: str) -> Placement:
 
 
 def shard_bytes(model: nn.Module) -> int:
-    return sum(c.numel() * c.element_size() for p in model.parameters() for c in sw.unpack(p))
+    return sum(c.numel() * c.element_size() for p in model.parameters() for c in sw.tf.unpack(p))
 
 
 def build_on_meta(mesh_shape: tuple[int, ...], fsdp: bool) -> tuple[nn.Module, dict]:
@@ -270,7 +270,7 @@ def test_meta_model_sharded_to_empty_and_init_weights_trains_like_one_device(
     model, expected = build_on_meta(mesh_shape, fsdp)
     assert is_deferred(model)  # the sharding calls left it on meta
     for name, p in model.named_parameters():
-        assert sw.is_dtensor(p) and p.placements == expected[name], name
+        assert sw.tf.is_dtensor(p) and p.placements == expected[name], name
         assert p._components[0].is_meta, name  # fully_shard too leaves them meta (FSDP2)
 
     with track_allocations() as stats:
@@ -278,7 +278,7 @@ def test_meta_model_sharded_to_empty_and_init_weights_trains_like_one_device(
     assert not is_deferred(model)
     for name, p in model.named_parameters():
         assert p.placements == expected[name], name
-        assert all(c.device.type == "cpu" for c in sw.unpack(p)), name
+        assert all(c.device.type == "cpu" for c in sw.tf.unpack(p)), name
     # each device allocated only its pieces: the parameters' shards and the plain RoPE table
     plain = sum(b.numel() * b.element_size() for b in model.buffers())
     assert stats.allocated_bytes == shard_bytes(model) + plain
@@ -291,7 +291,7 @@ def test_meta_model_sharded_to_empty_and_init_weights_trains_like_one_device(
     with torch.no_grad():
         sw.manual_seed(11)
         model.init_weights()  # nn.init on DTensor parameters: each device draws its shard
-    assert not sw.is_dtensor(model.freqs_cis)
+    assert not sw.tf.is_dtensor(model.freqs_cis)
     torch.testing.assert_close(model.freqs_cis, reference.freqs_cis, rtol=0, atol=0)
     eager = _sharded_like(Transformer(), model)
     with torch.no_grad():
@@ -309,12 +309,12 @@ def test_meta_model_sharded_to_empty_and_init_weights_trains_like_one_device(
     for step in range(2):
         out = model(tokens)
         ref_out = reference(tokens)
-        out_full = out.full_tensor() if sw.is_dtensor(out) else out
+        out_full = out.full_tensor() if sw.tf.is_dtensor(out) else out
         torch.testing.assert_close(out_full, ref_out, msg=f"forward, step {step}")
-        with sw.implicit_replication():  # the plain targets: every rank holds them whole
+        with sw.config.implicit_replication():  # the plain targets: every rank holds them whole
             loss = F.cross_entropy(out.flatten(0, 1), targets.flatten())
         ref_loss = F.cross_entropy(ref_out.flatten(0, 1), targets.flatten())
-        loss_full = loss.full_tensor() if sw.is_dtensor(loss) else loss
+        loss_full = loss.full_tensor() if sw.tf.is_dtensor(loss) else loss
         torch.testing.assert_close(loss_full, ref_loss, msg=f"loss, step {step}")
         loss.backward()
         ref_loss.backward()
@@ -336,7 +336,7 @@ def test_parallelize_module_keeps_even_a_resettable_meta_model_on_meta() -> None
     model.to_empty(device="cpu")
     assert model[0].weight.placements == (Shard(0),)
     assert model[2].weight.placements == (Shard(1),)
-    assert [c.shape for c in sw.unpack(model[2].weight)] == [torch.Size([8, 8])] * 2
+    assert [c.shape for c in sw.tf.unpack(model[2].weight)] == [torch.Size([8, 8])] * 2
 
 
 class Scale(nn.Module):
@@ -379,7 +379,7 @@ def test_replicate_on_meta_then_to_empty_still_reduces_gradients_once_per_bucket
     init(model)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
     reference(x).square().sum().backward()
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         model(x).square().sum().backward()
     assert counter.counts["all_reduce"] == 1  # the one bucket, reduced by replicate's hooks
     for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
@@ -416,7 +416,8 @@ def _per_rank_job() -> list[float]:
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
         for _ in range(2):
             out = m(tokens)
-            assert not sw.is_dtensor(out)  # use_local_output: the rank's local (replicated) logits
+            # use_local_output: the rank's local (replicated) logits
+            assert not sw.tf.is_dtensor(out)
             loss = F.cross_entropy(out.flatten(0, 1), targets.flatten())
             loss.backward()
             opt.step()

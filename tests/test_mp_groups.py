@@ -17,8 +17,8 @@ import torch
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import MeshError, Replicate, Shard
-from shardwise.errors import ConcurrentCollectiveError
+from shardwise import Replicate, Shard
+from shardwise.errors import ConcurrentCollectiveError, MeshError
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 ENV = {"SHARDWISE_COLLECTIVE_TIMEOUT": "20"}
@@ -40,10 +40,10 @@ def mesh_checks(mesh_shapes: list[tuple[int, ...]]) -> dict:
         for placements in itertools.product([Shard(0), Shard(1), Replicate()], repeat=len(shape)):
             d = sw.distribute_tensor(x, mesh, list(placements))
             replicated = d.redistribute(mesh, [Replicate()] * len(shape))
-            got[str(placements), "replicate"] = sw.unpack(replicated)
+            got[str(placements), "replicate"] = sw.tf.unpack(replicated)
             flipped = [Shard(1 - p.dim) if isinstance(p, Shard) else p for p in placements]
             got[str(placements), "flipped"] = d.redistribute(mesh, flipped).full_tensor()
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             dx = sw.distribute_tensor(x, mesh, [Shard(0)] + [Shard(1)] * (len(shape) - 1))
             dw = sw.distribute_tensor(w, mesh, [Replicate()] * len(shape))
             got["mm"] = torch.mm(dx, dw).full_tensor()

@@ -22,19 +22,11 @@ import torch.distributed as dist
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    CommCounter,
-    DTensor,
-    InterleavedShard,
-    InvalidPlacementError,
-    Layout,
-    Partial,
-    Replicate,
-    Shard,
-)
+from shardwise import DTensor, InterleavedShard, Partial, Replicate, Shard
+from shardwise.debug import CommCounter
+from shardwise.errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidPlacementError
 from shardwise.spec import DTensorSpec, contiguous_meta
+from shardwise.tf import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 P1 = [
@@ -86,7 +78,7 @@ def redistribution_checks(mesh_shape: tuple[int, ...]) -> dict:
             try:
                 comps = _source(mesh, shape, src)
                 x = DTensor.from_local(comps, mesh, src, shape=shape)
-                plan = sw.explain_redistribute(x, dst)
+                plan = sw.debug.explain_redistribute(x, dst)
             except InvalidPlacementError:
                 continue  # an interleave that does not divide: invalid in every mode
             with CommCounter() as counter:
@@ -143,7 +135,7 @@ def autograd_checks(mesh_shape: tuple[int, ...]) -> dict:
 def tf_seed_examples() -> dict:
     """The four pack examples of the TF DTensor seed (mesh x=2, y=3), each process packing
     only its own components (multi-client)."""
-    mesh = sw.create_mesh([("x", 2), ("y", 3)])
+    mesh = sw.tf.create_mesh([("x", 2), ("y", 3)])
     local = mesh.local_device_ids
     x_of = {d: mesh.coordinate_of(d)[0] for d in local}
     examples = {
@@ -157,9 +149,9 @@ def tf_seed_examples() -> dict:
     }
     out = {}
     for name, (comps, specs) in examples.items():
-        packed = sw.pack(comps, Layout(specs, mesh))
-        unpacked = sw.unpack(packed)
-        again = sw.pack(unpacked, Layout(specs, mesh))
+        packed = sw.tf.pack(comps, Layout(specs, mesh))
+        unpacked = sw.tf.unpack(packed)
+        again = sw.tf.pack(unpacked, Layout(specs, mesh))
         out[name] = {
             "shape": tuple(packed.shape),
             "full": packed.full_tensor(),
@@ -216,7 +208,7 @@ def op_checks(mesh_shape: tuple[int, ...]) -> dict:
     """Global results of a representative subset of ops (implicit moves allowed)."""
     mesh = sw.init_device_mesh("cpu", mesh_shape)
     out = {}
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         for name, fn, inputs, placements in _op_cases(mesh.ndim):
             pairs = zip(inputs, placements, strict=True)
             args = [sw.distribute_tensor(t, mesh, list(p)) for t, p in pairs]
@@ -239,7 +231,7 @@ def tp_mlp_checks(mesh_shape: tuple[int, ...]) -> dict:
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
         dx = sw.distribute_tensor(x, mesh, [Shard(0), Replicate()])
         dy = sw.distribute_tensor(y, mesh, [Shard(0), Replicate()])
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             loss = torch.nn.functional.mse_loss(model(dx), dy)
             opt.zero_grad()
             loss.backward()
@@ -271,7 +263,7 @@ def random_checks(mesh_shape: tuple[int, ...]) -> dict:
 def job(mesh_shapes: list[tuple[int, ...]], extras: list[str]) -> dict:
     """One spawned job: redistribution and autograd checks on each mesh, plus named extras
     ("deterministic": reductions in coordinate order throughout)."""
-    sw.set_deterministic("deterministic" in extras)
+    sw.config.set_deterministic("deterministic" in extras)
     result = {
         shape: {"redistribute": redistribution_checks(shape), "autograd": autograd_checks(shape)}
         for shape in mesh_shapes
@@ -322,11 +314,11 @@ def divergent_program() -> dict:
     """Rank 1 moves a tensor of another shape (debug checks on), then skips a collective."""
     rank = dist.get_rank()
     mesh = sw.init_device_mesh("cpu", (4,))
-    sw.set_collective_timeout(10)
+    sw.config.set_collective_timeout(10)
     out: dict = {}
     rows = 8 if rank == 0 else 6
     x = sw.distribute_tensor(torch.ones(rows, 4), mesh, [Shard(0)], src_data_rank=None)
-    sw.set_debug_checks(True)
+    sw.config.set_debug_checks(True)
     start = time.monotonic()
     try:
         x.redistribute(placements=[Replicate()])
@@ -336,8 +328,8 @@ def divergent_program() -> dict:
     full = torch.arange(21.0).reshape(7, 3)
     agreed = sw.distribute_tensor(full, mesh, [Shard(0)]).redistribute(placements=[Replicate()])
     out["agreed_ok"] = torch.equal(agreed.full_tensor(), full)
-    sw.set_debug_checks(False)
-    sw.set_collective_timeout(2)
+    sw.config.set_debug_checks(False)
+    sw.config.set_collective_timeout(2)
     start = time.monotonic()
     if rank == 0:
         try:
@@ -464,22 +456,22 @@ def test_meta_mesh_plans_without_devices() -> None:
     mesh = sw.init_device_mesh("meta", (2, 4))
     assert mesh.local_device_ids == tuple(range(8))
     x = sw.distribute_tensor(torch.empty(1024, 512, device="meta"), mesh, [Shard(0), Shard(1)])
-    assert sw.unpack(x)[0].shape == (512, 128) and sw.unpack(x)[0].is_meta
-    plan = sw.explain_redistribute(x, [Replicate(), Shard(0)])
+    assert sw.tf.unpack(x)[0].shape == (512, 128) and sw.tf.unpack(x)[0].is_meta
+    plan = sw.debug.explain_redistribute(x, [Replicate(), Shard(0)])
     assert plan.bytes == plan.global_bytes > 0
     y = x.redistribute(placements=[Replicate(), Shard(0)])
-    assert y.placements == (Replicate(), Shard(0)) and sw.unpack(y)[0].shape == (256, 512)
+    assert y.placements == (Replicate(), Shard(0)) and sw.tf.unpack(y)[0].shape == (256, 512)
 
 
 def test_collective_timeout_setting() -> None:
-    old = sw.get_collective_timeout()
+    old = sw.config.get_collective_timeout()
     try:
-        sw.set_collective_timeout(7.5)
-        assert sw.get_collective_timeout() == 7.5
-        with pytest.raises(sw.InvalidArgumentError, match="positive"):
-            sw.set_collective_timeout(0)
+        sw.config.set_collective_timeout(7.5)
+        assert sw.config.get_collective_timeout() == 7.5
+        with pytest.raises(sw.errors.InvalidArgumentError, match="positive"):
+            sw.config.set_collective_timeout(0)
     finally:
-        sw.set_collective_timeout(old)
+        sw.config.set_collective_timeout(old)
 
 
 SPMD_SCRIPT = """

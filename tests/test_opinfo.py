@@ -2,7 +2,7 @@
 
 Sample inputs are distributed on meshes (2,), (3,) (uneven) and (2, 2) with several placements
 per tensor, run forward and (on one mesh per sample) backward; the strategies of every aten op
-the samples reach are then forced one by one (``shardwise.validate_strategy``). Sampled for CI
+the samples reach are then forced one by one (``shardwise.rules.validate_strategy``). Sampled for CI
 (the first sample, two placement variants per mesh, two strategies per mesh);
 ``SHARDWISE_OPINFO_FULL=1`` runs eight samples and more variants, ``SHARDWISE_VALIDATE_ALL=1``
 every strategy. ``python tests/opinfo_sweep.py`` prints the counts.

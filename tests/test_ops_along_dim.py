@@ -57,7 +57,7 @@ def test_ctc_loss_oracle() -> None:
     log_probs = randn(6, 3, 5).log_softmax(2)
     targets = torch.tensor([[1, 2], [3, 3], [4, 1]])
     def ctc(lp):  # plain targets every rank holds whole: taken as replicated
-        with sw.implicit_replication():
+        with sw.config.implicit_replication():
             return F.ctc_loss(lp, targets, [6, 5, 6], [2, 2, 1])
 
     run_oracle(ctc, [log_probs], mesh_shapes=[(2,), (3,)], max_cases=3)

@@ -14,7 +14,8 @@ from torch import nn
 
 import shardwise as sw
 from op_oracle import check_op, run_oracle
-from shardwise import CommCounter, Replicate, Shard
+from shardwise import Replicate, Shard
+from shardwise.debug import CommCounter
 
 MESHES = [(2,), (3,), (2, 2)]
 
@@ -36,7 +37,7 @@ def test_batch_norm_eval_and_instance_norm_oracle() -> None:
     x, rm, rv = randn(6, 3, 4), randn(3, seed=1), randn(3, seed=2).abs() + 0.5
 
     def eval_fn(x):  # running statistics: plain tensors every rank holds whole
-        with sw.implicit_replication():
+        with sw.config.implicit_replication():
             return F.batch_norm(x, rm, rv, training=False)
 
     run_oracle(eval_fn, [x], mesh_shapes=MESHES, max_cases=4)
@@ -106,7 +107,7 @@ def test_cnn_trains_like_single_device(mesh_shape, placements) -> None:
         ref_loss.backward()
         ref_opt.step()
         dx, dy = (sw.distribute_tensor(t, mesh, placements) for t in (x, y))
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             loss = F.cross_entropy(sharded(dx), dy)
             opt.zero_grad()
             loss.backward()
@@ -121,7 +122,7 @@ def test_cnn_trains_like_single_device(mesh_shape, placements) -> None:
     sharded.eval()
     reference.eval()
     x = torch.randn(4, 3, 8, 8)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         out = sharded(sw.distribute_tensor(x, mesh, placements))
     torch.testing.assert_close(out.full_tensor(), reference(x), atol=1e-5, rtol=1e-4)
 

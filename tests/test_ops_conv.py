@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from op_oracle import check_op, run_oracle
-from shardwise import CommCounter, Partial, Replicate, Shard
+from shardwise import Partial, Replicate, Shard
+from shardwise.debug import CommCounter
 
 MESHES = [(2,), (3,), (2, 2)]
 

@@ -52,12 +52,12 @@ def test_inplace_through_a_view_that_moved_its_input_raises() -> None:
     reach the viewed tensor, so it is refused instead of silently lost."""
     mesh = sw.init_device_mesh("cpu", (2,))
     dx = sw.distribute_tensor(randn(4, 6), mesh, [Shard(1)])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         moved = dx[:, 1:4]  # slicing the sharded dim gathers it first
         local = dx[1:3]  # slicing another dim is a local view
     local.mul_(0)
     assert torch.count_nonzero(dx.full_tensor()[1:3]) == 0
-    with pytest.raises(sw.UnsupportedOpError, match="redistribute"):
+    with pytest.raises(sw.errors.UnsupportedOpError, match="redistribute"):
         moved.mul_(0)
 
 

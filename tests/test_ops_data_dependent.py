@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from op_oracle import run_oracle
-from shardwise import CommCounter, ImplicitRedistributeError, Partial, Replicate, Shard
+from shardwise import Partial, Replicate, Shard
+from shardwise.debug import CommCounter
+from shardwise.errors import ImplicitRedistributeError
 
 G = torch.Generator().manual_seed(0)
 

@@ -120,10 +120,10 @@ def test_inplace_oracle(name: str) -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     row_sharded = sw.distribute_tensor(tensors[0], mesh, [Shard(0)])
     others = [sw.distribute_tensor(t, mesh, [Replicate()]) for t in tensors[1:]]
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         fn(row_sharded, *others)
     column_sharded = sw.distribute_tensor(tensors[0], mesh, [Shard(1)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = fn(column_sharded, *others)
     assert counter.total_bytes == 0 and out.placements == (Shard(1),)
     assert torch.equal(out.full_tensor(), fn(*tensors))
@@ -140,11 +140,11 @@ def test_gather_along_sharded_index_backward_stays_partial() -> None:
     index = torch.randint(0, 5, (6, 3), generator=_gen(0))
     dx = sw.distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
     di = sw.distribute_tensor(index, mesh, [Shard(0)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = dx.gather(0, di)
     assert counter.total_bytes == 0 and out.placements == (Shard(0),)
     grad = sw.distribute_tensor(torch.ones(6, 3), mesh, [Shard(0)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out.backward(grad)
     assert counter.total_bytes == 0
     assert dx.grad.placements == (Partial(),)
@@ -157,7 +157,7 @@ def test_index_select_sharded_index_moves_nothing() -> None:
     x = _t(5, 6)
     dx = sw.distribute_tensor(x, mesh, [Shard(1), Replicate()])
     di = sw.distribute_tensor(IDX7, mesh, [Replicate(), Shard(0)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = dx.index_select(0, di)
     assert counter.total_bytes == 0
     assert out.placements == (Shard(1), Shard(0))
@@ -168,7 +168,7 @@ def test_gather_on_sharded_dim_is_explicit() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     dx = sw.distribute_tensor(_t(5, 3), mesh, [Shard(0)])
     di = sw.distribute_tensor(torch.zeros(2, 3, dtype=torch.int64), mesh, [Replicate()])
-    with pytest.raises(sw.ImplicitRedistributeError, match="gather"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="gather"):
         dx.gather(0, di)
 
 
@@ -187,11 +187,11 @@ def test_sort_keeps_other_dims_sharded() -> None:
     mesh = sw.init_device_mesh("cpu", (3,))
     x = _t(7, 4)
     dx = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         values, indices = dx.sort(1)
     assert counter.total_bytes == 0
     assert values.placements == indices.placements == (Shard(0),)
-    with pytest.raises(sw.ImplicitRedistributeError, match="sort"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="sort"):
         dx.sort(0)
 
 
@@ -199,7 +199,7 @@ def test_topk_on_sharded_dim_gives_global_indices() -> None:
     mesh = sw.init_device_mesh("cpu", (4,))
     x = _t(9, 3)
     dx = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         values, indices = dx.topk(3, dim=0)
     ev, ei = x.topk(3, dim=0)
     assert torch.equal(values.full_tensor(), ev)
@@ -210,9 +210,9 @@ def test_unique_is_replicated_and_explicit() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     x = torch.tensor([3, 1, 3, 2, 1])
     dx = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         torch.unique(dx)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         values = torch.unique(dx)
     assert values.placements == (Replicate(),)
     assert torch.equal(values.full_tensor(), torch.unique(x))

@@ -9,7 +9,8 @@ import torch
 
 import shardwise as sw
 from op_oracle import check_op, run_oracle
-from shardwise import CommCounter, Replicate, Shard
+from shardwise import Replicate, Shard
+from shardwise.debug import CommCounter
 
 MESHES = [(2,), (3,), (2, 2)]
 
@@ -24,7 +25,7 @@ def well_conditioned(*batch: int, n: int = 3, seed: int = 0) -> torch.Tensor:
 
 
 def spd(a: torch.Tensor) -> torch.Tensor:
-    with sw.implicit_replication():  # the plain identity: every rank holds it whole
+    with sw.config.implicit_replication():  # the plain identity: every rank holds it whole
         return a @ a.mT + torch.eye(a.shape[-1], dtype=a.dtype)
 
 

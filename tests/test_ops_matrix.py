@@ -30,7 +30,7 @@ def test_seed_matmul_example_exactly() -> None:
     assert isinstance(dt3, DTensor)
     assert dt3.placements[0].is_partial()
     dt4 = dt3.redistribute(device_mesh, [Replicate()])
-    assert torch.equal(sw.unpack(dt4)[0], t3)
+    assert torch.equal(sw.tf.unpack(dt4)[0], t3)
     assert torch.equal(dt4.full_tensor(), t3)
 
 
@@ -40,7 +40,7 @@ def test_contraction_is_partial_without_communication() -> None:
     da = sw.distribute_tensor(a, mesh, [Shard(1), Shard(0)])
     db = sw.distribute_tensor(b, mesh, [Shard(0), Replicate()])
     dbias = sw.distribute_tensor(bias, mesh, [Replicate(), Replicate()])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = torch.addmm(dbias, da, db)
     assert counter.total_bytes == 0 and not counter.counts
     assert out.placements == (Partial(), Shard(0))
@@ -63,7 +63,7 @@ def test_mm_keeps_input_placements(pa, pb, expected) -> None:
     mesh = sw.init_device_mesh("cpu", (3,))
     a, b = _rand(5, 7), _rand(7, 4)
     da, db = sw.distribute_tensor(a, mesh, [pa]), sw.distribute_tensor(b, mesh, [pb])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = torch.mm(da, db)
     assert counter.total_bytes == 0
     assert out.placements == (expected,)
@@ -74,7 +74,7 @@ def test_explicit_mode_refuses_mm_of_row_shards() -> None:
     mesh = sw.init_device_mesh("cpu", (4,))
     da = sw.distribute_tensor(_rand(8, 6), mesh, [Shard(0)])
     db = sw.distribute_tensor(_rand(6, 5), mesh, [Shard(0)])
-    with pytest.raises(sw.ImplicitRedistributeError) as info:
+    with pytest.raises(sw.errors.ImplicitRedistributeError) as info:
         torch.mm(da, db)
     message = str(info.value)
     assert "aten.mm" in message
@@ -96,7 +96,7 @@ def test_implicit_mode_picks_the_cheapest_move(m: int) -> None:
         plan_redistribute(da._spec, [Replicate()]).bytes
         + plan_redistribute(db._spec, [Replicate()]).bytes,
     ]
-    with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+    with sw.config.allow_implicit_redistribute(), sw.debug.CommCounter() as counter:
         out = torch.mm(da, db)
     assert counter.total_bytes == min(alternatives) > 0
     torch.testing.assert_close(out.full_tensor(), a @ b)
@@ -107,7 +107,7 @@ def test_addmm_with_plain_scalar_bias_is_not_added_per_partial() -> None:
     a, b = _rand(4, 6), _rand(6, 3)
     da = sw.distribute_tensor(a, mesh, [Shard(1)])
     db = sw.distribute_tensor(b, mesh, [Shard(0)])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         out = torch.addmm(torch.tensor(2.0), da, db)
     torch.testing.assert_close(out.full_tensor(), torch.addmm(torch.tensor(2.0), a, b))
 
@@ -193,7 +193,7 @@ def test_interleaved_contraction_is_partial() -> None:
     a, b = _rand(3, 8), _rand(8, 5)
     da = sw.distribute_tensor(a, mesh, [InterleavedShard(1, 2)])
     db = sw.distribute_tensor(b, mesh, [InterleavedShard(0, 2)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = torch.mm(da, db)
     assert counter.total_bytes == 0 and out.placements == (Partial(),)
     torch.testing.assert_close(out.full_tensor(), a @ b)

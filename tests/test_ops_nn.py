@@ -13,22 +13,20 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from op_oracle import check_op, run_oracle
-from shardwise import (
-    CommCounter,
-    DTensorSpec,
+from shardwise import Partial, Replicate, Shard
+from shardwise.debug import CommCounter
+from shardwise.ops.norms import layer_norm_strategy
+from shardwise.ops.registry import registration
+from shardwise.rules import (
     OpSchema,
     OpStrategy,
     OutputSharding,
-    Partial,
     PlacementStrategy,
-    Replicate,
     RuntimeSchemaInfo,
-    Shard,
     register_op_strategy,
     register_prop_rule,
 )
-from shardwise.ops.norms import layer_norm_strategy
-from shardwise.ops.registry import registration
+from shardwise.spec import DTensorSpec
 
 aten = torch.ops.aten
 MESHES = [(2,), (3,), (4,), (2, 2)]
@@ -120,7 +118,7 @@ def test_layer_norm_batch_sharded_stays_local_and_normalized_dim_needs_a_move() 
         out = F.layer_norm(dx, (6,), dw, db)
     assert comm.total_bytes == 0 and out.placements == (Shard(0), Shard(1))
     torch.testing.assert_close(out.full_tensor(), F.layer_norm(x, (6,), w, b))
-    with pytest.raises(sw.ImplicitRedistributeError, match="native_layer_norm"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="native_layer_norm"):
         F.layer_norm(sw.distribute_tensor(x, mesh, [Shard(2), Replicate()]), (6,), dw, db)
 
 
@@ -160,7 +158,7 @@ def test_safe_softmax_oracle() -> None:
 def test_softmax_over_a_sharded_dim_needs_a_move() -> None:
     mesh = sw.init_device_mesh("cpu", (3,))
     x = sw.distribute_tensor(randn(5, 7), mesh, [Shard(1)])
-    with pytest.raises(sw.ImplicitRedistributeError, match="_softmax"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="_softmax"):
         F.softmax(x, 1)
     assert F.softmax(x, 0).placements == (Shard(1),)
 
@@ -253,7 +251,7 @@ def test_cross_entropy_over_sharded_classes_needs_a_move() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     x = sw.distribute_tensor(LOGITS, mesh, [Shard(1)])
     t = sw.distribute_tensor(TARGET, mesh, [Replicate()])
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         F.cross_entropy(x, t)
 
 
@@ -339,7 +337,7 @@ def test_causal_sdpa_keeps_heads_sharded_without_communication(mesh_shape) -> No
 def test_sdpa_dropout_is_refused() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     q, k, v = (sw.distribute_tensor(t, mesh, [Shard(1)]) for t in qkv())
-    with pytest.raises(sw.UnsupportedOpError, match="dropout_p"):
+    with pytest.raises(sw.errors.UnsupportedOpError, match="dropout_p"):
         aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.5)
 
 
@@ -485,7 +483,7 @@ def test_chunked_linear_cross_entropy_keeps_the_batch_sharded(reduction: str) ->
     dx = sw.distribute_tensor(x.detach().clone(), mesh, [Shard(0)]).requires_grad_()
     dw = sw.distribute_tensor(w.detach().clone(), mesh, [Replicate()]).requires_grad_()
     dt = sw.distribute_tensor(target, mesh, [Shard(0)])
-    with sw.CommCounter() as counter, sw.allow_implicit_redistribute():
+    with sw.debug.CommCounter() as counter, sw.config.allow_implicit_redistribute():
         got = F.linear_cross_entropy(dx, dw, dt, reduction=reduction, options=options)
     expected = F.linear_cross_entropy(x, w, target, reduction=reduction, options=options)
     if reduction != "mean":

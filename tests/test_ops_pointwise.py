@@ -200,7 +200,7 @@ def test_partial_passes_through_linear_ops_without_communication() -> None:
     rr = sw.distribute_tensor(r, mesh, [Replicate()])
     rb = sw.distribute_tensor(b, mesh, [Replicate()])
     aten = torch.ops.aten
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         results = {
             "add": (pa + pb, a + b),
             "add_replicate_made_partial": (pa + rr, a + r),
@@ -241,9 +241,9 @@ def test_nonlinear_ops_on_partial_need_reduction(name: str) -> None:
     fn = fns[name]
     a = _x(6, 4)
     pa = sw.distribute_tensor(a, _mesh(3), [Partial()])
-    with pytest.raises(sw.ImplicitRedistributeError, match="Partial"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="Partial"):
         fn(pa)
-    with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+    with sw.config.allow_implicit_redistribute(), sw.debug.CommCounter() as counter:
         got = fn(pa)
     if name == "mul_partials":  # x * x: reduce one factor, the other stays Partial
         assert counter.counts == {"all_reduce": 1} and got.placements == (Partial(),)
@@ -264,7 +264,7 @@ def test_affine_ops_keep_partial_avg_and_monotone_ops_keep_max() -> None:
     assert peak.placements == (Partial("max"),)
     expected = a.amax(0)
     rr = sw.distribute_tensor(_x(5, seed=3), mesh, [Replicate()])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         cases = {
             "exp": (torch.exp(peak), torch.exp(expected), "max"),
             "relu_shift": (torch.relu(peak - 1.0), torch.relu(expected - 1.0), "max"),
@@ -281,9 +281,9 @@ def test_affine_ops_keep_partial_avg_and_monotone_ops_keep_max() -> None:
     assert flipped.placements == (Partial("max"),)
     torch.testing.assert_close(flipped.full_tensor(), rr.full_tensor() + 2 * expected)
     assert torch.add(rr, peak, alpha=-1).placements == (Partial("min"),)
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         peak * 2.0  # scaling is not monotone for negative factors: reduce first
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         peak + peak
 
 
@@ -292,14 +292,14 @@ def test_sharded_and_replicated_inputs_need_no_communication() -> None:
     a, r = _x(5, 7), _x(7, seed=1)
     sa = sw.distribute_tensor(a, mesh, [Shard(0), Shard(1)])
     rr = sw.distribute_tensor(r, mesh, [Replicate(), Replicate()])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = torch.sigmoid(sa) * rr + sa
     assert counter.counts == {}
     assert out.placements == (Shard(0), Shard(1))
     torch.testing.assert_close(out.full_tensor(), torch.sigmoid(a) * r + a)
     inter = sw.distribute_tensor(_x(6, 4), mesh, [InterleavedShard(0, 3), Replicate()])
     col = sw.distribute_tensor(_x(6, 1, seed=2), mesh, [InterleavedShard(0, 3), Replicate()])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = inter * col
     assert counter.counts == {}
     assert out.placements == (InterleavedShard(0, 3), Replicate())
@@ -312,9 +312,9 @@ def test_mismatched_shards_choose_cheapest_move() -> None:
     a, b = _x(6, 9), _x(6, 9, seed=1)
     sa = sw.distribute_tensor(a, mesh, [Shard(0)])
     sb = sw.distribute_tensor(b, mesh, [Shard(1)])
-    with pytest.raises(sw.ImplicitRedistributeError, match="add"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="add"):
         sa + sb
-    with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+    with sw.config.allow_implicit_redistribute(), sw.debug.CommCounter() as counter:
         out = sa + sb
     assert counter.counts == {"all_to_all": 1}
     assert out.placements in ((Shard(0),), (Shard(1),))
@@ -329,7 +329,7 @@ def test_inplace_ops_keep_self_placements() -> None:
     a, r = _x(5, 4), _x(4, seed=1)
     sa = sw.distribute_tensor(a.clone(), mesh, [Shard(0)])
     rr = sw.distribute_tensor(r.clone(), mesh, [Replicate()])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = sa.mul_(2.0).add_(rr).clamp_(-1.0, 1.0).sigmoid_()
     assert out is sa and counter.counts == {}
     assert sa.placements == (Shard(0),)
@@ -339,12 +339,12 @@ def test_inplace_ops_keep_self_placements() -> None:
     pa.mul_(0.5).add_(sw.distribute_tensor(a.clone(), mesh, [Partial()]))
     assert pa.placements == (Partial(),)
     torch.testing.assert_close(pa.full_tensor(), a * 1.5)
-    with pytest.raises(sw.ImplicitRedistributeError, match="add_"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="add_"):
         pa.add_(1.0)  # not linear for Partial("sum"); self cannot change placement in place
 
     full = sw.distribute_tensor(a.clone(), mesh, [Replicate()])
     other = sw.distribute_tensor(a.clone(), mesh, [Shard(1)])
-    with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+    with sw.config.allow_implicit_redistribute(), sw.debug.CommCounter() as counter:
         full.sub_(other)
     assert full.placements == (Replicate(),) and counter.counts == {"all_gather": 1}
     assert torch.equal(full.full_tensor(), torch.zeros_like(a))

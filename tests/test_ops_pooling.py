@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from op_oracle import run_oracle
-from shardwise import CommCounter, Shard
+from shardwise import Shard
+from shardwise.debug import CommCounter
 
 MESHES = [(2,), (3,), (2, 2)]
 

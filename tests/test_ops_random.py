@@ -174,11 +174,11 @@ def test_random_ops_on_transposed_dtensor() -> None:
 def test_bernoulli_of_sharded_probabilities_moves_nothing() -> None:
     p = torch.rand(SHAPE, generator=torch.Generator().manual_seed(0))
     mesh = sw.init_device_mesh("cpu", (2,))
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         _same_per_shard(torch.bernoulli, p, (2,), [Shard(0)])
     assert not counter.counts
     dp = sw.distribute_tensor(p, mesh, [Partial()])
-    with pytest.raises(sw.ImplicitRedistributeError, match="bernoulli"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="bernoulli"):
         torch.bernoulli(dp)  # the probabilities of a pending sum need an all_reduce
 
 
@@ -236,7 +236,7 @@ def test_random_ops_of_values_draw_per_shard(name: str, fn) -> None:
     dmean = sw.distribute_tensor(mean, mesh, [Shard(0)])
     dstd = sw.distribute_tensor(std, mesh, [Shard(0)])
     sw.manual_seed(7)
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         got = fn(dmean, dstd)
     assert not counter.counts, "sharded alike: nothing moves"
     assert got.placements == (Shard(0),)
@@ -248,9 +248,9 @@ def test_random_ops_of_values_draw_per_shard(name: str, fn) -> None:
 def test_multinomial_over_sharded_categories_moves_them() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     probs = sw.distribute_tensor(torch.rand(4, 6) + 0.1, mesh, [Shard(1)])
-    with pytest.raises(sw.ImplicitRedistributeError, match="multinomial"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="multinomial"):
         torch.multinomial(probs, 2)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         got = torch.multinomial(probs, 2)
     assert got.shape == (4, 2) and got.placements == (Replicate(),)
 
@@ -368,7 +368,7 @@ def test_a_generator_without_offsets_on_an_accelerator_is_refused(monkeypatch) -
     mesh = sw.init_device_mesh("cpu", (2,))
     spec = sw.zeros(4, 3, device_mesh=mesh, placements=[Shard(0)])._spec
     devices = [torch.device("xpu", 0)] * 2
-    with pytest.raises(sw.UnsupportedOpError, match=r"\[4, 3\].*Shard.*xpu generator"):
+    with pytest.raises(sw.errors.UnsupportedOpError, match=r"\[4, 3\].*Shard.*xpu generator"):
         sw.rng.draw_per_shard(spec, devices, lambda i: None)
 
 
@@ -387,5 +387,5 @@ def test_broadcast_arguments_are_expanded_and_sharded_like_the_result() -> None:
     p = sw.distribute_tensor(torch.rand(6, 1), mesh, [Replicate()])
     d.bernoulli_(p)  # p expanded over the sharded dim: each device its columns
     assert ((d.full_tensor() == 0) | (d.full_tensor() == 1)).all()
-    with pytest.raises(sw.MeshError, match="plain torch.Tensor"):
+    with pytest.raises(sw.errors.MeshError, match="plain torch.Tensor"):
         d.bernoulli_(torch.rand(6, 5))

@@ -90,7 +90,7 @@ def test_sharded_reduction_placements_without_communication() -> None:
     mesh = _mesh(2, 2)
     x = _x(5, 7, 3)
     d = sw.distribute_tensor(x, mesh, [Shard(0), Shard(2)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         cases = {
             "sum0": (d.sum(0), x.sum(0), (Partial(), Shard(1))),
             "sum1_keepdim": (d.sum(1, keepdim=True), x.sum(1, keepdim=True), (Shard(0), Shard(2))),
@@ -127,15 +127,15 @@ def test_partial_inputs() -> None:
     mesh = _mesh(3)
     x = _x(5, 4)
     p = sw.distribute_tensor(x, mesh, [Partial()])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         s, m = p.sum(0), p.mean()
     assert counter.counts == {} and s.placements == m.placements == (Partial(),)
     torch.testing.assert_close(s.full_tensor(), x.sum(0))
     torch.testing.assert_close(m.full_tensor(), x.mean())
     for fn in (lambda t: t.amax(0), lambda t: t.var(1), lambda t: t.prod(0), lambda t: t.norm()):
-        with pytest.raises(sw.ImplicitRedistributeError):
+        with pytest.raises(sw.errors.ImplicitRedistributeError):
             fn(p)
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             torch.testing.assert_close(fn(p).full_tensor(), fn(x))
     peak = sw.distribute_tensor(x, mesh, [Shard(0)]).amax(0)
     assert peak.amax().placements == (Partial("max"),)
@@ -146,11 +146,11 @@ def test_sharded_dim_needing_whole_data_is_gathered_in_implicit_mode() -> None:
     mesh = _mesh(3)
     x = _x(7, 2)
     d = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with pytest.raises(sw.ImplicitRedistributeError, match="argmax"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="argmax"):
         d.argmax(0)
-    with pytest.raises(sw.ImplicitRedistributeError, match="cumsum"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="cumsum"):
         d.cumsum(0)
-    with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+    with sw.config.allow_implicit_redistribute(), sw.debug.CommCounter() as counter:
         idx = d.argmax(0)
         values, indices = d.max(0)
     assert sum(counter.counts.values()) == 2
@@ -164,7 +164,7 @@ def test_max_over_empty_shards() -> None:
     mesh = _mesh(4)
     x = _x(6, 3)
     d = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         for fn in (lambda t: t.amax(0), lambda t: t.max(), lambda t: t.amin()):
             torch.testing.assert_close(fn(d).full_tensor(), fn(x))
 
@@ -193,7 +193,7 @@ def test_partial_item_is_not_one_devices_piece() -> None:
     dt = sw.DTensor.from_local(
         [torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)], mesh, [Partial()]
     )
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         assert dt.item() == 6.0
     assert counter.counts == {"all_reduce": 1}
     assert float(dt) == 6.0 and int(dt) == 6 and bool(dt) is True

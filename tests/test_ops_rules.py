@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise import OpSchema, OpStrategy, Partial, Replicate, Shard
+from shardwise import Partial, Replicate, Shard
 from shardwise.op_inputs import PLAIN_MAKING_DECOMPOSITIONS
 from shardwise.ops import registry
 from shardwise.ops.common import product_strategy
 from shardwise.ops.validate import adversarial_components
+from shardwise.rules import OpSchema, OpStrategy
 
 aten = torch.ops.aten
 
@@ -74,23 +75,23 @@ def _square_strategy(linear: bool):
 def test_validate_strategy_finds_a_wrong_strategy_that_dispatch_never_picks() -> None:
     op = torch.ops.test_rules.square.default
     x = torch.randn(5, 3, dtype=torch.float64)
-    sw.register_op_strategy([op])(_square_strategy(linear=True))
+    sw.rules.register_op_strategy([op])(_square_strategy(linear=True))
     try:
         # dispatch picks a right strategy for a sharded input: the wrong one never runs here
         dt = sw.distribute_tensor(x, sw.init_device_mesh("cpu", (2,)), [Shard(0)])
         torch.testing.assert_close(_square(dt).full_tensor(), x * x)
-        with pytest.raises(sw.StrategyValidationError, match=r"Partial\(\)"):
-            sw.validate_strategy(op, (x,))
-        sw.register_op_strategy([op])(_square_strategy(linear=False))
-        report = sw.validate_strategy(op, (x,))
+        with pytest.raises(sw.errors.StrategyValidationError, match=r"Partial\(\)"):
+            sw.rules.validate_strategy(op, (x,))
+        sw.rules.register_op_strategy([op])(_square_strategy(linear=False))
+        report = sw.rules.validate_strategy(op, (x,))
         assert report.ok and report.checked >= 6  # two strategies on (2,), (3,); four on (2, 2)
     finally:
         registry.unregister([op])
 
 
 def test_validate_strategy_needs_a_registered_strategy() -> None:
-    with pytest.raises(sw.InvalidArgumentError, match="no registered sharding strategy"):
-        sw.validate_strategy(aten.nonzero.default, (torch.ones(3),))
+    with pytest.raises(sw.errors.InvalidArgumentError, match="no registered sharding strategy"):
+        sw.rules.validate_strategy(aten.nonzero.default, (torch.ones(3),))
 
 
 # ----- plain tensors made by torch's decompositions -------------------------------------------
@@ -109,9 +110,9 @@ def test_tensors_made_by_decompositions_are_replicated_but_the_users_are_refused
     want.sum().backward()
     torch.testing.assert_close(dq.grad.full_tensor(), q.grad)
     attn_mask = torch.randn(5, 5)
-    with pytest.raises(sw.MeshError, match=r"_scaled_dot_product_attention_math.*\[5, 5\]"):
+    with pytest.raises(sw.errors.MeshError, match=r"_scaled_dot_product_attention_math.*\[5, 5\]"):
         F.scaled_dot_product_attention(dq, dq, dq, attn_mask=attn_mask)  # the user's own mask
-    with sw.implicit_replication():
+    with sw.config.implicit_replication():
         torch.testing.assert_close(
             F.scaled_dot_product_attention(dq, dq, dq, attn_mask=attn_mask).full_tensor(),
             F.scaled_dot_product_attention(q, q, q, attn_mask=attn_mask),
@@ -122,12 +123,12 @@ def test_tensors_made_by_decompositions_are_replicated_but_the_users_are_refused
     dmask = sw.distribute_tensor(mask, mesh, [Shard(0)])
     got = torch.masked.sum(dx, 1, mask=dmask)  # masked ops make plain fill values in Python
     torch.testing.assert_close(got.full_tensor(), torch.masked.sum(x, 1, mask=mask))
-    with pytest.raises(sw.MeshError, match="implicit_replication"):
+    with pytest.raises(sw.errors.MeshError, match="implicit_replication"):
         torch.masked.sum(dx, 1, mask=mask)  # the user's own plain mask, through torch.masked
     big = torch.randn(6, 7)
-    with pytest.raises(sw.MeshError, match=r"\[6, 7\]"):
+    with pytest.raises(sw.errors.MeshError, match=r"\[6, 7\]"):
         dx + big  # the user's own plain tensor, directly
-    with sw.implicit_replication():
+    with sw.config.implicit_replication():
         torch.testing.assert_close((dx + big).full_tensor(), x + big)
 
     class Masked(torch.nn.Module):
@@ -138,7 +139,7 @@ def test_tensors_made_by_decompositions_are_replicated_but_the_users_are_refused
         def forward(self, t: torch.Tensor) -> torch.Tensor:
             return t * self.mask
 
-    with pytest.raises(sw.MeshError, match="implicit_replication"):
+    with pytest.raises(sw.errors.MeshError, match="implicit_replication"):
         Masked()(dx)  # a module's own buffer is the user's too
 
 
@@ -159,7 +160,7 @@ def test_zero_dim_inputs_with_dim_zero(mesh_shape: tuple[int, ...]) -> None:
         (lambda a, b: torch.squeeze(a, 0), ds, di, s, i),
         (lambda a, b: torch.squeeze(a, (0,)), part, di, s, i),
     ]
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         for fn, a, b, ta, tb in cases:
             got, expected = fn(a, b).full_tensor(), fn(ta, tb)
             assert got.shape == expected.shape and torch.equal(got, expected)
@@ -180,7 +181,7 @@ def test_masked_scatter_with_a_mask_larger_than_the_input() -> None:
     x, source = torch.randn(5), torch.randn(5, 5)
     mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(3)) > 0.5
     d = [sw.distribute_tensor(t, mesh, [Shard(0)]) for t in (x, mask, source)]
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         got = torch.masked_scatter(*d)
     assert torch.equal(got.full_tensor(), torch.masked_scatter(x, mask, source))
 
@@ -188,15 +189,15 @@ def test_masked_scatter_with_a_mask_larger_than_the_input() -> None:
 def test_sparse_inputs_are_refused_clearly() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     sparse = torch.eye(4).to_sparse()
-    with pytest.raises(sw.InvalidArgumentError, match=r"sparse_coo.*\[4, 4\].*to_dense"):
+    with pytest.raises(sw.errors.InvalidArgumentError, match=r"sparse_coo.*\[4, 4\].*to_dense"):
         sw.distribute_tensor(sparse, mesh, [Shard(0)])
 
 
 def test_validation_failures_name_the_mesh_and_placements() -> None:
     op = torch.ops.test_rules.square.default
-    sw.register_op_strategy([op])(_square_strategy(linear=True))
+    sw.rules.register_op_strategy([op])(_square_strategy(linear=True))
     try:
-        report = sw.validate_strategy(
+        report = sw.rules.validate_strategy(
             op, (torch.randn(4, 2, dtype=torch.float64),), raise_on_failure=False,
             mesh_shapes=[(2,)],
         )

@@ -8,7 +8,8 @@ import torch
 
 import shardwise as sw
 from op_oracle import run_oracle
-from shardwise import CommCounter, Shard
+from shardwise import Shard
+from shardwise.debug import CommCounter
 
 MESHES = [(2,), (3,), (2, 2)]
 INDEX = torch.tensor([2, 0, 3])
@@ -23,7 +24,7 @@ def _with_index(fn):
     inside ``implicit_replication()``, PyTorch's rule for plain tensors beside DTensors)."""
 
     def run(*args):
-        with sw.implicit_replication():
+        with sw.config.implicit_replication():
             return fn(*args)
 
     return run
@@ -56,7 +57,7 @@ def test_scatter_reduce_with_sharded_rows() -> None:
     index = torch.tensor([[0, 1, 2, 0, 4]] * 4)
 
     def fn(x, s):
-        with sw.implicit_replication():  # the plain index: the same on every device
+        with sw.config.implicit_replication():  # the plain index: the same on every device
             return x.scatter(1, index, s, reduce="multiply")
 
     run_oracle(fn, [x, src], mesh_shapes=MESHES, max_cases=3, grad=False)

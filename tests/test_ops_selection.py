@@ -8,7 +8,8 @@ import torch
 
 import shardwise as sw
 from op_oracle import run_oracle
-from shardwise import CommCounter, Shard
+from shardwise import Shard
+from shardwise.debug import CommCounter
 
 MESHES = [(2,), (3,), (2, 2)]
 
@@ -38,7 +39,7 @@ def _whole(fn):
     """``fn`` with the plain ``BOUNDARIES`` every rank holds whole taken as replicated."""
 
     def run(*args):
-        with sw.implicit_replication():
+        with sw.config.implicit_replication():
             return fn(*args)
 
     return run

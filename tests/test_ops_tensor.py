@@ -63,7 +63,7 @@ def test_cast_to_int_of_partial_reduces_first() -> None:
     """Two partial halves of 1 truncate to 0 each: the cast must see the summed value."""
     mesh = sw.init_device_mesh("cpu", (2,))
     x = sw.DTensor.from_local([torch.full((3,), 0.5), torch.full((3,), 0.5)], mesh, [Partial()])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         got = x.to(torch.int64)
     assert not got.placements[0].is_partial()
     assert torch.equal(got.full_tensor(), torch.ones(3, dtype=torch.int64))
@@ -110,7 +110,7 @@ def test_copy_into_partial_int() -> None:
         [torch.zeros(4, dtype=torch.int64) for _ in range(3)], mesh, [Partial()]
     )
     src = sw.distribute_tensor(torch.tensor([0.6, 1.5, 2.0, -3.2]), mesh, [Partial()])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         dst.copy_(src)
     assert dst.placements == (Partial(),)
     assert torch.equal(dst.full_tensor(), torch.tensor([0, 1, 2, -3]))
@@ -120,9 +120,9 @@ def test_copy_explicit_mode_and_cost() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     dst = sw.distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0)])
     src = sw.distribute_tensor(_t(4, 6), mesh, [Shard(1)])
-    with pytest.raises(sw.ImplicitRedistributeError, match="copy_"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="copy_"):
         dst.copy_(src)
-    with sw.CommCounter() as counter, sw.allow_implicit_redistribute():
+    with sw.debug.CommCounter() as counter, sw.config.allow_implicit_redistribute():
         dst.copy_(src)
     assert dict(counter.counts) == {"all_to_all": 1}
     assert dst.placements == (Shard(0),)
@@ -136,7 +136,7 @@ def test_tril_sharded_rows_moves_nothing() -> None:
     mesh = sw.init_device_mesh("cpu", (2, 2))
     x = _t(7, 9)
     d = sw.distribute_tensor(x, mesh, [Shard(0), Shard(1)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = d.tril(-1)
     assert counter.total_bytes == 0
     assert out.placements == (Shard(0), Shard(1))
@@ -185,19 +185,19 @@ def test_factories_requires_grad_and_defaults() -> None:
     (w * 2).sum().backward()
     assert torch.equal(w.grad.full_tensor(), torch.full((4, 2), 2.0))
     assert sw.zeros(3, device_mesh=mesh).placements == (Replicate(),)
-    with sw.default_mesh(mesh):
+    with sw.tf.default_mesh(mesh):
         assert sw.zeros(3).device_mesh == mesh
 
 
 def test_factories_errors() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
-    with pytest.raises(sw.MeshError, match="device_mesh"):
+    with pytest.raises(sw.errors.MeshError, match="device_mesh"):
         sw.zeros(3, 4)
-    with pytest.raises(sw.InvalidPlacementError):
+    with pytest.raises(sw.errors.InvalidPlacementError):
         sw.zeros(3, 4, device_mesh=mesh, placements=[Shard(2)])
-    with pytest.raises(sw.InvalidArgumentError, match="layout"):
+    with pytest.raises(sw.errors.InvalidArgumentError, match="layout"):
         sw.ones(3, device_mesh=mesh, layout=torch.sparse_coo)
-    with pytest.raises(sw.InvalidArgumentError, match="size"):
+    with pytest.raises(sw.errors.InvalidArgumentError, match="size"):
         sw.zeros(-1, device_mesh=mesh)
 
 

@@ -18,7 +18,7 @@ def _rand(*shape: int) -> torch.Tensor:
 
 
 def _no_comm(fn, *tensors):
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = fn(*tensors)
     assert counter.total_bytes == 0 and not counter.counts, counter.counts
     return out
@@ -159,9 +159,9 @@ def test_uneven_merge_needs_redistribution() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     x = _rand(5, 3)
     d = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with pytest.raises(sw.ImplicitRedistributeError, match="aten.view"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="aten.view"):
         d.view(15)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         out = d.view(15)
     assert torch.equal(out.full_tensor(), x.view(15))
 
@@ -171,7 +171,7 @@ def test_split_of_sharded_dim_keeps_outer_shard_when_sizes_allow(size, split, ke
     mesh = sw.init_device_mesh("cpu", (2,))
     x = _rand(size)
     d = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+    with sw.config.allow_implicit_redistribute(), sw.debug.CommCounter() as counter:
         out = d.view(*split)
     assert (counter.total_bytes == 0) == kept
     assert (out.placements == (Shard(0),)) == kept
@@ -203,7 +203,7 @@ def test_slice_along_sharded_dim() -> None:
     mesh = sw.init_device_mesh("cpu", (3,))
     x = _rand(7, 4)
     d = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with pytest.raises(sw.ImplicitRedistributeError, match="aten.slice"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="aten.slice"):
         d[1:5]
     full = _no_comm(lambda t: t[0:7, 1:3], d)
     assert full.placements == (Shard(0),)
@@ -253,7 +253,7 @@ def test_expand_keeps_partial_and_new_dims_are_replicate() -> None:
 def test_view_to_a_wrong_size_names_the_shapes() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     d = sw.distribute_tensor(_rand(3, 4), mesh, [Shard(0)])
-    with pytest.raises(sw.InvalidArgumentError, match=r"shape \[-1, 5\] is invalid for 12"):
+    with pytest.raises(sw.errors.InvalidArgumentError, match=r"shape \[-1, 5\] is invalid for 12"):
         d.view(-1, 5)
 
 
@@ -269,7 +269,7 @@ def test_tensor_split_with_dtensor_indices(indices, placements) -> None:
     x = _rand(6, 5)
     dx = sw.distribute_tensor(x, mesh, [Shard(1)])
     di = sw.distribute_tensor(indices, mesh, placements)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         pieces = torch.tensor_split(dx, di, dim=0)
     expected = torch.tensor_split(x, indices, dim=0)
     assert len(pieces) == len(expected)
@@ -281,7 +281,7 @@ def test_tensor_split_reading_sharded_indices_is_explicit() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     dx = sw.distribute_tensor(_rand(6, 5), mesh, [Shard(1)])
     di = sw.distribute_tensor(torch.tensor([1, 3]), mesh, [Shard(0)])
-    with pytest.raises(sw.ImplicitRedistributeError, match="tensor_split"):
+    with pytest.raises(sw.errors.ImplicitRedistributeError, match="tensor_split"):
         torch.tensor_split(dx, di)
 
 
@@ -296,7 +296,7 @@ def test_as_strided_addresses_the_global_storage(placements, transpose) -> None:
     dx = sw.distribute_tensor(x.detach().clone(), mesh, placements).requires_grad_()
     src, dsrc = (x.t(), dx.t()) if transpose else (x, dx)
     args = ((3, 2), (5, 2), 3)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         out = torch.as_strided(dsrc, *args)
         copy = torch.as_strided_copy(dsrc, *args)
     expected = torch.as_strided(src, *args)
@@ -322,10 +322,10 @@ def test_as_strided_of_a_slice_is_refused() -> None:
     """A slice addresses its base's storage, which no DTensor tracks."""
     mesh = sw.init_device_mesh("cpu", (2,))
     dx = sw.distribute_tensor(_rand(4, 6), mesh, [sw.Replicate()])
-    with pytest.raises(sw.UnsupportedOpError, match=r"a view of a tensor of shape \[4, 6\]"):
+    with pytest.raises(sw.errors.UnsupportedOpError, match=r"a view of a tensor of shape \[4, 6\]"):
         dx[1:].as_strided((2, 2), (6, 1))
     column = sw.distribute_tensor(_rand(4, 1), mesh, [sw.Replicate()])
-    with pytest.raises(sw.UnsupportedOpError, match=r"a view of a tensor of shape \[4, 1\]"):
+    with pytest.raises(sw.errors.UnsupportedOpError, match=r"a view of a tensor of shape \[4, 1\]"):
         column.expand(4, 3).as_strided((2,), (1,))
 
 
@@ -341,7 +341,7 @@ def test_resize_keeps_the_storage_order(placements, size) -> None:
         d = sw.distribute_tensor(x.clone(), mesh, placements)
         d = d.t() if src.stride() != x.stride() else d
         before, same = d.placements, list(size) == list(d.shape)
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             out = d.resize_(size)
         expected = src.resize_(size)
         assert out is d and d.shape == torch.Size(size)

@@ -36,7 +36,7 @@ def _train(model, params, batches, target_placements=None, mesh=None):
     opt = torch.optim.AdamW(params, lr=0.02, weight_decay=0.1)
     losses, counters = [], []
     for x, y in batches:
-        with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+        with sw.config.allow_implicit_redistribute(), sw.debug.CommCounter() as counter:
             if target_placements is not None:
                 y = sw.distribute_tensor(y, mesh, target_placements)
             loss = F.mse_loss(model(x), y)
@@ -184,7 +184,7 @@ def test_replicate_reduces_gradients_pending_over_tp_in_its_bucket() -> None:
     for step in range(2):
         ids, targets = demo.make_batch(step, 8, cfg, 0)
         demo.single_step(single, opt_single, ids, targets)
-        with sw.CommCounter() as counter:
+        with sw.debug.CommCounter() as counter:
             demo.sharded_step(model, opt, mesh, ids, targets)
     for (name, p), q in zip(model.named_parameters(), single.parameters(), strict=True):
         torch.testing.assert_close(p.full_tensor(), q.detach(), atol=1e-5, rtol=1e-4, msg=name)

@@ -33,12 +33,12 @@ def test_gradient_accumulation_without_sync_equals_the_summed_batches() -> None:
     (x0, y0), (x1, y1) = _data()
     dy0, dy1 = (sw.distribute_tensor(y, mesh, [Shard(0)]) for y in (y0, y1))
     model.set_requires_gradient_sync(False)
-    with sw.CommCounter() as quiet:
+    with sw.debug.CommCounter() as quiet:
         F.mse_loss(model(x0), dy0).backward()
     assert "reduce_scatter" not in quiet.counts and "all_reduce" not in quiet.counts
     assert all(p.grad.placements == (sw.Partial(),) for p in model.parameters())
     model.set_requires_gradient_sync(True)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         F.mse_loss(model(x1), dy1).backward()
     (F.mse_loss(ref(x0), y0) + F.mse_loss(ref(x1), y1)).backward()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
@@ -54,12 +54,12 @@ def test_unshard_gathers_once_and_reshard_frees() -> None:
     assert type(model).__name__ == "FSDPSequential"
     x, _ = _data()[0]
     model.unshard()
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = model(x)
     assert "all_gather" not in counter.counts  # the held parameters were used
     torch.testing.assert_close(out.full_tensor(), ref(x), atol=1e-6, rtol=1e-5)
     model.reshard()
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         model(x)
     assert counter.counts["all_gather"] > 0
 
@@ -72,7 +72,7 @@ def test_a_group_of_modules_and_shard_placement_fn() -> None:
     assert first is model[0] and isinstance(last, FSDPModule)
     assert model[0].weight.placements == (Shard(1),) and model[2].bias.placements == (Shard(0),)
     x, y = _data()[0]
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         loss = F.mse_loss(model(sw.distribute_tensor(x, mesh, [Shard(0)])),
                           sw.distribute_tensor(y, mesh, [Shard(0)]))
         loss.backward()
@@ -124,7 +124,7 @@ def test_fsdp_over_tensor_parallel_shards_packs_and_trains_like_one_device(rows:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
     for x, y in _data(3):
-        with sw.CommCounter() as counter:
+        with sw.debug.CommCounter() as counter:
             loss = F.mse_loss(model(x).full_tensor(), y)
             loss.backward()
         opt.step()

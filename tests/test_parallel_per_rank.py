@@ -109,7 +109,7 @@ def _per_rank_job(kind: str, tp: int, whole: bool = False
     losses = []
     for x, y in batches:
         local_x, local_y = x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]
-        with sw.CommCounter() as counter:
+        with sw.debug.CommCounter() as counter:
             out = model(local_x, scale)
             assert type(out) is torch.Tensor and out.shape == (ROWS, 3)  # this rank's rows
             loss = F.mse_loss(out, local_y)
@@ -228,7 +228,7 @@ def _small_plain_job() -> list[str]:
     try:
         logits[:, 0] - labels
         outcome.append("taken")
-    except sw.MeshError as err:
+    except sw.errors.MeshError as err:
         outcome.append("refused" if "plain torch.Tensor of shape [4]" in str(err) else str(err))
     scaled = logits * torch.tensor([2.0])
     outcome.append(str(torch.equal(scaled.full_tensor(), torch.arange(8.0).reshape(4, 2) * 2)))
@@ -248,12 +248,12 @@ def test_one_rule_for_plain_tensors_of_every_size_in_the_global_view(rows: int) 
     x = torch.arange(2.0 * rows).reshape(rows, 2)
     logits = sw.distribute_tensor(x, mesh, [Shard(0)])
     labels = torch.arange(rows) % 2
-    with pytest.raises(sw.MeshError, match="only a 0-d or one-element tensor") as err:
+    with pytest.raises(sw.errors.MeshError, match="only a 0-d or one-element tensor") as err:
         logits[:, 0] - labels
     assert "implicit_replication" in str(err.value) and "distribute_tensor" in str(err.value)
-    with pytest.raises(sw.MeshError, match=f"plain torch.Tensor of shape \\[{rows}\\]"):
+    with pytest.raises(sw.errors.MeshError, match=f"plain torch.Tensor of shape \\[{rows}\\]"):
         F.cross_entropy(logits, labels)
     assert torch.equal((logits * torch.tensor([2.0])).full_tensor(), x * 2)
-    with sw.implicit_replication():
+    with sw.config.implicit_replication():
         got = F.cross_entropy(logits, labels).full_tensor()
     torch.testing.assert_close(got, F.cross_entropy(x, labels))

@@ -98,7 +98,7 @@ def test_embedding_styles(mesh_shape) -> None:
         assert emb.weight.placements[-1] == placement
     emb = nn.Embedding(13, 7)
     parallelize_module(emb, sw.init_device_mesh("cpu", mesh_shape), RowwiseParallel())
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         emb(tokens)  # tokens go in replicated: the only collective reduces the output
     assert [r.kind for r in counter.records] == ["all_reduce"]
 

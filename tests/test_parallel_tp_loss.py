@@ -33,7 +33,7 @@ def test_matches_cross_entropy(mesh_shape, placements, reduction) -> None:
     expected.backward(grad)
 
     dlogits = sw.distribute_tensor(logits.detach(), mesh, placements).requires_grad_()
-    with loss_parallel(), sw.CommCounter() as counter:
+    with loss_parallel(), sw.debug.CommCounter() as counter:
         loss = F.cross_entropy(dlogits, target, reduction=reduction)
     torch.testing.assert_close(loss.full_tensor(), expected.detach(), atol=1e-6, rtol=1e-5)
     # only per-row values move (all-reduces), never the logits themselves
@@ -49,7 +49,7 @@ def test_communication_does_not_grow_with_the_vocabulary() -> None:
     moved = []
     for vocab in (10, 1000):
         logits = sw.distribute_tensor(torch.randn(6, vocab), mesh, [Shard(0), Shard(1)])
-        with loss_parallel(), sw.CommCounter() as counter:
+        with loss_parallel(), sw.debug.CommCounter() as counter:
             F.cross_entropy(logits, target)
         moved.append(counter.total_bytes)
     assert moved[0] == moved[1] > 0
@@ -77,9 +77,9 @@ def test_other_calls_are_unchanged_and_unsupported_options_raise() -> None:
     with loss_parallel():
         torch.testing.assert_close(F.cross_entropy(x, t), F.cross_entropy(x, t))
         dx = sw.distribute_tensor(x, mesh, [Shard(1)])
-        with pytest.raises(sw.UnsupportedOpError, match="label smoothing"):
+        with pytest.raises(sw.errors.UnsupportedOpError, match="label smoothing"):
             F.cross_entropy(dx, t, label_smoothing=0.1)
         mesh22 = sw.init_device_mesh("cpu", (2, 2))
         pending = sw.distribute_tensor(x, mesh22, [sw.Partial(), Shard(1)])
-        with pytest.raises(sw.InvalidPlacementError, match="Partial"):
+        with pytest.raises(sw.errors.InvalidPlacementError, match="Partial"):
             F.cross_entropy(pending, t)

@@ -97,13 +97,13 @@ def test_plan_keys_select_modules(up_key, down_key, expected_layers) -> None:
 def test_glob_star_does_not_cross_dots() -> None:
     model = Stack()
     mesh = sw.init_device_mesh("cpu", (2,))
-    with pytest.raises(sw.ParallelPlanError, match=r"'\*\.up' matches no module of Stack"):
+    with pytest.raises(sw.errors.ParallelPlanError, match=r"'\*\.up' matches no module of Stack"):
         parallelize_module(model, mesh, {"*.up": ColwiseParallel()})
 
 
 def test_unmatched_plan_key_names_the_entry_and_modules() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
-    with pytest.raises(sw.ParallelPlanError) as err:
+    with pytest.raises(sw.errors.ParallelPlanError) as err:
         parallelize_module(Stack(), mesh, {"layers.7.up": ColwiseParallel()})
     message = str(err.value)
     assert "'layers.7.up'" in message and "'layers.0.up'" in message and "Stack" in message
@@ -112,32 +112,32 @@ def test_unmatched_plan_key_names_the_entry_and_modules() -> None:
 def test_style_that_does_not_fit_the_module() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     model = nn.Sequential(nn.LayerNorm(4))
-    with pytest.raises(sw.ParallelStyleError) as err:
+    with pytest.raises(sw.errors.ParallelStyleError) as err:
         parallelize_module(model, mesh, {"0": ColwiseParallel()})
     assert "'0'" in str(err.value) and "LayerNorm" in str(err.value)
     assert isinstance(err.value, TypeError)
-    with pytest.raises(sw.ParallelStyleError, match="RowwiseParallel.*Conv1d"):
+    with pytest.raises(sw.errors.ParallelStyleError, match="RowwiseParallel.*Conv1d"):
         parallelize_module(nn.Conv1d(2, 2, 1), mesh, RowwiseParallel())
 
 
 def test_heads_must_divide_over_the_tp_dim() -> None:
     mesh = sw.init_device_mesh("cpu", (2, 2))
     qkv = nn.Linear(12, 36)
-    with pytest.raises(sw.ParallelPlanError) as err:
+    with pytest.raises(sw.errors.ParallelPlanError) as err:
         parallelize_module(
             nn.ModuleDict({"qkv": qkv}), mesh, {"qkv": ColwiseParallel(interleave=3, num_heads=3)}
         )
     message = str(err.value)
     assert "'qkv'" in message and "num_heads = 3" in message and "size 2" in message
-    with pytest.raises(sw.ParallelPlanError, match="interleave=5 does not divide the 36"):
+    with pytest.raises(sw.errors.ParallelPlanError, match="interleave=5 does not divide the 36"):
         parallelize_module(qkv, mesh, ColwiseParallel(interleave=5))
-    with pytest.raises(sw.ParallelPlanError, match="do not split into num_heads=8 heads"):
+    with pytest.raises(sw.errors.ParallelPlanError, match="do not split into num_heads=8 heads"):
         parallelize_module(qkv, mesh, ColwiseParallel(interleave=3, num_heads=8))
 
 
 def test_plan_value_must_be_a_style() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
-    with pytest.raises(sw.ParallelPlanError, match="not a ParallelStyle"):
+    with pytest.raises(sw.errors.ParallelPlanError, match="not a ParallelStyle"):
         parallelize_module(Stack(), mesh, {"head": "colwise"})
 
 
@@ -280,13 +280,15 @@ def test_vescale_plan_by_argument_name_and_root_keys() -> None:
 
 def test_vescale_plan_errors() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
-    with pytest.raises(sw.ParallelPlanError, match=r"'h\.\\d\+\.up.weight' matches no parameter"):
+    with pytest.raises(
+        sw.errors.ParallelPlanError, match=r"'h\.\\d\+\.up.weight' matches no parameter"
+    ):
         parallelize_module(Stack(), mesh, {"parameter": {r"h.\d+.up.weight": [Shard(0)]}})
-    with pytest.raises(sw.ParallelPlanError, match="matches no module"):
+    with pytest.raises(sw.errors.ParallelPlanError, match="matches no module"):
         parallelize_module(Stack(), mesh, {"forward": {r"h.\d+.input": [[Replicate()]]}})
-    with pytest.raises(sw.ParallelPlanError, match=r"must end in '.input' or '.output'"):
+    with pytest.raises(sw.errors.ParallelPlanError, match=r"must end in '.input' or '.output'"):
         parallelize_module(Stack(), mesh, {"forward": {r"head.inputs": [[Replicate()]]}})
-    with pytest.raises(sw.ParallelPlanError, match=r"parameter 'head.bias' of shape \[6\]"):
+    with pytest.raises(sw.errors.ParallelPlanError, match=r"parameter 'head.bias' of shape \[6\]"):
         parallelize_module(Stack(), mesh, {"parameter": {r"head.bias": [Shard(1)]}})
 
 
@@ -318,7 +320,7 @@ def test_distribute_module_partition_input_and_output_fns() -> None:
     assert model.up.weight.placements == (Shard(0),)
     assert model.down.weight.placements == (Replicate(),)  # left alone: replicated
     x = torch.randn(4, 6)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         _same_as_reference(model, reference, x)
 
 
@@ -342,7 +344,7 @@ def test_vescale_plan_keeps_ties_whichever_name_the_plan_uses() -> None:
         parallelize_module(model, mesh, {"parameter": params})
         assert model.lm_head.weight is model.transformer.wte.weight
         assert model.lm_head.weight.placements == ((Shard(1),) if params else (Replicate(),))
-    with pytest.raises(sw.ParallelPlanError, match="tied parameter"):
+    with pytest.raises(sw.errors.ParallelPlanError, match="tied parameter"):
         parallelize_module(
             NanoGPT(),
             mesh,
@@ -436,13 +438,13 @@ def test_replicated_then_parallelized_parameters_are_replaced_and_train() -> Non
 def test_prepare_styles_check_their_layouts() -> None:
     from shardwise.parallel import PrepareModuleInput, PrepareModuleOutput
 
-    with pytest.raises(sw.ParallelPlanError, match="same length"):
+    with pytest.raises(sw.errors.ParallelPlanError, match="same length"):
         PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(),))
-    with pytest.raises(sw.ParallelPlanError, match="has no desired layout"):
+    with pytest.raises(sw.errors.ParallelPlanError, match="has no desired layout"):
         PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(None,))
-    with pytest.raises(sw.ParallelPlanError, match="same keyword arguments"):
+    with pytest.raises(sw.errors.ParallelPlanError, match="same keyword arguments"):
         PrepareModuleInput(input_kwarg_layouts={"mask": Shard(0)})
-    with pytest.raises(sw.ParallelPlanError, match="same length"):
+    with pytest.raises(sw.errors.ParallelPlanError, match="same length"):
         PrepareModuleOutput(output_layouts=(Shard(0), Shard(1)), desired_output_layouts=Shard(0))
     mesh = sw.init_device_mesh("cpu", (2,))
     model = nn.Linear(4, 4)
@@ -454,5 +456,7 @@ def test_prepare_styles_check_their_layouts() -> None:
             input_layouts=(Shard(0), Shard(0)), desired_input_layouts=(Replicate(),) * 2
         ),
     )
-    with pytest.raises(sw.ParallelPlanError, match="2 input layouts for Linear, but it got 1"):
+    with pytest.raises(
+        sw.errors.ParallelPlanError, match="2 input layouts for Linear, but it got 1"
+    ):
         model(torch.randn(2, 4))

@@ -108,13 +108,13 @@ def test_attention_block_forward_backward(mesh_shape) -> None:
     # every device holds whole heads of q, k and v: rows [j*12 + lo, j*12 + hi) for j = 0, 1, 2
     n = mesh_shape[-1]
     rows = 12 // n
-    first = sw.unpack(qkv)[0]
+    first = sw.tf.unpack(qkv)[0]
     expected = torch.cat([reference.attn.c_attn.weight[j * 12 : j * 12 + rows] for j in range(3)])
     torch.testing.assert_close(first, expected)
 
     x = torch.randn(2, 5, 12)  # sequence 5: uneven over 2 and 3 devices
     dx = sw.distribute_tensor(x, mesh, [Replicate()] * (len(mesh_shape) - 1) + [Shard(1)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = block(dx)
     assert out.placements[-1] == Shard(1)
     ref = reference(x)
@@ -126,7 +126,7 @@ def test_attention_block_forward_backward(mesh_shape) -> None:
     grad = torch.randn_like(ref)
     ref.backward(grad)
     dgrad = sw.distribute_tensor(grad, mesh, out.placements)
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out.backward(dgrad)
     # activation gradients: one reduce-scatter per all-gather and back; q, k and v gradients
     # add up before theirs; the all-reduces are the sequence-parallel norm weights' and biases'
@@ -189,7 +189,7 @@ def test_interleaved_blocks_split_and_join_without_communication(mesh_shape) -> 
     lead = [Replicate()] * (len(mesh_shape) - 1)
     x = torch.randn(2, 15)  # blocks of 5: uneven on every mesh
     dx = sw.distribute_tensor(x, mesh, [*lead, InterleavedShard(1, 3)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         pieces = dx.split(5, dim=1)
         sized = torch.split(dx, [5, 5, 5], dim=1)
         joined = torch.cat(pieces, dim=1)

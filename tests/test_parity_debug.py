@@ -120,7 +120,7 @@ def test_visualize_sharding_1d_partial_empty_interleaved():
 def test_visualize_sharding_scalar_and_errors():
     mesh = sw.init_device_mesh("cpu", (2,))
     assert _grid(sw.distribute_tensor(torch.tensor(1.0), mesh))[1] == ["", "0 1"]
-    with pytest.raises(sw.InvalidArgumentError, match=r"\[2, 2, 2\]"):
+    with pytest.raises(sw.errors.InvalidArgumentError, match=r"\[2, 2, 2\]"):
         visualize_sharding(sw.distribute_tensor(torch.zeros(2, 2, 2), mesh), file=io.StringIO())
-    with pytest.raises(sw.InvalidArgumentError, match="needs a DTensor"):
+    with pytest.raises(sw.errors.InvalidArgumentError, match="needs a DTensor"):
         visualize_sharding(torch.zeros(2))

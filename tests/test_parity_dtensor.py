@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import DeviceMesh, InvalidPlacementError, Partial, Replicate, Shard
+from shardwise import DeviceMesh, Partial, Replicate, Shard
+from shardwise.errors import InvalidPlacementError
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_full_tensor_grad_placements(mesh):
 def test_redistribute_forward_and_backward_dtype(mesh):
     x = torch.randn(4, 6, dtype=torch.float32)
     dt = sw.distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
-    with sw.CommCounter() as forward:
+    with sw.debug.CommCounter() as forward:
         out = dt.redistribute(mesh, [Replicate()], forward_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and out.placements == (Replicate(),)
     assert torch.equal(out.full_tensor(), x.to(torch.bfloat16))
@@ -54,7 +55,7 @@ def test_redistribute_forward_and_backward_dtype(mesh):
     assert mid.dtype == torch.float32
     grad = sw.distribute_tensor(torch.randn(4, 6), mesh, [Replicate()])
     grad = grad.redistribute(mesh, [Shard(1)])
-    with sw.CommCounter() as backward:
+    with sw.debug.CommCounter() as backward:
         mid.backward(grad)
     assert dt.grad.dtype == torch.float32 and dt.grad.placements == (Shard(0),)
     assert backward.bytes["all_to_all"] == 2 * 6 * 2  # 6 float16 values to the other device

@@ -10,7 +10,9 @@ import torch.distributed as dist
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import DeviceMesh, Layout, Mesh, MeshError, Replicate, Shard, ShardwiseTypeError
+from shardwise import DeviceMesh, Replicate, Shard
+from shardwise.errors import MeshError, ShardwiseTypeError
+from shardwise.tf import Layout, Mesh
 
 
 @pytest.fixture
@@ -56,8 +58,9 @@ def test_flatten_is_a_1d_mesh_for_placements_and_collectives(mesh):
     t = torch.arange(24.0).reshape(12, 2)
     dt = sw.distribute_tensor(t, flat, [Shard(0)])
     # device k of the flat mesh holds rows 2k, 2k+1: one shard per device of the 2x3 mesh
-    assert [c.tolist() for c in sw.unpack(dt)] == [t[2 * k : 2 * k + 2].tolist() for k in range(6)]
-    with sw.CommCounter() as counter:
+    expected = [t[2 * k : 2 * k + 2].tolist() for k in range(6)]
+    assert [c.tolist() for c in sw.tf.unpack(dt)] == expected
+    with sw.debug.CommCounter() as counter:
         full = dt.redistribute(flat, [Replicate()])
     assert counter.counts == {"all_gather": 1} and torch.equal(full.full_tensor(), t)
     assert torch.equal((dt * 2).full_tensor(), t * 2)
@@ -87,59 +90,63 @@ def test_tf_mesh_constructor():
     m = Mesh(["a", "b"], ids, list(range(6)), [f"CPU:{i}" for i in range(6)], mesh_name="m")
     assert isinstance(m, DeviceMesh) and m.device_type == "cpu" and m.mesh_name == "m"
     assert m == Mesh(["a", "b"], ids, mesh_name="m")
-    assert m != sw.create_mesh([("a", 2), ("b", 3)])  # TF 2.21: the name is part of a mesh
+    assert m != sw.tf.create_mesh([("a", 2), ("b", 3)])  # TF 2.21: the name is part of a mesh
     assert m.num_local_devices() == 6 and len(m.local_devices()) == 6
     assert Mesh.from_string(m.to_string()).mesh_name == "m"
     with pytest.raises(MeshError, match=r"local_device_ids \[0, 1\] disagree"):
         Mesh(["a", "b"], ids, [0, 1], ["CPU:0", "CPU:1"])
     with pytest.raises(MeshError, match="'TPU'"):
         Mesh(["a"], [0, 1], device_type="TPU")
-    dt = sw.copy_to_mesh(torch.arange(4.0), Layout(["a"], Mesh(["a"], [0, 1])))
-    assert [c.tolist() for c in sw.unpack(dt)] == [[0.0, 1.0], [2.0, 3.0]]
+    dt = sw.tf.copy_to_mesh(torch.arange(4.0), Layout(["a"], Mesh(["a"], [0, 1])))
+    assert [c.tolist() for c in sw.tf.unpack(dt)] == [[0.0, 1.0], [2.0, 3.0]]
 
 
 def test_tf_device_type_spelling():
-    assert sw.create_mesh([("x", 2)], device_type="CPU").device_type == "cpu"
-    m = sw.create_distributed_mesh([("batch", 4), ("model", 2)], mesh_name="d", device_type="CPU")
+    assert sw.tf.create_mesh([("x", 2)], device_type="CPU").device_type == "cpu"
+    m = sw.tf.create_distributed_mesh(
+        [("batch", 4), ("model", 2)], mesh_name="d", device_type="CPU"
+    )
     assert isinstance(m, Mesh) and m.shape == (4, 2) and m.mesh_name == "d"
     assert m.mesh.flatten().tolist() == list(range(8)) and m.dim_names == ["batch", "model"]
     with pytest.raises(MeshError, match="mesh_dims"):
-        sw.create_distributed_mesh([("x", 0)])
+        sw.tf.create_distributed_mesh([("x", 0)])
 
 
 def test_layout_strings_and_delete(mesh):
-    layout = Layout(["x", sw.UNSHARDED, "y"], mesh)
+    layout = Layout(["x", sw.tf.UNSHARDED, "y"], mesh)
     text = layout.to_string()
     assert text.startswith("sharding_specs:x,unsharded,y, mesh:|x=2,y=3|")
     assert Layout.from_string(text) == layout
     assert Layout.from_string(Layout([], mesh).to_string()) == Layout([], mesh)
-    assert layout.delete([0]) == Layout([sw.UNSHARDED, "y"], mesh)
-    assert layout.delete([-1, 0]) == Layout([sw.UNSHARDED], mesh)
-    with pytest.raises(sw.LayoutError, match="out of range"):
+    assert layout.delete([0]) == Layout([sw.tf.UNSHARDED, "y"], mesh)
+    assert layout.delete([-1, 0]) == Layout([sw.tf.UNSHARDED], mesh)
+    with pytest.raises(sw.errors.LayoutError, match="out of range"):
         layout.delete([3])
-    with pytest.raises(sw.LayoutError, match="cannot read a layout"):
+    with pytest.raises(sw.errors.LayoutError, match="cannot read a layout"):
         Layout.from_string("x,y")
 
 
 def test_clients_and_devices_in_one_process(mesh):
-    assert sw.client_id() == 0 and sw.num_clients() == 1
-    assert sw.local_devices("CPU") == [torch.device("cpu")] == sw.local_devices("cpu", 0)
-    assert sw.num_local_devices("CPU") == 1 == sw.num_global_devices("CPU")
-    assert sw.num_local_devices("GPU") == torch.cuda.device_count()
-    with pytest.raises(sw.InvalidArgumentError, match="for_client_id 1"):
-        sw.local_devices("CPU", for_client_id=1)
-    sw.barrier(mesh, "in one process")  # nothing to wait for
+    assert sw.tf.client_id() == 0 and sw.tf.num_clients() == 1
+    assert sw.tf.local_devices("CPU") == [torch.device("cpu")] == sw.tf.local_devices("cpu", 0)
+    assert sw.tf.num_local_devices("CPU") == 1 == sw.tf.num_global_devices("CPU")
+    assert sw.tf.num_local_devices("GPU") == torch.cuda.device_count()
+    with pytest.raises(sw.errors.InvalidArgumentError, match="for_client_id 1"):
+        sw.tf.local_devices("CPU", for_client_id=1)
+    sw.tf.barrier(mesh, "in one process")  # nothing to wait for
     with pytest.raises(MeshError):
-        sw.barrier("not a mesh")
+        sw.tf.barrier("not a mesh")
 
 
 # ----- across two processes ------------------------------------------------------------------
 
 
 def _two_process_job() -> dict:
-    mesh = sw.create_distributed_mesh([("x", 2), ("y", 2)])  # devices 2r, 2r+1 on rank r
+    mesh = sw.tf.create_distributed_mesh([("x", 2), ("y", 2)])  # devices 2r, 2r+1 on rank r
     rank = dist.get_rank()
-    out: dict = {"client": (sw.client_id(), sw.num_clients(), sw.num_global_devices("CPU"))}
+    out: dict = {
+        "client": (sw.tf.client_id(), sw.tf.num_clients(), sw.tf.num_global_devices("CPU"))
+    }
     out["rank"] = mesh.get_rank()
     # along x the groups {0, 2} and {1, 3} both join ranks 0 and 1: one process group
     group = mesh.get_group("x")
@@ -155,13 +162,13 @@ def _two_process_job() -> dict:
         mesh.get_all_groups()
     except MeshError:
         out["all_groups_error"] = True
-    one_each = sw.create_distributed_mesh([("d", 2)])
+    one_each = sw.tf.create_distributed_mesh([("d", 2)])
     out["all_groups"] = [dist.get_process_group_ranks(g) for g in one_each.get_all_groups()]
     flat = mesh.flatten()
     dt = sw.distribute_tensor(torch.arange(8.0), flat, [Shard(0)])
-    out["flat_local"] = [c.tolist() for c in sw.unpack(dt)]
+    out["flat_local"] = [c.tolist() for c in sw.tf.unpack(dt)]
     out["flat_full"] = dt.full_tensor().tolist()
-    sw.barrier(mesh, "after the checks", timeout_in_ms=30_000)
+    sw.tf.barrier(mesh, "after the checks", timeout_in_ms=30_000)
     out["round_trip"] = DeviceMesh.from_string(mesh.to_string()) == mesh
     return out
 

@@ -8,19 +8,21 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import DVariable, Layout, NotEagerError, Replicate, Shard
+from shardwise import Replicate, Shard
+from shardwise.errors import NotEagerError
 from shardwise.mesh import DeviceMesh
+from shardwise.tf import DVariable, Layout
 
 
 @pytest.fixture
 def mesh() -> DeviceMesh:
-    return sw.create_mesh([("x", 2), ("y", 2)])
+    return sw.tf.create_mesh([("x", 2), ("y", 2)])
 
 
 def test_dvariable_in_ops(mesh):
     w = torch.arange(12.0).reshape(4, 3) / 7
     x = torch.arange(6.0).reshape(3, 2) - 2
-    v = DVariable(w, layout=Layout(["x", sw.UNSHARDED], mesh))
+    v = DVariable(w, layout=Layout(["x", sw.tf.UNSHARDED], mesh))
     dx = sw.distribute_tensor(x, mesh, [Replicate(), Replicate()])
     assert isinstance(v, sw.DTensor) and v.is_leaf and v.requires_grad
     plus = v + 1
@@ -28,7 +30,7 @@ def test_dvariable_in_ops(mesh):
     product = v @ dx
     assert type(product) is sw.DTensor and torch.allclose(product.full_tensor(), w @ x)
     assert torch.allclose((2 * v - v).full_tensor(), w)
-    assert sw.fetch_layout(v) == v.layout and v.value is v
+    assert sw.tf.fetch_layout(v) == v.layout and v.value is v
 
 
 def test_dvariable_trains_with_torch_optim(mesh):
@@ -41,7 +43,7 @@ def test_dvariable_trains_with_torch_optim(mesh):
     for _ in range(3):
         opt.zero_grad()
         ref_opt.zero_grad()
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             (v @ dx).pow(2).sum().full_tensor().backward()
         (ref @ x).pow(2).sum().backward()
         assert isinstance(v.grad, sw.DTensor) and v.grad.placements == v.placements
@@ -53,7 +55,7 @@ def test_dvariable_trains_with_torch_optim(mesh):
 
 
 def test_dvariable_grad_is_settable(mesh):
-    v = DVariable(torch.ones(4, 2), layout=Layout(["x", sw.UNSHARDED], mesh))
+    v = DVariable(torch.ones(4, 2), layout=Layout(["x", sw.tf.UNSHARDED], mesh))
     v.grad = sw.distribute_tensor(torch.full((4, 2), 2.0), mesh, v.placements)
     torch.optim.SGD([v], lr=0.25).step()
     assert torch.equal(v.full_tensor(), torch.full((4, 2), 0.5))
@@ -70,7 +72,7 @@ def test_dvariable_assign_and_read_value(mesh):
     snapshot = v.read_value()
     v.assign_add(torch.ones(2, 4))
     assert torch.equal(snapshot.full_tensor(), a + 1)  # a snapshot, not a view
-    assert torch.equal(v.full_tensor(), a + 2) and sw.fetch_layout(snapshot) == layout
+    assert torch.equal(v.full_tensor(), a + 2) and sw.tf.fetch_layout(snapshot) == layout
     assert type(snapshot) is sw.DTensor
 
 
@@ -83,12 +85,12 @@ def test_dvariable_not_trainable_and_int(mesh):
 
 def test_pack_unpack_fetch_layout_must_be_called_eagerly(mesh):
     layout = Layout(["x"], mesh)
-    dt = sw.pack([torch.ones(1)] * 4, layout)
+    dt = sw.tf.pack([torch.ones(1)] * 4, layout)
 
     def pack_inside(a: torch.Tensor):
-        return sw.pack([a, a, a, a], layout)
+        return sw.tf.pack([a, a, a, a], layout)
 
-    for fn, arg in ((pack_inside, torch.ones(1)), (sw.unpack, dt), (sw.fetch_layout, dt)):
+    for fn, arg in ((pack_inside, torch.ones(1)), (sw.tf.unpack, dt), (sw.tf.fetch_layout, dt)):
         torch._dynamo.reset()
         with pytest.raises(NotEagerError, match="must be called eagerly") as info:
             torch.compile(fn, backend="eager")(arg)
@@ -98,13 +100,14 @@ def test_pack_unpack_fetch_layout_must_be_called_eagerly(mesh):
         torch.compile(pack_inside, backend="eager", fullgraph=True)(torch.ones(1))
     torch._dynamo.reset()
     with pytest.raises(NotEagerError, match="unpack must be called eagerly"):
-        torch.fx.symbolic_trace(lambda t: sw.unpack(t))
+        torch.fx.symbolic_trace(lambda t: sw.tf.unpack(t))
     # eagerly they work
-    assert [c.tolist() for c in sw.unpack(dt)] == [[1.0]] * 4 and sw.fetch_layout(dt) == layout
+    assert [c.tolist() for c in sw.tf.unpack(dt)] == [[1.0]] * 4
+    assert sw.tf.fetch_layout(dt) == layout
 
 
 def test_relayout_takes_a_name(mesh):
-    dt = sw.copy_to_mesh(torch.arange(4.0), Layout(["x"], mesh))
-    out = sw.relayout(dt, Layout(["y"], mesh), name="to_y")
+    dt = sw.tf.copy_to_mesh(torch.arange(4.0), Layout(["x"], mesh))
+    out = sw.tf.relayout(dt, Layout(["y"], mesh), name="to_y")
     assert out.placements == (Replicate(), Shard(0))
     assert torch.equal(out.full_tensor(), torch.arange(4.0))

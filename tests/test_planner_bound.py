@@ -22,10 +22,10 @@ from conftest import (
     ref_coords,
     ref_indices,
 )
-from shardwise import DTensorSpec, Partial, Replicate, Shard
+from shardwise import Partial, Replicate, Shard
 from shardwise.redistribute import lower_bound_bytes, plan_redistribute
 from shardwise.redistribute.plan import Pricer
-from shardwise.spec import contiguous_meta, validate_placements
+from shardwise.spec import DTensorSpec, contiguous_meta, validate_placements
 
 
 def _held(shape, mesh, placements, coord) -> set[tuple[int, ...]]:
@@ -72,7 +72,7 @@ def test_bound_counts_elements_and_never_beats_the_plan(case, data) -> None:
     try:
         source = validate_placements(shape, mesh, case.placements)
         target = validate_placements(shape, mesh, target)
-    except sw.InvalidPlacementError:
+    except sw.errors.InvalidPlacementError:
         return
     try:
         expected = _ref_bound(shape, mesh, source, target)
@@ -124,9 +124,9 @@ def test_partial_resolves_at_the_bound_on_a_cube() -> None:
     parts = [torch.randn(8, 6) for _ in range(8)]
     dt = sw.DTensor.from_local(parts, mesh, [Partial()] * 3)
     target = [Replicate()] * 3
-    plan = sw.explain_redistribute(dt, target)
+    plan = sw.debug.explain_redistribute(dt, target)
     assert plan.global_bytes == plan.lower_bound == 8 * 2 * 7 * (8 * 6 * 4) // 8
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = dt.redistribute(placements=target)
     assert counter.total_bytes == plan.bytes
     expected = parts[0]
@@ -148,11 +148,11 @@ def _check_pair(mesh: sw.DeviceMesh, x: torch.Tensor, source: tuple, target: tup
     bytes the plan priced."""
     shape = tuple(x.shape)
     dt = sw.DTensor.from_local(components_for(x, mesh, source, 7), mesh, source, shape=shape)
-    plan = sw.explain_redistribute(dt, target)
+    plan = sw.debug.explain_redistribute(dt, target)
     assert plan.global_bytes == plan.lower_bound == lower_bound_bytes(
         mesh, shape, 4, source, target
     ), (source, target, plan)
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = dt.redistribute(placements=target)
     assert counter.total_bytes == plan.bytes
     check_components(sw.local_components(out), x, mesh, target)
@@ -196,13 +196,13 @@ def test_every_srp_pair_to_a_partial_target(mesh_shape, shape) -> None:
     x = make_tensor(shape, torch.float32, 3)
     for source, target in _partial_pairs(len(mesh_shape)):
         dt = sw.DTensor.from_local(components_for(x, mesh, source, 7), mesh, source, shape=shape)
-        plan = sw.explain_redistribute(dt, target)
+        plan = sw.debug.explain_redistribute(dt, target)
         assert plan.lower_bound == 4 * _ref_bound(shape, mesh, source, target)
         assert plan.global_bytes >= plan.lower_bound
         settled = [Replicate() if p.is_partial() else p for p in target]
-        assert plan.global_bytes <= sw.explain_redistribute(dt, settled).global_bytes
+        assert plan.global_bytes <= sw.debug.explain_redistribute(dt, settled).global_bytes
         assert plan.global_bytes == plan.lower_bound, (source, target, plan)
-        with sw.CommCounter() as counter:
+        with sw.debug.CommCounter() as counter:
             out = dt.redistribute(placements=target)
         assert counter.total_bytes == plan.bytes
         check_components(sw.local_components(out), x, mesh, target)

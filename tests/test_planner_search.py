@@ -122,7 +122,7 @@ def _cheapest(
                 after = state[:m] + (b,) + state[m + 1:]
                 try:
                     moved = pricer.price(kind, state, after, m)[1]
-                except sw.InvalidPlacementError:
+                except sw.errors.InvalidPlacementError:
                     continue
                 new = (cost[0] + moved, cost[1], cost[2] + (kind != "local"), cost[3] + 1)
                 if after not in best or new < best[after]:

@@ -16,7 +16,8 @@ from torch import nn
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import DeviceMesh, MeshError, Partial, Replicate, Shard
+from shardwise import DeviceMesh, Partial, Replicate, Shard
+from shardwise.errors import MeshError
 from shardwise.parallel import distribute_module, parallelize_module
 
 # ----- _unflatten (embedded) -----------------------------------------------------------------
@@ -41,7 +42,7 @@ def test_unflatten_splits_a_dim_into_named_dims():
     t = torch.arange(48.0).reshape(12, 4)
     dt = sw.distribute_tensor(t, split, [Replicate(), Shard(0), Shard(1)])
     assert torch.equal(dt.full_tensor(), t)
-    assert torch.equal(sw.unpack(dt)[3], t.chunk(3, 0)[1].chunk(2, 1)[1])
+    assert torch.equal(sw.tf.unpack(dt)[3], t.chunk(3, 0)[1].chunk(2, 1)[1])
 
 
 def test_unflatten_errors_name_the_mesh():
@@ -99,9 +100,9 @@ def test_root_mesh_through_unflatten_and_flatten():
 def test_with_mesh_is_the_current_mesh_of_the_apis_that_read_it():
     mesh = sw.init_device_mesh("cpu", (2,))
     other = sw.init_device_mesh("cpu", (4,))
-    assert sw.get_default_mesh() is None
+    assert sw.tf.get_default_mesh() is None
     with mesh as entered:
-        assert entered is mesh and sw.get_default_mesh() is mesh
+        assert entered is mesh and sw.tf.get_default_mesh() is mesh
         z = sw.zeros(4, 2)
         assert z.device_mesh == mesh and z.placements == (Replicate(),)
         r = sw.randn(4, placements=[Shard(0)])
@@ -110,9 +111,9 @@ def test_with_mesh_is_the_current_mesh_of_the_apis_that_read_it():
         assert local.device_mesh == mesh and local.placements == (Replicate(),)
         with other:  # nested: the inner one is current, then the outer again
             assert sw.ones(4).device_mesh == other
-            with sw.default_mesh(mesh):  # TF's name for the same state
-                assert sw.get_default_mesh() is mesh
-            assert sw.get_default_mesh() is other
+            with sw.tf.default_mesh(mesh):  # TF's name for the same state
+                assert sw.tf.get_default_mesh() is mesh
+            assert sw.tf.get_default_mesh() is other
         assert sw.full((2,), 3.0).device_mesh == mesh
         placed = sw.distribute_tensor(torch.arange(4.0), placements=[Shard(0)])
         assert placed.device_mesh == mesh and torch.equal(placed.full_tensor(), torch.arange(4.0))
@@ -120,7 +121,7 @@ def test_with_mesh_is_the_current_mesh_of_the_apis_that_read_it():
         assert lin.weight.device_mesh == mesh
         col = parallelize_module(nn.Linear(4, 2), parallelize_plan=sw.parallel.ColwiseParallel())
         assert col.weight.placements == (Shard(0),) and col.weight.device_mesh == mesh
-    assert sw.get_default_mesh() is None
+    assert sw.tf.get_default_mesh() is None
     with pytest.raises(MeshError, match=r"no device_mesh.*with mesh"):
         sw.zeros(4)
     with pytest.raises(MeshError, match=r"DTensor.from_local.*with mesh"):
@@ -133,22 +134,22 @@ def test_with_mesh_is_undone_on_error_and_stays_in_its_thread():
     mesh = sw.init_device_mesh("cpu", (2,))
     with pytest.raises(RuntimeError, match="boom"), mesh:
         raise RuntimeError("boom")
-    assert sw.get_default_mesh() is None
+    assert sw.tf.get_default_mesh() is None
     inside, entered, release = [], threading.Event(), threading.Event()
 
     def other_thread() -> None:
-        inside.append(sw.get_default_mesh())  # the main thread's block is not seen here
+        inside.append(sw.tf.get_default_mesh())  # the main thread's block is not seen here
         two = sw.init_device_mesh("cpu", (4,))
         with two:
             entered.set()
             release.wait(10)
-            inside.append(sw.get_default_mesh())
+            inside.append(sw.tf.get_default_mesh())
 
     with mesh:
         worker = threading.Thread(target=other_thread)
         worker.start()
         entered.wait(10)
-        assert sw.get_default_mesh() is mesh  # the thread's block is not seen here either
+        assert sw.tf.get_default_mesh() is mesh  # the thread's block is not seen here either
         release.set()
         worker.join(10)
     assert inside[0] is None and inside[1].shape == (4,)
@@ -235,7 +236,7 @@ def test_vescale_plan_with_escaped_dots():
 
 
 def test_vescale_forward_key_without_side_names_it():
-    with pytest.raises(sw.ParallelPlanError, match=r"'.input' or '.output'"):
+    with pytest.raises(sw.errors.ParallelPlanError, match=r"'.input' or '.output'"):
         parallelize_module(_Layers(), sw.init_device_mesh("cpu", (2,)),
                            {"forward": {r"layers\.\d+\.mlp": [[Replicate()]]}})
 
@@ -378,7 +379,7 @@ def _two_process_job() -> dict:
         try:
             call()
             out[name] = "no error"
-        except sw.DTensorCollectiveError as err:
+        except sw.errors.DTensorCollectiveError as err:
             out[name] = str(err)
     out["to_local_still_works"] = dist.all_reduce(dt.to_local()) is None
     # the escaped veScale plan, one device per process

@@ -70,7 +70,7 @@ def test_mean_over_uneven_shards_stays_exact(rows: int) -> None:
     x = _randn(rows, 3, seed=rows)
     mesh = _mesh(2)
     d = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         m = d.mean(0)
     assert counter.counts == {}
     assert m.placements == (Partial(),)
@@ -153,7 +153,7 @@ def test_mse_mean_is_avg_of_local_means_on_even_shards() -> None:
 def test_vector_norm_is_a_pending_norm(p: float) -> None:
     x = _randn(5, 4, seed=7)
     d = sw.distribute_tensor(x, _mesh(2), [Shard(0)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         n = torch.linalg.vector_norm(d, p)
     assert counter.counts == {}
     assert n.placements == (norm_partial(p),)
@@ -167,7 +167,7 @@ def test_pending_norm_semantics_and_redistribution() -> None:
     assert norm_partial(2) == Partial("norm2") and norm_partial(math.inf) == Partial("norminf")
     assert norm_partial(0) == Partial() and norm_partial(-math.inf) == Partial("min")
     assert norm_partial(-1) is None
-    with pytest.raises(sw.InvalidPlacementError, match="norm<p>"):
+    with pytest.raises(sw.errors.InvalidPlacementError, match="norm<p>"):
         Partial("norm-2")
     a, b = torch.tensor([3.0, -1.0]), torch.tensor([4.0, 1.0])
     for op, want in [("norm2", (a**2 + b**2).sqrt()), ("norm1", a.abs() + b.abs()),
@@ -181,7 +181,7 @@ def test_pending_norm_semantics_and_redistribution() -> None:
         whole = scattered.redistribute(placements=[Replicate()])
         back = whole.redistribute(placements=[Partial(op)])
         torch.testing.assert_close(back.full_tensor(), want)
-    with pytest.raises(sw.InvalidPlacementError, match="floating"):
+    with pytest.raises(sw.errors.InvalidPlacementError, match="floating"):
         sw.DTensor.from_local([torch.tensor([1]), torch.tensor([2])], mesh, [Partial("norm2")])
 
 
@@ -189,7 +189,7 @@ def test_norm_of_stacked_pending_norms_stays_pending() -> None:
     mesh = _mesh(2)
     xs = [_randn(4, 3, seed=s) for s in range(3)]
     ds = [sw.distribute_tensor(x, mesh, [Shard(i % 2)]) for i, x in enumerate(xs)]
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in ds]))
     assert counter.counts == {} and total.placements == (Partial("norm2"),)
     expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in xs]))
@@ -222,7 +222,7 @@ def _clip(mesh_shape: tuple[int, ...], norm_type: float) -> tuple[dict, dict, bo
     expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type)
     out = sharded(x)  # a plain tensor where a process owns one device (use_local_output)
     (out.full_tensor() if isinstance(out, sw.DTensor) else out).pow(2).sum().backward()
-    with sw.CommCounter() as counter, sw.allow_implicit_redistribute():
+    with sw.debug.CommCounter() as counter, sw.config.allow_implicit_redistribute():
         total = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 0.01, norm_type)
     ok = torch.allclose(total.full_tensor(), expected, rtol=1e-5) and all(
         torch.allclose(p.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-7)

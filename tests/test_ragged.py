@@ -24,11 +24,13 @@ from test_planner_bound import _ref_bound
 def test_sizes_are_checked_against_shape_and_mesh() -> None:
     mesh = sw.init_device_mesh("cpu", (4,))
     x = torch.randn(10, 3)
-    with pytest.raises(sw.InvalidPlacementError, match=r"summing to the size 10.*\[10, 3\]"):
+    with pytest.raises(sw.errors.InvalidPlacementError, match=r"summing to the size 10.*\[10, 3\]"):
         sw.distribute_tensor(x, mesh, [RaggedShard(0, (3, 0, 5, 1))])
-    with pytest.raises(sw.InvalidPlacementError, match=r"one size per device of the mesh dim"):
+    with pytest.raises(
+        sw.errors.InvalidPlacementError, match=r"one size per device of the mesh dim"
+    ):
         sw.distribute_tensor(x, mesh, [RaggedShard(0, (5, 5))])
-    with pytest.raises(sw.InvalidPlacementError, match="ints >= 0"):
+    with pytest.raises(sw.errors.InvalidPlacementError, match="ints >= 0"):
         RaggedShard(0, (3, -1))
     assert RaggedShard(0, [1, 2]) == RaggedShard(0, (1, 2)) != Shard(0)
     # not torch.chunk's pieces: PyTorch's is_shard() question answers no (test_strided_shard)
@@ -57,7 +59,7 @@ def test_pieces_follow_the_sizes(mesh_shape) -> None:
 
 def test_nested_sizes_must_fit_every_parent_piece() -> None:
     mesh = sw.init_device_mesh("cpu", (2, 2))
-    with pytest.raises(sw.InvalidPlacementError, match="summing to the size 5"):
+    with pytest.raises(sw.errors.InvalidPlacementError, match="summing to the size 5"):
         sw.distribute_tensor(torch.randn(10, 2), mesh, [Shard(0), RaggedShard(0, (1, 3))])
     dt = sw.distribute_tensor(torch.arange(10.0), mesh, [Shard(0), RaggedShard(0, (0, 5))])
     assert [c.tolist() for c in sw.local_components(dt)] == [[], [0, 1, 2, 3, 4], [],
@@ -82,12 +84,12 @@ TWO_D = [
 def _check(mesh, x, source, target) -> None:
     shape = tuple(x.shape)
     dt = sw.DTensor.from_local(components_for(x, mesh, source, 7), mesh, source, shape=shape)
-    plan = sw.explain_redistribute(dt, target)
+    plan = sw.debug.explain_redistribute(dt, target)
     if not any(p.is_partial() for p in target):  # the planner's bound: Partial-free targets
         assert plan.global_bytes == plan.lower_bound == lower_bound_bytes(
             mesh, shape, 4, tuple(source), tuple(target)
         ) == 4 * _ref_bound(shape, mesh, tuple(source), tuple(target)), (source, target, plan)
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = dt.redistribute(placements=target)
     assert counter.total_bytes == plan.bytes
     assert out.placements == tuple(target)

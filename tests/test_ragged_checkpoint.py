@@ -72,7 +72,7 @@ def _fsdp_model(n: int) -> nn.Module:
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         out = model(x)
         loss = (out * out).mean()
         opt.zero_grad()

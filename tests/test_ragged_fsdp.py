@@ -75,7 +75,7 @@ def test_ragged_fully_shard_trains_like_one_device(n: int) -> None:
         assert all(s % BLOCK == 0 or s == p.shape[0] for s in starts)  # on a block boundary
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     for step, (x, y) in enumerate(_batches(8)):
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             loss = F.mse_loss(model(x), sw.distribute_tensor(y, mesh, [Shard(0)]))
             opt.zero_grad()
             loss.backward()

@@ -35,8 +35,8 @@ def _job() -> list[str]:
     targets = [Replicate(), Shard(0), Shard(1), InterleavedShard(0, 2), other,
                RaggedShard(1, (1, 3) if world == 2 else (0, 1, 0, 3)), Partial()]
     for target in targets:
-        plan = sw.explain_redistribute(dt, [target])
-        with sw.CommCounter() as counter:
+        plan = sw.debug.explain_redistribute(dt, [target])
+        with sw.debug.CommCounter() as counter:
             out = dt.redistribute(placements=[target])
         if counter.total_bytes != plan.bytes:
             failures.append(f"bytes {target}: {counter.total_bytes} != {plan.bytes}")
@@ -48,7 +48,7 @@ def _job() -> list[str]:
             failures.append(f"back from {target}")
     w = torch.randn(4, 3, generator=torch.Generator().manual_seed(4))
     dw = sw.distribute_tensor(w, mesh, [Replicate()])  # (a broadcast from rank 0)
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         y = (dt @ dw).relu() * 2
         s = dt.sum(1)
     if counter.total_bytes or y.placements != (ragged,) or s.placements != (ragged,):

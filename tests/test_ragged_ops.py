@@ -28,7 +28,7 @@ def _x(*shape, seed=0):
 
 
 def _embedding_bag(w: torch.Tensor) -> torch.Tensor:
-    with sw.implicit_replication():  # plain indices and offsets every rank holds whole
+    with sw.config.implicit_replication():  # plain indices and offsets every rank holds whole
         return F.embedding_bag(torch.tensor([1, 0, 4, 4, 2]), w, torch.tensor([0, 2]),
                                mode="max")
 
@@ -80,7 +80,7 @@ def _rows(x):
 
 
 def _no_comm(fn, *args):
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = fn(*args)
     assert counter.total_bytes == 0, counter
     return out
@@ -96,9 +96,9 @@ def test_pointwise_keeps_equal_ragged_operands() -> None:
 def test_pointwise_with_different_sizes_moves_one_operand() -> None:
     x, y = _x(10, 3), _x(10, 3, seed=1)
     other = sw.distribute_tensor(y, _mesh(), [RaggedShard(0, (1, 2, 3, 4))])
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         _rows(x) + other
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         out = _rows(x) + other
     torch.testing.assert_close(out.full_tensor(), x + y)
 
@@ -147,8 +147,8 @@ def test_views_merging_the_ragged_dim() -> None:
     assert flat.placements == (RaggedShard(0, (9, 0, 15, 6)),)
     torch.testing.assert_close(flat.full_tensor(), x.reshape(30))
     cols = sw.distribute_tensor(x.t().contiguous(), _mesh(), [RaggedShard(1, ROWS.sizes)])
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         cols.reshape(30)
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         out = cols.reshape(30)
     torch.testing.assert_close(out.full_tensor(), x.t().reshape(30))

@@ -180,23 +180,23 @@ def _settings_per_rank() -> tuple:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if rank == 1:
-        sw.set_collective_timeout(7.0)
-        sw.set_debug_checks(True)
+        sw.config.set_collective_timeout(7.0)
+        sw.config.set_debug_checks(True)
     dist.barrier()  # rank 0 reads after rank 1 set its own
     seen: list = []
-    thread = threading.Thread(target=lambda: seen.append(sw.get_collective_timeout()))
+    thread = threading.Thread(target=lambda: seen.append(sw.config.get_collective_timeout()))
     thread.start()
     thread.join()
     from shardwise import settings
 
-    return sw.get_collective_timeout(), settings.DEBUG_CHECKS.get(), seen[0]
+    return sw.config.get_collective_timeout(), settings.DEBUG_CHECKS.get(), seen[0]
 
 
 def test_shardwise_settings_set_in_a_rank_thread_are_that_ranks() -> None:
     import shardwise as sw
     from shardwise import settings
 
-    before = (sw.get_collective_timeout(), settings.DEBUG_CHECKS.get())
+    before = (sw.config.get_collective_timeout(), settings.DEBUG_CHECKS.get())
     got = run_threads(_settings_per_rank, 2, timeout=TIMEOUT)
     assert got == [(before[0], before[1], before[0]), (7.0, True, 7.0)]
-    assert (sw.get_collective_timeout(), settings.DEBUG_CHECKS.get()) == before
+    assert (sw.config.get_collective_timeout(), settings.DEBUG_CHECKS.get()) == before

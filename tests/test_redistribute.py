@@ -53,7 +53,7 @@ def test_redistribute_round_trips_exactly(transition: tuple, seed: int) -> None:
     x = make_tensor(case.shape, case.dtype, seed)
     if case.dtype.is_floating_point is False and _has_avg(case.placements, target):
         # the mean of integers is not an integer: Partial("avg") refuses them (issue 7)
-        with pytest.raises(sw.InvalidPlacementError, match="Partial\\('avg'\\) needs"):
+        with pytest.raises(sw.errors.InvalidPlacementError, match="Partial\\('avg'\\) needs"):
             sw.DTensor.from_local(
                 components_for(x, case.mesh, case.placements, seed), case.mesh, case.placements
             ).redistribute(case.mesh, target)
@@ -61,8 +61,8 @@ def test_redistribute_round_trips_exactly(transition: tuple, seed: int) -> None:
     dt = sw.DTensor.from_local(
         components_for(x, case.mesh, case.placements, seed), case.mesh, case.placements
     )
-    plan = sw.explain_redistribute(dt, target)
-    with sw.CommCounter() as counter:
+    plan = sw.debug.explain_redistribute(dt, target)
+    with sw.debug.CommCounter() as counter:
         out = dt.redistribute(case.mesh, target)
     assert out.placements == tuple(_positive(p, len(case.shape)) for p in target)
     assert out.shape == x.shape and out.dtype == x.dtype
@@ -133,7 +133,7 @@ def test_1d_plan_is_the_cheapest(case: Case, data: st.DataObject) -> None:
     target = data.draw(placements_for(case.shape, case.mesh_shape))
     x = torch.zeros(case.shape, dtype=case.dtype)
     dt = sw.distribute_tensor(x, case.mesh, case.placements)
-    plan = sw.explain_redistribute(dt, target)
+    plan = sw.debug.explain_redistribute(dt, target)
     rank = len(case.shape)
     expected = _cheapest_1d(
         case.shape,
@@ -145,9 +145,11 @@ def test_1d_plan_is_the_cheapest(case: Case, data: st.DataObject) -> None:
     assert plan.bytes == expected, plan
 
 
-def _run(dt: sw.DTensor, target: list[Placement]) -> tuple[sw.RedistributePlan, Counter, int]:
-    plan = sw.explain_redistribute(dt, target)
-    with sw.CommCounter() as counter:
+def _run(
+    dt: sw.DTensor, target: list[Placement]
+) -> tuple[sw.redistribute.RedistributePlan, Counter, int]:
+    plan = sw.debug.explain_redistribute(dt, target)
+    with sw.debug.CommCounter() as counter:
         dt.redistribute(placements=target)
     return plan, counter, counter.total_bytes
 
@@ -229,7 +231,8 @@ def test_3d_partial_on_middle_dim_is_one_all_reduce() -> None:
 def test_plans_are_cached() -> None:
     dt = sw.distribute_tensor(X, MESH4, [Shard(0)])
     assert plan_redistribute(dt._spec, (Shard(1),)) is plan_redistribute(dt._spec, (Shard(1),))
-    assert sw.explain_redistribute(dt, [Shard(1)]) == sw.explain_redistribute(dt, [Shard(-1)])
+    explain = sw.debug.explain_redistribute
+    assert explain(dt, [Shard(1)]) == explain(dt, [Shard(-1)])
 
 
 def test_redistribute_to_same_placements_is_free() -> None:
@@ -304,7 +307,7 @@ def test_plan_steps_are_priced_by_the_ring_model(transition: tuple, seed: int) -
     case, target = transition
     x = make_tensor(case.shape, case.dtype, seed)
     dt = sw.distribute_tensor(x, case.mesh, case.placements)
-    plan = sw.explain_redistribute(dt, target)
+    plan = sw.debug.explain_redistribute(dt, target)
     rank, itemsize = len(case.shape), x.element_size()
     state = tuple(_positive(p, rank) for p in case.placements)
     for step in plan.steps:

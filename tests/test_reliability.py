@@ -27,7 +27,7 @@ f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float6
 def _raises(call: Callable[[], object], cls: type[Exception], *fragments: str) -> None:
     with pytest.raises(cls) as info:
         call()
-    assert isinstance(info.value, sw.ShardwiseError), type(info.value)
+    assert isinstance(info.value, sw.errors.ShardwiseError), type(info.value)
     for fragment in fragments:
         assert fragment in str(info.value), (fragment, str(info.value))
 
@@ -37,17 +37,20 @@ def _raises(call: Callable[[], object], cls: type[Exception], *fragments: str) -
 
 def test_avg_of_bool_or_integers_is_refused() -> None:
     flags = sw.distribute_tensor(torch.tensor([True, False, True, True]), MESH4, [Shard(0)])
-    _raises(lambda: flags.redistribute(placements=[Partial("avg")]), sw.InvalidPlacementError,
+    _raises(lambda: flags.redistribute(placements=[Partial("avg")]),
+            sw.errors.InvalidPlacementError,
             "Partial('avg')", "torch.bool", "[4]")
     bools = [torch.tensor([True]), torch.tensor([False])] * 2
-    _raises(lambda: DTensor.from_local(bools, MESH4, [Partial("avg")]), sw.InvalidPlacementError)
+    _raises(lambda: DTensor.from_local(bools, MESH4, [Partial("avg")]),
+            sw.errors.InvalidPlacementError)
     ints = [torch.tensor([v]) for v in (1, 2, 2, 2)]
-    _raises(lambda: DTensor.from_local(ints, MESH4, [Partial("avg")]), sw.InvalidPlacementError,
+    _raises(lambda: DTensor.from_local(ints, MESH4, [Partial("avg")]),
+            sw.errors.InvalidPlacementError,
             "torch.int64")
     _raises(lambda: sw.distribute_tensor(torch.arange(4), MESH4, [Partial("avg")]),
-            sw.InvalidPlacementError)
+            sw.errors.InvalidPlacementError)
     _raises(lambda: sw.ones(4, dtype=torch.int8, device_mesh=MESH4, placements=[Partial("avg")]),
-            sw.InvalidPlacementError)
+            sw.errors.InvalidPlacementError)
 
 
 def test_avg_of_floats_is_the_mean() -> None:
@@ -55,7 +58,7 @@ def test_avg_of_floats_is_the_mean() -> None:
                              [Partial("avg")])
     assert avg.full_tensor().item() == 1.75
     assert avg.redistribute(placements=[Shard(0)]).full_tensor().item() == 1.75
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         assert (avg + avg).full_tensor().item() == 3.5
 
 
@@ -63,7 +66,7 @@ def test_max_min_of_complex_is_refused() -> None:
     z = [torch.ones(2, dtype=torch.complex64)] * 4
     for op in ("max", "min"):
         _raises(lambda op=op: DTensor.from_local(z, MESH4, [Partial(op)]),
-                sw.InvalidPlacementError, "complex")
+                sw.errors.InvalidPlacementError, "complex")
 
 
 # ----- 3: casts under Partial -------------------------------------------------------------
@@ -72,17 +75,17 @@ def test_max_min_of_complex_is_refused() -> None:
 def test_narrowing_cast_of_a_partial_sum_reduces_first() -> None:
     parts = [torch.tensor([v]) for v in (70000.0, -70000.0, 1.0, 0.0)]
     p = DTensor.from_local(parts, MESH4, [Partial()])
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         p.half()  # the cast needs the reduction first, which explicit mode refuses
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         half = p.half()
     assert not half.placements[0].is_partial() and half.full_tensor().item() == 1.0
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         assert p.long().full_tensor().item() == 1
     wide = p.to(f64)  # widening keeps the pending sum: no communication
     assert wide.placements == (Partial(),) and wide.full_tensor().item() == 1.0
     halves = DTensor.from_local([torch.tensor([0.5])] * 2, MESH2, [Partial()])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         assert halves.int().full_tensor().item() == 1  # not 0 + 0
 
 
@@ -116,10 +119,10 @@ def test_half_mean_does_not_overflow() -> None:
 def test_half_sums_round_once() -> None:
     x = torch.tensor([1] + [2**-9] * 6, dtype=bf16)
     dt = sw.distribute_tensor(x, MESH4, [Shard(0)])
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         total = dt.sum()
     assert counter.counts["all_reduce"] == 0 and total.placements == (Partial(),)
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         assert total.full_tensor().item() == x.sum().item() == 1.015625
     assert counter.counts["all_reduce"] == 1  # the float32 pieces, reduced at once
     assert counter.total_bytes == 2 * 3 * 4  # 4 bytes each: pieces held in float32
@@ -157,26 +160,26 @@ def test_implicit_redistribute_is_per_thread() -> None:
         try:
             a + b
             seen["other"] = "ran"
-        except sw.ImplicitRedistributeError:
+        except sw.errors.ImplicitRedistributeError:
             seen["other"] = "refused"
         other.set()
 
     t = threading.Thread(target=explicit_thread)
     t.start()
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         inside.set()
         other.wait(10)
         assert torch.equal((a + b).full_tensor(), torch.full((4, 4), 2.0))
     t.join(10)
     assert seen["other"] == "refused"
-    with pytest.raises(sw.ImplicitRedistributeError):
+    with pytest.raises(sw.errors.ImplicitRedistributeError):
         a + b  # nothing stays on after the block
 
 
 def test_counters_and_descriptions_are_per_context() -> None:
     x = sw.distribute_tensor(torch.ones(4), MESH2, [Shard(0)])
 
-    async def task(counter: sw.CommCounter, moves: int, name: str) -> list:
+    async def task(counter: sw.debug.CommCounter, moves: int, name: str) -> list:
         seen = []
         with counter, safety.moving(name):
             for _ in range(moves):
@@ -186,7 +189,7 @@ def test_counters_and_descriptions_are_per_context() -> None:
         return seen
 
     async def both() -> tuple:
-        c1, c2 = sw.CommCounter(), sw.CommCounter()
+        c1, c2 = sw.debug.CommCounter(), sw.debug.CommCounter()
         s1, s2 = await asyncio.gather(task(c1, 1, "one"), task(c2, 3, "two"))
         return c1, c2, s1, s2
 
@@ -197,16 +200,16 @@ def test_counters_and_descriptions_are_per_context() -> None:
 
 
 def test_debug_and_timeout_settings_are_process_wide() -> None:
-    old = sw.get_collective_timeout()
+    old = sw.config.get_collective_timeout()
     try:
-        sw.set_collective_timeout(12)
+        sw.config.set_collective_timeout(12)
         got = []
-        t = threading.Thread(target=lambda: got.append(sw.get_collective_timeout()))
+        t = threading.Thread(target=lambda: got.append(sw.config.get_collective_timeout()))
         t.start()
         t.join(10)
         assert got == [12.0]
     finally:
-        sw.set_collective_timeout(old)
+        sw.config.set_collective_timeout(old)
 
 
 # ----- 13: dispatch under threads ----------------------------------------------------------
@@ -217,7 +220,7 @@ def test_a_decision_published_meanwhile_by_another_thread_is_not_half_used(
 ) -> None:
     """The race behind the raw ``'NoneType' object has no attribute 'shape'``: thread A misses
     the cache, thread B publishes the same key, A must still fill in its own decision."""
-    sw.clear_sharding_cache()
+    sw.rules.clear_sharding_cache()
     x = sw.distribute_tensor(torch.arange(6.0).reshape(3, 2), MESH2, [Shard(0)])
     real = sw_dispatch._decide
     entered = []
@@ -246,7 +249,7 @@ def test_concurrent_dispatch_on_different_meshes() -> None:
             start.wait(10)
             for i in range(60):
                 if i % 7 == 0:
-                    sw.clear_sharding_cache()
+                    sw.rules.clear_sharding_cache()
                 x = sw.distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
                 y = (x * 2).transpose(0, 1).sum(0)
                 assert torch.equal(y.full_tensor(), (torch.arange(12.0).reshape(6, 2) * 2).sum(1))
@@ -266,37 +269,38 @@ def test_concurrent_dispatch_on_different_meshes() -> None:
 
 MESH22 = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 BAD_INPUT = [
-    (lambda: sw.distribute_tensor(torch.ones(4), MESH4, Shard(0)), sw.InvalidPlacementError,
+    (lambda: sw.distribute_tensor(torch.ones(4), MESH4, Shard(0)), sw.errors.InvalidPlacementError,
      "one placement per mesh dim"),
-    (lambda: sw.init_device_mesh("cpu", 4), sw.MeshError, "(4,)"),
-    (lambda: sw.DeviceMesh("cpu", [[0, 1], [2]]), sw.MeshError, "rectangular"),
-    (lambda: sw.DeviceMesh("cpu", ["a", "b"]), sw.MeshError, "int device ids"),
-    (lambda: sw.DeviceMesh("cpu", [0.5, 1.5]), sw.MeshError, "must be ints"),
-    (lambda: sw.create_mesh([("x", 2)], devices=[1, 1]), sw.MeshError, "unique"),
+    (lambda: sw.init_device_mesh("cpu", 4), sw.errors.MeshError, "(4,)"),
+    (lambda: sw.DeviceMesh("cpu", [[0, 1], [2]]), sw.errors.MeshError, "rectangular"),
+    (lambda: sw.DeviceMesh("cpu", ["a", "b"]), sw.errors.MeshError, "int device ids"),
+    (lambda: sw.DeviceMesh("cpu", [0.5, 1.5]), sw.errors.MeshError, "must be ints"),
+    (lambda: sw.tf.create_mesh([("x", 2)], devices=[1, 1]), sw.errors.MeshError, "unique"),
     (lambda: DTensor.from_local(torch.ones(2, device="meta"), MESH4, [Replicate()]),
-     sw.PackError, "meta device"),
+     sw.errors.PackError, "meta device"),
     (lambda: DTensor.from_local([torch.ones(2, 2)] * 4, MESH4, [Shard(0)], stride=(1,)),
-     sw.PackError, "[8, 2]"),
+     sw.errors.PackError, "[8, 2]"),
     (lambda: DTensor.from_local([torch.ones(2, 2)] * 4, MESH4, [Shard(0)], stride=(-1, 5)),
-     sw.PackError, "stride"),
+     sw.errors.PackError, "stride"),
     (lambda: DTensor.from_local([torch.ones(2, 2)] * 4, MESH4, [Shard(0)], stride=(0, 0)),
-     sw.PackError, "stride"),
-    (lambda: sw.full((2,), "x", device_mesh=MESH4), sw.InvalidArgumentError, "fill value"),
-    (lambda: sw.full((2,), 1, dtype="float32", device_mesh=MESH4), sw.InvalidArgumentError,
+     sw.errors.PackError, "stride"),
+    (lambda: sw.full((2,), "x", device_mesh=MESH4), sw.errors.InvalidArgumentError, "fill value"),
+    (lambda: sw.full((2,), 1, dtype="float32", device_mesh=MESH4), sw.errors.InvalidArgumentError,
      "dtype"),
-    (lambda: sw.zeros(2, dtype="float32", device_mesh=MESH4), sw.InvalidArgumentError, "dtype"),
-    (lambda: sw.set_collective_timeout("abc"), sw.InvalidArgumentError, "'abc'"),
-    (lambda: sw.set_collective_timeout(float("inf")), sw.InvalidArgumentError, "inf"),
-    (lambda: sw.set_collective_timeout(float("nan")), sw.InvalidArgumentError, "nan"),
-    (lambda: MESH22[0], sw.ShardwiseTypeError, "mesh dim names"),
-    (lambda: MESH22.groups("pp"), sw.MeshError, "'pp'"),
+    (lambda: sw.zeros(2, dtype="float32", device_mesh=MESH4), sw.errors.InvalidArgumentError,
+     "dtype"),
+    (lambda: sw.config.set_collective_timeout("abc"), sw.errors.InvalidArgumentError, "'abc'"),
+    (lambda: sw.config.set_collective_timeout(float("inf")), sw.errors.InvalidArgumentError, "inf"),
+    (lambda: sw.config.set_collective_timeout(float("nan")), sw.errors.InvalidArgumentError, "nan"),
+    (lambda: MESH22[0], sw.errors.ShardwiseTypeError, "mesh dim names"),
+    (lambda: MESH22.groups("pp"), sw.errors.MeshError, "'pp'"),
     (lambda: sw.distribute_tensor(torch.ones(4), MESH4, [Shard(0)], src_data_rank=4),
-     sw.InvalidArgumentError, "src_data_rank=4"),
-    (lambda: sw.distribute_tensor([1.0, 2.0], MESH4, [Shard(0)]), sw.InvalidArgumentError,
+     sw.errors.InvalidArgumentError, "src_data_rank=4"),
+    (lambda: sw.distribute_tensor([1.0, 2.0], MESH4, [Shard(0)]), sw.errors.InvalidArgumentError,
      "list"),
 ]
 if not torch.cuda.is_available():
-    BAD_INPUT.append((lambda: sw.init_device_mesh("cuda", (2,)), sw.MeshError, "CUDA"))
+    BAD_INPUT.append((lambda: sw.init_device_mesh("cuda", (2,)), sw.errors.MeshError, "CUDA"))
 
 
 @pytest.mark.parametrize(("call", "cls", "fragment"), BAD_INPUT)
@@ -311,7 +315,7 @@ def test_mesh_dims_by_name_and_any_ids_in_one_process() -> None:
     assert mesh.local_device_ids == (5, 9)
     x = sw.distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
     assert torch.equal(x.full_tensor(), torch.arange(4.0))
-    named = sw.create_mesh([("x", 2)], devices=[1, 0])
+    named = sw.tf.create_mesh([("x", 2)], devices=[1, 0])
     assert named.mesh.tolist() == [1, 0]
     transposed = DTensor.from_local([torch.ones(2, 2)] * 4, MESH4, [Shard(0)], stride=(1, 8))
     assert transposed.stride() == (1, 8)
@@ -348,7 +352,7 @@ def test_a_loaded_spec_hashes_like_a_fresh_one() -> None:
 
 def test_comm_counter_fields_are_consistent() -> None:
     x = sw.distribute_tensor(torch.ones(4), MESH2, [Shard(0)])
-    with sw.CommCounter() as c:
+    with sw.debug.CommCounter() as c:
         x.redistribute(placements=[Replicate()])
     for per_kind in (c.counts, c.bytes, c.cross_process_bytes, c.meta_bytes):
         assert isinstance(per_kind, dict)

@@ -35,13 +35,13 @@ def faults() -> dict:
     rank raises a shardwise error leave the processes in step, so they share one job)."""
     rank = dist.get_rank()
     mesh = sw.init_device_mesh("cpu", (2,))
-    sw.set_collective_timeout(20)
+    sw.config.set_collective_timeout(20)
     out: dict = {}
 
     # 5: rank 1 skips a step whose collective has the same shape as the next one
     a = sw.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
     b = sw.distribute_tensor(torch.arange(8.0).reshape(4, 2) + 100, mesh, [Shard(0)])
-    sw.set_debug_checks(True)
+    sw.config.set_debug_checks(True)
 
     def skipped() -> None:
         if rank == 0:
@@ -49,7 +49,7 @@ def faults() -> dict:
         b.redistribute(placements=[Replicate()])
 
     out["skipped_step"] = _outcome(skipped)
-    sw.set_debug_checks(False)
+    sw.config.set_debug_checks(False)
 
     # 6: different global shapes, debug checks off; src_data_rank semantics
     rows = 8 if rank == 0 else 7
@@ -58,11 +58,11 @@ def faults() -> dict:
     from_0 = sw.distribute_tensor(mine, mesh, [Shard(0)])
     out["src_0"] = from_0.full_tensor()
     from_1 = sw.distribute_tensor(mine, mesh, [Replicate()], src_data_rank=1)
-    out["src_1"] = sw.unpack(from_1)[0]
-    with sw.CommCounter() as counter:
+    out["src_1"] = sw.tf.unpack(from_1)[0]
+    with sw.debug.CommCounter() as counter:
         own = sw.distribute_tensor(mine, mesh, [Shard(0)], src_data_rank=None)
     out["src_none_comm"] = counter.total_cross_process_bytes + counter.total_meta_bytes
-    out["src_none"] = sw.unpack(own)[0]
+    out["src_none"] = sw.tf.unpack(own)[0]
 
     # 7: different seeds before a random op, then the same seed
     sw.manual_seed(rank)
@@ -87,7 +87,7 @@ def faults() -> dict:
     out["after"] = sw.distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).full_tensor()
 
     # 10: rank 0 times out and goes away; rank 1 comes late to the collective
-    sw.set_collective_timeout(2)
+    sw.config.set_collective_timeout(2)
     late = sw.distribute_tensor(torch.ones(4), mesh, [Shard(0)])
     if rank == 0:
         out["late"] = _outcome(lambda: late.redistribute(placements=[Replicate()]))
@@ -147,7 +147,7 @@ def test_dead_peer_before_setup_names_the_missing_rank(tmp_path: Path) -> None:
         import shardwise as sw
         try:
             sw.init_device_mesh("cpu", (2,))
-        except sw.CollectiveTimeoutError as err:
+        except sw.errors.CollectiveTimeoutError as err:
             print("raised:", err)
     """
     run, seconds = _run_script(body, env, tmp_path, timeout=60)

@@ -118,9 +118,9 @@ def test_redistributions_and_reductions_equal_torch_or_raise(
             dt = DTensor.from_local(_partial_components(x, mesh, source, rng), mesh, source,
                                     shape=shape)
             out = dt.redistribute(placements=target)
-        except sw.ShardwiseError as err:
+        except sw.errors.ShardwiseError as err:
             # only a placement that does not fit the dtype or the shape may be refused
-            assert isinstance(err, sw.InvalidPlacementError), (where, err)
+            assert isinstance(err, sw.errors.InvalidPlacementError), (where, err)
             assert _expected_problem(dtype, source, target) or any(
                 isinstance(p, InterleavedShard) for p in source + target), (where, err)
             outcomes["refused"] += 1
@@ -137,9 +137,9 @@ def test_redistributions_and_reductions_equal_torch_or_raise(
             except RuntimeError:
                 want = None  # torch refuses (mean of integers, amax of complex...)
             try:
-                with sw.allow_implicit_redistribute():
+                with sw.config.allow_implicit_redistribute():
                     got = reduce(dt).full_tensor()
-            except sw.ShardwiseError:
+            except sw.errors.ShardwiseError:
                 continue  # refused with a shardwise error: allowed
             except RuntimeError as err:
                 assert want is None, (where, name, err)  # only where torch refuses too
@@ -199,13 +199,13 @@ def test_matmul_partials_of_half_dtypes_equal_torch(
         _close(out.full_tensor(), want, exact=True)
         try:
             moved = out.redistribute(placements=target)
-        except sw.ShardwiseError as err:
-            assert isinstance(err, sw.InvalidPlacementError), (where, err)
+        except sw.errors.ShardwiseError as err:
+            assert isinstance(err, sw.errors.InvalidPlacementError), (where, err)
             assert _expected_problem(dtype, target), (where, err)
             continue
         _close(moved.full_tensor(), want, exact=Partial("avg") not in target)
         for name, reduce in REDUCTIONS.items():
-            with sw.allow_implicit_redistribute():
+            with sw.config.allow_implicit_redistribute():
                 got = reduce(out).full_tensor()
             assert got.dtype == dtype, (where, name)
             _near_intermediate(got, reduce(want), reduce(want.abs().float()), (where, name))

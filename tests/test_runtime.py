@@ -30,7 +30,7 @@ SETUP = """
     try:
         init_device_mesh("cpu", (WORLD,))
         print("joined")
-    except sw.CollectiveError as err:
+    except sw.errors.CollectiveError as err:
         print(f"{type(err).__name__} after {time.monotonic() - start:.2f} s: {err}")
 """
 

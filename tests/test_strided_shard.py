@@ -85,5 +85,7 @@ def test_is_shard_answers_as_torch_does() -> None:
     assert not RaggedShard(0, (1, 3)).is_shard()  # not torch.chunk's pieces either
     assert all(is_any_shard(p, 0) for p in (ours, Shard(0), RaggedShard(0, (1, 3))))
     assert not is_any_shard(Replicate()) and not is_any_shard(Shard(1), 0)
-    with pytest.raises(sw.InvalidPlacementError, match="one of interleaved_size, split_factor"):
+    with pytest.raises(
+        sw.errors.InvalidPlacementError, match="one of interleaved_size, split_factor"
+    ):
         InterleavedShard(0, 2, split_factor=2)

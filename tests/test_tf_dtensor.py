@@ -10,24 +10,14 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import (
-    MATCH,
-    UNSHARDED,
-    DVariable,
-    InterleavedShard,
-    InvalidArgumentError,
-    Layout,
-    LayoutError,
-    Partial,
-    Replicate,
-    Shard,
-    ShardwiseError,
-)
+from shardwise import InterleavedShard, Partial, Replicate, Shard
+from shardwise.errors import InvalidArgumentError, LayoutError, ShardwiseError
+from shardwise.tf import MATCH, UNSHARDED, DVariable, Layout
 
 
 @pytest.fixture(scope="module")
 def mesh() -> sw.DeviceMesh:
-    return sw.create_mesh([("x", 2), ("y", 3)])
+    return sw.tf.create_mesh([("x", 2), ("y", 3)])
 
 
 def coords(device: int) -> dict[str, int]:
@@ -51,7 +41,7 @@ def expected_component(
 
 def check_components(dt: sw.DTensor, value: torch.Tensor, specs: list[str]) -> None:
     sizes = {"x": 2, "y": 3}
-    comps = sw.unpack(dt)
+    comps = sw.tf.unpack(dt)
     assert len(comps) == 6
     for device, comp in enumerate(comps):
         want = expected_component(value, specs, sizes, coords(device))
@@ -61,11 +51,11 @@ def check_components(dt: sw.DTensor, value: torch.Tensor, specs: list[str]) -> N
 
 def check_round_trip(dt: sw.DTensor) -> None:
     """pack(unpack(d), fetch_layout(d)) == d in content and layout."""
-    again = sw.pack(sw.unpack(dt), sw.fetch_layout(dt))
-    assert sw.fetch_layout(again) == sw.fetch_layout(dt)
+    again = sw.tf.pack(sw.tf.unpack(dt), sw.tf.fetch_layout(dt))
+    assert sw.tf.fetch_layout(again) == sw.tf.fetch_layout(dt)
     assert again.shape == dt.shape
     assert torch.equal(again.full_tensor(), dt.full_tensor())
-    for a, b in zip(sw.unpack(again), sw.unpack(dt), strict=True):
+    for a, b in zip(sw.tf.unpack(again), sw.tf.unpack(dt), strict=True):
         assert torch.equal(a, b)
 
 
@@ -75,22 +65,22 @@ def check_round_trip(dt: sw.DTensor) -> None:
 def test_seed_example_1_vector_sharded_over_x(mesh):
     layout = Layout(["x"], mesh)
     table = {d: torch.arange(0, 64) if d < 3 else torch.arange(64, 128) for d in range(6)}
-    dt = sw.pack([table[d] for d in range(6)], layout)
+    dt = sw.tf.pack([table[d] for d in range(6)], layout)
     assert list(dt.shape) == [128]
     assert torch.equal(dt.full_tensor(), torch.arange(128))
-    for d, comp in enumerate(sw.unpack(dt)):
+    for d, comp in enumerate(sw.tf.unpack(dt)):
         assert comp.shape == (64,)
         assert torch.equal(comp, table[d])
-    placed = sw.copy_to_mesh(torch.arange(128), layout)
-    for d, comp in enumerate(sw.unpack(placed)):
+    placed = sw.tf.copy_to_mesh(torch.arange(128), layout)
+    for d, comp in enumerate(sw.tf.unpack(placed)):
         assert torch.equal(comp, table[d])
     check_round_trip(dt)
     check_round_trip(placed)
 
 
 def test_seed_example_1_shape_2_gives_shape_1_components(mesh):
-    dt = sw.copy_to_mesh(torch.tensor([7.0, 8.0]), Layout(["x"], mesh))
-    for d, comp in enumerate(sw.unpack(dt)):
+    dt = sw.tf.copy_to_mesh(torch.tensor([7.0, 8.0]), Layout(["x"], mesh))
+    for d, comp in enumerate(sw.tf.unpack(dt)):
         assert comp.shape == (1,)
         assert comp.item() == (7.0 if d < 3 else 8.0)
 
@@ -98,24 +88,24 @@ def test_seed_example_1_shape_2_gives_shape_1_components(mesh):
 def test_seed_example_2_fully_sharded_matrix(mesh):
     layout = Layout(["x", "y"], mesh)
     value = torch.arange(6.0).reshape(2, 3)
-    dt = sw.pack([torch.tensor([[float(d)]]) for d in range(6)], layout)
+    dt = sw.tf.pack([torch.tensor([[float(d)]]) for d in range(6)], layout)
     assert list(dt.shape) == [2, 3]
     assert torch.equal(dt.full_tensor(), value)
-    for d, comp in enumerate(sw.unpack(dt)):
+    for d, comp in enumerate(sw.tf.unpack(dt)):
         assert comp.shape == (1, 1)
         assert torch.equal(comp, torch.tensor([[float(d)]]))
-    check_components(sw.copy_to_mesh(value, layout), value, ["x", "y"])
+    check_components(sw.tf.copy_to_mesh(value, layout), value, ["x", "y"])
     check_round_trip(dt)
 
 
 def test_seed_example_3_scalar(mesh):
     layout = Layout([], mesh)
-    dt = sw.pack([torch.tensor(123.0) for _ in range(6)], layout)
+    dt = sw.tf.pack([torch.tensor(123.0) for _ in range(6)], layout)
     assert dt.shape == ()
     assert layout.is_fully_replicated()
-    assert sw.fetch_layout(dt) == layout
+    assert sw.tf.fetch_layout(dt) == layout
     assert torch.equal(dt.full_tensor(), torch.tensor(123.0))
-    for comp in sw.unpack(dt):
+    for comp in sw.tf.unpack(dt):
         assert comp.shape == ()
         assert comp.item() == 123.0
     check_round_trip(dt)
@@ -128,14 +118,14 @@ def test_seed_example_4_rank_3(mesh):
         d: torch.arange(6.0).reshape(1, 2, 3) if d < 3 else torch.arange(6.0, 12.0).reshape(1, 2, 3)
         for d in range(6)
     }
-    dt = sw.pack([table[d] for d in range(6)], layout)
+    dt = sw.tf.pack([table[d] for d in range(6)], layout)
     assert list(dt.shape) == [2, 2, 3]
     assert torch.equal(dt.full_tensor(), value)
-    for d, comp in enumerate(sw.unpack(dt)):
+    for d, comp in enumerate(sw.tf.unpack(dt)):
         assert comp.shape == (1, 2, 3)
         assert torch.equal(comp, table[d])
-    placed = sw.copy_to_mesh(value, layout)
-    for d, comp in enumerate(sw.unpack(placed)):
+    placed = sw.tf.copy_to_mesh(value, layout)
+    for d, comp in enumerate(sw.tf.unpack(placed)):
         assert torch.equal(comp, table[d])
     check_round_trip(dt)
 
@@ -143,14 +133,14 @@ def test_seed_example_4_rank_3(mesh):
 def test_unpack_of_pack_returns_the_components(mesh):
     layout = Layout([UNSHARDED, "y"], mesh)
     comps = [torch.full((4, 2), float(d)) for d in range(6)]  # replicas not checked, as in TF
-    for given, got in zip(comps, sw.unpack(sw.pack(comps, layout)), strict=True):
+    for given, got in zip(comps, sw.tf.unpack(sw.tf.pack(comps, layout)), strict=True):
         assert torch.equal(given, got)
 
 
 def test_layout_y_x_puts_element_y_x_on_device_x_y(mesh):
     value = torch.arange(6.0).reshape(3, 2)
-    dt = sw.copy_to_mesh(value, Layout(["y", "x"], mesh))
-    for d, comp in enumerate(sw.unpack(dt)):
+    dt = sw.tf.copy_to_mesh(value, Layout(["y", "x"], mesh))
+    for d, comp in enumerate(sw.tf.unpack(dt)):
         c = coords(d)
         assert torch.equal(comp, value[c["y"] : c["y"] + 1, c["x"] : c["x"] + 1])
 
@@ -171,16 +161,16 @@ def test_layout_queries(mesh):
     assert Layout.batch_sharded(mesh, "x", 3).sharding_specs == ["x", UNSHARDED, UNSHARDED]
     assert Layout.batch_sharded(mesh, "y", 3, axis=1).sharding_specs == [UNSHARDED, "y", UNSHARDED]
     assert Layout.inner_sharded(mesh, "y", 2).sharding_specs == [UNSHARDED, "y"]
-    one = sw.create_mesh([("a", 1), ("b", 2)])
+    one = sw.tf.create_mesh([("a", 1), ("b", 2)])
     assert Layout(["a", UNSHARDED], one).is_fully_replicated()
     assert not Layout(["b"], one).is_fully_replicated()
 
 
 def test_layout_equality_hash_repr(mesh):
-    a, b = Layout(["x", "y"], mesh), Layout(["x", "y"], sw.create_mesh([("x", 2), ("y", 3)]))
+    a, b = Layout(["x", "y"], mesh), Layout(["x", "y"], sw.tf.create_mesh([("x", 2), ("y", 3)]))
     assert a == b and hash(a) == hash(b)
     assert a != Layout(["y", "x"], mesh)
-    assert a != Layout(["x", "y"], sw.create_mesh([("x", 3), ("y", 2)]))
+    assert a != Layout(["x", "y"], sw.tf.create_mesh([("x", 3), ("y", 2)]))
     assert a != ["x", "y"]
     assert len({a, b, Layout(["y", "x"], mesh)}) == 2
     assert "'x', 'y'" in repr(a) and "DeviceMesh" in repr(a)
@@ -252,42 +242,42 @@ def test_to_placements_rejects_match(mesh):
 
 def test_pack_no_components(mesh):
     with pytest.raises(InvalidArgumentError, match="1 or more"):
-        sw.pack([], Layout(["x"], mesh))
+        sw.tf.pack([], Layout(["x"], mesh))
 
 
 def test_pack_wrong_count(mesh):
     with pytest.raises(InvalidArgumentError) as info:
-        sw.pack([torch.zeros(2)] * 5, Layout(["x"], mesh))
+        sw.tf.pack([torch.zeros(2)] * 5, Layout(["x"], mesh))
     msg = str(info.value)
     assert "expected 6" in msg and "[2]" in msg and "Layout(['x']" in msg
 
 
 def test_pack_dtensor_component(mesh):
-    dt = sw.copy_to_mesh(torch.zeros(2), Layout(["x"], mesh))
+    dt = sw.tf.copy_to_mesh(torch.zeros(2), Layout(["x"], mesh))
     with pytest.raises(InvalidArgumentError, match="already a DTensor"):
-        sw.pack([dt] + [torch.zeros(1)] * 5, Layout(["x"], mesh))
+        sw.tf.pack([dt] + [torch.zeros(1)] * 5, Layout(["x"], mesh))
 
 
 def test_pack_dvariable_component(mesh):
     v = DVariable(torch.zeros(1), layout=Layout([UNSHARDED], mesh))
     with pytest.raises(TypeError, match="DVariable") as info:
-        sw.pack([v] * 6, Layout([UNSHARDED], mesh))
+        sw.tf.pack([v] * 6, Layout([UNSHARDED], mesh))
     assert isinstance(info.value, ShardwiseError)
 
 
 def test_pack_non_tensor_components(mesh):
     with pytest.raises(TypeError):
-        sw.pack([1.0] * 6, Layout([], mesh))
+        sw.tf.pack([1.0] * 6, Layout([], mesh))
     with pytest.raises(TypeError, match="list of components"):
-        sw.pack(torch.zeros(6), Layout([UNSHARDED], mesh))
+        sw.tf.pack(torch.zeros(6), Layout([UNSHARDED], mesh))
     with pytest.raises(TypeError, match="Layout"):
-        sw.pack([torch.zeros(2)] * 6, ["x"])
+        sw.tf.pack([torch.zeros(2)] * 6, ["x"])
 
 
 def test_pack_different_dtypes(mesh):
     comps = [torch.zeros(2)] * 5 + [torch.zeros(2, dtype=torch.int64)]
     with pytest.raises(TypeError) as info:
-        sw.pack(comps, Layout([UNSHARDED], mesh))
+        sw.tf.pack(comps, Layout([UNSHARDED], mesh))
     assert isinstance(info.value, ShardwiseError)
     assert "int64" in str(info.value) and "[2]" in str(info.value) and "Layout" in str(info.value)
 
@@ -295,17 +285,17 @@ def test_pack_different_dtypes(mesh):
 def test_pack_rank_must_match_layout(mesh):
     scalars = [torch.tensor(1.0)] * 6
     with pytest.raises(InvalidArgumentError) as info:
-        sw.pack(scalars, Layout([UNSHARDED], mesh))
+        sw.tf.pack(scalars, Layout([UNSHARDED], mesh))
     assert "rank 1" in str(info.value) and "[]" in str(info.value)
-    assert sw.pack(scalars, Layout([], mesh)).shape == ()
+    assert sw.tf.pack(scalars, Layout([], mesh)).shape == ()
     with pytest.raises(InvalidArgumentError):
-        sw.pack([torch.zeros(2, 2)] * 6, Layout(["x"], mesh))
+        sw.tf.pack([torch.zeros(2, 2)] * 6, Layout(["x"], mesh))
 
 
 def test_pack_differing_shapes_rejected(mesh):
     comps = [torch.zeros(2), torch.zeros(3), torch.zeros(2)] + [torch.zeros(2)] * 3
     with pytest.raises(ValueError) as info:
-        sw.pack(comps, Layout(["x"], mesh))
+        sw.tf.pack(comps, Layout(["x"], mesh))
     msg = str(info.value)
     assert isinstance(info.value, ShardwiseError)
     assert "[3]" in msg and "Layout(['x']" in msg and "DeviceMesh" in msg
@@ -317,21 +307,21 @@ def test_pack_uneven_chunk_geometry_accepted(mesh):
     sizes = {"x": 2, "y": 3}
     comps = [expected_component(value, ["x", "y"], sizes, coords(d)) for d in range(6)]
     assert [list(c.shape) for c in comps] == [[3, 3], [3, 3], [3, 1], [2, 3], [2, 3], [2, 1]]
-    dt = sw.pack(comps, layout)
+    dt = sw.tf.pack(comps, layout)
     assert list(dt.shape) == [5, 7]
     assert torch.equal(dt.full_tensor(), value)
     check_round_trip(dt)
     empty_tail = [torch.ones(1)] * 3 + [torch.ones(0)] * 3  # global size 1 over x=2
-    assert list(sw.pack(empty_tail, Layout(["x"], mesh)).shape) == [1]
+    assert list(sw.tf.pack(empty_tail, Layout(["x"], mesh)).shape) == [1]
 
 
 def test_pack_uneven_other_geometry_rejected(mesh):
     small_first = [torch.zeros(2)] * 3 + [torch.zeros(3)] * 3  # chunk(5, 2) is 3, 2
     with pytest.raises(ValueError, match="torch.chunk"):
-        sw.pack(small_first, Layout(["x"], mesh))
+        sw.tf.pack(small_first, Layout(["x"], mesh))
     per_y = [torch.zeros(1), torch.zeros(2), torch.zeros(2)] * 2  # chunk(5, 3) is 2, 2, 1
     with pytest.raises(ValueError):
-        sw.pack(per_y, Layout(["y"], mesh))
+        sw.tf.pack(per_y, Layout(["y"], mesh))
 
 
 # ----- unpack / fetch_layout / check_layout / is_dtensor -----------------------------------
@@ -340,35 +330,35 @@ def test_pack_uneven_other_geometry_rejected(mesh):
 def test_unpack_errors(mesh):
     v = DVariable(torch.zeros(3), layout=Layout(["y"], mesh))
     with pytest.raises(TypeError, match="read it first"):
-        sw.unpack(v)
-    assert len(sw.unpack(v.read_value())) == 6
+        sw.tf.unpack(v)
+    assert len(sw.tf.unpack(v.read_value())) == 6
     with pytest.raises(InvalidArgumentError, match=r"\[3\]"):
-        sw.unpack(torch.zeros(3))
+        sw.tf.unpack(torch.zeros(3))
     with pytest.raises(TypeError):
-        sw.unpack([[1, 2], [3, 4]])
+        sw.tf.unpack([[1, 2], [3, 4]])
 
 
 def test_fetch_and_check_layout(mesh):
     layout = Layout(["y", UNSHARDED], mesh)
-    dt = sw.copy_to_mesh(torch.zeros(3, 2), layout)
-    assert sw.fetch_layout(dt) == layout
-    sw.check_layout(dt, layout)
+    dt = sw.tf.copy_to_mesh(torch.zeros(3, 2), layout)
+    assert sw.tf.fetch_layout(dt) == layout
+    sw.tf.check_layout(dt, layout)
     with pytest.raises(ValueError) as info:
-        sw.check_layout(dt, Layout(["x", UNSHARDED], mesh))
+        sw.tf.check_layout(dt, Layout(["x", UNSHARDED], mesh))
     assert "'x'" in str(info.value) and "'y'" in str(info.value)
     with pytest.raises(InvalidArgumentError, match=r"\[3, 2\]"):
-        sw.fetch_layout(torch.zeros(3, 2))
-    assert sw.fetch_layout(-1024) is None
+        sw.tf.fetch_layout(torch.zeros(3, 2))
+    assert sw.tf.fetch_layout(-1024) is None
     partial = sw.distribute_tensor(torch.zeros(2), mesh, [Partial(), Replicate()])
-    assert sw.fetch_layout(partial) == Layout.replicated(mesh, 1)  # TF: reductions are done
+    assert sw.tf.fetch_layout(partial) == Layout.replicated(mesh, 1)  # TF: reductions are done
 
 
 def test_is_dtensor(mesh):
     layout = Layout([UNSHARDED], mesh)
-    assert sw.is_dtensor(sw.copy_to_mesh(torch.zeros(2), layout))
-    assert sw.is_dtensor(DVariable(torch.zeros(2), layout=layout))
+    assert sw.tf.is_dtensor(sw.tf.copy_to_mesh(torch.zeros(2), layout))
+    assert sw.tf.is_dtensor(DVariable(torch.zeros(2), layout=layout))
     for other in (torch.zeros(2), [1, 2], {"a": 1}, 3, object()):
-        assert not sw.is_dtensor(other)
+        assert not sw.tf.is_dtensor(other)
 
 
 # ----- relayout / relayout_like / copy_to_mesh ----------------------------------------------
@@ -388,85 +378,85 @@ LAYOUTS_2D = [
 def test_relayout_preserves_value(mesh, shape):
     value = torch.arange(float(shape[0] * shape[1])).reshape(shape)
     for src in LAYOUTS_2D:
-        dt = sw.copy_to_mesh(value, Layout(src, mesh))
+        dt = sw.tf.copy_to_mesh(value, Layout(src, mesh))
         check_components(dt, value, src)
         for dst in LAYOUTS_2D:
-            out = sw.relayout(dt, Layout(dst, mesh))
-            assert sw.fetch_layout(out) == Layout(dst, mesh)
+            out = sw.tf.relayout(dt, Layout(dst, mesh))
+            assert sw.tf.fetch_layout(out) == Layout(dst, mesh)
             check_components(out, value, dst)
 
 
 def test_relayout_same_layout_is_identity(mesh):
     layout = Layout(["x", "y"], mesh)
-    dt = sw.copy_to_mesh(torch.zeros(4, 6), layout)
-    assert sw.relayout(dt, layout) is dt
-    assert sw.copy_to_mesh(dt, layout) is dt
+    dt = sw.tf.copy_to_mesh(torch.zeros(4, 6), layout)
+    assert sw.tf.relayout(dt, layout) is dt
+    assert sw.tf.copy_to_mesh(dt, layout) is dt
 
 
 def test_relayout_match_keeps_current_sharding(mesh):
     value = torch.arange(24.0).reshape(4, 6)
-    dt = sw.copy_to_mesh(value, Layout(["x", "y"], mesh))
-    out = sw.relayout(dt, Layout([MATCH, UNSHARDED], mesh))
-    assert sw.fetch_layout(out) == Layout(["x", UNSHARDED], mesh)
+    dt = sw.tf.copy_to_mesh(value, Layout(["x", "y"], mesh))
+    out = sw.tf.relayout(dt, Layout([MATCH, UNSHARDED], mesh))
+    assert sw.tf.fetch_layout(out) == Layout(["x", UNSHARDED], mesh)
     check_components(out, value, ["x", UNSHARDED])
     with pytest.raises(LayoutError, match="MATCH"):  # axis 0 keeps x, which axis 1 also names
-        sw.relayout(dt, Layout([MATCH, "x"], mesh))
-    kept = sw.relayout(dt, Layout([MATCH, UNSHARDED], mesh))
-    moved = sw.relayout(kept, Layout(["y", MATCH], mesh))
-    assert sw.fetch_layout(moved) == Layout(["y", UNSHARDED], mesh)
+        sw.tf.relayout(dt, Layout([MATCH, "x"], mesh))
+    kept = sw.tf.relayout(dt, Layout([MATCH, UNSHARDED], mesh))
+    moved = sw.tf.relayout(kept, Layout(["y", MATCH], mesh))
+    assert sw.tf.fetch_layout(moved) == Layout(["y", UNSHARDED], mesh)
     check_components(moved, value, ["y", UNSHARDED])
-    plain = sw.relayout(value, Layout([MATCH, "y"], mesh))
-    assert sw.fetch_layout(plain) == Layout([UNSHARDED, "y"], mesh)
+    plain = sw.tf.relayout(value, Layout([MATCH, "y"], mesh))
+    assert sw.tf.fetch_layout(plain) == Layout([UNSHARDED, "y"], mesh)
 
 
 def test_relayout_errors(mesh):
-    dt = sw.copy_to_mesh(torch.zeros(4, 6), Layout(["x", "y"], mesh))
+    dt = sw.tf.copy_to_mesh(torch.zeros(4, 6), Layout(["x", "y"], mesh))
     with pytest.raises(LayoutError, match=r"\[4, 6\]"):
-        sw.relayout(dt, Layout(["x"], mesh))
-    other = sw.create_mesh([("x", 3), ("y", 2)])
-    with pytest.raises(sw.MeshError, match="another mesh"):
-        sw.relayout(dt, Layout(["x", "y"], other))
+        sw.tf.relayout(dt, Layout(["x"], mesh))
+    other = sw.tf.create_mesh([("x", 3), ("y", 2)])
+    with pytest.raises(sw.errors.MeshError, match="another mesh"):
+        sw.tf.relayout(dt, Layout(["x", "y"], other))
     with pytest.raises(TypeError):
-        sw.relayout(dt, ["x", "y"])
+        sw.tf.relayout(dt, ["x", "y"])
 
 
 def test_relayout_of_plain_tensor_is_copy_to_mesh(mesh):
     value = torch.arange(12.0).reshape(2, 6)
     layout = Layout(["x", "y"], mesh)
-    a, b = sw.relayout(value, layout), sw.copy_to_mesh(value, layout)
-    for x, y in zip(sw.unpack(a), sw.unpack(b), strict=True):
+    a, b = sw.tf.relayout(value, layout), sw.tf.copy_to_mesh(value, layout)
+    for x, y in zip(sw.tf.unpack(a), sw.tf.unpack(b), strict=True):
         assert torch.equal(x, y)
     check_components(a, value, ["x", "y"])
 
 
 def test_relayout_like(mesh):
     value = torch.arange(36.0).reshape(6, 6)
-    target = sw.copy_to_mesh(torch.zeros(3, 3), Layout([UNSHARDED, "x"], mesh))
-    dt = sw.copy_to_mesh(value, Layout(["y", "x"], mesh))
-    out = sw.relayout_like(dt, target)
-    assert sw.fetch_layout(out) == Layout([UNSHARDED, "x"], mesh)
+    target = sw.tf.copy_to_mesh(torch.zeros(3, 3), Layout([UNSHARDED, "x"], mesh))
+    dt = sw.tf.copy_to_mesh(value, Layout(["y", "x"], mesh))
+    out = sw.tf.relayout_like(dt, target)
+    assert sw.tf.fetch_layout(out) == Layout([UNSHARDED, "x"], mesh)
     check_components(out, value, [UNSHARDED, "x"])
     with pytest.raises(TypeError):
-        sw.relayout_like(dt, 3)
+        sw.tf.relayout_like(dt, 3)
 
 
 def test_copy_to_mesh(mesh):
     value = torch.arange(10.0)
-    dt = sw.copy_to_mesh(value, Layout(["y"], mesh))
+    dt = sw.tf.copy_to_mesh(value, Layout(["y"], mesh))
     check_components(dt, value, ["y"])
-    rep = sw.copy_to_mesh([1.0, 2.0], Layout.replicated(mesh, 1))
-    assert all(torch.equal(c, torch.tensor([1.0, 2.0])) for c in sw.unpack(rep))
+    rep = sw.tf.copy_to_mesh([1.0, 2.0], Layout.replicated(mesh, 1))
+    assert all(torch.equal(c, torch.tensor([1.0, 2.0])) for c in sw.tf.unpack(rep))
     with pytest.warns(DeprecationWarning):
-        sw.copy_to_mesh(value, Layout(["y"], mesh), source_layout=Layout([UNSHARDED], mesh))
+        sw.tf.copy_to_mesh(value, Layout(["y"], mesh), source_layout=Layout([UNSHARDED], mesh))
     with pytest.raises(LayoutError, match="rank 0"):
-        sw.copy_to_mesh(torch.tensor(1.0), Layout(["y"], mesh))
+        sw.tf.copy_to_mesh(torch.tensor(1.0), Layout(["y"], mesh))
 
 
 def test_relayout_and_copy_to_mesh_gradients(mesh):
     value = torch.arange(24.0).reshape(4, 6).requires_grad_()
     weight = torch.arange(24.0).reshape(4, 6) / 7
-    dt = sw.copy_to_mesh(value, Layout(["x", "y"], mesh))
-    out = sw.relayout(dt, Layout(["y", UNSHARDED], mesh))
+    dt = sw.tf.copy_to_mesh(value, Layout(["x", "y"], mesh))
+    out = sw.tf.relayout(dt, Layout(["y", UNSHARDED], mesh))
     (out.full_tensor() * weight).sum().backward()
     assert torch.allclose(value.grad, weight)
 
@@ -476,36 +466,36 @@ def test_relayout_and_copy_to_mesh_gradients(mesh):
 
 def test_call_with_layout(mesh):
     layout = Layout.replicated(mesh, 2)
-    out = sw.call_with_layout(torch.ones, layout, size=[2, 3])
-    assert sw.fetch_layout(out) == layout and list(out.shape) == [2, 3]
+    out = sw.tf.call_with_layout(torch.ones, layout, size=[2, 3])
+    assert sw.tf.fetch_layout(out) == layout and list(out.shape) == [2, 3]
     assert torch.equal(out.full_tensor(), torch.ones(2, 3))
     sharded = Layout(["x", "y"], mesh)
     seen = []
 
     def make(n: int) -> tuple[torch.Tensor, int]:
-        seen.append(sw.get_default_mesh())
+        seen.append(sw.tf.get_default_mesh())
         return torch.arange(float(n * 6)).reshape(n, 6), 5
 
-    first, extra = sw.call_with_layout(make, sharded, 4)
+    first, extra = sw.tf.call_with_layout(make, sharded, 4)
     assert seen == [mesh] and extra == 5
     check_components(first, torch.arange(24.0).reshape(4, 6), ["x", "y"])
-    assert torch.equal(sw.call_with_layout(torch.ones, None, 2), torch.ones(2))
+    assert torch.equal(sw.tf.call_with_layout(torch.ones, None, 2), torch.ones(2))
     with pytest.raises(LayoutError):
-        sw.call_with_layout(torch.ones, Layout(["x"], mesh), 2, 2)
+        sw.tf.call_with_layout(torch.ones, Layout(["x"], mesh), 2, 2)
 
 
 def test_default_mesh_nesting(mesh):
-    other = sw.create_mesh([("b", 6)])
-    assert sw.get_default_mesh() is None
-    with sw.default_mesh(mesh):
-        assert sw.get_default_mesh() is mesh
-        with sw.default_mesh(other):
-            assert sw.get_default_mesh() is other
-        assert sw.get_default_mesh() is mesh
-    assert sw.get_default_mesh() is None
-    with pytest.raises(ValueError, match="DeviceMesh"), sw.default_mesh("x"):
+    other = sw.tf.create_mesh([("b", 6)])
+    assert sw.tf.get_default_mesh() is None
+    with sw.tf.default_mesh(mesh):
+        assert sw.tf.get_default_mesh() is mesh
+        with sw.tf.default_mesh(other):
+            assert sw.tf.get_default_mesh() is other
+        assert sw.tf.get_default_mesh() is mesh
+    assert sw.tf.get_default_mesh() is None
+    with pytest.raises(ValueError, match="DeviceMesh"), sw.tf.default_mesh("x"):
         pass
-    assert sw.get_default_mesh() is None
+    assert sw.tf.get_default_mesh() is None
 
 
 # ----- DVariable ------------------------------------------------------------------------------
@@ -515,7 +505,7 @@ def test_dvariable_from_tensor_and_layout(mesh):
     layout = Layout(["x", "y"], mesh)
     value = torch.arange(24.0).reshape(4, 6)
     v = DVariable(value, layout=layout)
-    assert v.layout == layout and sw.fetch_layout(v) == layout
+    assert v.layout == layout and sw.tf.fetch_layout(v) == layout
     assert v.shape == (4, 6) and v.dtype == torch.float32
     assert v.value.requires_grad and v.value.grad_fn is None
     check_components(v.read_value(), value, ["x", "y"])
@@ -524,7 +514,7 @@ def test_dvariable_from_tensor_and_layout(mesh):
 
 def test_dvariable_from_dtensor_and_callable(mesh):
     layout = Layout([UNSHARDED, "y"], mesh)
-    dt = sw.copy_to_mesh(torch.arange(6.0).reshape(2, 3), layout)
+    dt = sw.tf.copy_to_mesh(torch.arange(6.0).reshape(2, 3), layout)
     v = DVariable(dt)
     assert v.layout == layout
     assert DVariable(dt, layout=layout).layout == layout
@@ -535,7 +525,7 @@ def test_dvariable_from_dtensor_and_callable(mesh):
 
 
 def test_dvariable_errors(mesh):
-    dt = sw.copy_to_mesh(torch.zeros(2, 3), Layout([UNSHARDED, "y"], mesh))
+    dt = sw.tf.copy_to_mesh(torch.zeros(2, 3), Layout([UNSHARDED, "y"], mesh))
     with pytest.raises(InvalidArgumentError, match="Conflicting layout"):
         DVariable(dt, layout=Layout(["x", UNSHARDED], mesh))
     with pytest.raises(InvalidArgumentError, match="Neither layout nor DTensor"):
@@ -554,11 +544,11 @@ def test_dvariable_updates_keep_layout(mesh):
     a = torch.arange(24.0).reshape(4, 6)
     v.assign(a)
     check_components(v.read_value(), a, ["x", "y"])
-    v.assign_add(sw.copy_to_mesh(torch.ones(4, 6), Layout([UNSHARDED, "x"], mesh)))
+    v.assign_add(sw.tf.copy_to_mesh(torch.ones(4, 6), Layout([UNSHARDED, "x"], mesh)))
     check_components(v.read_value(), a + 1, ["x", "y"])
     v.assign_sub(torch.full((4, 6), 3.0))
     check_components(v.read_value(), a - 2, ["x", "y"])
-    assert v.value is storage and sw.fetch_layout(v.read_value()) == layout
+    assert v.value is storage and sw.tf.fetch_layout(v.read_value()) == layout
     s = DVariable(torch.tensor(1.0), layout=Layout([], mesh))
     s.assign_add(2.0)
     assert s.read_value().full_tensor().item() == 3.0

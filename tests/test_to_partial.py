@@ -32,10 +32,10 @@ def _check(mesh: sw.DeviceMesh, x: torch.Tensor, source: tuple, target: tuple) -
     below the bound; returns the result."""
     shape = tuple(x.shape)
     dt = sw.DTensor.from_local(components_for(x, mesh, source, 3), mesh, source, shape=shape)
-    plan = sw.explain_redistribute(dt, target)
+    plan = sw.debug.explain_redistribute(dt, target)
     assert plan.global_bytes >= plan.lower_bound == lower_bound_bytes(mesh, shape, 4, source,
                                                                       target)
-    with sw.CommCounter() as counter:
+    with sw.debug.CommCounter() as counter:
         out = dt.redistribute(placements=target)
     assert counter.total_bytes == plan.bytes
     check_components(sw.local_components(out), x, mesh, target)
@@ -60,7 +60,7 @@ def test_one_dimensional_every_source_to_every_partial(shape: tuple[int, int]) -
             continue
         _check(mesh, x, (source,), (target,))
         if _spreads((source,), (target,)):
-            plan = sw.explain_redistribute(
+            plan = sw.debug.explain_redistribute(
                 sw.DTensor.from_local(components_for(x, mesh, (source,), 3), mesh, (source,),
                                       shape=shape), (target,))
             assert plan.global_bytes == plan.lower_bound == 0, (source, plan)
@@ -87,7 +87,7 @@ def test_two_dimensional_every_source_to_every_partial(shape: tuple[int, int]) -
                 isinstance(p, Shard) and isinstance(q, Shard) for p, q in zip(source, target,
                                                                               strict=True)
             ):
-                plan = sw.explain_redistribute(
+                plan = sw.debug.explain_redistribute(
                     sw.DTensor.from_local(components_for(x, mesh, source, 3), mesh, source,
                                           shape=shape), target)
                 assert plan.global_bytes == 0, (source, target, plan)
@@ -104,7 +104,7 @@ def test_two_dimensional_spreads_move_nothing(source: tuple, target: tuple) -> N
     mesh = sw.init_device_mesh("cpu", (2, 2))
     x = make_tensor((7, 6), torch.float32, 4)
     dt = sw.DTensor.from_local(components_for(x, mesh, source, 3), mesh, source, shape=(7, 6))
-    plan = sw.explain_redistribute(dt, list(target))
+    plan = sw.debug.explain_redistribute(dt, list(target))
     assert plan.global_bytes == plan.lower_bound == 0, plan
     _check(mesh, x, source, target)
 
@@ -126,7 +126,7 @@ def test_spread_gradient(source: Placement, grad_placement: Placement) -> None:
     w = make_tensor((8, 3), torch.float32, 7)
     leaf = sw.distribute_tensor(x, mesh, [source]).detach().requires_grad_()
     out = leaf.redistribute(placements=[Partial()])
-    plan = sw.explain_redistribute(leaf, [Partial()])
+    plan = sw.debug.explain_redistribute(leaf, [Partial()])
     assert plan.global_bytes == 0
     grad = sw.distribute_tensor(w, mesh, [Replicate()]).redistribute(placements=[grad_placement])
     out.backward(grad)
@@ -141,7 +141,7 @@ def _spread_in_processes() -> list:
     out = []
     for source in [Shard(0), InterleavedShard(0, 3), RaggedShard(0, (5, 1)), Shard(1)]:
         dt = sw.distribute_tensor(x, mesh, [source])
-        with sw.CommCounter() as counter:
+        with sw.debug.CommCounter() as counter:
             spread = dt.redistribute(placements=[Partial()])
         out.append((torch.equal(spread.full_tensor(), x), counter.total_bytes,
                     tuple(spread.to_local().shape)))
@@ -160,7 +160,7 @@ def test_spread_to_a_pending_norm(op: str) -> None:
     mesh = sw.init_device_mesh("cpu", (4,))
     x = make_tensor((7, 3), torch.float32, 9).abs()
     dt = sw.distribute_tensor(x, mesh, [Shard(0)])
-    assert sw.explain_redistribute(dt, [Partial(op)]).global_bytes == 0
+    assert sw.debug.explain_redistribute(dt, [Partial(op)]).global_bytes == 0
     torch.testing.assert_close(dt.redistribute(placements=[Partial(op)]).full_tensor(), x)
 
 
@@ -220,7 +220,10 @@ def test_explicit_mode_refuses_a_move_a_spread_would_hide(fn) -> None:
     mesh = sw.init_device_mesh("cpu", (4,))
     x, y = make_tensor((8, 8), torch.float32, 11), make_tensor((8, 8), torch.float32, 12)
     a = sw.distribute_tensor(x, mesh, [Shard(0)])
-    with sw.allow_implicit_redistribute(False), pytest.raises(sw.ImplicitRedistributeError):
+    with (
+        sw.config.allow_implicit_redistribute(False),
+        pytest.raises(sw.errors.ImplicitRedistributeError),
+    ):
         if fn is torch.cat:
             fn([a, _partial(y, mesh)])
         elif fn is torch.addmm:  # the bias beside a row-parallel product (Partial)
@@ -236,7 +239,7 @@ def test_implicit_moves_keep_components_shard_sized(fn) -> None:
     the result is torch's and its components are a quarter of the whole, not whole ones."""
     mesh = sw.init_device_mesh("cpu", (4,))
     x, y = make_tensor((8, 8), torch.float32, 13), make_tensor((8, 8), torch.float32, 14)
-    with sw.allow_implicit_redistribute(), sw.CommCounter() as counter:
+    with sw.config.allow_implicit_redistribute(), sw.debug.CommCounter() as counter:
         out = fn(sw.distribute_tensor(x, mesh, [Shard(0)]), _partial(y, mesh))
     expected = fn(x, y)
     assert counter.total_bytes > 0
@@ -250,7 +253,7 @@ def test_a_traced_spread_is_planned_again_as_a_spread() -> None:
     (a graph from torch's caches) runs the same steps."""
     mesh = sw.init_device_mesh("cpu", (4,))
     dt = sw.distribute_tensor(make_tensor((8, 3), torch.float32, 15), mesh, [Shard(0)])
-    plan = sw.explain_redistribute(dt, [Partial()])
+    plan = sw.debug.explain_redistribute(dt, [Partial()])
     key = traced._key(plan, mesh, dt.dtype)
     traced._entries.pop(key, None)
     traced._replan(key)
@@ -270,9 +273,9 @@ def _spreads_on_four() -> list:
                            ((Shard(1), Shard(0)), (Partial(), Shard(0))),
                            ((Shard(0), Shard(0)), (Shard(0), Partial()))]:
         dt = sw.distribute_tensor(x, mesh, list(source))
-        with sw.CommCounter() as counter:
+        with sw.debug.CommCounter() as counter:
             moved = dt.redistribute(placements=list(target))
-        plan = sw.explain_redistribute(dt, list(target))
+        plan = sw.debug.explain_redistribute(dt, list(target))
         out.append((torch.equal(moved.full_tensor(), x), counter.total_bytes,
                     plan.global_bytes, plan.lower_bound))
     return out
@@ -325,18 +328,18 @@ def test_point_to_point_step_is_charged_to_the_mesh_dims_it_crosses() -> None:
     x = make_tensor((8, 6), torch.float32, 21)
     source, target = (Partial(), Shard(0)), (Shard(0), Partial())
     dt = sw.DTensor.from_local(components_for(x, mesh, source, 3), mesh, source, shape=(8, 6))
-    plan = sw.explain_redistribute(dt, target)
+    plan = sw.debug.explain_redistribute(dt, target)
     (step,) = plan.steps
     assert (step.collective, step.mesh_dim) == ("send/recv", (0,))
     assert plan.global_bytes == plan.lower_bound == 2 * 4 * 4 * 6  # two devices, 4 x 6 each
-    with sw.comm_budget(per_dim={"a": plan.bytes, "b": 0}) as budget, \
+    with sw.debug.comm_budget(per_dim={"a": plan.bytes, "b": 0}) as budget, \
             CommDebugMode() as debug:
         out = dt.redistribute(placements=target)
     assert budget.used == plan.bytes and budget.used_per_dim == {"a": plan.bytes, "b": 0}
     assert debug.get_comm_counts()["send/recv"] == 1 and debug.total_bytes == plan.bytes
     check_components(sw.local_components(out), x, mesh, target)
-    with pytest.raises(sw.CommBudgetExceededError, match="send/recv"), \
-            sw.comm_budget(per_dim={0: plan.bytes - 1}):
+    with pytest.raises(sw.errors.CommBudgetExceededError, match="send/recv"), \
+            sw.debug.comm_budget(per_dim={0: plan.bytes - 1}):
         dt.redistribute(placements=target)
 
 
@@ -353,8 +356,11 @@ def _point_to_point_in_processes() -> list:
         comps = components_for(x, mesh, source, 5)
         dt = sw.DTensor.from_local([comps[d] for d in mesh.local_device_ids], mesh,
                                    list(source), shape=P2P_SHAPE)
-        plan = sw.explain_redistribute(dt, list(target))
-        with sw.CommCounter() as counter, sw.comm_budget(cross_process_bytes=10**9) as budget:
+        plan = sw.debug.explain_redistribute(dt, list(target))
+        with (
+            sw.debug.CommCounter() as counter,
+            sw.debug.comm_budget(cross_process_bytes=10**9) as budget,
+        ):
             moved = dt.redistribute(placements=list(target))
         shapes = [tuple(sum(b - a for a, b in r) for r in shard_segments(
             P2P_SHAPE, mesh.shape, target, mesh.coordinate_of(d))) for d in mesh.local_device_ids]

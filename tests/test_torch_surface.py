@@ -78,14 +78,14 @@ def test_local_shard_size_and_offset_matches_torch() -> None:
     assert [ragged.local_shard_size_and_offset(5, 3, r) for r in range(3)] == [
         (3, 0), (0, 3), (2, 3)
     ]
-    with pytest.raises(sw.InvalidPlacementError, match=r"summing to the size 4"):
+    with pytest.raises(sw.errors.InvalidPlacementError, match=r"summing to the size 4"):
         ragged.local_shard_size_and_offset(4, 3, 0)
 
 
 def test_local_tensor_is_the_component_itself() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
     dt = sw.distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
-    with pytest.raises(sw.LocalComponentsError, match="_local_tensor of a DTensor"):
+    with pytest.raises(sw.errors.LocalComponentsError, match="_local_tensor of a DTensor"):
         dt._local_tensor  # noqa: B018  (this process owns both devices)
     single = sw.init_device_mesh("cpu", (1,))
     one = sw.distribute_tensor(torch.arange(3.0), single, [Shard(0)])

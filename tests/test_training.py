@@ -101,7 +101,7 @@ def _train_and_compare(model: nn.Module, make_batch, opt_cls, opt_kwargs, steps:
 
         dx = sw.distribute_tensor(x, mesh, [Shard(0), Replicate()])
         dtarget = sw.distribute_tensor(target, mesh, [Shard(0), Replicate()])
-        with sw.allow_implicit_redistribute():
+        with sw.config.allow_implicit_redistribute():
             loss = F.mse_loss(sharded(dx), dtarget)
             opt.zero_grad()
             loss.backward()
@@ -149,7 +149,7 @@ def test_clip_grad_norm_matches_single_device() -> None:
     expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     dx = sw.distribute_tensor(x, mesh, [Shard(0), Replicate()])
     dy = sw.distribute_tensor(y, mesh, [Shard(0), Replicate()])
-    with sw.allow_implicit_redistribute():
+    with sw.config.allow_implicit_redistribute():
         F.mse_loss(sharded(dx), dy).backward()
         total = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 0.1)
     torch.testing.assert_close(total.full_tensor(), expected)

@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 import shardwise as sw
 from mp_harness import run_in_processes
-from shardwise import CollectiveMismatchError, comm
+from shardwise import comm
 from shardwise.comm import agreement, native, wire
+from shardwise.errors import CollectiveMismatchError
 
 GATHER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
                  torch.complex64]
@@ -148,11 +149,11 @@ def native_job(order: list[int]) -> dict:
     wire.post_send, wire.post_receive = _refuse, _refuse
     dist.isend, dist.irecv, dist.send, dist.recv = _refuse, _refuse, _refuse, _refuse
     for ordered in (False, True):
-        with sw.deterministic(ordered):
+        with sw.config.deterministic(ordered):
             for case in _cases(len(order)):
                 data.clear()
                 checks.clear()
-                with sw.CommCounter() as counter:
+                with sw.debug.CommCounter() as counter:
                     result = _run(mesh, case)
                 out[case[0], ordered] = (
                     dict(zip(mesh.local_device_ids, result, strict=True)),

@@ -18,6 +18,7 @@ import runpy
 import sys
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 # torch module -> (shardwise modules that answer its names, in order; whether names shardwise
@@ -35,7 +36,9 @@ SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "torch.distributed.tensor.parallel.api": (("shardwise.parallel",), False),
     "torch.distributed.tensor.parallel.loss": (("shardwise.parallel",), False),
     "torch.distributed.tensor.debug": (("shardwise.debug",), False),
-    "torch.distributed.tensor.experimental": (("shardwise",), False),
+    "torch.distributed.tensor.experimental": (
+        ("shardwise.rules", "shardwise.config", "shardwise"), False
+    ),
     "torch.distributed._tensor": (("shardwise",), False),
     "torch.distributed._tensor.placement_types": (("shardwise.placements",), False),
     "torch.distributed._tensor.device_mesh": (("shardwise.mesh",), False),
@@ -137,8 +140,9 @@ def as_torch() -> None:
             real[name] = importlib.import_module(name)
         except ImportError:
             real[name] = None
-    import torch.distributed._functional_collectives as funcol
+    from .torch_compat import functional_resolve_group
 
+    resolve_group = functional_resolve_group()  # loads the functional collectives first
     _fill_torch_dtensor_cache()
     for name, (sources, _) in SHIMS.items():
         sys.modules[name] = _Shim(name, sources, real[name])
@@ -152,7 +156,7 @@ def as_torch() -> None:
     for name in _TOP_LEVEL:
         setattr(dist, name, getattr(mesh, name))
     _rebind_users(real)
-    _accept_meshes(funcol)
+    _accept_meshes(resolve_group)
 
 
 def _rebind_users(real: dict[str, types.ModuleType | None]) -> None:
@@ -182,10 +186,12 @@ def _fill_torch_dtensor_cache() -> None:
     the name is still torch's, so shardwise's DTensor is never taken for torch's."""
     import torch
 
+    from .torch_compat import make_wrapper_subclass
+
     class _Probe(torch.Tensor):
         @staticmethod
         def __new__(cls, shape: tuple[int, ...]) -> _Probe:
-            return torch.Tensor._make_wrapper_subclass(cls, shape)
+            return make_wrapper_subclass(cls, shape)
 
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -194,13 +200,12 @@ def _fill_torch_dtensor_cache() -> None:
     _Probe((1,)).detach()
 
 
-def _accept_meshes(funcol: types.ModuleType) -> None:
+def _accept_meshes(original: Callable[..., Any]) -> None:
     """Let the functional collectives take a shardwise mesh (or ``(mesh, dim)``) as their group,
     as they take torch's: the group of this process along the mesh dim."""
     from .errors import MeshError
     from .mesh import DeviceMesh
-
-    original = funcol._resolve_group
+    from .torch_compat import set_functional_resolve_group
 
     def resolve_group(group: Any, tag: str = "") -> Any:
         if isinstance(group, DeviceMesh):
@@ -214,7 +219,7 @@ def _accept_meshes(funcol: types.ModuleType) -> None:
             return group[0].get_group(group[1])
         return original(group, tag)
 
-    funcol._resolve_group = resolve_group
+    set_functional_resolve_group(resolve_group)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""Communication budgets: ``with shardwise.comm_budget(bytes=..., per_op=...):`` lets the block
-communicate at most so much (explicit mode, which allows no implicit move, is a budget of 0).
+"""Communication budgets: ``with shardwise.debug.comm_budget(bytes=..., per_op=...):`` lets
+the block communicate at most so much (explicit mode, which allows no implicit move, is a
+budget of 0).
 
 A budget counts what ``CommCounter`` counts: the bytes this process's devices receive under the
 planner's cost model (the numbers of ``explain_redistribute`` and ``CommDebugMode``), in total,

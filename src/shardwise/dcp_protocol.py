@@ -21,8 +21,8 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -32,11 +32,23 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .placements import Partial, Replicate, Shard
+from .placements import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 
-if TYPE_CHECKING:
-    from .dtensor import DTensor
+
+class DTensor(Protocol):
+    """What these hooks read of the DTensor calling them (named by its shape here: dtensor.py
+    imports this module, and nothing imports back)."""
+
+    _spec: DTensorSpec
+    _components: list[torch.Tensor]
+    shape: torch.Size
+    placements: tuple[Placement, ...]
+
+    def numel(self) -> int: ...
+
+    def redistribute(self, *, placements: Sequence[Placement]) -> DTensor: ...
+
 
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # global offsets, sizes, local
 

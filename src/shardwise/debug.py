@@ -15,7 +15,7 @@ import torch
 
 from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
 from . import settings
-from .budget import CommBudget
+from .budget import CommBudget, comm_budget
 from .comm import CommCounter, CommRecord
 from .comm.safety import current_description
 from .dtensor import DTensor
@@ -111,7 +111,7 @@ class CommDebugMode(CommCounter):
             self._budgets.setdefault(id(budget), (budget, depth))
 
     def __enter__(self) -> CommDebugMode:
-        from torch.distributed._tools.mod_tracker import ModTracker
+        from .torch_compat import ModTracker
 
         for table in (self.comm_module_counts, self._module_records, self._parameters):
             table.clear()
@@ -327,3 +327,13 @@ def _cuts(size: int, runs_per_device: list[tuple[tuple[int, int], ...]]) -> list
 
 def _covers(runs: tuple[tuple[int, int], ...], interval: tuple[int, int]) -> bool:
     return any(start <= interval[0] and interval[1] <= stop for start, stop in runs)
+
+
+__all__ = [
+    "CommBudget",
+    "CommCounter",
+    "CommDebugMode",
+    "comm_budget",
+    "explain_redistribute",
+    "visualize_sharding",
+]

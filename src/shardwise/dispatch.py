@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import threading
@@ -25,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from .caches import PER_LAYOUT, PER_OP, cached, register
 from .dtensor import DTensor, check_partials, set_dispatch_handler
 from .errors import (
     DTensorCollectiveError,
@@ -45,6 +44,7 @@ from .ops.registry import OpSchema, OpStrategy, OutputSharding, PlacementStrateg
 from .placements import Placement
 from .redistribute import compile_plan, plan_redistribute
 from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta, pending_sum
+from .torch_compat import OpOverload, is_torch_function_mode_enabled, make_wrapper_subclass, pytree
 
 aten = torch.ops.aten
 log = logging.getLogger("shardwise.redistribute")
@@ -94,7 +94,7 @@ class _Op:
         self.written = _written_arguments(func)
         self.view = _is_view(func)
         # the kernel without OpOverload.__call__'s Python frame
-        self.call = func._op if type(func) is torch._ops.OpOverload else func
+        self.call = func._op if type(func) is OpOverload else func
         self.binding = _binding(func)
         self.decisions: dict[tuple, _Entry] = {}
 
@@ -193,7 +193,7 @@ _generation = [0]
 # Decisions kept, over all ops: a variable sequence length makes new shapes, new keys, so the
 # cache is bounded. Past the bound the oldest published decision goes (oldest first, which keeps
 # the hit path free of bookkeeping); one still in use is decided again on its next call.
-DECISION_CACHE_SIZE = 4096
+DECISION_CACHE_SIZE = PER_LAYOUT
 _published: dict[tuple[_Op, tuple], None] = {}  # (op, key) in publishing order
 
 
@@ -206,6 +206,7 @@ def clear_sharding_cache() -> None:
 
 
 registry.on_registry_change(clear_sharding_cache)
+register("shardwise.dispatch sharding decisions", clear_sharding_cache)
 
 
 def _no_op(plan: Any, mesh: DeviceMesh) -> bool:
@@ -404,8 +405,9 @@ def _decide(func: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec]) -> D
         raise UnsupportedOpError(
             f"{func} has no sharding rule or strategy for DTensor inputs "
             f"{[list(s.placements) for s in specs]}; register one with "
-            f"shardwise.register_op_strategy([{func}]) or shardwise.register_prop_rule(...), "
-            f"or handle it with shardwise.bypass_dispatch"
+            f"shardwise.rules.register_op_strategy([{func}]) or "
+            f"shardwise.rules.register_prop_rule(...), "
+            f"or handle it with shardwise.rules.bypass_dispatch"
         )
     if reg.strategy is not None:
         schema = _to_schema(
@@ -898,10 +900,10 @@ def _wrap_one(spec: DTensorSpec | None, components: list) -> Any:
     return _new_dtensor(components, spec)
 
 
-_make_wrapper = torch.Tensor._make_wrapper_subclass
+_make_wrapper = make_wrapper_subclass
 _Tensor = torch.Tensor
 _strided = torch.strided
-_function_mode = torch._C._is_torch_function_mode_enabled  # bindings would call into it
+_function_mode = is_torch_function_mode_enabled  # bindings would call into it
 
 
 def _new_dtensor(components: list[torch.Tensor], spec: DTensorSpec) -> DTensor:
@@ -916,7 +918,7 @@ def _new_dtensor(components: list[torch.Tensor], spec: DTensorSpec) -> DTensor:
     return out
 
 
-@functools.lru_cache(maxsize=8192)  # one entry per op overload
+@cached(PER_OP)  # one entry per op overload
 def _is_view(func: Any) -> bool:
     """An op whose output aliases its input (``view``, ``select``, ``transpose``...)."""
     schema = getattr(func, "_schema", None)
@@ -926,7 +928,7 @@ def _is_view(func: Any) -> bool:
     return alias is not None and not alias.is_write
 
 
-@functools.lru_cache(maxsize=8192)  # one entry per op overload
+@cached(PER_OP)  # one entry per op overload
 def _written_arguments(func: Any) -> frozenset:
     """The positions and names of the arguments the op writes (its schema's ``(a!)``)."""
     schema = getattr(func, "_schema", None)
@@ -940,7 +942,7 @@ def _written_arguments(func: Any) -> frozenset:
     )
 
 
-@functools.lru_cache(maxsize=8192)  # one entry per op overload
+@cached(PER_OP)  # one entry per op overload
 def _is_inplace(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:

@@ -5,8 +5,9 @@ ones, and it holds one local component per device this process owns, in ascendin
 
 Pending results of background collectives (``redistribute(..., async_op=True)``,
 ``DTensor.from_local(..., async_op=True)``) are ``AsyncDTensor``s: global metadata is known at
-once, the components are computed by the background worker (``comm.background``) and the first
-use of them (any op, ``unpack``, ``full_tensor``...) waits, as ``wait()`` does. ``to_local()``
+once, the components are computed by the background worker (``comm.background``), or, where
+every collective is the backend's own, issued at once and left unwaited, and the first use of
+them (any op, ``unpack``, ``full_tensor``...) waits, as ``wait()`` does. ``to_local()``
 of a pending DTensor returns an ``AsyncCollectiveTensor``, a tensor that waits on first use, as
 PyTorch's does. Results are those of the blocking path, bit for bit: the worker runs the same
 plan on the same components.
@@ -19,9 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch.optim import optimizer as _optimizer
-from torch.utils import _foreach_utils
 
 from . import budget, comm, settings
 from .comm import background
@@ -31,7 +29,7 @@ from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponents
 from .geometry import extract_local
 from .mesh import DeviceMesh, Mesh, mesh_or_current
 from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
-from .redistribute import cross_mesh, execute_plan, plan_redistribute
+from .redistribute import cross_mesh, execute_plan, issues_async, plan_redistribute
 from .spec import (
     LOW_PRECISION,
     DTensorSpec,
@@ -39,6 +37,12 @@ from .spec import (
     contiguous_meta,
     make_tensor_meta,
     validate_placements,
+)
+from .torch_compat import (
+    disabled_torch_function_impl,
+    foreach_supported_types,
+    make_wrapper_subclass,
+    pytree,
 )
 from .tracing import dynamo_opaque, eager_under_dynamo
 
@@ -74,7 +78,7 @@ class DTensor(torch.Tensor):
     _spec: DTensorSpec
     _components: list[torch.Tensor]
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @staticmethod
     @eager_under_dynamo
@@ -89,7 +93,7 @@ class DTensor(torch.Tensor):
             if first.dtype != held and first.dtype.is_floating_point:
                 components = [c.to(held) for c in components]
         device = first.device if first is not None else spec.mesh.device_of(0)
-        out = torch.Tensor._make_wrapper_subclass(
+        out = make_wrapper_subclass(
             cls,
             meta.shape,
             strides=meta.stride,
@@ -894,7 +898,7 @@ class AsyncDTensor(DTensor):
     ) -> AsyncDTensor:
         meta = spec.tensor_meta
         device = spec.mesh.device_of(spec.mesh.local_device_ids[0])
-        out = torch.Tensor._make_wrapper_subclass(
+        out = make_wrapper_subclass(
             cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=device,
             requires_grad=requires_grad,
         )
@@ -933,6 +937,8 @@ class AsyncDTensor(DTensor):
             return super().to_local()
         if len(self.device_mesh.local_device_ids) != 1:
             return super().to_local()  # raises LocalComponentsError
+        if isinstance(work, background.Issued):  # torch's, as issued: views stay unwaited
+            return work.unwaited()[0]
         device = self.device_mesh.local_device_ids[0]
         return AsyncCollectiveTensor(
             work,
@@ -951,7 +957,7 @@ class AsyncCollectiveTensor(torch.Tensor):
     """A plain tensor that a background collective is still computing: any op on it, and
     ``wait()``, first wait for the collective and then see the plain result."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @staticmethod
     def __new__(
@@ -962,7 +968,7 @@ class AsyncCollectiveTensor(torch.Tensor):
         dtype: torch.dtype,
         device: torch.device,
     ) -> AsyncCollectiveTensor:
-        out = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+        out = make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
         out._work, out._index = work, index
         return out
 
@@ -1015,7 +1021,8 @@ class _AsyncRedistribute(_Redistribute):
 
         # checked against the budgets now; the job charges them in this context's copy
         with budget.around("DTensor.redistribute", [("the DTensor", spec, plan)]):
-            work = background.submit(job, f"redistribute of {spec} to {list(target)}")
+            start = background.issue if issues_async(plan, spec.mesh) else background.submit
+            work = start(job, f"redistribute of {spec} to {list(target)}")
         return AsyncDTensor(work, spec.with_placements(target))
 
 
@@ -1073,6 +1080,6 @@ torch.serialization.add_safe_globals(
 # torch's foreach paths take DTensors as they take torch's own DTensor: clip_grad_norm_ and
 # the optimizers choose foreach by the parameters' type (``foreach=None``), so without this a
 # DTensor would fall back to one dispatch per tensor where plain tensors run one per list
-for _types in (_foreach_utils._foreach_supported_types, _optimizer._foreach_supported_types):
+for _types in foreach_supported_types():
     if DTensor not in _types:
         _types.append(DTensor)

@@ -76,7 +76,7 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class CollectiveMismatchError(CollectiveError):
     """Processes entered different collectives, or the same one on different tensors
-    (found by the debug checks, ``shardwise.set_debug_checks(True)``)."""
+    (found by the debug checks, ``shardwise.config.set_debug_checks(True)``)."""
 
 
 class ConcurrentCollectiveError(CollectiveError):
@@ -149,7 +149,7 @@ class DataParallelError(ShardwiseError, ValueError):
 
 class StrategyValidationError(ShardwiseError, AssertionError):
     """A sharding strategy, forced on sample inputs, gave a value or placements that differ
-    from single-device PyTorch (``shardwise.validate_strategy``)."""
+    from single-device PyTorch (``shardwise.rules.validate_strategy``)."""
 
 
 class StateDictMismatchError(ShardwiseError, RuntimeError):
@@ -190,3 +190,47 @@ class ShardwiseWarning(UserWarning):
 
 class CommBudgetWarning(ShardwiseWarning):
     """Communication went past a limit of ``comm_budget(..., on_exceed="warn")``."""
+
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointFileMissingError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointPathError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CommBudgetExceededError",
+    "CommBudgetWarning",
+    "ConcurrentCollectiveError",
+    "DataParallelError",
+    "DeferredInitError",
+    "DistributeAttributeError",
+    "DistributeContextError",
+    "DistributeTypeError",
+    "DistributeValueError",
+    "DTensorCollectiveError",
+    "ImplicitRedistributeError",
+    "InvalidArgumentError",
+    "InvalidPlacementError",
+    "LabelOutOfRangeError",
+    "LayoutError",
+    "LocalComponentsError",
+    "MeshError",
+    "NotEagerError",
+    "OpArgumentError",
+    "PackError",
+    "ParallelPlanError",
+    "ParallelStyleError",
+    "ProcessStateError",
+    "ReplicaSyncError",
+    "ShardwiseError",
+    "ShardwiseTypeError",
+    "ShardwiseWarning",
+    "StateDictMismatchError",
+    "StrategyValidationError",
+    "UnsafeCheckpointError",
+    "UnsupportedOpError",
+    "VariableInputError",
+]

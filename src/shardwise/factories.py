@@ -12,16 +12,15 @@ it ``torch.ones(4)`` is a DTensor replicated on the mesh, as ``tf.ones`` is unde
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from . import settings
+from .call_site import called_by_library
 from .dtensor import DTensor, distribute_tensor
 from .errors import InvalidArgumentError
 from .mesh import DeviceMesh, mesh_or_current
@@ -231,16 +230,6 @@ def randn(
 _CONSTANT_FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.empty, torch.arange,
                                  torch.linspace})
 _RANDOM_FACTORIES = frozenset({torch.rand, torch.randn, torch.randint})
-_PACKAGE = str(Path(__file__).resolve().parent)
-_TORCH = str(Path(torch.__file__).resolve().parent)
-
-
-def _called_by_a_library() -> bool:
-    """True when the torch call being handled comes from shardwise's or torch's own code
-    (their working tensors stay plain: ``nn.Linear``'s ``torch.empty``, an optimizer's step
-    count, shardwise's buffers); only the program's direct calls make DTensors."""
-    caller = sys._getframe(2).f_code.co_filename  # past this and __torch_function__
-    return caller.startswith((_PACKAGE, _TORCH))
 
 
 class _ReplicatedFactories(TorchFunctionMode):
@@ -259,7 +248,8 @@ class _ReplicatedFactories(TorchFunctionMode):
         if (
             not (random or func in _CONSTANT_FACTORIES)
             or kwargs.get("out") is not None
-            or _called_by_a_library()
+            # torch's and shardwise's own calls (nn.Linear's torch.empty, an optimizer's state)
+            or called_by_library(1)
         ):
             return func(*args, **kwargs)
         requires_grad = bool(kwargs.pop("requires_grad", False))

@@ -13,16 +13,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-_HOLDERS = (torch._C._VariableFunctions, torch._C.TensorBase)
+from .torch_compat import (
+    OpOverload,
+    TensorBase,
+    TorchDispatchMode,
+    VariableFunctions,
+    is_torch_function_mode_enabled,
+)
+
+_HOLDERS = (VariableFunctions, TensorBase)
 
 
 def binding(func: Any) -> Any:
     """The generated binding named like ``func``, if ``func`` is a pure (no argument written,
     not random) aten op returning one tensor; else None."""
     schema = getattr(func, "_schema", None)
-    if type(func) is not torch._ops.OpOverload or schema is None:
+    if type(func) is not OpOverload or schema is None:
         return None
     namespace, _, name = schema.name.partition("::")
     returns = schema.returns
@@ -77,7 +84,7 @@ class _FirstCall(TorchDispatchMode):
 def checked_call(func: Any, candidate: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
     """``func(*args, **kwargs)``, through ``candidate`` when it is checked to make exactly
     that call: (result, whether ``candidate`` did)."""
-    if candidate is not None and not torch._C._is_torch_function_mode_enabled() and all(
+    if candidate is not None and not is_torch_function_mode_enabled() and all(
         type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor)
     ):
         mode = _FirstCall(func, args, kwargs)

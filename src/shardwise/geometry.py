@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from functools import lru_cache
 from math import prod
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from .caches import PER_LAYOUT, PER_PIECE, PER_SEGMENT, cached
 from .errors import InvalidPlacementError
 from .placements import (
     InterleavedShard,
@@ -67,7 +67,7 @@ def chunk_bounds(length: int, n: int, index: int) -> tuple[int, int]:
     return min(index * chunk, length), min((index + 1) * chunk, length)
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def chunk_sizes(length: int, n: int) -> tuple[int, ...]:
     """The sizes of the ``n`` pieces of ``length`` under ``torch.chunk`` geometry (trailing
     ones empty), as ``split_with_sizes`` takes them."""
@@ -129,7 +129,7 @@ def compute_local_shape_and_global_offset(
     return sizes, offsets
 
 
-@lru_cache(maxsize=16384)
+@cached(PER_SEGMENT)
 def shard_segments(
     shape: tuple[int, ...],
     mesh_shape: tuple[int, ...],
@@ -180,7 +180,7 @@ class Pieces(NamedTuple):
     keys: tuple[int, ...] | None
 
 
-@lru_cache(maxsize=8192)
+@cached(PER_PIECE)
 def pieces(mesh: DeviceMesh, shape: tuple[int, ...], placements: Placements) -> Pieces:
     """Every device's ``Pieces`` under ``placements`` (shared by every plan on that mesh and
     shape)."""

@@ -15,12 +15,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from .dtensor import DTensor, local_components
 from .errors import InvalidArgumentError, InvalidPlacementError, MeshError, ShardwiseTypeError
 from .mesh import DeviceMesh
 from .placements import Placement
+from .torch_compat import pytree
 
 PlacementType = Sequence[Placement] | None
 

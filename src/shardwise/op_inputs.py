@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import traceback
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -22,12 +21,19 @@ from typing import Any
 import torch
 
 from . import budget, settings
+from .call_site import call_site
 from .dtensor import DTensor, distribute_tensor
 from .errors import ImplicitRedistributeError, MeshError
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, norm_order
 from .plain_tensors import plain_is_local
 from .redistribute import execute_plan, plan_redistribute
+from .torch_compat import (
+    DispatchKey,
+    current_graph_task_id,
+    dispatch_has_kernel_for_dispatch_key,
+    len_torch_dispatch_stack,
+)
 
 log = logging.getLogger("shardwise.redistribute")
 
@@ -69,7 +75,7 @@ def _refused(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> bool:
     outside autograd's backward and outside ``implicit_replication()``."""
     return (
         tensor.numel() > 1
-        and torch._C._current_graph_task_id() == -1
+        and current_graph_task_id() == -1
         and not settings.IMPLICIT_REPLICATION.get()
     )
 
@@ -81,7 +87,7 @@ def _refusal(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> MeshError:
         f"(here {view}); only a 0-d or one-element tensor is taken as replicated by itself. "
         f"Distribute it first (shardwise.distribute_tensor(t, {mesh}, placements)), or, if "
         f"every rank holds the same whole value, take it as replicated inside "
-        f"`with shardwise.implicit_replication():`"
+        f"`with shardwise.config.implicit_replication():`"
     )
 
 
@@ -113,8 +119,8 @@ def register_plain_making_decomposition(op: Any, makes: str) -> None:
     refused), then its decomposition runs inside ``implicit_replication()``, so the tensors
     torch makes there are taken as replicated. The kernel sits at the op's autograd keys,
     above ``__torch_dispatch__``; without DTensor arguments it runs torch's decomposition."""
-    composite = torch._C.DispatchKey.CompositeImplicitAutograd
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), composite):
+    composite = DispatchKey.CompositeImplicitAutograd
+    if not dispatch_has_kernel_for_dispatch_key(op.name(), composite):
         raise TypeError(f"{op} is not CompositeImplicitAutograd: it has no decomposition")
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
@@ -142,8 +148,8 @@ def register_value_reading_decomposition(op: Any, argument: str) -> None:
     a DTensor holds no data: given a DTensor there, the decomposition gets that argument as a
     plain tensor, its global value (replicated first under the explicit-redistribution rule).
     The kernel sits at the op's autograd keys, above ``__torch_dispatch__``."""
-    composite = torch._C.DispatchKey.CompositeImplicitAutograd
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), composite):
+    composite = DispatchKey.CompositeImplicitAutograd
+    if not dispatch_has_kernel_for_dispatch_key(op.name(), composite):
         raise TypeError(f"{op} is not CompositeImplicitAutograd: it has no decomposition")
     names = [a.name for a in op._schema.arguments]
     position = names.index(argument)
@@ -165,14 +171,6 @@ def register_value_reading_decomposition(op: Any, argument: str) -> None:
 
 
 # ----- moves -----------------------------------------------------------------------------------
-
-
-def _call_site() -> str:
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        name = frame.filename
-        if "shardwise" not in name and "torch" not in name:
-            return f"{name}:{frame.lineno}"
-    return "<unknown>"
 
 
 def redistribute_inputs(
@@ -210,7 +208,7 @@ def run_moves(
     budgeted = bool(moving) and bool(settings.COMM_BUDGETS.get())
     explicit = tuple((i, p) for i, p in moving if not _scalar_norm(dtensors[i]))
     if explicit and not budgeted and not settings.IMPLICIT_REDISTRIBUTE.get() and (
-        torch._C._current_graph_task_id() == -1
+        current_graph_task_id() == -1
     ):
         lines = []
         for i, p in explicit:
@@ -223,7 +221,7 @@ def run_moves(
         raise ImplicitRedistributeError(
             f"{func} on {dtensors[0].device_mesh} needs its inputs redistributed:\n"
             + "\n".join(lines)
-            + "\nor allow it with `with shardwise.allow_implicit_redistribute():`"
+            + "\nor allow it with `with shardwise.config.allow_implicit_redistribute():`"
         )
     log_moves = bool(moving) and settings.LOG_REDISTRIBUTE.get()
     if budgeted:  # a comm_budget allows the moves it has room for, checked before any runs
@@ -254,7 +252,7 @@ def _run_each(
         dt = dtensors[i]
         if log_moves and any(s.collective != "local" for s in plan.steps):
             log.info(
-                "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, _call_site()
+                "%s redistributes %s: %s at %s", func, list(dt.shape), plan.steps, call_site()
             )
         components[i] = _cut(dt, plan, run) if getattr(run, "cuts", False) else run(
             dt._components
@@ -280,7 +278,7 @@ def _cut(dt: DTensor, plan: Any, run: Any) -> list[torch.Tensor]:
     ) and held[3] == versions:
         return list(held[4])
     out = run(comps)
-    if not torch._C._len_torch_dispatch_stack():  # not fake or traced components
+    if not len_torch_dispatch_stack():  # not fake or traced components
         key = id(dt)
         ref = held[0] if held is not None and held[0]() is dt else weakref.ref(
             dt, lambda r, key=key: _drop_cut(key, r)

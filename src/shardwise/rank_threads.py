@@ -39,13 +39,18 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from . import process_wide, runtime, settings
 from .comm.wire import Mailbox
 from .errors import CollectiveError, CollectiveTimeoutError, InvalidArgumentError
+from .torch_compat import (
+    C10dWorld,
+    c10d_world,
+    set_c10d_world,
+    set_thread_isolation_mode,
+    tree_leaves,
+)
 
 T = TypeVar("T")
 _GRACE_S = 5.0  # after a rank fails, how long the others get to fail or finish
@@ -56,7 +61,7 @@ def _rank() -> settings.RankThread | None:
     return settings.RANK_THREAD.get()
 
 
-class _RankWorld(c10d._World):
+class _RankWorld(C10dWorld):
     """One rank thread's ``torch.distributed`` state (c10d keeps its maps in module globals)."""
 
     def __init__(self) -> None:
@@ -248,22 +253,22 @@ def _installed() -> Iterator[_Generator]:
             "run_threads is already running in this process; rank threads cannot start rank "
             "threads of their own"
         )
-    world, environ = c10d._world, os.environ
+    world, environ = c10d_world(), os.environ
     generator = torch.random.default_generator
     switch = _Generator(generator)
-    c10d._world = _WorldSwitch(world)
+    set_c10d_world(_WorldSwitch(world))
     os.environ = _Environ(environ)  # type: ignore[assignment]  # noqa: B003 - a view, not a reset
     torch.random.default_generator = switch  # type: ignore[assignment]
     # process groups are registered by name (the same names in every rank): one registry per
     # thread
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    set_thread_isolation_mode(True)
     try:
         yield switch
     finally:
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        set_thread_isolation_mode(False)
         torch.random.default_generator = generator
         os.environ = environ  # type: ignore[assignment]  # noqa: B003
-        c10d._world = world
+        set_c10d_world(world)
         _installed_lock.release()
 
 
@@ -298,7 +303,7 @@ def _one_intra_op_thread(nproc: int) -> Iterator[None]:
     """As torchrun gives each of several processes one intra-op thread unless
     ``OMP_NUM_THREADS`` says otherwise: torch's intra-op pool is the process's, and every rank
     thread entering a parallel kernel would bring a team of its own onto the same cores."""
-    if nproc == 1 or "OMP_NUM_THREADS" in os.environ:
+    if nproc == 1 or settings.environ("OMP_NUM_THREADS") is not None:
         yield
         return
     before = torch.get_num_threads()
@@ -321,7 +326,7 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        **({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if nproc > 1 else {}),
+        **({"OMP_NUM_THREADS": settings.environ("OMP_NUM_THREADS") or "1"} if nproc > 1 else {}),
     }
 
 
@@ -336,10 +341,11 @@ def _check_alone(nproc: int) -> None:
             f"combine with several processes (gloo cannot run two threads' collectives on one "
             f"group)"
         )
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(settings.environ("WORLD_SIZE") or "1") > 1:
         raise InvalidArgumentError(
             f"threads mode runs {nproc} ranks in this process, but this process was started as "
-            f"rank {os.environ.get('RANK')} of WORLD_SIZE={os.environ['WORLD_SIZE']} processes; "
+            f"rank {settings.environ('RANK')} of WORLD_SIZE={settings.environ('WORLD_SIZE')} "
+            f"processes; "
             f"threads mode does not combine with several processes: start one process"
         )
 

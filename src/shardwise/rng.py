@@ -35,6 +35,7 @@ from .geometry import segments_size, split_segments
 from .mesh import DeviceMesh
 from .placements import RaggedShard, Shard
 from .spec import DTensorSpec
+from .torch_compat import kernel_default_generator
 
 T = TypeVar("T")
 aten = torch.ops.aten
@@ -113,7 +114,7 @@ def _draw_cpu(
     spec: DTensorSpec, ids: Sequence[int], draw: Callable[[int], T],
     generator: torch.Generator | None,
 ) -> list[T]:
-    kernel = torch._C.default_generator  # the one kernels draw from (rank threads swap theirs in)
+    kernel = kernel_default_generator()  # the one kernels draw from (rank threads swap theirs in)
     shards = [shard_index(spec, d) for d in ids]
     out = []
     with settings.drawing_from_default_generator():
@@ -181,7 +182,8 @@ def _with_offset(state: torch.Tensor, increment: int) -> torch.Tensor:
     return out
 
 
-_checked_generators: set[tuple] = set()
+# the (mesh, device) pairs this process compared (a rank thread is a process of its own)
+_checked_generators: settings.ProcessLocal[set[tuple]] = settings.ProcessLocal(set)
 
 
 def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
@@ -192,7 +194,7 @@ def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
     key = (mesh, device)
     if len(mesh.local_device_ids) == mesh.size():
         return  # one process holds the whole mesh: there is no other generator to compare
-    if key in _checked_generators and not comm.debug_checks_enabled():
+    if key in _checked_generators.get() and not comm.debug_checks_enabled():
         return
     state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
     fields = {"generator state": hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16]}
@@ -201,4 +203,4 @@ def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
         "every process before random DTensor ops"
     ):
         comm.agree(mesh, "random op", fields, state)
-    _checked_generators.add(key)
+    _checked_generators.get().add(key)

@@ -19,7 +19,6 @@ collectives themselves happens here:
 from __future__ import annotations
 
 import atexit
-import os
 import socket
 import threading
 import time
@@ -27,10 +26,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from . import settings
 from .errors import CollectiveError, CollectiveTimeoutError, MeshError
+from .torch_compat import c10d_world, get_default_group, new_process_group_helper
 
 
 def initialized() -> bool:
@@ -56,7 +55,7 @@ def start(device_type: str, wanted: bool | None) -> None:
     ``MASTER_PORT`` missing) or malformed: never one process owning every device instead."""
     if wanted is False or not dist.is_available() or dist.is_initialized():
         return
-    env = os.environ
+    env = settings.torchrun_environ()
     if wanted is None and _env_int("WORLD_SIZE", 1) <= 1:
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
@@ -87,7 +86,7 @@ def start(device_type: str, wanted: bool | None) -> None:
 def _env_int(name: str, default: int) -> int:
     """The torchrun variable ``name`` as an integer (``default`` when unset); ``MeshError``
     naming it for anything else."""
-    text = os.environ.get(name)
+    text = settings.environ(name)
     if text is None:
         return default
     try:
@@ -101,7 +100,7 @@ def rendezvous(rank: int, world: int, seconds: float) -> Any:
     ``world`` processes have joined it. Reaching the store and waiting for the others share
     one deadline of ``seconds``; past it raise ``CollectiveTimeoutError`` naming the ranks that
     did not come (or rank 0's store that could not be reached)."""
-    addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
+    addr, port = settings.torchrun_environ()["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
     deadline = time.monotonic() + seconds
     if rank != 0:
         _wait_for_store(rank, world, addr, port, seconds, deadline)
@@ -225,11 +224,11 @@ def _new_group(ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup
     different groups before name it differently and each waits for the others under its own
     name forever. So the group is made as ``new_group`` makes it, with the name given (each set
     of ranks is made once per process, so the name is unique)."""
-    default = c10d._get_default_group()
-    default_backend, store = c10d._world.pg_map[default]
+    default = get_default_group()
+    default_backend, store = c10d_world().pg_map[default]
     prefix = "shardwise_ranks_" if backend is None else f"shardwise_{backend}_ranks_"
     name = prefix + "_".join(map(str, ranks))
-    pg, _ = c10d._new_process_group_helper(
+    pg, _ = new_process_group_helper(
         len(ranks),
         ranks.index(dist.get_rank()),
         list(ranks),
@@ -240,7 +239,7 @@ def _new_group(ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup
         device_id=None if backend else default.bound_device_id,
         group_desc=f"shardwise ranks {list(ranks)}",
     )
-    c10d._world.pg_group_ranks[pg] = {rank: i for i, rank in enumerate(ranks)}
+    c10d_world().pg_group_ranks[pg] = {rank: i for i, rank in enumerate(ranks)}
     return pg
 
 

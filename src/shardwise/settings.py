@@ -57,6 +57,15 @@ class Setting(Generic[T]):
         self._override.set(stack[:-1])
         return stack[-1]
 
+    def enter(self, value: T) -> contextvars.Token:
+        """In this context the setting is ``value`` until ``leave(token)`` (for hooks whose
+        start and end are separate calls)."""
+        return self._override.set(value)
+
+    def leave(self, token: contextvars.Token) -> None:
+        """Undo the ``enter`` that returned ``token``."""
+        self._override.reset(token)
+
     @contextmanager
     def override(self, value: T) -> Iterator[None]:
         """Within the block, in this context only, the setting is ``value``."""
@@ -104,6 +113,22 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
+def environ(name: str) -> str | None:
+    """The environment variable ``name`` as this thread sees it (a rank thread of the
+    launcher's threads mode sees its own torchrun variables); None when unset. The package reads
+    the environment here only."""
+    return os.environ.get(name)
+
+
+# torchrun's variables a process starts from (runtime.start)
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def torchrun_environ() -> dict[str, str]:
+    """The torchrun variables that are set, as this thread sees them."""
+    return {k: v for k in TORCHRUN_VARIABLES if (v := environ(k)) is not None}
+
+
 # SHARDWISE_AS_TORCH=1: the drop-in switch (shardwise.as_torch) is on in every process that
 # imports shardwise, and in the processes and rank threads of shardwise.launch.
 AS_TORCH_ENV = "SHARDWISE_AS_TORCH"
@@ -116,6 +141,9 @@ IMPLICIT_REDISTRIBUTE: Setting[bool] = Setting(
 IMPLICIT_REPLICATION: Setting[bool] = Setting("implicit_replication", False)
 # Every redistribution an op makes is logged with the user's call site.
 LOG_REDISTRIBUTE: Setting[bool] = Setting("log_redistribute", False)
+# The top-level packages whose code is the library's, not the program's (``call_site``): their
+# torch factory calls stay plain under ``default_mesh``, and call sites skip their frames.
+LIBRARY_PACKAGES: Setting[tuple[str, ...]] = Setting("library_packages", ("torch", "shardwise"))
 # Every cross-process collective (and process-group setup) is bounded by this many seconds.
 COLLECTIVE_TIMEOUT: Setting[float] = Setting(
     "collective_timeout", env_seconds("SHARDWISE_COLLECTIVE_TIMEOUT", 300.0)
@@ -125,6 +153,9 @@ DEBUG_CHECKS: Setting[bool] = Setting("debug_checks", env_flag("SHARDWISE_DEBUG_
 # Cross-process reductions combine in coordinate order (the embedded run's bits) instead of the
 # backend's order.
 DETERMINISTIC: Setting[bool] = Setting("deterministic", env_flag("SHARDWISE_DETERMINISTIC"))
+# Backend collectives (``comm.native``) return their results unwaited, as torch's functional
+# collectives do: ``AsyncCollectiveTensor``s that wait at the first op that is not a view.
+WAIT_AT_FIRST_USE: Setting[bool] = Setting("wait_at_first_use", False)
 # What the collectives inside ``comm.moving`` blocks are moving (innermost last), for errors.
 MOVING: Setting[tuple] = Setting("moving", ())
 # The meshes of the ``with mesh:`` and ``default_mesh(mesh)`` blocks of this context, innermost
@@ -137,6 +168,10 @@ COMM_COUNTERS: Setting[tuple] = Setting("comm_counters", ())
 COMM_BUDGETS: Setting[tuple] = Setting("comm_budgets", ())
 # The operation whose collectives are being charged to the budgets (``budget.planned``).
 BUDGET_OPERATION: Setting[Any] = Setting("budget_operation", None)
+# The forward/backward schedule of the outermost fully_shard module running (parallel.dp_unit).
+FSDP_SCHEDULE: Setting[Any] = Setting("fsdp_schedule", None)
+# The view the outermost data-parallel forward running chose (parallel.data_parallel).
+DATA_PARALLEL_VIEW: Setting[str | None] = Setting("data_parallel_view", None)
 
 
 class ReplicaThread:

@@ -3,12 +3,14 @@ indices each device holds come from ``geometry``."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from .caches import PER_LAYOUT, register
 from .errors import InvalidPlacementError, MeshError
 from .geometry import Segments, segments_size, shard_segments
 from .placements import InterleavedShard, Placement, RaggedShard, normalize_placement
@@ -102,7 +104,8 @@ def pending_sum(placements: Sequence[Placement]) -> bool:
 
 # (shape, mesh, placements, sizes) -> the placements normalized, for those that passed
 _VALIDATED: dict[tuple, tuple[Placement, ...]] = {}
-_VALIDATED_MAX = 4096
+_VALIDATED_MAX = PER_LAYOUT
+register("shardwise.spec._VALIDATED", _VALIDATED.clear)
 
 
 def validate_placements(
@@ -128,8 +131,9 @@ def validate_placements(
     normalized = _validated(shape, mesh, placements, described, sizes)
     if key is not None and not any(isinstance(p, (InterleavedShard, RaggedShard))
                                    for p in normalized):
-        if len(_VALIDATED) >= _VALIDATED_MAX:
-            _VALIDATED.clear()
+        if len(_VALIDATED) >= _VALIDATED_MAX:  # oldest out, as every hand-rolled cache
+            with contextlib.suppress(KeyError, StopIteration, RuntimeError):  # another thread
+                del _VALIDATED[next(iter(_VALIDATED))]
         _VALIDATED[key] = normalized
     return normalized
 

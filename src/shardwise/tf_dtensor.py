@@ -33,6 +33,7 @@ from .layout import MATCH, UNSHARDED, Layout
 from .mesh import DeviceMesh, Mesh, current_mesh, init_device_mesh, tf_device_type
 from .placements import Placement, Replicate
 from .spec import DTensorSpec, TensorMeta
+from .torch_compat import is_fx_symbolic_tracing
 
 # ----- pack / unpack -------------------------------------------------------------------------
 
@@ -447,7 +448,7 @@ def _raise_not_eager(what: str) -> None:
 # Under torch.compile the check must run when the compiled code runs: dynamo would otherwise
 # give up on the frame and run it eagerly, where it succeeds. fullgraph=True reports the reason.
 _raise_not_eager_compiled = torch.compiler.disable(
-    _raise_not_eager, reason=f"shardwise.pack/unpack/fetch_layout {_NOT_EAGER}"
+    _raise_not_eager, reason=f"shardwise.tf.pack/unpack/fetch_layout {_NOT_EAGER}"
 )
 
 
@@ -455,7 +456,7 @@ def _require_eager(what: str) -> None:
     """TF's rule: ``pack``, ``unpack`` and ``fetch_layout`` run eagerly, never while tracing."""
     if torch.compiler.is_compiling():
         _raise_not_eager_compiled(what)
-    if torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+    if torch.jit.is_tracing() or is_fx_symbolic_tracing():
         _raise_not_eager(what)
 
 
@@ -532,7 +533,7 @@ def _has_layout(tensor: DTensor, layout: Layout) -> bool:
 
 def _check_layout_arg(layout: Any, what: str) -> None:
     if not isinstance(layout, Layout):
-        raise ShardwiseTypeError(f"{what} needs a shardwise.Layout, got {_describe(layout)}")
+        raise ShardwiseTypeError(f"{what} needs a shardwise.tf.Layout, got {_describe(layout)}")
 
 
 def _check_rank(tensor: torch.Tensor, layout: Layout, what: str) -> None:

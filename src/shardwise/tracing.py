@@ -26,11 +26,16 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.utils._pytree as pytree
-from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
 
 from .mesh import DeviceMesh
 from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
+from .torch_compat import (
+    FrameAction,
+    FrameExecStrategy,
+    nonstrict_trace,
+    pytree,
+    set_code_exec_strategy,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -103,7 +108,7 @@ def dynamo_opaque(fn: F) -> F:
     """``fn`` unchanged in eager mode; under dynamo, one ``nonstrict_trace`` call that AOT
     autograd traces through (placement arguments travel encoded)."""
 
-    @torch._dynamo.nonstrict_trace
+    @nonstrict_trace
     def traced(*args: Any, **kwargs: Any) -> Any:
         return fn(*[_decode(a) for a in args], **{k: _decode(v) for k, v in kwargs.items()})
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
+from ..torch_compat import StorageInfo
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -154,7 +154,7 @@ def _gap(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> str:
 
 def check_metadata(
     metadata: Metadata, directory: Path, file: Path
-) -> list[tuple[MetadataIndex, _StorageInfo]]:
+) -> list[tuple[MetadataIndex, StorageInfo]]:
     """Raise unless ``metadata`` is well formed: tensor entries with a dtype, a shape and
     chunks that tile it (inside it, no gap, no overlap), byte entries, and a storage location
     (a data file inside ``directory``, a byte range, no stream transforms) for every chunk and
@@ -200,7 +200,7 @@ def check_metadata(
     inside: set[str] = set()
     for index in wanted:
         info = storage.get(index)
-        if type(info) is not _StorageInfo:
+        if type(info) is not StorageInfo:
             raise corrupt(f"{index.fqn}: no storage location for offset {index.offset}")
         if info.relative_path not in inside:
             data_file(directory, info.relative_path, what=f"{str(file)!r} ({index.fqn})")

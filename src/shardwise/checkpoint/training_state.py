@@ -28,8 +28,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -44,6 +42,7 @@ from ..errors import (
     ShardwiseError,
     ShardwiseTypeError,
 )
+from ..torch_compat import flatten_state_dict, set_element
 from . import directory
 from .extra import decode, encode
 from .storage import (

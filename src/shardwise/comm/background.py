@@ -8,6 +8,11 @@ collectives are ``torch.distributed`` isend/irecv work handles, which release th
 wait, so the main thread computes meanwhile; in one process the worker copies components
 between simulated devices. A job keeps the caller's settings (its ``contextvars``) and the
 description of what it moves; an error inside it is kept and raised at ``wait()``.
+
+Work whose every collective is one of the backend's own (``native.py``) needs no thread:
+``issue`` runs it at once under ``settings.WAIT_AT_FIRST_USE``, so its collectives are issued
+and their results, torch's ``AsyncCollectiveTensor``s, are waited by ``wait()`` or by their
+first use, as PyTorch's functional collectives are.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, Generic, TypeVar
 
 from .. import settings
 from ..errors import CollectiveError, ShardwiseError
+from ..torch_compat import AsyncCollectiveTensor
 from .safety import moving
 
 T = TypeVar("T")
@@ -40,6 +46,10 @@ class Work(Generic[T]):
     def wait(self) -> T:
         """The job's result; an error inside the job is raised here, naming the job."""
         self._done.wait()  # on the worker itself, a job only waits on earlier (finished) ones
+        return self._outcome()
+
+    def _outcome(self) -> T:
+        """The job's result, or its error raised naming the job."""
         if self._error is not None:
             err = self._error
             cls = type(err) if isinstance(err, ShardwiseError) else CollectiveError
@@ -106,3 +116,38 @@ def drain() -> None:
         return
     with worker.lock:
         worker.lock.wait_for(lambda: worker.pending == 0)
+
+
+class Issued(Work[list]):
+    """A job run at once whose backend collectives are issued and not waited: ``wait()`` waits
+    for each, once, and returns the job's tensors; ``done()`` is whether that happened."""
+
+    def __init__(self, fn: Callable[[], list], description: str) -> None:
+        super().__init__(description)
+        try:
+            with settings.WAIT_AT_FIRST_USE.override(True):
+                self._result = self._described(fn)
+        except BaseException as err:  # raised at wait(), as a background job's
+            self._error = err
+            self._done.set()
+
+    def unwaited(self) -> list:
+        """The job's tensors as issued (torch's ``AsyncCollectiveTensor``s where a collective
+        is pending: view ops on them stay unwaited), or its error raised."""
+        return self._result if self._error is None else self._outcome()
+
+    def wait(self) -> list:
+        if not self._done.is_set():
+            try:
+                self._result = [t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
+                                for t in self._result]
+            except RuntimeError as err:
+                self._error = err
+            self._done.set()
+        return self._outcome()
+
+
+def issue(fn: Callable[[], list], description: str) -> Issued:
+    """Run ``fn`` (a job of backend collectives returning tensors) now, its collectives left
+    to wait at ``wait()`` or at first use (no thread)."""
+    return Issued(fn, description)

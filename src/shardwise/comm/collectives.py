@@ -11,12 +11,12 @@ same whatever the transport) and the bytes that really crossed processes to the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 from typing import Any
 
 import torch
 
 from .. import runtime
+from ..caches import PER_LAYOUT, cached
 from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh
 from . import accounting, background, distributed, native
@@ -24,7 +24,7 @@ from .reduction import norm_terms, reduce_terms
 from .safety import one_thread
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def local_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple[tuple[int, ...], tuple], ...]:
     """Groups along ``mesh_dim`` that hold a local device: (member ids, local index or None)."""
     local_index = {d: i for i, d in enumerate(mesh.local_device_ids)}
@@ -35,7 +35,7 @@ def local_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple[tuple[int, ...]
     return tuple(groups.items())
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _split_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
     """(groups all in this process, groups that span processes) along ``mesh_dim``."""
     inside, across = [], []
@@ -126,6 +126,28 @@ def all_reduce(
         if i is not None
     )
     _record("all_reduce", mesh_dim, received, traffic, mesh)
+    return out
+
+
+def all_reduce_flat(
+    mesh: DeviceMesh, mesh_dims: Sequence[int], values: Sequence[Sequence[torch.Tensor]],
+    op: str = "sum",
+) -> list[list[torch.Tensor]]:
+    """``values[j][i]``: tensor j on local device i, all of one dtype. Each device's tensors
+    copied into one fresh buffer, one ``all_reduce`` per mesh dim of ``mesh_dims``, and cut
+    back: ``out[j][i]`` is a view of device i's reduced buffer shaped as ``values[j][i]`` (a
+    gradient bucket: one collective for many tensors; nothing aliases ``values``)."""
+    n_local = len(values[0])
+    flats = [torch.cat([v[i].reshape(-1) for v in values]) for i in range(n_local)]
+    for d in mesh_dims:
+        flats = all_reduce(mesh, d, flats, op)
+    out: list[list[torch.Tensor]] = [[] for _ in values]
+    for i, flat in enumerate(flats):
+        at = 0
+        for j, v in enumerate(values):
+            piece = v[i]
+            out[j].append(flat[at : at + piece.numel()].view(piece.shape))
+            at += piece.numel()
     return out
 
 
@@ -222,7 +244,7 @@ def all_to_all(
     return out
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _joinable_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
     """``_split_groups``, each group all in this process with the ``torch.device`` its
     members keep their components on, or None when they use several."""
@@ -294,8 +316,9 @@ def all_to_all_tensor(
                 out.append(tuple(shape))
             return out
 
+        # dense chunks: even ones lie in order in one buffer, which the backend sends as it is
         traffic = _across(lists, "all_to_all", mesh, mesh_dim, across,
-                          [_chunks(c, split_dim, n) for c in components],
+                          [_dense_chunks(c, split_dim, n) for c in components],
                           receive_shapes=arriving)
         for _, indices in across:
             for k, i in enumerate(indices):

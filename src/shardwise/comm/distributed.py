@@ -18,16 +18,15 @@ order."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import lru_cache
 
 import torch
 
+from ..caches import PER_GROUP, cached
+from ..call_site import call_site
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
 from ..runtime import group_for_ranks, rank_and_world
@@ -37,11 +36,8 @@ from .wire import post_receive, post_send, wait
 
 Group = tuple[tuple[int, ...], tuple[int | None, ...]]  # member ids, local index of each or None
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
-
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def group_ranks(mesh: DeviceMesh, mesh_dim: int) -> dict[tuple[int, ...], tuple[int, ...]]:
     """For each cross-process device group along ``mesh_dim`` holding a device of this process,
     the ranks of the processes that own its members. Creates their process groups, in mesh order."""
@@ -196,17 +192,6 @@ class Call:
             f"processes disagree on a collective; {self.what()}. What differs per rank, "
             f"{'; '.join(report) or 'the order of their groups'}"
         )
-
-
-def call_site() -> str:
-    """``file:line`` of the innermost frame outside shardwise and torch (the user's line)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith((_PACKAGE_DIR, _TORCH_DIR)) or name.startswith("<frozen")):
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
 
 
 class _Round:

@@ -8,9 +8,12 @@ ring and tree algorithms and nothing waits on the host.
 No shape travels: the shapes of every member's piece come from the spec every process holds
 (``shapes``: device id -> its component's shape; without it, every member's piece has this
 process's shape). Uneven pieces are padded to the largest and cut after, as PyTorch pads.
-Nothing is read back to the host on this path. ``all_gather`` may also return before the
-wait (``wait=False``): a ``Pending`` whose ``finish()`` waits, so the data moves while the
-caller computes (fully_shard's prefetch).
+Nothing is read back to the host on this path. Under ``settings.WAIT_AT_FIRST_USE`` (eager
+``redistribute(async_op=True)``) results are not waited here: each is torch's
+``AsyncCollectiveTensor``, as PyTorch's functional collectives return, whose view ops (the cuts
+and joins after a collective) stay unwaited and whose first other op waits, so the data moves
+while the caller computes. ``all_gather`` may also return before the wait (``wait=False``): a
+``Pending`` whose ``finish()`` waits (fully_shard's prefetch).
 
 Before (on CPU) or beside (on an accelerator) each collective, the processes of a group agree
 (``agreement.py``): a fingerprint of what each is about to do, exchanged on a CPU side group, so
@@ -28,15 +31,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import lru_cache
 from math import prod
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from .. import settings
+from ..caches import PER_GROUP, cached
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ..mesh import DeviceMesh
+from ..torch_compat import AsyncCollectiveTensor, c10d_functional, len_torch_dispatch_stack
 from . import agreement, protocol
 from .accounting import all_reduce_received
 from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks
@@ -46,7 +50,7 @@ from .reduction import combine, finish
 # (a metadata gather on the side group: the generic collectives, never the hot path)
 Shapes = Callable[[int], Sequence[int]] | None
 
-_functional = torch.ops._c10d_functional
+_functional = c10d_functional
 T = TypeVar("T")
 U = TypeVar("U")
 # dtypes both gloo and NCCL reduce (complex ones as pairs of reals, for sums)
@@ -66,7 +70,7 @@ def _backend_reduces(op: str, dtype: torch.dtype) -> bool:
     return op in ("max", "min") and dtype in _INTEGERS
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def _one_device_per_process(mesh: DeviceMesh, mesh_dim: int) -> bool:
     """Every group along ``mesh_dim`` has its members in distinct processes (the same answer
     in every process, so all take the same path)."""
@@ -126,8 +130,8 @@ class _Backend:
 
     def run(self, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
         """Issue one functional collective ``op(*args, group name)`` and wait for its result (a
-        stream wait on an accelerator, not a host one); failures and the timeout become
-        shardwise's errors."""
+        stream wait on an accelerator, not a host one), or leave it to wait at first use
+        (``wait``); failures and the timeout become shardwise's errors."""
         return self.wait(self.issue(op, *args))
 
     def issue(self, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
@@ -136,7 +140,10 @@ class _Backend:
             return op(*args, self.name)
 
     def wait(self, issued: torch.Tensor) -> torch.Tensor:
-        """Wait for a collective that ``issue`` started."""
+        """Wait for a collective that ``issue`` started; under ``WAIT_AT_FIRST_USE`` (eager),
+        its result unwaited instead, an ``AsyncCollectiveTensor`` that waits at first use."""
+        if settings.WAIT_AT_FIRST_USE.get() and not _tracing():
+            return AsyncCollectiveTensor(issued)
         with self._errors():
             return _functional.wait_tensor(issued)
 
@@ -183,7 +190,7 @@ class _Backend:
         each member sent here (``receive[j]`` bytes from member j), by one
         ``all_to_all_single``: views of one fresh buffer in member order."""
         flat = [as_bytes(send[j]) for j in self.member_at]
-        packed = torch.cat(flat) if len(flat) > 1 else flat[0]
+        packed = _flat(flat)
         arriving = [receive[j] for j in self.member_at]
         out = self.run(_functional.all_to_all_single, packed, arriving,
                        [t.numel() for t in flat])
@@ -204,7 +211,7 @@ def _tracing() -> bool:
     """Whether a tracer (torch.compile's) records this collective instead of running it: then
     it is the functional collective and its wait alone, with no agreement and no view of a
     buffer's storage."""
-    return torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+    return len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
 
 
 def _checked() -> None:
@@ -231,6 +238,18 @@ def _adjacent(pieces: Sequence[torch.Tensor]) -> bool:
     return True
 
 
+def _flat(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``pieces`` one after the other as one flat tensor: a view where they already lie so
+    (the even chunks of a dense tensor along its first dim), else one copy."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first.reshape(-1)
+    if not _tracing() and not isinstance(first, AsyncCollectiveTensor) and _adjacent(pieces):
+        return first.as_strided((sum(p.numel() for p in pieces),), (1,),
+                                first.storage_offset())
+    return torch.cat([p.reshape(-1) for p in pieces])
+
+
 class Received(list):
     """Pieces that a collective received side by side into one fresh buffer, which nothing
     else holds: ``join`` may return a view of it instead of copying them."""
@@ -240,7 +259,9 @@ def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """``torch.cat(pieces, dim)``, without the copy when ``pieces`` is ``Received`` and they
     lie in order along ``dim`` (an all_gather or all_to_all along the first non-trivial dim):
     then a view of their buffer."""
-    first = pieces[0]
+    lazy = isinstance(pieces[0], AsyncCollectiveTensor)  # not waited: the view stays so
+    raw = [p.elem for p in pieces] if lazy else pieces
+    first = raw[0]
     if (
         isinstance(pieces, Received)
         and not _tracing()
@@ -248,13 +269,14 @@ def join(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
         and all(
             prod(p.shape[:dim]) == 1
             and p.shape[:dim] + p.shape[dim + 1 :] == first.shape[:dim] + first.shape[dim + 1 :]
-            for p in pieces
+            for p in raw
         )
-        and _adjacent(pieces)
+        and _adjacent(raw)
     ):
         shape = list(first.shape)
-        shape[dim] = sum(p.shape[dim] for p in pieces)
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+        shape[dim] = sum(p.shape[dim] for p in raw)
+        out = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+        return AsyncCollectiveTensor(out) if lazy else out
     return torch.cat(list(pieces), dim)
 
 
@@ -396,7 +418,7 @@ def reduce_scatter(
             continue
         ordered = [mine[j] for j in g.member_at]  # the backend scatters in rank order
         if all(p.numel() == width for p in ordered):
-            flat = torch.cat([p.reshape(-1) for p in ordered])
+            flat = _flat(ordered)
         else:
             flat = mine[0].new_zeros(g.n * width)
             for at, p in enumerate(ordered):
@@ -479,8 +501,9 @@ def broadcast(
         finish_check = g.agree(sample.device, src=src, shape=list(component.shape))
         if g.k == src or component.numel() == 0:
             value = component
-            if component.numel():
-                g.run(_functional.broadcast, as_bytes(component), g.owners[src])
+            if component.numel():  # waited here: nothing else holds the result
+                with settings.WAIT_AT_FIRST_USE.override(False):
+                    g.run(_functional.broadcast, as_bytes(component), g.owners[src])
         else:
             received = g.run(_functional.broadcast, as_bytes(component), g.owners[src])
             value = received.view(sample.dtype).view(component.shape)

@@ -12,10 +12,10 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from functools import lru_cache
 from typing import Any
 
 from .. import settings
+from ..caches import PER_GROUP, cached
 from ..errors import ConcurrentCollectiveError, InvalidArgumentError
 from . import protocol
 
@@ -108,7 +108,7 @@ def current_description() -> str:
     return description() if callable(description) else description
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def redistribution(spec: Any, target: tuple[Any, ...]) -> tuple[dict[str, object], int]:
     """What every process redistributing the DTensor of ``spec`` (a ``DTensorSpec``) to
     ``target`` moves alike, for ``moving``: its global shape, dtype, placements and target,

@@ -10,14 +10,44 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import settings
 from ..errors import DistributeContextError
 
-if TYPE_CHECKING:
-    from .replica_context import ReplicaContext
-    from .strategy import Strategy
+
+class StrategyLike(Protocol):
+    """A tf.distribute strategy as this package's modules beneath ``strategy.py`` use it
+    (``Strategy`` is one). They name it by its shape: ``strategy.py`` imports them, and nothing
+    imports back up."""
+
+    extended: Any
+    _is_default: bool
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    def scope(self) -> Any: ...
+
+    def run(self, fn: Callable[..., Any], args: Any = (), kwargs: Any = None,
+            options: Any = None) -> Any: ...
+
+    def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any: ...
+
+    def distribute_module(self, module: Any) -> Any: ...
+
+
+class ReplicaContextLike(Protocol):
+    """A replica context (``replica_context.ReplicaContext``), by its shape as above."""
+
+    _strategy: StrategyLike
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: Any = (),
+                   kwargs: Any = None) -> Any: ...
+
 
 CROSS_REPLICA_ONLY = (
     "Method requires being in cross-replica context, use get_replica_context().merge_call()"
@@ -29,18 +59,18 @@ class Mode:
     """One entry of the context stack: a strategy and its replica context (None: cross-replica);
     ``update_replica`` is set inside ``extended.update``."""
 
-    strategy: Strategy
-    replica_context: ReplicaContext | None
+    strategy: StrategyLike
+    replica_context: ReplicaContextLike | None
     update_replica: int | None = None
     explicit_default: bool = False
 
 
 # the maker of the strategy in force outside every scope, installed by ``strategies`` (which the
 # package's ``__init__`` imports before any submodule is used): contexts sit below strategies
-_default_strategy: Callable[[], Strategy] | None = None
+_default_strategy: Callable[[], StrategyLike] | None = None
 
 
-def install_default_strategy(make: Callable[[], Strategy]) -> None:
+def install_default_strategy(make: Callable[[], StrategyLike]) -> None:
     """Set the function returning the default strategy (``strategies.default_strategy``)."""
     global _default_strategy
     _default_strategy = make
@@ -60,7 +90,7 @@ def entered(mode: Mode) -> Iterator[None]:
         yield
 
 
-def get_strategy() -> Strategy:
+def get_strategy() -> StrategyLike:
     """The current strategy: the one whose scope or ``run`` we are in, else the default one."""
     return current_mode().strategy
 
@@ -76,13 +106,13 @@ def in_cross_replica_context() -> bool:
     return current_mode().replica_context is None
 
 
-def get_replica_context() -> ReplicaContext | None:
+def get_replica_context() -> ReplicaContextLike | None:
     """The current ``ReplicaContext`` (the default one outside every scope), or None in a
     cross-replica context."""
     return current_mode().replica_context
 
 
-def get_cross_replica_context() -> Strategy | None:
+def get_cross_replica_context() -> StrategyLike | None:
     """The current strategy in a cross-replica context, else None."""
     mode = current_mode()
     return mode.strategy if mode.replica_context is None else None
@@ -93,7 +123,7 @@ def get_update_replica_id() -> int | None:
     return current_mode().update_replica
 
 
-def in_replica_context_of(strategy: Strategy) -> bool:
+def in_replica_context_of(strategy: StrategyLike) -> bool:
     mode = current_mode()
     return (
         mode.replica_context is not None
@@ -120,7 +150,7 @@ def variable_sync_on_read_context() -> Iterator[None]:
         yield
 
 
-def require_cross_replica(strategy: Strategy, what: str) -> Any:
+def require_cross_replica(strategy: StrategyLike, what: str) -> Any:
     """Enter ``strategy``'s scope for a method that needs a cross-replica (or default) context;
     raises inside ``run`` or while another strategy is current."""
     mode = current_mode()
@@ -136,7 +166,7 @@ def require_cross_replica(strategy: Strategy, what: str) -> Any:
     )
 
 
-def experimental_set_strategy(strategy: Strategy | None) -> None:
+def experimental_set_strategy(strategy: StrategyLike | None) -> None:
     """Make ``strategy`` current in this process without a ``with`` (None: back to default)."""
     if settings.DISTRIBUTION_MODE.get() is not settings.DISTRIBUTION_MODE._default:
         raise DistributeContextError(

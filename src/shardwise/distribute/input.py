@@ -13,15 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import DistributeValueError
+from .context import StrategyLike as Strategy  # by its shape: strategy.py imports this module
 from .values import leaves, map_nest, regroup
-
-if TYPE_CHECKING:
-    from .strategy import Strategy
 
 
 @dataclass(frozen=True)

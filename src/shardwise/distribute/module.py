@@ -3,15 +3,13 @@ mirrored copy per replica device), computing with the current replica's copies."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.func import functional_call
 
+from .context import StrategyLike as Strategy  # by its shape: strategy.py imports this module
 from .variables import Variable
-
-if TYPE_CHECKING:
-    from .strategy import Strategy
 
 
 class DistributedModule:

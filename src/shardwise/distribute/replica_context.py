@@ -6,18 +6,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..errors import DistributeContextError
 from . import context
+from .context import StrategyLike as Strategy  # by its shape: strategy.py imports this module
 from .enums import ReduceOp
 from .values import Mirrored, leaves, map_nest
 
-if TYPE_CHECKING:
-    from .replicas import ReplicaRunner
-    from .strategy import Strategy
+
+class _Runner(Protocol):
+    """What a replica context asks of the threads running its replicas
+    (``replicas.ReplicaRunner``, which imports this module)."""
+
+    def merge_call(
+        self, index: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any: ...
 
 
 class ReplicaContext:
@@ -28,7 +34,7 @@ class ReplicaContext:
         strategy: Strategy,
         replica_id_in_sync_group: int,
         local_index: int | None = 0,
-        runner: ReplicaRunner | None = None,
+        runner: _Runner | None = None,
     ) -> None:
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group

@@ -16,17 +16,15 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import settings
 from ..errors import ReplicaSyncError
 from . import context
+from .context import StrategyLike as Strategy  # by its shape: strategy.py imports this module
 from .values import PerReplica, regroup, select_replica
-
-if TYPE_CHECKING:
-    from .strategy import Strategy
 
 
 class _Aborted(BaseException):

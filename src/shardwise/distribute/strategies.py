@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import runtime
+from .. import runtime, settings
 from ..errors import DistributeContextError, DistributeValueError
 from ..mesh import DeviceMesh, init_device_mesh
 from . import context
@@ -217,7 +216,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         if runtime.initialized():
             rank, world = runtime.rank_and_world()
         else:
-            world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+            world = int(settings.environ("WORLD_SIZE") or "1")
+            rank = int(settings.environ("RANK") or "0")
         device_type = torch_device(names[0]).type
         mesh = init_device_mesh(device_type, (world * local,), mesh_dim_names=("replica",))
         if world > 1:

@@ -336,24 +336,16 @@ class StrategyExtended:
             by_dtype.setdefault(comps[0].dtype, []).append(j)
         count = torch.tensor(self._num_replicas_in_sync)
         for dtype, idx in by_dtype.items():
-            flats = [
-                torch.cat([values[j][i].detach().reshape(-1).to(devices[i]) for j in idx])
-                for i in range(len(devices))
-            ]
             integer_mean = op is ReduceOp.MEAN and not (dtype.is_floating_point or dtype.is_complex)
             with comm.moving(lambda: f"batch_reduce_to over {self.mesh}"):
-                reduced = comm.all_reduce(
-                    self.mesh, 0, flats, "sum" if integer_mean else op.partial_op
+                reduced = comm.all_reduce_flat(
+                    self.mesh, (0,),
+                    [[values[j][i].detach().to(devices[i]) for i in range(len(devices))]
+                     for j in idx],
+                    "sum" if integer_mean else op.partial_op,
                 )
-            if integer_mean:
-                reduced = [_true_divide(flat, count) for flat in reduced]
-            for i, flat in enumerate(reduced):
-                offset = 0
-                for j in idx:
-                    shape = values[j][i].shape
-                    numel = values[j][i].numel()
-                    out[j].append(flat[offset : offset + numel].view(shape))
-                    offset += numel
+            for j, pieces in zip(idx, reduced, strict=True):
+                out[j] = [_true_divide(p, count) for p in pieces] if integer_mean else pieces
         return out
 
     def _destination_devices(self, destinations: Any) -> list[torch.device]:

@@ -16,10 +16,10 @@ import torch
 from ..errors import DistributeTypeError, DistributeValueError
 from ..placements import Placement, Shard
 from . import context
+from .context import StrategyLike as Strategy  # by its shape: strategy.py imports this module
 
 if TYPE_CHECKING:
     from ..dtensor import DTensor
-    from .strategy import Strategy
 
 
 class DistributedValues:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -21,6 +21,7 @@ from ..errors import DistributeContextError, DistributeTypeError, DistributeValu
 from ..placements import Partial, Placement, Replicate
 from ..spec import DTensorSpec, contiguous_meta
 from . import context
+from .context import StrategyLike as Strategy  # by its shape: strategy.py imports this module
 from .enums import (
     ReduceOp,
     VariableAggregation,
@@ -29,9 +30,6 @@ from .enums import (
     check_synchronization,
 )
 from .values import Mirrored, PerReplica, map_nest
-
-if TYPE_CHECKING:
-    from .strategy import Strategy
 
 
 class _VariableMeta(type):

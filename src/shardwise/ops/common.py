@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from ..dtensor import DTensor
 from ..errors import InvalidPlacementError, MeshError
@@ -33,6 +32,7 @@ from ..placements import (
     with_dim,
 )
 from ..spec import DTensorSpec, TensorMeta, contiguous_meta, make_tensor_meta
+from ..torch_compat import pytree
 from .registry import OpSchema, OpStrategy, PlacementStrategy
 
 R = Replicate()

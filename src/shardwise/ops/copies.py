@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..spec import DTensorSpec
+from ..torch_compat import pytree
 from .common import axis_options, input_strategies, linear_option, product_strategy
 from .registry import (
     OpSchema,

@@ -7,14 +7,16 @@ scaling by Python scalars or by one replicated scalar tensor (``clip_grad_norm_`
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
+from ..caches import PER_GROUP, PER_LAYOUT, cached
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Placement, Replicate, Shard, is_any_shard, norm_partial
 from ..spec import DTensorSpec, TensorMeta
+from ..torch_compat import foreach_norm as _foreach_norm_kernel
+from ..torch_compat import jit_get_all_schemas
 from .common import spec_of
 from .registry import (
     OpSchema,
@@ -29,7 +31,7 @@ aten = torch.ops.aten
 _NOT_ELEMENTWISE = {"_foreach_max", "_foreach_mm", "_foreach_norm", "_foreach_powsum"}
 FOREACH_OPS = [
     getattr(getattr(aten, s.name[6:]), s.overload_name or "default")
-    for s in torch._C._jit_get_all_schemas()
+    for s in jit_get_all_schemas()
     if s.name.startswith("aten::_foreach_")
     and s.name[6:] not in _NOT_ELEMENTWISE
     and "out" not in s.overload_name
@@ -118,19 +120,19 @@ def _norms_at_once(tensors: list, order: float) -> list[DTensor] | None:
     if math.isinf(order) and any(c.numel() == 0 for t in tensors for c in t._components):
         return None  # the max of no elements has no value: torch refuses it
     n_local = len(tensors[0]._components)
-    per_device = [torch._foreach_norm([t._components[i] for t in tensors], order)
+    per_device = [_foreach_norm_kernel([t._components[i] for t in tensors], order)
                   for i in range(n_local)]
     return [DTensor([norms[j] for norms in per_device],
                     _norm_spec(t._spec, pending, per_device[0][j].dtype))
             for j, t in enumerate(tensors)]
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def _whole_or_sharded(placements: tuple[Placement, ...]) -> bool:
     return all(type(p) in (Shard, InterleavedShard) or p.is_replicate() for p in placements)
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _norm_spec(spec: DTensorSpec, pending: Placement, dtype: torch.dtype) -> DTensorSpec:
     """The spec of the norm of a tensor of ``spec``: pending where it is sharded (one spec
     object per input spec, so its Partials are checked once)."""

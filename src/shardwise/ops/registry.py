@@ -24,6 +24,7 @@ import torch
 
 from ..mesh import DeviceMesh
 from ..spec import DTensorSpec
+from ..torch_compat import OpOverloadPacket
 
 OpOverload = Any  # torch._ops.OpOverload; kept loose so packets and custom ops register too
 OutputSpecs = DTensorSpec | Sequence[DTensorSpec | None] | None
@@ -166,7 +167,7 @@ def _overloads(ops: OpOverload | Iterable[OpOverload]) -> list[OpOverload]:
     items = list(ops) if isinstance(ops, (list, tuple, set)) else [ops]
     result = []
     for op in items:
-        if isinstance(op, torch._ops.OpOverloadPacket):
+        if isinstance(op, OpOverloadPacket):
             result.extend(getattr(op, name) for name in op.overloads())
         else:
             result.append(op)

@@ -24,6 +24,7 @@ from ..dtensor import DTensor
 from ..errors import UnsupportedOpError
 from ..op_inputs import redistribute_inputs
 from ..spec import DTensorSpec, make_tensor_meta
+from ..torch_compat import DisableTorchDispatch
 from .common import bind, replicate
 from .registry import bypass_dispatch
 
@@ -104,7 +105,7 @@ def _resize(op: Any, args: tuple, kwargs: dict) -> DTensor:
         keep = min(numel, flat.numel())
         out[:keep] = flat[:keep]
         local.append(out.view(size))
-    with torch._C._DisableTorchDispatch():
+    with DisableTorchDispatch():
         aten.resize_.default(self, size)
     mesh = self.device_mesh
     self._spec = DTensorSpec(mesh, replicate(mesh), make_tensor_meta(local[0]))

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from .. import settings
 from ..dtensor import DTensor, distribute_tensor
@@ -28,6 +27,7 @@ from ..mesh import DeviceMesh, init_device_mesh
 from ..op_inputs import allow_implicit_redistribute
 from ..placements import Partial, Placement, Replicate, Shard, norm_order
 from ..spec import DTensorSpec, make_tensor_meta, validate_placements
+from ..torch_compat import pytree
 from . import registry
 from .registry import OpStrategy, PlacementStrategy, Registration
 

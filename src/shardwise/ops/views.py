@@ -10,12 +10,12 @@ among equally cheap ones dispatch keeps the inputs as they are.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from math import prod
 
 import torch
 
+from ..caches import PER_LAYOUT, cached
 from ..errors import InvalidArgumentError, InvalidPlacementError
 from ..geometry import Segments, shard_segments
 from ..mesh import DeviceMesh
@@ -30,6 +30,7 @@ from ..placements import (
     is_special_shard,
 )
 from ..spec import DTensorSpec
+from ..torch_compat import DisableTorchDispatch
 from .common import (
     DimOption,
     bind,
@@ -281,7 +282,7 @@ def _literal_global(args: tuple, spec: DTensorSpec) -> list[int]:
     return [int(s) for s in args[1]]
 
 
-@functools.lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _cached_local_size(
     global_size: Callable[[tuple, DTensorSpec], list[int]], size: tuple, spec: DTensorSpec,
     out_spec: DTensorSpec, device: int,
@@ -414,7 +415,7 @@ def _inplace_view(op: object, args: tuple, kwargs: dict) -> object:
     give its spec and components to the input and correct the wrapper's sizes and strides."""
     out = _INPLACE_VIEWS[op](op, args, kwargs)
     self = args[0]
-    with torch._C._DisableTorchDispatch():
+    with DisableTorchDispatch():
         op(self, *args[1:], **kwargs)
     self._spec = out._spec
     self._components = out._components

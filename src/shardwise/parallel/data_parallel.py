@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import comm, runtime
+from .. import comm, runtime, settings
 from ..comm.native import Pending
 from ..dtensor import DTensor, distribute_tensor
 from ..errors import DataParallelError
@@ -40,6 +39,7 @@ from ..mesh import DeviceMesh, init_device_mesh, require_mesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..plain_tensors import plain_is_local
 from ..spec import DTensorSpec, TensorMeta
+from ..torch_compat import tree_flatten, tree_map
 from ..tracing import eager_under_dynamo
 
 MANAGED = "_shardwise_data_parallel"  # set on parameters a data-parallel call manages
@@ -288,9 +288,7 @@ def _owning(stored: DTensor) -> DTensor:
 
 # ----- which view a forward runs in -----------------------------------------------------------
 
-_OUTERMOST: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "shardwise_data_parallel_view", default=None
-)
+_OUTERMOST = settings.DATA_PARALLEL_VIEW
 
 
 def choose_view(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[str, bool]:
@@ -310,11 +308,11 @@ def choose_view(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[str, b
 
 
 def enter_view(view: str) -> contextvars.Token:
-    return _OUTERMOST.set(view)
+    return _OUTERMOST.enter(view)
 
 
 def leave_view(token: contextvars.Token) -> None:
-    _OUTERMOST.reset(token)
+    _OUTERMOST.leave(token)
 
 
 def shard_batch(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -7,22 +7,21 @@ packed collective per unit as FSDP2; the others each on their own."""
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from .. import comm
+from .. import comm, settings
 from ..comm.native import Pending
 from ..deferred_init import is_meta
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate
 from ..plain_tensors import plain_is_local
+from ..torch_compat import queue_autograd_callback, tree_map
 from ..tracing import eager_under_dynamo
 from .data_parallel import (
     DataParallelDims,
@@ -41,9 +40,7 @@ from .data_parallel import (
 )
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-_SCHEDULE: contextvars.ContextVar[_Schedule | None] = contextvars.ContextVar(
-    "shardwise_fsdp_schedule", default=None
-)
+_SCHEDULE = settings.FSDP_SCHEDULE  # the _Schedule of the outermost fully_shard forward
 
 
 @dataclass
@@ -198,7 +195,7 @@ class DataParallelUnit:
         groups = self._regather_groups()
         if groups:
             self.prefetched_back = self._issue(groups)
-            torch.autograd.Variable._execution_engine.queue_callback(self.drop_regather)
+            queue_autograd_callback(self.drop_regather)
 
     def drop_regather(self) -> None:
         _drop(self.prefetched_back)
@@ -323,7 +320,7 @@ class DataParallelUnit:
                 self.schedule = _Schedule()
             schedule = self.schedule
             schedule.start()
-            entry.schedule_token = _SCHEDULE.set(schedule)
+            entry.schedule_token = _SCHEDULE.enter(schedule)
         mine = self.prefetched.pop(id(module), None)
         if mine is not None and mine[0] != view:
             _drop(mine[1])
@@ -376,7 +373,7 @@ class DataParallelUnit:
         if entry.token is not None:
             leave_view(entry.token)
         if entry.schedule_token is not None:
-            _SCHEDULE.reset(entry.schedule_token)
+            _SCHEDULE.leave(entry.schedule_token)
             self.schedule.close()  # type: ignore[union-attr]
         if not self.active:
             self.storages.clear()
@@ -424,7 +421,7 @@ class DataParallelUnit:
         members = self._regather_groups()[key]
         gathered = self._take(self.prefetched_back, key, members)
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self.regathered.clear)
+            queue_autograd_callback(self.regathered.clear)
         except RuntimeError:  # not in a backward: nothing would drop them
             return gathered[members.index(k)]
         for j, pieces in zip(members, gathered, strict=True):
@@ -597,7 +594,7 @@ class _Packed:
                 1 for j, slot in enumerate(unit.slots)
                 if slot.stored.requires_grad and unit._pack_key(j) is not None
             )
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_autograd_callback(self._finish)
         self.waiting[k] = param
         if len(self.waiting) == self.expected:
             self._flush()
@@ -652,7 +649,7 @@ class _Buckets:
     def ready(self, k: int, param: torch.Tensor) -> None:
         if not self.pending:
             self.pending = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_autograd_callback(self._finish)
         b = self.bucket_of[k]
         self.waiting[b].append((k, param))
         if len(self.waiting[b]) == len(self.buckets[b]):
@@ -698,32 +695,17 @@ class _Buckets:
         is pending over and stored whole on, such as a sequence-parallel norm's weight over
         'tp') of the run of parameters that share it (``params`` lists them side by side)."""
         grads: list[DTensor] = [p.grad for p in params]
-        n_local = len(mesh.local_device_ids)
-        flats = [torch.cat([g._components[i].reshape(-1) for g in grads]) for i in range(n_local)]
         with comm.moving(lambda: f"replicate's gradient bucket of {len(grads)} tensors"):
-            for d in dims:
-                flats = comm.all_reduce(mesh, d, flats, op)
-            start, bounds = 0, [0] * n_local
+            reduced = comm.all_reduce_flat(mesh, dims, [g._components for g in grads], op)
+            start = 0
             for j in range(len(grads) + 1):
                 if j < len(grads) and (j == start or more[j] == more[start]):
                     continue
-                ends = [bounds[i] + sum(g._components[i].numel() for g in grads[start:j])
-                        for i in range(n_local)]
-                if more[start]:
-                    run = [flats[i][bounds[i]:ends[i]] for i in range(n_local)]
-                    for d, run_op in more[start]:
-                        run = comm.all_reduce(mesh, d, run, run_op)
-                    for i in range(n_local):
-                        flats[i][bounds[i]:ends[i]] = run[i]
-                start, bounds = j, ends
-        offsets = [0] * n_local
-        for p, g, extra in zip(params, grads, more, strict=True):
-            pieces = []
-            for i in range(n_local):
-                local = g._components[i]
-                end = offsets[i] + local.numel()
-                pieces.append(flats[i][offsets[i] : end].view_as(local))
-                offsets[i] = end
+                for d, run_op in more[start]:
+                    reduced[start:j] = comm.all_reduce_flat(mesh, (d,), reduced[start:j],
+                                                            run_op)
+                start = j
+        for p, g, extra, pieces in zip(params, grads, more, reduced, strict=True):
             placements = list(g.placements)
             for d in (*dims, *(d for d, _ in extra)):
                 placements[d] = Replicate()

@@ -11,7 +11,7 @@ from ..geometry import lower_bound_bytes
 from .cross_mesh import CrossMeshPlan, cross_mesh_lower_bound_bytes, plan_cross_mesh
 from .plan import RedistributePlan, Step, plan_redistribute
 from .run import run_plan
-from .traced import compile_plan, execute_plan
+from .traced import compile_plan, execute_plan, issues_async
 
 __all__ = [
     "CrossMeshPlan",
@@ -20,6 +20,7 @@ __all__ = [
     "compile_plan",
     "cross_mesh_lower_bound_bytes",
     "execute_plan",
+    "issues_async",
     "lower_bound_bytes",
     "plan_cross_mesh",
     "plan_redistribute",

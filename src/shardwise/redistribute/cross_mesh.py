@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from math import prod
 
 import torch
 
 from .. import comm
+from ..caches import PER_GROUP, PER_SEARCH, cached
 from ..errors import InvalidPlacementError, MeshError
 from ..geometry import Placements, Segments, block_transfers, covers, pieces, spans
 from ..mesh import DeviceMesh
@@ -260,7 +261,7 @@ def _pick(source: DeviceMesh, holders: list[int], near: Slot, spread: int) -> in
     return same[spread % len(same)]
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def plan_cross_mesh(
     shape: tuple[int, ...], itemsize: int, source: DeviceMesh, before: Placements,
     target: DeviceMesh, after: Placements,
@@ -333,7 +334,7 @@ def plan_cross_mesh(
     )
 
 
-@lru_cache(maxsize=256)
+@cached(PER_SEARCH)
 def union_mesh(source: DeviceMesh, target: DeviceMesh) -> tuple[DeviceMesh, dict, dict]:
     """One 1-D mesh over the physical devices of both meshes (ids: process * P + local index,
     P the most devices per process of either), and each mesh's device id to its union id."""

@@ -10,12 +10,12 @@ bytes any schedule can.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from types import MappingProxyType
 
 import torch
 
 from .. import comm
+from ..caches import PER_GROUP, PER_LAYOUT, cached
 from ..geometry import Placements, bits, block_holders, block_transfers, shard_segments
 from ..mesh import DeviceMesh
 from ..placements import Partial
@@ -39,7 +39,7 @@ def _root(index: tuple[int, ...], need: int, holds: list[int]) -> int | None:
     return candidates[sum(index) % len(candidates)]
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def exchange_cost(
     mesh: DeviceMesh, shape: tuple[int, ...], before: Placements, after: Placements
 ) -> tuple[tuple[int, ...], int]:
@@ -88,7 +88,7 @@ def _holder(mesh: DeviceMesh, coords: dict, hold: int, d: int) -> int:
     ))
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def routes(
     mesh: DeviceMesh, shape: tuple[int, ...], before: Placements, after: Placements
 ) -> tuple[MappingProxyType[int, Route], MappingProxyType[int, Route]]:

@@ -16,13 +16,13 @@ import itertools
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from math import prod
 from types import MappingProxyType
 from typing import Literal
 
 import torch
 
+from ..caches import PER_GROUP, PER_LAYOUT, PER_SEARCH, PER_SPEC, cached, register
 from ..comm import accounting
 from ..errors import InvalidPlacementError
 from ..geometry import Pieces, Placements, block_transfers, box_overlap, pieces, runs_overlap
@@ -129,7 +129,7 @@ def _step_kind(
 # ----- pricing -------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=256)
+@cached(PER_SEARCH)
 def _group_positions(
     mesh: DeviceMesh,
 ) -> tuple[tuple[tuple[tuple[int, ...], ...], ...],
@@ -303,7 +303,7 @@ def _candidates(source: State, target: State, shape: tuple[int, ...]) -> list[li
             for a, b in zip(source, target, strict=True)]
 
 
-@lru_cache(maxsize=1024)
+@cached(PER_GROUP)
 def _moves(
     options: tuple[Placement, ...], mesh_size: int, spread: bool
 ) -> tuple[tuple[tuple[int, Collective], ...], ...]:
@@ -618,7 +618,7 @@ class _Search:
         return tuple(reversed(steps))
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _plan(
     mesh: DeviceMesh,
     shape: tuple[int, ...],
@@ -673,7 +673,8 @@ def _point_to_point(spec: DTensorSpec, plan: RedistributePlan) -> RedistributePl
 # plans by (spec, target, spread), bounded: oldest first out past the bound (the plans
 # themselves are shared with ``_plan``'s cache, so this bound also bounds how many stay alive)
 _PLANS: dict[tuple[DTensorSpec, State, bool], RedistributePlan] = {}
-PLAN_CACHE_SIZE = 8192
+PLAN_CACHE_SIZE = PER_SPEC
+register("shardwise.redistribute.plan._PLANS", _PLANS.clear)
 
 
 def plan_redistribute(

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache, partial
+from functools import partial
 
 import torch
 
 from .. import comm
+from ..caches import PER_LAYOUT, PER_SEGMENT, cached
 from ..geometry import (
     Segments,
     chunk_sizes,
@@ -23,7 +24,7 @@ from .exchange import run_exchange
 from .plan import RedistributePlan, Step, after_step
 
 
-@lru_cache(maxsize=4096)
+@cached(PER_LAYOUT)
 def _split_runs(length: int, placement: Shard, n: int) -> tuple[Segments, ...]:
     """Per coordinate of a mesh dim of size ``n``, the index runs of a tensor dim of
     ``length`` that it keeps under ``placement`` (geometry cached: splits repeat)."""
@@ -118,7 +119,7 @@ def _run_local(step: Step, mesh: DeviceMesh, components: list[torch.Tensor]) -> 
     ]
 
 
-@lru_cache(maxsize=16384)
+@cached(PER_SEGMENT)
 def _component_shape(mesh: DeviceMesh, shape: tuple[int, ...], state: tuple, device: int
                      ) -> tuple[int, ...]:
     """The shape of ``device``'s component of a tensor of ``shape`` placed ``state``: what

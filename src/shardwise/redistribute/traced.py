@@ -20,25 +20,27 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from ..caches import PER_LAYOUT, register
 from ..comm import native
 from ..comm.distributed import spans_processes
 from ..mesh import DeviceMesh
 from ..spec import DTensorSpec, contiguous_meta
+from ..torch_compat import disable_current_modes, len_torch_dispatch_stack
 from ..tracing import decode_placement, encode_placement
 from .plan import RedistributePlan, plan_redistribute
 from .run import local_splits, run_plan
 
 # key -> (plan, mesh, local output shapes)
 _entries: dict[str, tuple[RedistributePlan, DeviceMesh, list[torch.Size]]] = {}
-TRACED_CACHE_SIZE = 4096
+TRACED_CACHE_SIZE = PER_LAYOUT
+register("shardwise.redistribute.traced._entries", _entries.clear)
 _lock = threading.Lock()
 
 
 def tracing(mesh: DeviceMesh, components: Sequence[torch.Tensor]) -> bool:
     """True while a tracer runs on a mesh whose devices span processes."""
-    return torch._C._len_torch_dispatch_stack() > 0 and spans_processes(mesh) and bool(components)
+    return len_torch_dispatch_stack() > 0 and spans_processes(mesh) and bool(components)
 
 
 def _key(plan: RedistributePlan, mesh: DeviceMesh, dtype: torch.dtype) -> str:
@@ -58,7 +60,7 @@ def _entry(key: str) -> tuple[RedistributePlan, DeviceMesh, list[torch.Size]]:
     traced it: a graph from torch's caches)."""
     entry = _entries.get(key)
     if entry is None:
-        with _disable_current_modes():  # a fake mode may be tracing: the mesh is real data
+        with disable_current_modes():  # a fake mode may be tracing: the mesh is real data
             _replan(key)
         entry = _entries[key]
     return entry
@@ -126,6 +128,13 @@ def lowers(plan: RedistributePlan, mesh: DeviceMesh) -> bool:
     )
 
 
+def issues_async(plan: RedistributePlan, mesh: DeviceMesh) -> bool:
+    """Whether ``plan``, run across processes, is backend collectives only (it ``lowers``):
+    an asynchronous run issues them at once and leaves the results to wait at first use
+    (``comm.background.issue``), no worker thread."""
+    return spans_processes(mesh) and lowers(plan, mesh)
+
+
 def execute_plan(
     plan: RedistributePlan, mesh: DeviceMesh, components: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -150,7 +159,7 @@ def compile_plan(
         return lambda components: execute_plan(plan, mesh, components)
 
     def run(components: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if torch._C._len_torch_dispatch_stack():  # a tracer may be running: its route
+        if len_torch_dispatch_stack():  # a tracer may be running: its route
             return execute_plan(plan, mesh, components)
         return splits(components)
 

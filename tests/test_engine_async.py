@@ -1,0 +1,135 @@
+"""The backend path's redistribution (one device per process). ``async_op=True`` issues the
+collectives at once on the calling thread (no worker thread) and the result waits at its first
+use, not at issue, so an op between issue and use runs before the wait; views of its local
+tensor stay unwaited (torch's AsyncCollectiveTensor); the values are the blocking run's and the
+single-process oracle's. No copy is made beside the collective where the data already lies as
+it is sent and received."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import shardwise as sw
+from mp_harness import run_in_processes
+from shardwise.placements import Partial, Replicate, Shard
+
+pytestmark = pytest.mark.slow
+
+CASES = [("S0", "R"), ("S0", "S1"), ("P", "R"), ("P", "S0")]
+_PLACE = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+
+
+def _async_program() -> dict:
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = sw.init_device_mesh("cpu", (world,))
+    # small integers: sums are exact whatever order the backend adds in
+    full = torch.randint(-8, 8, (4 * world, 6 * world),
+                         generator=torch.Generator().manual_seed(0)).float()
+    functional = torch.ops._c10d_functional
+    real_wait = functional.wait_tensor
+    out: dict = {}
+    for src, dst in CASES:
+        if src == "P":  # rank r holds (r + 1) * full: the sum is full * world(world+1)/2
+            dt = sw.DTensor.from_local(full * (rank + 1), mesh, [Partial()])
+            value = full * (world * (world + 1) // 2)
+        else:
+            dt = sw.distribute_tensor(full, mesh, [_PLACE[src]])
+            value = full
+        target = [_PLACE[dst]]
+        blocking = dt.redistribute(placements=target).to_local()
+        events: list[str] = []
+
+        def counted(t: torch.Tensor, events: list[str] = events) -> torch.Tensor:
+            events.append("wait")
+            return real_wait(t)
+
+        functional.wait_tensor = counted
+        try:
+            pending = dt.redistribute(placements=target, async_op=True)
+            events.append("issued")
+            torch.ones(3).add_(1)  # an op between issue and use
+            events.append("between")
+            used = pending * 1  # the first use
+            events.append("used")
+            used * 1
+            events.append("again")
+            local = dt.redistribute(placements=target, async_op=True).to_local()
+            flat = local.view(-1)  # a view: not waited
+            events.append("viewed")
+            summed = flat.sum()
+            events.append("summed")
+        finally:
+            functional.wait_tensor = real_wait
+        if dst == "R":
+            oracle = value
+        else:
+            dim = _PLACE[dst].dim
+            oracle = value.chunk(world, dim)[rank]
+        out[src, dst] = {
+            "events": events,
+            "pending_type": type(pending).__name__,
+            "equal_oracle": torch.equal(used.to_local(), oracle),
+            "equal_blocking": torch.equal(pending.to_local(), blocking),
+            "local_sum": torch.equal(summed, oracle.sum()),
+        }
+    out["copies"] = _copies(mesh, full)
+    out["worker_thread"] = any(t.name == "shardwise-collectives" for t in threading.enumerate())
+    return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _copies(mesh: sw.DeviceMesh, full: torch.Tensor) -> dict:
+    """Per transition, whether the collective's input is the component's own memory (no pack
+    copy before it) and the result is the collective's output (no join copy after it)."""
+    functional = torch.ops._c10d_functional
+    seen: dict = {}
+    saved = {}
+    for name in ("all_gather_into_tensor", "all_to_all_single", "reduce_scatter_tensor"):
+        real = saved[name] = getattr(functional, name)
+
+        def wrapped(inp: torch.Tensor, *args: object, real=real, name=name) -> torch.Tensor:
+            result = real(inp, *args)
+            seen[name] = (_storage(inp), _storage(result))
+            return result
+
+        setattr(functional, name, wrapped)
+    out = {}
+    try:
+        for src, dst, name in [("S0", "R", "all_gather_into_tensor"),
+                               ("S0", "S1", "all_to_all_single"),
+                               ("P", "S0", "reduce_scatter_tensor")]:
+            dt = sw.distribute_tensor(full, mesh, [_PLACE[src]])
+            if src == "P":
+                dt = sw.DTensor.from_local(full.clone(), mesh, [Partial()])
+            got = dt.redistribute(placements=[_PLACE[dst]]).to_local()
+            sent, received = seen.pop(name)
+            out[src, dst] = (sent == _storage(dt.to_local()), received == _storage(got))
+    finally:
+        for name, real in saved.items():
+            setattr(functional, name, real)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_redistribute_waits_at_first_use(world: int) -> None:
+    for rank, result in enumerate(run_in_processes(_async_program, world, timeout=180)):
+        assert result.pop("worker_thread") is False, f"rank {rank}: a worker thread ran"
+        # sent from the component itself where it lies as sent (S0: rows); S0 -> S1 lays its
+        # columns out once; every result is the collective's own output
+        assert result.pop("copies") == {("S0", "R"): (True, True), ("S0", "S1"): (False, True),
+                                        ("P", "S0"): (True, True)}, rank
+        for case, got in result.items():
+            # nothing waited at issue, the op between ran first, the first use waited once
+            assert got["events"] == ["issued", "between", "wait", "used", "again",
+                                     "viewed", "wait", "summed"], (rank, case, got)
+            assert got["pending_type"] == "AsyncDTensor", (rank, case, got)
+            assert got["equal_oracle"] and got["equal_blocking"], (rank, case, got)
+            assert got["local_sum"], (rank, case, got)
