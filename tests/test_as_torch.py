@@ -5,6 +5,7 @@ The training program (``as_torch_programs/tp_train.py``: TP, ``clip_grad_norm_``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -106,6 +107,40 @@ def test_torchs_private_shard_tensor_keeps_each_shard_without_communication(
     assert result.stdout.splitlines() == ["shardwise.dtensor True 0", "True"]
 
 
+def test_torch_compile_loads_torchs_sharding_rules_under_the_switch(tmp_path: Path) -> None:
+    # torch.compile first loads inductor, whose prims register torch's DTensor sharding rules
+    # through a lazy import of torch.distributed.tensor._api (torchtitan compiles at import)
+    script = tmp_path / "compile.py"
+    script.write_text(
+        "import torch\n"
+        "import torch._inductor.inductor_prims\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "print(torch.compile(torch.sin) is not None, DTensor.__module__)\n"
+    )
+    result = _python("-m", "shardwise.as_torch", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "shardwise.dtensor"]
+
+
+def test_distributed_checkpoint_loaded_before_the_switch_sees_shardwise_dtensors(
+    tmp_path: Path,
+) -> None:
+    # the switch imports torch's FSDP, which loads DCP's helpers bound to torch's DTensor; they
+    # must take shardwise's for its DTensors (Lightning's load_raw: set_model_state_dict)
+    script = tmp_path / "dcp.py"
+    script.write_text(
+        "import shardwise\n"
+        "import torch.distributed._state_dict_utils as sd\n"
+        "import torch.distributed.checkpoint.planner_helpers as ph\n"
+        "import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp2\n"
+        "print(sd.DTensor is ph.DTensor is shardwise.DTensor, sd.distribute_tensor is "
+        "shardwise.distribute_tensor, fsdp2.DTensor is shardwise.DTensor)\n"
+    )
+    result = _python("-m", "shardwise.as_torch", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True", "False"]  # torch's own FSDP2 stays torch's
+
+
 def _reference() -> dict:
     sys.path.insert(0, str(PROGRAM.parent))
     try:
@@ -141,36 +176,126 @@ def test_a_torch_program_trains_through_the_switch_as_on_one_device(
             assert mine == pytest.approx(flat, rel=1e-5, abs=1e-6), name
 
 
-# transformers and accelerate are no dependency of shardwise: a venv that has them (with the same
-# torch) is named by SHARDWISE_LIBRARY_PYTHON, else this interpreter is tried
+# the libraries are no dependency of shardwise: a venv that has them (with the same torch;
+# scripts/library_venv.sh makes one) is named by SHARDWISE_LIBRARY_PYTHON, else this interpreter
+# is tried, and a test whose library does not import there skips saying why
 LIBRARY_PYTHON = os.environ.get("SHARDWISE_LIBRARY_PYTHON", sys.executable)
+PROGRAMS = HERE / "as_torch_programs"
+RUNS = [(2, False), (4, False), (2, True)]
+RUN_IDS = ["2proc", "4proc", "2threads"]
+
+
+@functools.cache
+def _import_error(modules: str) -> str:
+    """Why ``modules`` do not import in LIBRARY_PYTHON ("" when they do)."""
+    found = subprocess.run([LIBRARY_PYTHON, "-c", f"import {modules}"], capture_output=True,
+                           text=True, timeout=300, env=ENV)
+    return found.stderr[-300:] if found.returncode else ""
+
+
+def _library(modules: str) -> None:
+    """Skip unless ``modules`` import in LIBRARY_PYTHON."""
+    if error := _import_error(modules):
+        pytest.skip(f"{modules} do not import in {LIBRARY_PYTHON} (set SHARDWISE_LIBRARY_PYTHON "
+                    f"to a venv with them: scripts/library_venv.sh): {error}")
+
+
+def _setup(program: str, folder: Path, *args: str) -> None:
+    """``program setup folder [args]``: what the ranks read, and the reference run if any."""
+    setup = subprocess.run([LIBRARY_PYTHON, program, "setup", str(folder), *args],
+                           capture_output=True, text=True, timeout=300, env=ENV)
+    assert setup.returncode == 0, setup.stderr[-3000:]
+
+
+def _launch(nproc: int, threads: bool, as_torch: bool, *program: str) -> None:
+    """Run ``program`` on ``nproc`` ranks with LIBRARY_PYTHON (torch's own modules unless
+    ``as_torch``), asserting it succeeds."""
+    mode = ["--threads"] if threads else ["--timeout", "400"]
+    run = subprocess.run(
+        [LIBRARY_PYTHON, "-m", "shardwise.launch", "--nproc", str(nproc), *mode,
+         *(["--as-torch"] if as_torch else []), *program],
+        capture_output=True, text=True, timeout=500, env=ENV,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("nproc", "threads"), [(2, False), (4, False), (2, True)],
-                         ids=["2proc", "4proc", "2threads"])
+@pytest.mark.parametrize(("model", "nproc", "threads"),
+                         [*(("llama", *run) for run in RUNS), ("mixtral", 2, False)],
+                         ids=[*(f"llama-{i}" for i in RUN_IDS), "mixtral-2proc"])
 def test_transformers_tensor_parallel_through_the_switch_equals_one_device(
+    tmp_path_factory: pytest.TempPathFactory, model: str, nproc: int, threads: bool
+) -> None:
+    _library("transformers, accelerate")
+    program = str(PROGRAMS / "hf_llama_tp.py")
+    folder = tmp_path_factory.getbasetemp() / f"hf_{model}"
+    if not (folder / "reference.json").exists():  # one checkpoint and reference per model
+        folder.mkdir(exist_ok=True)
+        _setup(program, folder, model)
+    tag = f"sw{nproc}{'t' if threads else 'p'}"
+    _launch(nproc, threads, True, program, "rank", str(folder), tag, model)
+    reference = json.loads((folder / "reference.json").read_text())["losses"]
+    for rank in range(nproc):
+        got = json.loads((folder / f"{tag}_rank{rank}.json").read_text())
+        assert "shardwise.dtensor.DTensor" in got["classes"]
+        assert got["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("nproc", "threads"), RUNS, ids=RUN_IDS)
+def test_lightning_model_parallel_through_the_switch_equals_one_device(
     tmp_path: Path, nproc: int, threads: bool
 ) -> None:
-    found = subprocess.run([LIBRARY_PYTHON, "-c", "import transformers, accelerate"],
-                           capture_output=True, text=True, timeout=300, env=ENV)
-    if found.returncode:
-        pytest.skip(f"transformers and accelerate do not import in {LIBRARY_PYTHON} (set "
-                    f"SHARDWISE_LIBRARY_PYTHON to a venv with them): {found.stderr[-200:]}")
-    program = str(HERE / "as_torch_programs" / "hf_llama_tp.py")
-    setup = subprocess.run([LIBRARY_PYTHON, program, "setup", str(tmp_path)],
-                           capture_output=True, text=True, timeout=300, env=ENV)
-    assert setup.returncode == 0, setup.stderr[-3000:]
-    mode = ["--threads"] if threads else ["--timeout", "600"]
-    run = subprocess.run(
-        [LIBRARY_PYTHON, "-m", "shardwise.launch", "--nproc", str(nproc), *mode, "--as-torch",
-         program, "rank", str(tmp_path), "sw"],
-        capture_output=True, text=True, timeout=800, env=ENV,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    _library("lightning")
+    program = str(PROGRAMS / "lightning_mp.py")
+    _setup(program, tmp_path)
+    dp = nproc // 2  # tensor parallel on 2 ranks, FSDP2 x TP on 4
+    _launch(nproc, threads, True, program, "rank", str(tmp_path), "sw", str(dp), "2")
     reference = json.loads((tmp_path / "reference.json").read_text())["losses"]
     for rank in range(nproc):
         got = json.loads((tmp_path / f"sw_rank{rank}.json").read_text())
-        assert "shardwise.dtensor.DTensor" in got["classes"]
-        assert got["losses"] == pytest.approx(reference, rel=1e-5)
+        assert "shardwise.dtensor" in got["classes"] and got["load_exact"]
+        assert got["losses"] == pytest.approx(reference, rel=1e-5)  # the last after the load
+
+
+# torchtitan's parallelisms per run: tensor parallel on 2 ranks, FSDP2 x TP on 4
+TITAN_ARGS = {2: ["--parallelism.tensor_parallel_degree=2"],
+              4: ["--parallelism.tensor_parallel_degree=2",
+                  "--parallelism.data_parallel_shard_degree=2"]}
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
+    """torchtitan's assets and seed checkpoint, and its losses on torch per rank count (filled
+    as the tests ask)."""
+    _library("torchtitan.train")
+    folder = tmp_path_factory.mktemp("titan")
+    program = str(PROGRAMS / "titan_train.py")
+    _setup(program, folder)
+    _launch(1, False, False, program, "rank", str(folder), "seed")
+    return folder, {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("nproc", "threads"), RUNS, ids=RUN_IDS)
+def test_torchtitan_trains_through_the_switch_as_on_torch(
+    titan: tuple[Path, dict[int, dict]], nproc: int, threads: bool
+) -> None:
+    folder, references = titan
+    program = str(PROGRAMS / "titan_train.py")
+    if nproc not in references:  # the same program and arguments on torch, as processes
+        _launch(nproc, False, False, program, "rank", str(folder), f"torch{nproc}",
+                *TITAN_ARGS[nproc])
+        references[nproc] = json.loads((folder / f"torch{nproc}_rank0.json").read_text())
+    reference = references[nproc]
+    assert reference["dtensor"] == "torch.distributed.tensor" and len(reference["losses"]) == 3
+    tag = f"sw{nproc}{'t' if threads else 'p'}"
+    _launch(nproc, threads, True, program, "rank", str(folder), tag, *TITAN_ARGS[nproc])
+    for rank in range(nproc):
+        got = json.loads((folder / f"{tag}_rank{rank}.json").read_text())
+        assert got["dtensor"] == "shardwise.dtensor"
+        assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)

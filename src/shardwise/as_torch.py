@@ -22,10 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 # torch module -> (shardwise modules that answer its names, in order; whether names shardwise
-# lacks fall through to torch's module: FSDP1's beside FSDP2's, and torch's private helpers)
+# lacks fall through to torch's module: FSDP1's beside FSDP2's, and torch's private helpers).
+# torch.distributed.tensor._api stays torch's: torch's own sharding rules import its DTensor
+# lazily (e.g. when torch.compile first loads inductor) and need torch's class.
 SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "torch.distributed.tensor": (("shardwise",), False),
-    "torch.distributed.tensor._api": (("shardwise",), False),
     "torch.distributed.tensor.placement_types": (("shardwise.placements",), False),
     "torch.distributed.tensor.device_mesh": (("shardwise.mesh",), False),
     "torch.distributed.tensor._dtensor_spec": (("shardwise.spec",), True),
@@ -59,7 +60,7 @@ def _manual_seed(seed: int, device_mesh: Any = None) -> None:
 def _shard_tensor(full_tensor: Any, placements: Any, device_mesh: Any = None) -> Any:
     """torch's ``tensor._api._shard_tensor``: every process holds the whole tensor and keeps its
     own shard of it, without communication (``distribute_tensor(..., src_data_rank=None)``)."""
-    from .dtensor import distribute_tensor
+    from .factories import distribute_tensor
 
     return distribute_tensor(full_tensor, device_mesh, placements, src_data_rank=None)
 
@@ -67,10 +68,17 @@ def _shard_tensor(full_tensor: Any, placements: Any, device_mesh: Any = None) ->
 # names answered here, before the modules of SHIMS
 _OWN: dict[str, dict[str, Any]] = {
     "torch.distributed.tensor._random": {"manual_seed": _manual_seed},
+}
+# torch modules that stay torch's (above: ``_api``) but whose names below answer shardwise's
+_PATCHED: dict[str, dict[str, Any]] = {
     "torch.distributed.tensor._api": {"_shard_tensor": _shard_tensor},
 }
 # names torch.distributed itself exports from these modules
 _TOP_LEVEL = ("DeviceMesh", "init_device_mesh")
+# torch modules that use DTensors rather than implement them (distributed checkpoint and its
+# state-dict helpers): the names they bound from SHIMS' modules before the switch (importing
+# torch's FSDP loads them) are rebound to shardwise's
+_USERS = ("torch.distributed._state_dict_utils", "torch.distributed.checkpoint")
 
 
 class _Shim(types.ModuleType):
@@ -159,7 +167,32 @@ def as_torch() -> None:
 
     for name in _TOP_LEVEL:
         setattr(dist, name, getattr(mesh, name))
+    _rebind_users(real)
+    for name, names in _PATCHED.items():
+        for attr, value in names.items():
+            setattr(importlib.import_module(name), attr, value)
     _accept_meshes(resolve_group)
+
+
+def _rebind_users(real: dict[str, types.ModuleType | None]) -> None:
+    """In the loaded modules of ``_USERS``, replace each name bound to a class or function of
+    torch's DTensor modules by the shim's answer for that name, where shardwise has one."""
+    users = [m for n, m in list(sys.modules.items())
+             if any(n == u or n.startswith(u + ".") for u in _USERS)]
+    owners = ("torch.distributed.tensor", "torch.distributed.device_mesh")
+    for module in users:
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, types.ModuleType) or not str(
+                getattr(value, "__module__", "")
+            ).startswith(owners):
+                continue
+            for name, torch_module in real.items():
+                if torch_module is None or getattr(torch_module, attr, None) is not value:
+                    continue
+                mine = sys.modules[name]._lookup(attr)
+                if mine is not _MISSING:
+                    setattr(module, attr, mine)
+                break
 
 
 def _fill_torch_dtensor_cache() -> None:
