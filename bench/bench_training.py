@@ -40,19 +40,33 @@ makes outside torch's allocator are not counted: gloo's all_reduce works in its 
 through a flat buffer from torch's allocator (counted; shardwise receives point to point, in
 place, so its all_reduce's buffers are all counted: the result and a combine accumulator).
 
+Beside the wall time, each step's CPU time of the process (``time.process_time``: its own
+work, gloo's threads included, not the time it waits descheduled) and its minor page faults are
+recorded (medians, the largest rank's). On a host with more processes than cores a step's wall
+time is several times its CPU time, so every ms of CPU shows as several ms of wall. The faults
+are glibc's: a freed block at the top of the heap is given back to the system once the free top
+exceeds the trim threshold, and the next large tensor faults its pages in afresh (4 KiB each,
+2048 per 8 MiB). Whether that happens every step depends on the order of every allocation
+before it, Python's included, so it falls on one variant or another by the process's history;
+``--steady-heap`` sets glibc's mmap threshold to 64 MiB and its trim threshold to 1 GiB
+(``mallopt``) for the whole run, the same for the three variants, so no step refaults its
+tensors (what jemalloc or tcmalloc, which PyTorch recommends on CPU, do by keeping freed pages).
+
 AdamW runs its per-parameter loop (``foreach=False``) for all three. On ``--device cuda`` (one
 GPU per process, NCCL) the peak is ``torch.cuda.max_memory_allocated``
 during one step and every step ends with a synchronize (its ``loss.item()``).
 
 Run: python -m shardwise.launch --nproc 2 bench/bench_training.py [--json FILE] [--quick]
-[--device cpu|cuda] [--models mlp,gpt,...]
+[--device cpu|cuda] [--models mlp,gpt,...] [--steady-heap]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
+import resource
 import statistics
 import time
 
@@ -486,6 +500,20 @@ def _loss_tolerance(losses: list[float]) -> float:
     return 1e-4 * max(1.0, max(abs(x) for x in losses))
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _steady_heap() -> None:
+    """glibc's heap keeps what is freed (mmap threshold 64 MiB, trim threshold 1 GiB), so a
+    step's large tensors reuse pages already faulted in, whatever the allocation history."""
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    if not (libc.mallopt(m_mmap_threshold, 64 * 2**20) and libc.mallopt(m_trim_threshold, 2**30)):
+        raise RuntimeError("mallopt refused the thresholds of --steady-heap")
+
+
 def run(quick: bool, dim: int, batch: int, seq: int, heads: int, device: str = "cpu",
         models: tuple[str, ...] = MODELS) -> dict:
     world = dist.get_world_size()
@@ -513,17 +541,24 @@ def run(quick: bool, dim: int, batch: int, seq: int, heads: int, device: str = "
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
                 for k, m in mods.items()}
         times: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}
+        faults: dict[str, list[int]] = {k: [] for k in kinds}
         losses: dict[str, list[float]] = {k: [] for k in kinds}
 
         for i in range(warmup + steps):
             for k in kinds:  # interleaved: every step index runs all three in turn
                 dist.barrier()
-                start = time.perf_counter()
+                faulted = _minor_faults()
+                cpu_start, start = time.process_time(), time.perf_counter()
                 loss = _step(mods[k], opts[k], inputs[i], targets[i])
                 elapsed = time.perf_counter() - start
+                cpu_elapsed = time.process_time() - cpu_start
+                faulted = _minor_faults() - faulted
                 losses[k].append(loss)
                 if i >= warmup:
                     times[k].append(elapsed)
+                    cpu[k].append(cpu_elapsed)
+                    faults[k].append(faulted)
         row: dict = {"mesh": list(shape2d) if fsdp else [world]}
         for k in kinds:
             resident = _state_bytes(mods[k], opts[k])
@@ -531,9 +566,13 @@ def run(quick: bool, dim: int, batch: int, seq: int, heads: int, device: str = "
             step_peak = _peak_bytes(mods[k], opts[k], inputs[0], targets[0])
             peak = torch.tensor([float(resident + step_peak)], device=on)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            median = torch.tensor([statistics.median(times[k]) * 1e3], device=on)
+            median = torch.tensor([statistics.median(times[k]) * 1e3,
+                                   statistics.median(cpu[k]) * 1e3,
+                                   float(statistics.median(faults[k]))], device=on)
             dist.all_reduce(median, op=dist.ReduceOp.MAX)
-            row[k] = {"step_ms": median.item(), "peak_mb": peak.item() / 2**20,
+            step_ms, cpu_ms, step_faults = median.tolist()
+            row[k] = {"step_ms": step_ms, "cpu_ms": cpu_ms, "minor_faults": int(step_faults),
+                      "peak_mb": peak.item() / 2**20,
                       "resident_mb": resident / 2**20, "step_peak_mb": step_peak / 2**20}
         # the same tolerance on every rank (dp ranks see other losses): all raise or none does
         bound = torch.tensor([_loss_tolerance(losses["hand"])], device=on)
@@ -546,6 +585,7 @@ def run(quick: bool, dim: int, batch: int, seq: int, heads: int, device: str = "
             row[k]["max_loss_diff_vs_hand"] = diff.item()
         row["ratio_time_vs_torch_dt"] = row["shardwise"]["step_ms"] / row["torch_dt"]["step_ms"]
         row["ratio_time_vs_hand"] = row["shardwise"]["step_ms"] / row["hand"]["step_ms"]
+        row["ratio_cpu_vs_hand"] = row["shardwise"]["cpu_ms"] / row["hand"]["cpu_ms"]
         row["ratio_mem_vs_torch_dt"] = row["shardwise"]["peak_mb"] / row["torch_dt"]["peak_mb"]
         row["ratio_mem_vs_hand"] = row["shardwise"]["peak_mb"] / row["hand"]["peak_mb"]
         results["models"][model] = row
@@ -567,8 +607,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--steady-heap", action="store_true",
+                        help="glibc keeps freed heap pages (no refaults; see the docstring)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.steady_heap:
+        _steady_heap()
     dist.init_process_group("cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo")
     dim = args.dim or (128 if args.quick else 256)
     batch, seq, heads = (4, 32, 4) if args.quick else (8, 64, 8)
@@ -576,6 +620,7 @@ def main() -> None:
     try:
         results = run(args.quick, dim, batch, seq, heads, args.device,
                       tuple(args.models.split(",")))
+        results["steady_heap"] = args.steady_heap
         dist.barrier()  # no rank tears down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
@@ -600,6 +645,15 @@ def _print(results: dict) -> None:
               f"{r['ratio_time_vs_hand']:>9.2f}{r['shardwise']['peak_mb']:>8.2f}"
               f"{r['torch_dt']['peak_mb']:>8.2f}{r['hand']['peak_mb']:>10.2f}"
               f"{r['ratio_mem_vs_torch_dt']:>7.2f}{diff:>11.2e}")
+    print(f"CPU ms per step (process time) and minor page faults per step, median"
+          f"{' (steady heap)' if results.get('steady_heap') else ''}")
+    print(f"{'model':<14}{'sw CPU':>8}{'DT CPU':>8}{'hand CPU':>10}{'vs hand':>9}"
+          f"{'sw flt':>8}{'DT flt':>8}{'hand flt':>10}")
+    for model, r in results["models"].items():
+        print(f"{model:<14}{r['shardwise']['cpu_ms']:>8.2f}{r['torch_dt']['cpu_ms']:>8.2f}"
+              f"{r['hand']['cpu_ms']:>10.2f}{r['ratio_cpu_vs_hand']:>9.2f}"
+              f"{r['shardwise']['minor_faults']:>8}{r['torch_dt']['minor_faults']:>8}"
+              f"{r['hand']['minor_faults']:>10}")
 
 
 if __name__ == "__main__":
