@@ -373,3 +373,18 @@ def test_every_module_imports_first(chunk: int) -> None:
         "        del sys.modules[m]\n"
         "    importlib.import_module(name)\n"
     )
+
+
+def test_type_checkers_see_the_same_top_level_names() -> None:
+    """``__init__``'s ``if TYPE_CHECKING:`` imports (what mypy and IDEs see of the lazy top
+    level) name exactly ``_NAMES``, each from its module there."""
+    import shardwise
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    seen: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for stmt in node.body:
+                assert isinstance(stmt, ast.ImportFrom) and stmt.level == 1, ast.dump(stmt)
+                seen.update({alias.name: stmt.module for alias in stmt.names})
+    assert seen == {name: module for name, module in shardwise._NAMES.items()}

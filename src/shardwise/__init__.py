@@ -17,7 +17,7 @@ import os
 import sys
 import types
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # The top level, the DTensor core (as PyTorch's ``torch.distributed.tensor`` plus its mesh and
 # a few of shardwise's own): public name -> the submodule defining it. The rest lives in
@@ -49,6 +49,17 @@ _NAMES: dict[str, str] = {
     "materialize_module": "deferred_init",
     "as_torch": "as_torch",
 }
+
+if TYPE_CHECKING:  # the same names for type checkers (a test keeps it equal to _NAMES)
+    from .as_torch import as_torch  # noqa: F401
+    from .deferred_init import deferred_init, materialize_module  # noqa: F401
+    from .dtensor import DTensor, local_components  # noqa: F401
+    from .factories import distribute_tensor, empty, full, ones, rand, randn, zeros  # noqa: F401
+    from .local_map import local_map  # noqa: F401
+    from .mesh import DeviceMesh, init_device_mesh  # noqa: F401
+    from .ops.random import manual_seed  # noqa: F401
+    from .parallel import distribute_module  # noqa: F401
+    from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard  # noqa: F401
 
 # Names that moved from the top level to a namespace: they keep working for one release, with a
 # DeprecationWarning naming their new home (old name -> the submodule holding it now).
