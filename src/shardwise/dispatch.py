@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .caches import PER_LAYOUT, PER_OP, cached, register
+from .components import new_wrapper
 from .dispatch_args import dtensor_positions, place, replicate_plain, scan, whole_lists
 from .dispatch_decision import (
     Decision,
@@ -49,7 +50,7 @@ from .ops import registry
 from .placements import Placement
 from .redistribute import compile_plan, plan_redistribute
 from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta
-from .torch_compat import OpOverload, is_torch_function_mode_enabled, make_wrapper_subclass
+from .torch_compat import OpOverload, is_torch_function_mode_enabled
 
 # ----- the cache: one ``_Op`` per op, one ``_Entry`` per decision --------------------------------
 
@@ -492,9 +493,7 @@ def _wrap_one(spec: DTensorSpec | None, components: list, orphan: bool | None) -
     return _new_dtensor(components, spec, orphan)
 
 
-_make_wrapper = make_wrapper_subclass
 _Tensor = torch.Tensor
-_strided = torch.strided
 _function_mode = is_torch_function_mode_enabled  # bindings would call into it
 
 
@@ -504,11 +503,7 @@ def _new_dtensor(components: list[torch.Tensor], spec: DTensorSpec, orphan: bool
     checked (``_Entry.complete``), made directly. ``orphan``: None for an op that is not a
     view, else whether the view aliases a temporary copy (``_view_orphan`` present marks a
     view)."""
-    meta = spec.tensor_meta
-    out = _make_wrapper(  # positionally: size, strides, offset, format, dtype, layout, device
-        DTensor, meta.shape, meta.stride, None, None, meta.dtype, _strided, components[0].device
-    )
-    out._spec = spec
+    out = new_wrapper(DTensor, spec, components[0].device)
     out._components = components
     if orphan is not None:
         out._view_orphan = orphan

@@ -3,7 +3,8 @@
 A DTensor is a ``torch.Tensor`` wrapper subclass: its shape, stride and dtype are the global
 ones, and it holds one local component per device this process owns, in ascending device id.
 The layers above read and replace what it holds through ``Local`` (``local_of``, ``set_local``,
-``build``; ``wrap`` for dispatch's outputs), never through its fields.
+``build``), never through its fields; every DTensor, dispatch's outputs included, is made by
+``components.new_wrapper``.
 
 Pending results of background collectives (``redistribute(..., async_op=True)``,
 ``DTensor.from_local(..., async_op=True)``) are ``AsyncDTensor``s: global metadata is known at
@@ -394,14 +395,6 @@ def local_components(dtensor: DTensor) -> list[torch.Tensor]:
 def build(local: Local, *, requires_grad: bool = False) -> DTensor:
     """A DTensor holding ``local`` (checked as ``DTensor()`` checks, the pieces list copied)."""
     return DTensor(local.pieces, local.spec, requires_grad=requires_grad)
-
-
-def wrap(pieces: list[torch.Tensor], spec: DTensorSpec) -> DTensor:
-    """A DTensor holding a fresh list of ``pieces`` in the held dtype, of a spec whose Partials
-    were checked: dispatch's outputs, no checks nor copies."""
-    out = new_wrapper(DTensor, spec, pieces[0].device)
-    out._components = pieces
-    return out
 
 
 # ----- autograd functions --------------------------------------------------------------------
