@@ -5,6 +5,7 @@ one transport its point-to-point messages take."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -16,6 +17,7 @@ from mp_harness import run_in_processes
 from shardwise import comm, execution, settings
 from shardwise.comm import transport, wire
 from shardwise.execution import Kind, View
+from shardwise.placements import Partial, Replicate, Shard
 from shardwise.rank_threads import run_threads
 
 TIMEOUT = 120.0
@@ -121,7 +123,7 @@ def _rank_thread_program() -> dict:
         "wide": (execution.of(wide).devices, execution.plain_view(wide)),
         "repr": repr(mesh), "summed": [t.tolist() for t in summed],
         "messages": (counting.sent, counting.received),
-        "group transports": (transport.for_dim(mesh, 0).name, transport.for_dim(wide, 0).name),
+        "group transports": [[t.name for t, _ in transport.routes(m, 0)] for m in (mesh, wide)],
     }
 
 
@@ -137,7 +139,7 @@ def test_rank_threads_declare_their_rank_and_share_the_mailbox_transport() -> No
                                f"devices [{r}], per-rank view]")
         assert got["summed"] == [[oracle] * 3, [oracle] * 3]
         assert got["messages"][0] > 0 and got["messages"][1] > 0
-        assert got["group transports"] == ("backend", "point to point")
+        assert got["group transports"] == [["backend"], ["point to point"]]
     assert out[0]["outside"] == "per-rank view"
     assert out[1]["outside"].startswith(
         "a plain batch given for DeviceMesh('cpu', [0]): this program acts for no device of "
@@ -177,3 +179,71 @@ def test_per_rank_processes_declare_their_rank_and_the_backend_transport() -> No
         assert f"this program acts for devices [{r}] of {got['repr']}" in got["message"]
         # messages name the mesh alike in every process (their descriptions are compared)
         assert got["str"] == "DeviceMesh('cpu', [0, 1])"
+
+
+class _CountingGroups:
+    """A group transport that notes every collective it carries (its name, the method, the
+    mesh dim) for the one it wraps."""
+
+    def __init__(self, inner: transport.GroupTransport, seen: list) -> None:
+        self.inner, self.name, self.seen = inner, inner.name, seen
+
+    def __getattr__(self, method: str):
+        carry = getattr(self.inner, method)
+
+        def counted(mesh, mesh_dim, *args):
+            self.seen.append((self.name, method, mesh_dim))
+            return carry(mesh, mesh_dim, *args)
+
+        return counted
+
+
+_RECORDED_AS = {"all_gather_tensor": "all_gather", "all_to_all_tensor": "all_to_all"}
+
+
+def _redistributions_through_the_context() -> dict:
+    """Redistributions on a 1-D mesh of four devices and a 2 x 2 mesh, under a context whose
+    group transports count what they carry, beside a ``CommCounter``."""
+    seen: list = []
+    counting = transport.Transports(*(_CountingGroups(t, seen) for t in (
+        transport.IN_PROCESS, transport.BACKEND, transport.POINT_TO_POINT)))
+    x = torch.arange(96, dtype=torch.float64).reshape(8, 12)
+    moves = [(Shard(0), Shard(1)), (Shard(1), Replicate()), (Partial(), Replicate()),
+             (Partial(), Shard(0))]
+    todo = []
+    for mesh in (sw.DeviceMesh("cpu", [0, 1, 2, 3]), sw.DeviceMesh("cpu", [[0, 1], [2, 3]])):
+        for before, after in moves:
+            for m in range(mesh.ndim):
+                src, dst = [Replicate()] * mesh.ndim, [Replicate()] * mesh.ndim
+                src[m], dst[m] = before, after
+                todo.append((sw.distribute_tensor(x, mesh, src), dst))
+    context = dataclasses.replace(execution.current(), group_transports=counting)
+    with settings.EXECUTION.override(context), comm.CommCounter() as counter:
+        outs = [dt.redistribute(placements=dst) for dt, dst in todo]
+    return {
+        "seen": seen, "records": [(r.kind, r.mesh_dim) for r in counter.records],
+        "equal": [torch.equal(out.full_tensor(), x) for out in outs],
+    }
+
+
+def _check_counted(got: dict, names: set[str]) -> None:
+    assert all(got["equal"]) and len(got["equal"]) == 12
+    # every collective of the redistributions went through the context's group transports
+    assert [(_RECORDED_AS.get(method, method), dim) for _, method, dim in got["seen"]] == \
+        got["records"]
+    assert {name for name, _, _ in got["seen"]} == names
+
+
+def test_every_collective_goes_through_the_contexts_group_transports_embedded() -> None:
+    _check_counted(_redistributions_through_the_context(), {"in process"})
+
+
+def test_every_collective_goes_through_the_contexts_group_transports_in_rank_threads() -> None:
+    for got in run_threads(_redistributions_through_the_context, 2, timeout=TIMEOUT):
+        _check_counted(got, {"in process", "backend", "point to point"})
+
+
+@pytest.mark.slow
+def test_every_collective_goes_through_the_contexts_group_transports_in_processes() -> None:
+    for got in run_in_processes(_redistributions_through_the_context, 2, timeout=TIMEOUT):
+        _check_counted(got, {"in process", "backend", "point to point"})

@@ -368,14 +368,10 @@ def test_in_process_shard_to_shard_counts_the_pieces_all_to_all(
     out of that (members on several torch devices send pieces): the values are torch.chunk's,
     dense, and the bytes counted are those the pieces' all_to_all moves (the reference
     geometry's), uneven shards and 2-D meshes included."""
-    from shardwise.comm import collectives
+    from shardwise.comm import transport
 
     if not joined:  # as if every member kept its components on a torch device of its own
-        groups = collectives._joinable_groups
-        monkeypatch.setattr(collectives, "_joinable_groups", lambda mesh, m: (
-            tuple((members, indices, None) for members, indices, _ in groups(mesh, m)[0]),
-            groups(mesh, m)[1],
-        ))
+        monkeypatch.setattr(transport, "_one_device", lambda mesh, members: None)
     mesh = sw.init_device_mesh("cpu", mesh_shape)
     x = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
     for m in range(len(mesh_shape)):

@@ -1,6 +1,6 @@
 """The execution context: who this program is, which devices it acts for, what a plain tensor
-means, and how its messages travel (DESIGN.md, "Execution model" and "Plain tensors at the
-program's edge"). Every module asks here; none infers it on its own.
+means, and how its collectives and messages travel (DESIGN.md, "Execution model" and "Plain
+tensors at the program's edge"). Every module asks here; none infers it on its own.
 
 One value, ``ExecutionContext``, is made once by whoever creates the context:
 
@@ -76,6 +76,14 @@ class Transport(Protocol):
     def wait(self, work: Any, timeout: timedelta) -> None: ...
 
 
+class GroupTransports(Protocol):
+    """What carries each group of a context's collectives (``comm.transport.Transports``):
+    ``routes(mesh, mesh_dim)`` pairs each kind of group along the dim that holds a device of
+    this program with the ``comm.transport.GroupTransport`` that carries it."""
+
+    def routes(self, mesh: Any, mesh_dim: int) -> tuple[tuple[Any, tuple], ...]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Replica:
     """What a replica thread of ``Strategy.run`` acts for: local replica ``index`` of
@@ -90,15 +98,19 @@ class Replica:
 @dataclasses.dataclass(frozen=True)
 class ExecutionContext:
     """Who this program is: ``kind``, ``rank`` of ``world`` processes, its ``transport``
-    (None: the process group's own ``isend``/``irecv``, ``comm.wire.BACKEND``), the ``view``
-    it declares (None: decided per mesh by the devices it acts for), the ``replica`` of a
-    replica thread. ``on(mesh)`` binds it to a mesh: ``mesh``, ``devices`` (the devices of it
-    this program acts for) and ``view`` are then set."""
+    (None: the process group's own ``isend``/``irecv``, ``comm.wire.BACKEND``), its
+    ``group_transports``, what carries each kind of group of its collectives (None:
+    ``comm.transport.STANDARD``), the ``view`` it declares (None: decided per mesh by the
+    devices it acts for), the ``replica`` of a replica thread. ``on(mesh)`` binds it to a
+    mesh: ``mesh``, ``devices`` (the devices of it this program acts for) and ``view`` are
+    then set."""
 
     kind: Kind
     rank: int
     world: int
     transport: Transport | None = dataclasses.field(default=None, compare=False, repr=False)
+    group_transports: GroupTransports | None = dataclasses.field(
+        default=None, compare=False, repr=False)
     view: View | None = None
     replica: Replica | None = None
     mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -108,8 +120,8 @@ class ExecutionContext:
         """This context for ``mesh``, with the devices of it this program acts for and the
         view of a plain tensor there (``_acting``)."""
         devices, view = _acting(self, mesh)
-        return ExecutionContext(self.kind, self.rank, self.world, self.transport, view,
-                                self.replica, mesh, devices)
+        return ExecutionContext(self.kind, self.rank, self.world, self.transport,
+                                self.group_transports, view, self.replica, mesh, devices)
 
     def who(self) -> str:
         """"embedded", "per-rank process 1 of 4", "replica thread 0 of 2, rank 1 of 4"..."""

@@ -20,9 +20,9 @@ import torch
 
 from .. import comm, settings
 from ..comm import accounting, background, budget
-from ..comm.collectives import local_groups
 from ..comm.native import Pending
 from ..comm.safety import redistribution
+from ..comm.transport import local_groups
 from ..mesh import DeviceMesh
 from ..torch_compat import current_graph_task_id
 from .cross_mesh import CrossMeshPlan, run_cross_mesh
