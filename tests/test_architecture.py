@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "settings", "torch_compat", "call_site", "process_wide",
                     "caches", "execution")),
     ("runtime", ("runtime",)),
-    ("data", ("placements", "mesh", "layout", "spec", "geometry", "tracing")),
+    ("data", ("placements", "mesh_text", "mesh", "mesh_argument", "tf_mesh", "layout", "spec",
+              "geometry", "tracing")),
     ("communication", ("comm",)),
     ("data movement", ("redistribute",)),
     ("tensor", ("dtensor", "components", "pending", "factories", "rng", "local_map",
@@ -183,6 +184,29 @@ def test_imports_run_only_downward_through_the_layers() -> None:
 def test_the_layer_check_sees_an_upward_import() -> None:
     graph = {"shardwise.mesh": {"shardwise.dtensor"}, "shardwise.dtensor": {"shardwise.mesh"}}
     assert upward_imports(graph) == ["shardwise.mesh (data) -> shardwise.dtensor (tensor)"]
+
+
+MAX_MODULE_LINES = 700
+
+
+def long_modules(modules: dict[str, tuple[Path, bool]]) -> list[str]:
+    """``module: N lines`` for every module longer than ``MAX_MODULE_LINES``."""
+    return sorted(
+        f"{name}: {n} lines"
+        for name, (path, _) in modules.items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    )
+
+
+def test_no_module_is_over_700_lines(tmp_path: Path) -> None:
+    """One concept per module: a module past the bound holds more than one."""
+    found = long_modules(_modules())
+    assert not found, f"modules over {MAX_MODULE_LINES} lines: {found}"
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert long_modules({"shardwise.long": (long, False)}) == [
+        f"shardwise.long: {MAX_MODULE_LINES + 1} lines"
+    ]
 
 
 def _private(segment: str) -> bool:
