@@ -20,6 +20,7 @@ from ..caches import PER_LAYOUT, cached
 from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh
 from . import accounting, background, distributed, native, transport
+from .call import Traffic
 from .reduction import norm_terms, reduce_terms
 from .safety import one_thread
 
@@ -55,12 +56,12 @@ def _across(
     mesh_dim: int,
     groups: list,
     run: Callable[[transport.GroupTransport], transport.Result],
-) -> distributed.Traffic:
+) -> Traffic:
     """``run`` the cross-process ``groups`` of ``collective`` on the transport of the mesh
     dim (``transport.for_dim``: the backend's own collectives where the groups have one
     device per process, else point to point); store its results."""
     if not groups:
-        return distributed.Traffic()
+        return Traffic()
     background.drain()  # background collectives first: every process keeps the same order
     with one_thread(lambda: f"{collective} over mesh dim {mesh_dim} of {mesh}"):
         results, traffic = run(transport.for_dim(mesh, mesh_dim))
@@ -70,7 +71,7 @@ def _across(
 
 
 def _record(
-    kind: str, mesh_dim: int, received: int, traffic: distributed.Traffic, mesh: DeviceMesh
+    kind: str, mesh_dim: int, received: int, traffic: Traffic, mesh: DeviceMesh
 ) -> None:
     accounting.record(
         kind, mesh_dim, received, cross_process_bytes=traffic.payload, meta_bytes=traffic.meta,
@@ -256,7 +257,7 @@ def _joinable_groups(mesh: DeviceMesh, mesh_dim: int) -> tuple[tuple, tuple]:
     return tuple(groups), across
 
 
-_NO_TRAFFIC = distributed.Traffic()
+_NO_TRAFFIC = Traffic()
 
 
 def all_to_all_tensor(
@@ -415,7 +416,7 @@ def exchange(
         for dst, t in sends[i]:
             if dst in index:
                 queues.setdefault((d, dst), []).append(t)
-    traffic = distributed.Traffic()
+    traffic = Traffic()
     remote: dict[tuple[int, int], torch.Tensor] = {}
     if len(local) < mesh.size():
         sample = torch.empty(0, dtype=dtype, device=mesh.device_of(local[0]))

@@ -22,7 +22,7 @@ import torch
 
 from ..mesh import DeviceMesh
 from . import distributed, native
-from .distributed import Group, Traffic
+from .call import Group, Traffic
 
 Result = tuple[dict[int, Any], Traffic]
 ReceiveShapes = Callable[[int], Sequence[Sequence[int]]] | None
