@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,11 +45,30 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "dcp_protocol")),
     ("dispatch", ("dispatch", "dispatch_args", "dispatch_decision", "fast_call",
                   "custom_sharding", "ops", "op_inputs")),
-    ("user", ("parallel", "distribute", "checkpoint", "tf_dtensor", "debug", "deferred_init",
-              "memory", "as_torch", "rank_threads", "launch", "demo", "tour", "tf", "rules",
-              "config")),
+    ("user packages", ("parallel", "distribute", "checkpoint", "tf_dtensor", "debug",
+                       "deferred_init", "memory", "as_torch", "rank_threads", "launch", "demo",
+                       "tour", "tf", "rules", "config")),
     ("command line", ("cli", "demo_cli", "__main__")),
 ]
+
+def test_the_drawing_in_the_docs_is_the_layer_table() -> None:
+    """docs/architecture.md draws the layers top to bottom, each labelled as in ``LAYERS`` and
+    naming every module and subpackage of it."""
+    text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    drawing = text.split("```text\n", 1)[1].split("```", 1)[0]
+    blocks: dict[str, str] = {}
+    label = ""
+    for line in drawing.splitlines():
+        if line[:1].strip():
+            label = line[:16].strip()
+        blocks[label] = blocks.get(label, "") + line[16:] + "\n"
+    assert list(blocks) == [name for name, _ in reversed(LAYERS)]
+    missing = {
+        name: [m for m in modules if not re.search(rf"(?<![\w.]){m}\b", blocks[name])]
+        for name, modules in LAYERS
+    }
+    assert not any(missing.values()), f"missing from the drawing's layers: {missing}"
+
 
 # Imports that run upward, each with why (lazy, inside a function, never at import time).
 UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
