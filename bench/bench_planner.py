@@ -34,7 +34,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import shardwise as sw
 from shardwise.redistribute import lower_bound_bytes, plan_cross_mesh, plan_redistribute
 from shardwise.redistribute.exchange import exchange_cost
-from shardwise.redistribute.plan import _PLANS, Pricer, _moves, _plan, _step_kind
+from shardwise.redistribute.plan import _PLANS, _moves, _plan, _step_kind
+from shardwise.redistribute.pricing import Pricer
 from shardwise.spec import DTensorSpec, contiguous_meta
 
 SHAPE = (16, 12, 8)

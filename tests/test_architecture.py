@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,18 +37,38 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "settings", "torch_compat", "call_site", "process_wide",
                     "caches", "execution")),
     ("runtime", ("runtime",)),
-    ("data", ("placements", "mesh", "layout", "spec", "geometry", "tracing")),
+    ("data", ("placements", "mesh_text", "mesh", "mesh_argument", "tf_mesh", "layout", "spec",
+              "geometry", "tracing")),
     ("communication", ("comm",)),
     ("data movement", ("redistribute",)),
     ("tensor", ("dtensor", "components", "pending", "factories", "rng", "local_map",
                 "dcp_protocol")),
     ("dispatch", ("dispatch", "dispatch_args", "dispatch_decision", "fast_call",
                   "custom_sharding", "ops", "op_inputs")),
-    ("user", ("parallel", "distribute", "checkpoint", "tf_dtensor", "debug", "deferred_init",
-              "memory", "as_torch", "rank_threads", "launch", "demo", "tour", "tf", "rules",
-              "config")),
+    ("user packages", ("parallel", "distribute", "checkpoint", "tf_dtensor", "debug",
+                       "deferred_init", "memory", "as_torch", "rank_threads", "launch", "demo",
+                       "tour", "tf", "rules", "config")),
     ("command line", ("cli", "demo_cli", "__main__")),
 ]
+
+def test_the_drawing_in_the_docs_is_the_layer_table() -> None:
+    """docs/architecture.md draws the layers top to bottom, each labelled as in ``LAYERS`` and
+    naming every module and subpackage of it."""
+    text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    drawing = text.split("```text\n", 1)[1].split("```", 1)[0]
+    blocks: dict[str, str] = {}
+    label = ""
+    for line in drawing.splitlines():
+        if line[:1].strip():
+            label = line[:16].strip()
+        blocks[label] = blocks.get(label, "") + line[16:] + "\n"
+    assert list(blocks) == [name for name, _ in reversed(LAYERS)]
+    missing = {
+        name: [m for m in modules if not re.search(rf"(?<![\w.]){m}\b", blocks[name])]
+        for name, modules in LAYERS
+    }
+    assert not any(missing.values()), f"missing from the drawing's layers: {missing}"
+
 
 # Imports that run upward, each with why (lazy, inside a function, never at import time).
 UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
@@ -183,6 +204,29 @@ def test_imports_run_only_downward_through_the_layers() -> None:
 def test_the_layer_check_sees_an_upward_import() -> None:
     graph = {"shardwise.mesh": {"shardwise.dtensor"}, "shardwise.dtensor": {"shardwise.mesh"}}
     assert upward_imports(graph) == ["shardwise.mesh (data) -> shardwise.dtensor (tensor)"]
+
+
+MAX_MODULE_LINES = 700
+
+
+def long_modules(modules: dict[str, tuple[Path, bool]]) -> list[str]:
+    """``module: N lines`` for every module longer than ``MAX_MODULE_LINES``."""
+    return sorted(
+        f"{name}: {n} lines"
+        for name, (path, _) in modules.items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    )
+
+
+def test_no_module_is_over_700_lines(tmp_path: Path) -> None:
+    """One concept per module: a module past the bound holds more than one."""
+    found = long_modules(_modules())
+    assert not found, f"modules over {MAX_MODULE_LINES} lines: {found}"
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert long_modules({"shardwise.long": (long, False)}) == [
+        f"shardwise.long: {MAX_MODULE_LINES + 1} lines"
+    ]
 
 
 def _private(segment: str) -> bool:

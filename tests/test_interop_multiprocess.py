@@ -16,7 +16,7 @@ import shardwise as sw
 import shardwise.checkpoint as ckpt
 from mp_harness import run_in_processes
 from shardwise import InterleavedShard, Partial, Replicate, Shard
-from shardwise.comm.distributed import _span
+from shardwise.comm.call import _span
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

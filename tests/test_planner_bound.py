@@ -24,7 +24,7 @@ from conftest import (
 )
 from shardwise import Partial, Replicate, Shard
 from shardwise.redistribute import lower_bound_bytes, plan_redistribute
-from shardwise.redistribute.plan import Pricer
+from shardwise.redistribute.pricing import Pricer
 from shardwise.spec import DTensorSpec, contiguous_meta, validate_placements
 
 

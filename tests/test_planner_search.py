@@ -16,13 +16,13 @@ from shardwise import Partial, Replicate, Shard
 from shardwise.geometry import lower_bound_bytes, pieces
 from shardwise.redistribute.exchange import exchange_cost
 from shardwise.redistribute.plan import (
-    Pricer,
     _candidates,
     _direct_exchange,
     _exchange_step,
     _plan,
     _step_kind,
 )
+from shardwise.redistribute.pricing import Pricer
 
 SRP = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
 SETTLED = [Shard(0), Shard(1), Shard(2), Replicate()]

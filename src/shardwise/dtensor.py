@@ -38,7 +38,8 @@ from .components import (
 from .components import local_of as local_of
 from .components import set_local as set_local
 from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError
-from .mesh import DeviceMesh, Mesh, mesh_or_current
+from .mesh import DeviceMesh
+from .mesh_argument import mesh_or_current
 from .pending import PendingComponents, ready
 from .placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
 from .redistribute import cross_mesh, move, plan_redistribute
@@ -48,6 +49,7 @@ from .spec import (
     TensorMeta,
     validate_placements,
 )
+from .tf_mesh import Mesh
 from .torch_compat import (
     disabled_torch_function_impl,
     foreach_supported_types,

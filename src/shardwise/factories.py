@@ -25,7 +25,8 @@ from .comm import debug_checks_enabled
 from .components import check_partials, component_of, source_process
 from .dtensor import DTensor
 from .errors import InvalidArgumentError, InvalidPlacementError
-from .mesh import DeviceMesh, mesh_or_current
+from .mesh import DeviceMesh
+from .mesh_argument import mesh_or_current
 from .placements import Partial, Placement, Replicate
 from .redistribute import move
 from .rng import check_generator, draw_per_shard

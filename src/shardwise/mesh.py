@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import execution, runtime, settings
+from . import execution, mesh_text, runtime, settings
 from .errors import MeshError, ShardwiseTypeError
 
 
@@ -18,38 +18,6 @@ class MeshDimNameError(MeshError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
-
-
-def current_mesh() -> DeviceMesh | None:
-    """The mesh of the innermost ``with mesh:`` (or ``default_mesh``) block of this thread,
-    None outside any."""
-    meshes = settings.MESHES.get()
-    return meshes[-1] if meshes else None
-
-
-def require_mesh(device_mesh: Any, what: str, argument: str = "device_mesh") -> DeviceMesh:
-    """``device_mesh`` itself when it is a ``DeviceMesh``; else a ``ShardwiseTypeError`` naming
-    ``what`` took it, the argument and what was given."""
-    if not isinstance(device_mesh, DeviceMesh):
-        raise ShardwiseTypeError(
-            f"{what}: {argument} must be a shardwise DeviceMesh (shardwise.init_device_mesh or "
-            f"DeviceMesh(device_type, ids)), got {type(device_mesh).__name__} {device_mesh!r:.80}"
-        )
-    return device_mesh
-
-
-def mesh_or_current(device_mesh: DeviceMesh | None, what: str) -> DeviceMesh:
-    """``device_mesh``, or when it is None the current mesh (PyTorch's default for ``what``);
-    ``MeshError`` when there is none, ``ShardwiseTypeError`` when it is not a mesh."""
-    if device_mesh is not None:
-        return require_mesh(device_mesh, what)
-    mesh = current_mesh()
-    if mesh is None:
-        raise MeshError(
-            f"{what} got no device_mesh and no mesh is current: pass device_mesh=, or call it "
-            f"inside a 'with mesh:' block"
-        )
-    return mesh
 
 
 def _devices_per_process_of(ids: Sequence[int], world: int) -> int:
@@ -73,7 +41,7 @@ def _devices_per_process_of(ids: Sequence[int], world: int) -> int:
     return 1
 
 
-def _mesh_ids(mesh: Any) -> torch.Tensor:
+def mesh_ids(mesh: Any) -> torch.Tensor:
     """The device ids of ``mesh`` (nested lists or a tensor of ints) as an int64 tensor."""
     try:
         ids = torch.as_tensor(mesh)
@@ -109,7 +77,7 @@ class DeviceMesh:
         _devices_per_process: int | None = None,
         _rank: int | None = None,
     ) -> None:
-        ids = _mesh_ids(mesh)
+        ids = mesh_ids(mesh)
         flat = ids.flatten().tolist()
         if len(set(flat)) != len(flat) or min(flat) < 0:
             raise MeshError(f"device ids of a mesh must be unique and >= 0, got {flat}")
@@ -579,57 +547,22 @@ class DeviceMesh:
     def to_string(self) -> str:
         """TF's serialized mesh: ``|x=2,y=3|global ids|local ids|local devices``; read it back
         with ``DeviceMesh.from_string`` (an unnamed mesh writes its sizes without names)."""
-        sizes = [str(s) for s in self.mesh.shape]
-        if self.mesh_dim_names is not None:
-            sizes = [f"{n}={s}" for n, s in zip(self.mesh_dim_names, sizes, strict=True)]
-        dims = ",".join(sizes)
-        kind = {"cuda": "GPU", "cpu": "CPU"}.get(self.device_type, self.device_type.upper())
-        devices = ",".join(
-            f"/job:localhost/replica:0/task:{self.owner_of(i)}/device:{kind}:{i}"
-            for i in self.local_device_ids
+        local = [(self.owner_of(i), i) for i in self.local_device_ids]
+        return mesh_text.write(
+            self.mesh_name, self.mesh_dim_names, self.shape, self._ids, local, self.device_type
         )
-        ids = ",".join(map(str, self._ids))
-        local = ",".join(map(str, self.local_device_ids))
-        return f"{self.mesh_name}|{dims}|{ids}|{local}|{devices}"
 
     @classmethod
     def from_string(cls, mesh_str: str) -> DeviceMesh:
         """The mesh ``to_string`` wrote, or TF's short form ``name|x=2,y=2|*CPU`` (devices
         0..N-1). Which devices this process owns follows from its own rank, so a string written
         by another process reads back as the same mesh."""
-        parts = mesh_str.split("|") if isinstance(mesh_str, str) else []
-        try:
-            if len(parts) not in (3, 5, 6, 7):
-                raise ValueError(
-                    "expected name|dims|global ids|local ids|local devices, or TF's short "
-                    "form name|dims|*CPU"
-                )
-            entries = parts[1].split(",")
-            named = ["=" in e for e in entries]
-            if any(named) and not all(named):
-                raise ValueError("either every dim is named or none is")
-            names = [e.split("=")[0] for e in entries] if all(named) else None
-            shape = [int(e.split("=")[-1]) for e in entries]
-            if len(parts) == 3:  # TF's short form: devices 0..N-1 of one type
-                if not parts[2].startswith("*"):
-                    raise ValueError(f"expected a * in the device part, found {parts[2]!r}")
-                ids = list(range(math.prod(shape)))
-                device_type = tf_device_type(parts[2][1:])
-            else:
-                ids = [int(i) for i in parts[2].split(",")]
-                first_device = parts[4].split(",")[0]
-                device_type = (
-                    tf_device_type(first_device.split(":")[-2]) if first_device else "cpu"
-                )
-        except (ValueError, IndexError, MeshError) as err:
-            raise MeshError(f"cannot read a mesh from {mesh_str!r}: {err}") from None
-        if math.prod(shape) != len(ids):
-            raise MeshError(
-                f"cannot read a mesh from {mesh_str!r}: shape {shape} needs {math.prod(shape)} "
-                f"device ids, got {len(ids)}"
-            )
-        mesh = DeviceMesh(device_type, torch.tensor(ids).reshape(shape), mesh_dim_names=names)
-        mesh.mesh_name = parts[0]
+        text = mesh_text.read(mesh_str)
+        mesh = DeviceMesh(
+            text.device_type, torch.tensor(text.ids).reshape(text.shape),
+            mesh_dim_names=text.dim_names,
+        )
+        mesh.mesh_name = text.name
         return mesh
 
     # ----- identity -----------------------------------------------------------------------
@@ -669,9 +602,6 @@ class DeviceMesh:
         return f"{self.torch_repr()} [{execution.of(self)}]"
 
 
-_TF_DEVICE_TYPES = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "meta": "meta"}
-
-
 def _check_backend_override(override: Any, names: tuple[str, ...], mesh: DeviceMesh) -> None:
     """PyTorch's rules for ``backend_override`` keys: each new dim named once, by its name or
     by its index among the new dims."""
@@ -692,148 +622,6 @@ def _check_backend_override(override: Any, names: tuple[str, ...], mesh: DeviceM
                 f"_unflatten of {mesh}: backend_override names dim {key!r} twice, by name and "
                 f"by index {names.index(key)}"
             )
-
-
-def tf_device_type(device_type: str) -> str:
-    """The torch device type of a TF device type name (``"CPU"``, ``"GPU"``; any case)."""
-    kind = _TF_DEVICE_TYPES.get(str(device_type).lower())
-    if kind is None:
-        raise MeshError(
-            f"device type {device_type!r} is not supported; use 'CPU' or 'GPU' ('cpu', 'cuda')"
-        )
-    return kind
-
-
-class Mesh(DeviceMesh):
-    """TF DTensor's ``Mesh(dim_names, global_device_ids, local_device_ids, local_devices)``: a
-    ``DeviceMesh`` built with TF's arguments (usable wherever a DeviceMesh is).
-
-    Which devices this process owns follows from its rank (DESIGN.md); ``local_device_ids``,
-    when given, must agree. The device type is read from ``local_devices`` (``"CPU:0"``,
-    ``"/job:localhost/replica:0/task:0/device:GPU:0"``, torch devices) or ``device_type``.
-    Its ``global_device_ids`` run row-major from 0, as TF requires (``any_order``: any order,
-    for ``create_mesh(devices=...)``).
-    """
-
-    def __init__(
-        self,
-        dim_names: Sequence[str],
-        global_device_ids: Any,
-        local_device_ids: Sequence[int] | None = None,
-        local_devices: Sequence[Any] | None = None,
-        mesh_name: str = "",
-        global_devices: Sequence[Any] | None = None,
-        *,
-        device_type: str | None = None,
-        any_order: bool = False,
-    ) -> None:
-        if local_device_ids is not None and local_devices is not None and (
-            len(local_device_ids) != len(local_devices)
-        ):
-            raise MeshError(
-                f"Mesh: local_device_ids {list(local_device_ids)} and local_devices "
-                f"{list(local_devices)} differ in length (TF 2.21 raises ValueError)"
-            )
-        ids = torch.as_tensor(global_device_ids)
-        if not any_order and not torch.equal(ids.reshape(-1), torch.arange(ids.numel())):
-            raise MeshError(
-                f"Mesh: global_device_ids must increase row-major from 0 (TF 2.21 raises "
-                f"ValueError), got {ids.tolist()}; DeviceMesh(device_type, ids) takes any order"
-            )
-        devices = list(local_devices or []) + list(global_devices or [])
-        if device_type is None:
-            device_type = _device_type_of(devices[0]) if devices else "cpu"
-        super().__init__(
-            tf_device_type(device_type), global_device_ids, mesh_dim_names=list(dim_names)
-        )
-        if local_device_ids is not None and list(local_device_ids) != list(self.local_device_ids):
-            raise MeshError(
-                f"local_device_ids {list(local_device_ids)} disagree with {self}: process "
-                f"{self._rank} owns devices {list(self.local_device_ids)}"
-            )
-        self.mesh_name = mesh_name
-        self.device_type = _TFDeviceType(self.device_type)
-
-    # ----- TF's meanings of names PyTorch's DeviceMesh also has -----------------------------
-    @property
-    def size(self) -> _MeshSize:  # type: ignore[override]
-        """TF: the number of devices of the mesh, an int; calling it keeps PyTorch's
-        ``size(mesh_dim=None)``."""
-        return _MeshSize(self)
-
-    # ----- TF-only queries ----------------------------------------------------------------
-    @property
-    def strides(self) -> list[int]:
-        """TF: the row-major stride of each mesh dim (the last is 1)."""
-        return [math.prod(self.mesh.shape[i + 1:]) for i in range(self.ndim)]
-
-    def coords(self, device_idx: int) -> torch.Tensor:
-        """TF: the mesh coordinates of device index ``device_idx``, ``(idx // strides) % shape``,
-        as an int32 tensor."""
-        strides = torch.tensor(self.strides, dtype=torch.int32)
-        shape = torch.tensor(list(self.mesh.shape), dtype=torch.int32)
-        return torch.div(torch.as_tensor(device_idx, dtype=torch.int32), strides,
-                         rounding_mode="floor") % shape
-
-    def min_global_device_id(self) -> int:
-        """TF: the smallest device id of the whole mesh."""
-        return min(self._ids)
-
-    def local_device_locations(self) -> list[dict[str, int]]:
-        """TF: ``{dim_name: index}`` of each device this process owns, in ascending id."""
-        where = self.unravel_index()
-        return [where[i] for i in self.local_device_ids]
-
-    def host_mesh(self) -> Mesh:
-        """TF: the same mesh on host CPUs (a CPU mesh is its own host mesh)."""
-        if self.device_type == "cpu":
-            return self
-        return Mesh(self._names_or_default(), self.mesh, mesh_name=self.mesh_name,
-                    device_type="cpu")
-
-    # ----- pickling: the device type as a plain string -------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["device_type"] = str(self.device_type)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.device_type = _TFDeviceType(self.device_type)
-
-
-class _TFDeviceType(str):
-    """A ``Mesh``'s device type: PyTorch's string (``"cpu"``, ``"cuda"``) that, called, gives
-    TF's name (``mesh.device_type()`` is ``"CPU"``, ``"GPU"``)."""
-
-    def __call__(self) -> str:
-        return {"cuda": "GPU", "cpu": "CPU"}.get(str(self), str(self).upper())
-
-
-class _MeshSize(int):
-    """A ``Mesh``'s ``size``: TF's int (the number of devices) that, called, is PyTorch's
-    ``size(mesh_dim=None)``."""
-
-    _mesh: DeviceMesh
-
-    def __new__(cls, mesh: DeviceMesh) -> _MeshSize:
-        value = super().__new__(cls, len(mesh.device_ids))
-        value._mesh = mesh
-        return value
-
-    def __call__(self, mesh_dim: int | str | None = None) -> int:
-        return DeviceMesh.size(self._mesh, mesh_dim)
-
-
-def _device_type_of(device: Any) -> str:
-    """``"cpu"``/``"cuda"`` of a TF device string (``"CPU:0"``, ``"/device:GPU:1"``) or a
-    torch device."""
-    if isinstance(device, torch.device):
-        return device.type
-    parts = str(device).split(":")
-    if len(parts) < 2:
-        raise MeshError(f"cannot tell the device type of {device!r}; write e.g. 'CPU:0'")
-    return parts[-2].rsplit("/", 1)[-1]
 
 
 def _unravel(flat_index: int, shape: Iterable[int]) -> list[int]:
@@ -874,28 +662,3 @@ def init_device_mesh(
         device_type, torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=mesh_dim_names
     )
 
-
-def create_mesh(
-    mesh_dims: Sequence[tuple[str, int]],
-    *,
-    device_type: str = "cpu",
-    devices: Sequence[int] | None = None,
-) -> Mesh:
-    """TF DTensor's ``create_mesh([("x", 2), ("y", 3)])``: a named mesh with row-major ids, or
-    with ``devices`` (each id 0..N-1 once) laid out in row-major order."""
-    device_type = tf_device_type(device_type)
-    dims = list(mesh_dims)
-    if not dims or any(not (isinstance(n, str) and isinstance(s, int) and s > 0) for n, s in dims):
-        raise MeshError(f"mesh_dims must be (name, positive size) pairs, got {mesh_dims!r}")
-    names = [n for n, _ in dims]
-    shape = [s for _, s in dims]
-    if devices is not None and len(devices) != math.prod(shape):
-        raise MeshError(
-            f"create_mesh got {len(devices)} devices for a mesh of shape {shape} "
-            f"({math.prod(shape)} devices)"
-        )
-    if devices is None:  # the Mesh joins the launcher's world as init_device_mesh does
-        ids = torch.arange(math.prod(shape)).reshape(shape)
-    else:
-        ids = _mesh_ids(list(devices)).reshape(shape)
-    return Mesh(names, ids, device_type=device_type, any_order=True)

@@ -5,7 +5,6 @@ and the client queries. Importing it loads the op layer."""
 from __future__ import annotations
 
 from .layout import MATCH, UNSHARDED, Layout
-from .mesh import Mesh, create_mesh
 from .tf_dtensor import (
     DVariable,
     barrier,
@@ -27,6 +26,7 @@ from .tf_dtensor import (
     relayout_like,
     unpack,
 )
+from .tf_mesh import Mesh, create_mesh
 
 __all__ = [
     "DVariable",

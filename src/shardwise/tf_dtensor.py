@@ -30,9 +30,12 @@ from .errors import (
 )
 from .factories import distribute_tensor, replicated_factories
 from .layout import MATCH, UNSHARDED, Layout
-from .mesh import DeviceMesh, Mesh, current_mesh, init_device_mesh, tf_device_type
+from .mesh import DeviceMesh, init_device_mesh
+from .mesh_argument import current_mesh
+from .mesh_text import tf_device_type
 from .placements import Placement, Replicate
 from .spec import DTensorSpec, TensorMeta
+from .tf_mesh import Mesh
 from .torch_compat import is_fx_symbolic_tracing
 
 # ----- pack / unpack -------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from .. import runtime
 from ..mesh import DeviceMesh
 from . import accounting, background, distributed, native, transport
-from .distributed import Group
+from .call import Group, Traffic
 from .reduction import norm_terms
 from .safety import one_thread
 
@@ -27,12 +27,12 @@ from .safety import one_thread
 def _run(
     out: list, mesh: DeviceMesh, mesh_dim: int,
     run: Callable[[transport.GroupTransport, tuple[Group, ...]], transport.Result],
-) -> tuple[tuple[Group, ...], distributed.Traffic]:
+) -> tuple[tuple[Group, ...], Traffic]:
     """``run`` each kind of group of ``mesh_dim`` on the transport this thread's execution
     context has for it (``transport.routes``); store the results in ``out``. Returns every
     group that holds a local device and the traffic received from other processes."""
     groups: tuple[Group, ...] = ()
-    traffic = distributed.Traffic()
+    traffic = Traffic()
     for carrier, carried in transport.routes(mesh, mesh_dim):
         results, received = run(carrier, carried)
         for i, result in results.items():
@@ -44,7 +44,7 @@ def _run(
 
 
 def _record(
-    kind: str, mesh_dim: int, received: int, traffic: distributed.Traffic, mesh: DeviceMesh
+    kind: str, mesh_dim: int, received: int, traffic: Traffic, mesh: DeviceMesh
 ) -> None:
     accounting.record(
         kind, mesh_dim, received, cross_process_bytes=traffic.payload, meta_bytes=traffic.meta,
@@ -290,7 +290,7 @@ def exchange(
         for dst, t in sends[i]:
             if dst in index:
                 queues.setdefault((d, dst), []).append(t)
-    traffic = distributed.Traffic()
+    traffic = Traffic()
     remote: dict[tuple[int, int], torch.Tensor] = {}
     if len(local) < mesh.size():
         sample = torch.empty(0, dtype=dtype, device=mesh.device_of(local[0]))

@@ -43,7 +43,7 @@ from ..mesh import DeviceMesh
 from ..torch_compat import AsyncCollectiveTensor, c10d_functional, len_torch_dispatch_stack
 from . import agreement, protocol
 from .accounting import all_reduce_received
-from .distributed import Call, Group, Traffic, as_bytes, first_local, group_for_ranks
+from .call import Call, Group, Traffic, as_bytes, first_local, group_for_ranks
 from .reduction import combine, finish
 
 # device id -> the shape of its component, from the spec; None: unknown, learnt from the peers

@@ -34,7 +34,7 @@ from ..caches import PER_GROUP, cached
 from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh
 from . import background, distributed, native
-from .distributed import Group, Traffic
+from .call import Group, Traffic
 from .reduction import reduce_terms
 from .safety import one_thread
 

@@ -23,6 +23,7 @@ from . import (
     random,  # noqa: F401
     recurrent,  # noqa: F401
     reductions,  # noqa: F401
+    reshape,  # noqa: F401
     scatter,  # noqa: F401
     selection,  # noqa: F401
     sorting,  # noqa: F401

@@ -29,6 +29,7 @@ from ..placements import (
     RaggedShard,
     Replicate,
     Shard,
+    is_special_shard,
     with_dim,
 )
 from ..spec import DTensorSpec, TensorMeta, contiguous_meta, make_tensor_meta
@@ -128,6 +129,23 @@ def unary_options(
         return [((c,), (c,)) for c in candidates if allowed(c)]
 
     return options
+
+
+def mapped_options(
+    current: Placement, dim_map: dict[int, int], n_outputs: int = 1
+) -> list[DimOption]:
+    """Per-mesh-dim choices of a unary data-movement op mapping input dim ``d`` to output dim
+    ``dim_map[d]``: Partial passes through; otherwise
+    Replicate, or a shard of any mapped dim (interleaved or ragged kept when the input has one).
+    ``n_outputs``: a list-returning op whose outputs all take the same placement."""
+    if isinstance(current, Partial):
+        pairs: list[tuple[Placement, Placement]] = [(current, current)]
+    else:
+        pairs = [(Replicate(), Replicate())]
+        pairs += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
+        if is_special_shard(current) and current.dim in dim_map:
+            pairs.append((current, same_kind(current, dim_map[current.dim])))
+    return [((p,), (q,) * n_outputs) for p, q in pairs]
 
 
 def with_output_meta(found: OpStrategy, meta: TensorMeta) -> OpStrategy:

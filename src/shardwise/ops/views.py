@@ -1,5 +1,6 @@
-"""Sharding of view and shape ops: view/reshape, transpose/permute, squeeze/unsqueeze, expand,
-slice/select, split/unbind, cat/stack, repeat, diagonal, and the backward ops they emit.
+"""Sharding of view and shape ops: transpose/permute, squeeze/unsqueeze, expand, slice/select,
+split/unbind, cat/stack, repeat, diagonal, and the backward ops they emit (view/reshape:
+``reshape.py``), and the local sizes of the ops that take a global size.
 
 Every op here moves data without arithmetic, so Partial passes through unchanged. A Shard stays
 a Shard when the op maps its tensor dim onto an output dim whose per-device pieces are exactly
@@ -17,18 +18,15 @@ import torch
 
 from ..caches import PER_LAYOUT, cached
 from ..dtensor import local_of, set_local
-from ..errors import InvalidArgumentError, InvalidPlacementError
-from ..geometry import Segments, shard_segments
+from ..geometry import shard_segments
 from ..mesh import DeviceMesh
 from ..op_inputs import register_value_reading_decomposition
 from ..placements import (
     InterleavedShard,
     Partial,
     Placement,
-    RaggedShard,
     Replicate,
     Shard,
-    is_special_shard,
 )
 from ..spec import DTensorSpec
 from ..torch_compat import DisableTorchDispatch
@@ -36,8 +34,7 @@ from .common import (
     DimOption,
     bind,
     input_strategies,
-    mesh_coords,
-    per_tensor,
+    mapped_options,
     product_strategy,
     same_kind,
 )
@@ -49,6 +46,7 @@ from .registry import (
     register_local_args,
     register_op_strategy,
 )
+from .reshape import infer_size
 
 aten = torch.ops.aten
 
@@ -59,23 +57,9 @@ def _norm(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-def _options(current: Placement, dim_map: DimMap, n_outputs: int = 1) -> list[DimOption]:
-    """Per-mesh-dim choices of a unary data-movement op: Partial passes through; otherwise
-    Replicate, or a shard of any mapped dim (interleaved or ragged kept when the input has one).
-    ``n_outputs``: a list-returning op whose outputs all take the same placement."""
-    if isinstance(current, Partial):
-        pairs: list[tuple[Placement, Placement]] = [(current, current)]
-    else:
-        pairs = [(Replicate(), Replicate())]
-        pairs += [(Shard(d), Shard(e)) for d, e in dim_map.items()]
-        if is_special_shard(current) and current.dim in dim_map:
-            pairs.append((current, same_kind(current, dim_map[current.dim])))
-    return [((p,), (q,) * n_outputs) for p, q in pairs]
-
-
 def _mapped(mesh: DeviceMesh, schema: OpSchema, dim_map: DimMap) -> OpStrategy:
     current = input_strategies(schema)[0].output_spec.placements
-    return product_strategy(mesh, lambda m: _options(current[m], dim_map))
+    return product_strategy(mesh, lambda m: mapped_options(current[m], dim_map))
 
 
 def _arg(schema: OpSchema, pos: int, name: str, default: object) -> object:
@@ -94,176 +78,6 @@ def _local_shape(
 ) -> list[int]:
     segments = shard_segments(tuple(shape), mesh.shape, placements, mesh.coordinate_of(device))
     return [sum(b - a for a, b in runs) for runs in segments]
-
-
-# ----- view / _unsafe_view ------------------------------------------------------------------
-
-
-def infer_size(size: Sequence[int], numel: int, what: str) -> list[int]:
-    """``size`` with its -1 resolved for ``numel`` elements."""
-    size = [int(s) for s in size]
-    if size.count(-1) == 1:
-        known = prod(s for s in size if s != -1)
-        if known and numel % known == 0:
-            size[size.index(-1)] = numel // known
-    if size.count(-1) or prod(size) != numel:
-        raise InvalidArgumentError(f"{what}: shape {size} is invalid for {numel} elements")
-    return size
-
-
-def view_groups(
-    in_shape: Sequence[int], out_shape: Sequence[int]
-) -> list[tuple[list[int], list[int]]]:
-    """Split a view into independent groups (input dims, output dims) of equal products; a
-    size-1 dim that appears or disappears is a group of its own (for nonzero numel)."""
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    a, b = list(in_shape), list(out_shape)
-    while i < len(a) or j < len(b):
-        if i < len(a) and j < len(b) and a[i] == 1 and b[j] == 1:
-            groups.append(([i], [j]))
-            i, j = i + 1, j + 1
-        elif i < len(a) and a[i] == 1:
-            groups.append(([i], []))
-            i += 1
-        elif j < len(b) and b[j] == 1:
-            groups.append(([], [j]))
-            j += 1
-        else:
-            ins, outs, pa, pb = [i], [j], a[i], b[j]
-            i, j = i + 1, j + 1
-            while pa != pb:
-                if pa < pb:
-                    ins.append(i)
-                    pa *= a[i]
-                    i += 1
-                else:
-                    outs.append(j)
-                    pb *= b[j]
-                    j += 1
-            groups.append((ins, outs))
-    return groups
-
-
-_RUN_LIMIT = 4096
-
-
-def _flat_runs(sizes: Sequence[int], segments: Sequence[Segments]) -> list[tuple[int, int]] | None:
-    """The row-major flat indices (as sorted runs) of a product of per-dim index runs within a
-    group of dims; None when it would take more than ``_RUN_LIMIT`` runs to say."""
-    runs = [(0, 1)]
-    for size, segs in zip(sizes, segments, strict=True):
-        segs = [(a, b) for a, b in segs if b > a]
-        if not segs:
-            return []
-        if segs == [(0, size)]:
-            runs = [(a * size, b * size) for a, b in runs]
-        else:
-            if sum(b - a for a, b in runs) * len(segs) > _RUN_LIMIT:
-                return None
-            runs = [(f * size + s, f * size + e) for a, b in runs for f in range(a, b)
-                    for s, e in segs]
-        merged: list[tuple[int, int]] = []
-        for start, stop in runs:
-            if merged and merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], stop)
-            else:
-                merged.append((start, stop))
-        runs = merged
-    return runs
-
-
-def view_is_local(
-    mesh: DeviceMesh,
-    in_shape: Sequence[int],
-    out_shape: Sequence[int],
-    ins: tuple[Placement, ...],
-    outs: tuple[Placement, ...],
-) -> bool:
-    """True when every device's component viewed to its local output shape is exactly its
-    output piece: per view group, both sides hold the same global elements (row-major order
-    then agrees too)."""
-    groups = view_groups(in_shape, out_shape)
-    for coord in mesh_coords(mesh):
-        try:
-            a = shard_segments(tuple(in_shape), mesh.shape, ins, coord)
-            b = shard_segments(tuple(out_shape), mesh.shape, outs, coord)
-        except InvalidPlacementError:
-            return False
-        for gi, go in groups:
-            left = _flat_runs([in_shape[d] for d in gi], [a[d] for d in gi])
-            right = _flat_runs([out_shape[d] for d in go], [b[d] for d in go])
-            if left is None or right is None or left != right:
-                return False
-    return True
-
-
-def _view_options(
-    current: Placement, in_shape: Sequence[int], out_shape: Sequence[int]
-) -> list[DimOption]:
-    """Candidate choices for one mesh dim of a view (checked by ``view_is_local`` later): a
-    shard of any input dim onto any output dim of its group, an interleaved input onto the
-    inner dim of a [k, n] split, a shard of an inner dim onto an interleaved merge, and a
-    ragged input onto the dims of its group (``_ragged_view_options``)."""
-    if isinstance(current, Partial):
-        return [((current,), (current,))]
-    options: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
-    for gi, go in view_groups(in_shape, out_shape):
-        options += [(Shard(d), Shard(e)) for d in gi for e in go]
-        if gi and go and len(gi) > 1:
-            for pos in range(1, len(gi)):
-                k = prod(in_shape[d] for d in gi[:pos])
-                if k > 1:
-                    options.append((Shard(gi[pos]), InterleavedShard(go[0], k)))
-        if isinstance(current, InterleavedShard) and current.dim in gi:
-            k = current.interleaved_size
-            options += [(current, InterleavedShard(e, k)) for e in go]
-            options += [(current, Shard(go[pos])) for pos in range(1, len(go))
-                        if prod(out_shape[e] for e in go[:pos]) == k]
-        if isinstance(current, RaggedShard) and current.dim in gi:
-            options += _ragged_view_options(current, in_shape, out_shape, gi, go)
-    return [((p,), (q,)) for p, q in options]
-
-
-def _ragged_view_options(
-    current: RaggedShard, in_shape: Sequence[int], out_shape: Sequence[int],
-    gi: list[int], go: list[int],
-) -> list[tuple[Placement, Placement]]:
-    """A ragged input dim onto each output dim of its view group, its sizes scaled by the
-    ratio of the elements after the two dims (a merge into an outer dim multiplies them, a
-    split off an outer dim divides them); ``view_is_local`` keeps those that are local."""
-    inner = prod(in_shape[d] for d in gi[gi.index(current.dim) + 1:])
-    options: list[tuple[Placement, Placement]] = []
-    for pos, e in enumerate(go):
-        after = prod(out_shape[f] for f in go[pos + 1:])
-        sizes = [s * inner for s in current.sizes]
-        if after and all(s % after == 0 for s in sizes):
-            options.append((current, RaggedShard(e, tuple(s // after for s in sizes))))
-    return options
-
-
-@register_op_strategy(
-    [aten.view.default, aten._unsafe_view.default], schema_info=RuntimeSchemaInfo(1)
-)
-def view_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
-    """A view keeps a shard when each device's elements stay a contiguous-in-order local view."""
-    spec = _input(schema)
-    in_shape = list(spec.shape)
-    out_shape = infer_size(
-        schema.args_schema[1], prod(in_shape),
-        f"{schema.op} of a DTensor of shape {in_shape} with placements {list(spec.placements)}",
-    )
-    current = spec.placements
-    if prod(in_shape) == 0:
-        return product_strategy(mesh, lambda m: _options(current[m], {}))
-
-    def valid(combo: Sequence[DimOption]) -> bool:
-        ins, outs = per_tensor(combo)
-        return view_is_local(mesh, in_shape, out_shape, ins, outs)
-
-    return product_strategy(
-        mesh, lambda m: _view_options(current[m], in_shape, out_shape), valid=valid
-    )
 
 
 # ----- local sizes for ops that take a global size ----------------------------------------
@@ -524,7 +338,7 @@ def diagonal_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     if _arg(schema, 1, "offset", 0) == 0:
         shorter = d1 if spec.shape[d1] <= spec.shape[d2] else d2
         extra.append(((Shard(shorter),), (Shard(len(rest)),)))
-    return product_strategy(mesh, lambda m: _options(current[m], dim_map) + extra)
+    return product_strategy(mesh, lambda m: mapped_options(current[m], dim_map) + extra)
 
 
 def _diagonal_local(
@@ -579,7 +393,7 @@ def split_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     current = _input(schema).placements
 
     def options(m: int) -> list[DimOption]:
-        found = _options(current[m], dim_map, count)
+        found = mapped_options(current[m], dim_map, count)
         p = current[m]
         if schema.op != aten.unbind.int and _splits_blocks(p, dim, shape, current, schema, count):
             found.append(((p,), (Shard(dim),) * count))

@@ -12,7 +12,8 @@ from torch import nn
 
 from ..deferred_init import materialize_if_root
 from ..errors import ParallelPlanError
-from ..mesh import DeviceMesh, mesh_or_current
+from ..mesh import DeviceMesh
+from ..mesh_argument import mesh_or_current
 from .boundary import resolve_tp_dim, tp_on_root
 from .params import replicate_rest
 from .plan import PlanKey, key_text, match_modules

@@ -37,7 +37,8 @@ from ..errors import DataParallelError
 from ..execution import View, of, per_rank, plain_view
 from ..factories import distribute_tensor
 from ..geometry import chunk_sizes
-from ..mesh import DeviceMesh, init_device_mesh, require_mesh
+from ..mesh import DeviceMesh, init_device_mesh
+from ..mesh_argument import require_mesh
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard
 from ..redistribute import move
 from ..spec import DTensorSpec, TensorMeta

@@ -1,9 +1,9 @@
 """One ``fully_shard`` or ``replicate`` call's parameters: the forward hooks that swap each
 stored parameter for the tensor the forward computes with (``data_parallel.GatheredView``),
 re-gathering what backward needs when they were freed after forward, and the reduction of
-their gradients once per backward (see ``data_parallel`` for the two views). Parameters
-stored alike (``data_parallel.packed_dim``) are gathered and reduce-scattered together, one
-packed collective per unit as FSDP2; the others each on their own."""
+their gradients once per backward (``dp_reduce``; ``data_parallel`` has the two views).
+Parameters stored alike (``data_parallel.packed_dim``) are gathered and reduce-scattered
+together, one packed collective per unit as FSDP2; the others each on their own."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from ..deferred_init import is_meta
 from ..dtensor import DTensor, local_of
 from ..execution import View, plain_view
 from ..mesh import DeviceMesh
-from ..placements import Partial, Placement, Replicate
-from ..redistribute import move
+from ..placements import Placement
 from ..torch_compat import queue_autograd_callback, tree_map
 from ..tracing import eager_under_dynamo
 from .data_parallel import (
@@ -35,10 +34,9 @@ from .data_parallel import (
     local_sub_mesh,
     packed_dim,
     reduce_gradient,
-    reduce_packed,
-    reducible_packed,
     shard_batch,
 )
+from .dp_reduce import Buckets, Packed
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 _SCHEDULE = settings.FSDP_SCHEDULE  # the _Schedule of the outermost fully_shard forward
@@ -104,7 +102,7 @@ class DataParallelUnit:
         self.forward_targets: dict[int, list[tuple[DataParallelUnit, nn.Module]]] = {}
         self.backward_targets: list[DataParallelUnit] = []
         self.forward_depth = self.backward_depth = 1
-        self.reducer = _Buckets(self, bucket_cap) if bucket_cap is not None else _Packed(self)
+        self.reducer = Buckets(self, bucket_cap) if bucket_cap is not None else Packed(self)
         for k, slot in enumerate(slots):
             if slot.stored.requires_grad:
                 slot.stored.register_post_accumulate_grad_hook(
@@ -122,7 +120,7 @@ class DataParallelUnit:
         self, ks: list[int], view: View, prefetched: Prefetched | None = None
     ) -> dict[int, torch.Tensor]:
         """``view_of`` for each of the slots ``ks``, those to gather that share a packing key
-        (``_pack_key``) by one packed gather (the one in ``prefetched`` if it gathered them as
+        (``pack_key``) by one packed gather (the one in ``prefetched`` if it gathered them as
         they are now)."""
         out: dict[int, torch.Tensor] = {}
         ready, groups = self._to_gather(ks, view)
@@ -141,7 +139,7 @@ class DataParallelUnit:
         ready: list[int] = []
         groups: dict[tuple, list[int]] = {}
         for k in ks:
-            key = self._pack_key(k)
+            key = self.pack_key(k)
             held = self.held.get(k)
             if key is None or (held is not None and held[0] == view
                                and held[2] == self._version(k)):
@@ -183,7 +181,7 @@ class DataParallelUnit:
         """What backward re-gathers: every slot not held, by packing key."""
         groups: dict[tuple, list[int]] = {}
         for j in range(len(self.slots)):
-            key = self._pack_key(j)
+            key = self.pack_key(j)
             if key is not None and j not in self.held:
                 groups.setdefault(key, []).append(j)
         return groups
@@ -211,7 +209,7 @@ class DataParallelUnit:
         self.drop_forward()
         self.drop_regather()
 
-    def _pack_key(self, k: int) -> tuple | None:
+    def pack_key(self, k: int) -> tuple | None:
         """What slot ``k``'s packed gather shares with the others it travels with (its mesh
         and dims, the shard dim, the dtype it computes in); None when it goes on its own."""
         slot = self.slots[k]
@@ -413,7 +411,7 @@ class DataParallelUnit:
         """Backward's re-gather of slot ``k``: with a packing key, one packed gather of every
         slot not held that shares it, kept until the unit's gradients are reduced (or this
         backward ends); None: it goes on its own."""
-        key = self._pack_key(k)
+        key = self.pack_key(k)
         if key is None:
             return None
         hit = self.regathered.get(k)
@@ -570,147 +568,3 @@ class _Schedule:
             return []
         at = saving.index(unit)
         return saving[max(0, at - depth) : at][::-1]
-
-
-class _Packed:
-    """``fully_shard``'s gradient reduction: the gradients of slots with a packing key wait
-    until every one of them has arrived (or backward ends), then those pending alike over
-    the same dim go in one packed reduce-scatter (``data_parallel.reduce_packed``); the others
-    are reduced on their own as they arrive."""
-
-    def __init__(self, unit: DataParallelUnit) -> None:
-        self.unit = unit
-        self.waiting: dict[int, torch.Tensor] = {}
-        self.expected = 0
-        self.pending = False
-
-    def ready(self, k: int, param: torch.Tensor) -> None:
-        unit = self.unit
-        if unit._pack_key(k) is None or not unit.requires_all_reduce:
-            unit.reduce(param, unit.slots[k])
-            return
-        if not self.pending:
-            self.pending = True
-            self.expected = sum(
-                1 for j, slot in enumerate(unit.slots)
-                if slot.stored.requires_grad and unit._pack_key(j) is not None
-            )
-            queue_autograd_callback(self._finish)
-        self.waiting[k] = param
-        if len(self.waiting) == self.expected:
-            self._flush()
-
-    @eager_under_dynamo
-    def _finish(self) -> None:
-        if self.waiting:
-            self._flush()
-        self.pending = False
-
-    def _flush(self) -> None:
-        entries, self.waiting = self.waiting, {}
-        unit = self.unit
-        unit.regathered.clear()
-        groups: dict[tuple, list[int]] = {}
-        for k, param in entries.items():
-            slot = unit.slots[k]
-            op = reducible_packed(param, slot.storage, slot.packed)
-            if op is None:
-                unit.reduce(param, slot)
-            else:
-                key = (param.grad.device_mesh, slot.packed, op, param.grad.dtype)
-                groups.setdefault(key, []).append(k)
-        for (_mesh, d, op, _dtype), ks in groups.items():
-            reduce_packed([entries[k] for k in ks], [unit.slots[k].storage for k in ks], d, op)
-
-
-class _Buckets:
-    """``replicate``'s gradient reduction: when every parameter of a bucket has its gradient,
-    one all-reduce per data-parallel dim, reduce op and dtype sums their flattened pieces.
-    Buckets are filled in reverse parameter order (roughly the order backward produces
-    gradients); those left at the end of backward are reduced then."""
-
-    def __init__(self, unit: DataParallelUnit, cap: int) -> None:
-        self.unit = unit
-        self.buckets: list[list[int]] = []
-        size = cap
-        for k in reversed(range(len(unit.slots))):
-            param = unit.slots[k].stored
-            if not param.requires_grad:
-                continue
-            nbytes = local_of(param).pieces[0].numel() * param.element_size()  # one device's piece
-            if size + nbytes > cap and (not self.buckets or self.buckets[-1]):
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(k)
-            size += nbytes
-        self.bucket_of = {k: b for b, ks in enumerate(self.buckets) for k in ks}
-        self.waiting: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.buckets]
-        self.pending = False
-
-    def ready(self, k: int, param: torch.Tensor) -> None:
-        if not self.pending:
-            self.pending = True
-            queue_autograd_callback(self._finish)
-        b = self.bucket_of[k]
-        self.waiting[b].append((k, param))
-        if len(self.waiting[b]) == len(self.buckets[b]):
-            self._flush(b)
-
-    @eager_under_dynamo
-    def _finish(self) -> None:
-        for b in range(len(self.buckets)):
-            if self.waiting[b]:
-                self._flush(b)
-        self.pending = False
-
-    def _flush(self, b: int) -> None:
-        entries, self.waiting[b] = self.waiting[b], []
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for k, p in entries:
-            grad, slot = p.grad, self.unit.slots[k]
-            dp = slot.dp
-            if isinstance(grad, DTensor):
-                ops = tuple(grad.placements[d] for d in dp.dims)
-                if all(isinstance(q, Partial) for q in ops) and len(set(ops)) == 1:
-                    more: tuple[tuple[int, str], ...] = ()
-                    if self.unit.requires_all_reduce:  # pending over other dims, stored whole
-                        more = tuple(
-                            (d, q.reduce_op) for d, q in enumerate(grad.placements)
-                            if d not in dp.dims and isinstance(q, Partial)
-                            and isinstance(slot.storage[d], Replicate)
-                        )
-                    key = (dp.mesh, dp.dims, ops[0].reduce_op, grad.dtype)
-                    groups.setdefault(key, []).append((p, more))
-        for (mesh, dims, op, _dtype), members in groups.items():
-            members.sort(key=lambda m: m[1])  # those pending alike side by side
-            self._all_reduce([p for p, _ in members], mesh, dims, op, [m for _, m in members])
-        for k, p in entries:
-            self.unit.reduce(p, self.unit.slots[k])
-
-    def _all_reduce(
-        self, params: list[torch.Tensor], mesh: DeviceMesh, dims: tuple[int, ...], op: str,
-        more: list[tuple[tuple[int, str], ...]],
-    ) -> None:
-        """One all-reduce per data-parallel dim of the flattened gradients of ``params``; then
-        one per (mesh dim, reduce op) in ``more`` (per parameter: the other dims its gradient
-        is pending over and stored whole on, such as a sequence-parallel norm's weight over
-        'tp') of the run of parameters that share it (``params`` lists them side by side)."""
-        grads: list[DTensor] = [p.grad for p in params]
-
-        def what() -> str:
-            return f"replicate's gradient bucket of {len(grads)} tensors"
-
-        reduced = move.all_reduce_flat(what, mesh, dims, [local_of(g).pieces for g in grads], op)
-        start = 0
-        for j in range(len(grads) + 1):
-            if j < len(grads) and (j == start or more[j] == more[start]):
-                continue
-            for d, run_op in more[start]:
-                reduced[start:j] = move.all_reduce_flat(what, mesh, (d,), reduced[start:j], run_op)
-            start = j
-        for p, g, extra, pieces in zip(params, grads, more, reduced, strict=True):
-            placements = list(g.placements)
-            for d in (*dims, *(d for d, _ in extra)):
-                placements[d] = Replicate()
-            p.grad = DTensor(pieces, local_of(g).spec.with_placements(placements))
-
