@@ -263,6 +263,10 @@ def _dispatch_cold(
                 f"{func} got DTensors on different meshes: {mesh} and {d.device_mesh} "
                 f"(shapes {[list(x.shape) for x in dtensors]})"
             )
+    if not (op.entry.propagates or op.entry.keeps_input_spec) and _composite(func):
+        # under inference_mode a composite op (aten.linear) reaches dispatch undecomposed:
+        # its decomposition runs, as in PyTorch
+        return func.decompose(*args, **kwargs)
     if not dtensors[0]._components:
         return _outside_mesh(op, func, args, kwargs, dtensors)
     generation = _generation[0]
@@ -282,6 +286,14 @@ def _dispatch_cold(
     _publish_entry(op, key, entry, generation)
     out = _finish(op, entry, results, components, dtensors)
     return out if entry.post is None else entry.post(func, out, *given)
+
+
+def _composite(func: Any) -> bool:
+    """``func`` has a CompositeImplicitAutograd kernel (a decomposition into other ops)."""
+    name = getattr(func, "name", None)
+    return callable(name) and torch._C._dispatch_has_kernel_for_dispatch_key(
+        name(), torch._C.DispatchKey.CompositeImplicitAutograd
+    )
 
 
 def _publish_entry(op: _Op, key: tuple, entry: _Entry, generation: int) -> None:
