@@ -1,7 +1,7 @@
 """PyTorch's private DTensor names that its own test files use (issue 30), with torch's
 semantics: ``DTensor(local, spec, requires_grad=)``, ``Shard._split_tensor``, meta tensors in
 ``from_local``, ``from_local(run_check=True)``'s metadata check, ``CommDebugMode``'s c10d keys,
-and composite ops (``aten.linear``) under ``inference_mode``."""
+composite ops (``aten.linear``) under ``inference_mode``, ``equal`` outside a sub-mesh."""
 
 from __future__ import annotations
 
@@ -105,10 +105,16 @@ def _two_process_job() -> str:
     piece = torch.randn(2 - rank, 3)
     d = DTensor.from_local(piece, mesh, [Shard(0)], shape=(3, 3), stride=(3, 1), run_check=True)
     assert d.shape == (3, 3)
+    # equal on a mesh this process owns no device of: PyTorch's answer there is True
+    sub = sw.DeviceMesh("cpu", [0])
+    a = DTensor.from_local(torch.ones(2, 3), sub, [Shard(0)])
+    b = DTensor.from_local(torch.ones(2, 3) * (2 if rank == 0 else 1), sub, [Shard(0)])
+    with sw.config.allow_implicit_redistribute():
+        assert a.equal(b) is (rank == 1)  # the owner compares for real (and differs)
     return "ok"
 
 
-def test_run_check_compares_metadata_and_distribute_counts_a_scatter() -> None:
+def test_run_check_distribute_counts_and_equal_outside_a_sub_mesh() -> None:
     from mp_harness import run_in_processes
 
     assert run_in_processes(_two_process_job, 2, timeout=180) == ["ok", "ok"]
