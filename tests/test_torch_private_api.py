@@ -111,6 +111,12 @@ def _two_process_job() -> str:
     b = DTensor.from_local(torch.ones(2, 3) * (2 if rank == 0 else 1), sub, [Shard(0)])
     with sw.config.allow_implicit_redistribute():
         assert a.equal(b) is (rank == 1)  # the owner compares for real (and differs)
+    # a 0-d result there is PyTorch's default 0-d zero, a larger one an empty tensor
+    total, piece = a.sum().to_local(), a.to_local()
+    if rank == 1:
+        assert total.shape == () and total.item() == 0 and piece.shape == (0,)
+    else:
+        assert total.item() == 6.0 and piece.shape == (2, 3)
     return "ok"
 
 

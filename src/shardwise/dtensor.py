@@ -168,7 +168,9 @@ class DTensor(torch.Tensor):
         """A DTensor from this process's components (a tensor, or one per local device).
 
         Components must follow chunk geometry; the global shape is inferred from them unless
-        ``shape`` is given. ``run_check`` broadcasts Replicate components from coordinate 0.
+        ``shape`` is given. ``run_check`` checks, as PyTorch, that every process gives the same
+        dtype and ``requires_grad`` (and, without ``shape``/``stride``, shape and stride:
+        ``PackError`` otherwise) and broadcasts Replicate components from coordinate 0.
         ``grad_placements`` (PyTorch's): the placements the gradient is brought to before
         its components become the local tensors' gradients (default: ``placements``, Partial
         dims reduced). ``async_op``: return at once; pending components and the broadcast
@@ -394,9 +396,11 @@ class DTensor(torch.Tensor):
 
 
 def _empty_piece(dtensor: DTensor) -> torch.Tensor:
-    """What a process outside the mesh holds of ``dtensor`` (PyTorch: an empty local tensor)."""
-    return torch.empty(
-        0, dtype=dtensor.dtype, device=dtensor.device, requires_grad=dtensor.requires_grad
+    """What a process outside the mesh holds of ``dtensor`` (PyTorch's default: an empty local
+    tensor, a zero for a 0-d DTensor)."""
+    shape = () if dtensor.ndim == 0 else (0,)
+    return torch.zeros(
+        shape, dtype=dtensor.dtype, device=dtensor.device, requires_grad=dtensor.requires_grad
     )
 
 
