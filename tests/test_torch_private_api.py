@@ -124,3 +124,20 @@ def test_run_check_distribute_counts_and_equal_outside_a_sub_mesh() -> None:
     from mp_harness import run_in_processes
 
     assert run_in_processes(_two_process_job, 2, timeout=180) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize(("op", "reduce_op"), [(torch.maximum, "max"), (torch.minimum, "min")])
+def test_maximum_minimum_keep_their_own_pending_reduction(op, reduce_op: str) -> None:
+    # PyTorch's test_pointwise_ops: max(max_i a_i, max_i b_i) = max_i max(a_i, b_i), no move
+    from shardwise.debug import CommDebugMode
+
+    mesh = sw.DeviceMesh("cpu", [0, 1])
+    a, b = [torch.randn(3, 4) for _ in range(2)], [torch.randn(3, 4) for _ in range(2)]
+    da = DTensor.from_local(a, mesh, [sw.Partial(reduce_op)])
+    db = DTensor.from_local(b, mesh, [sw.Partial(reduce_op)])
+    with CommDebugMode() as mode:
+        out = op(da, db)
+    assert out.placements == (sw.Partial(reduce_op),) and mode.get_total_counts() == 0
+    reduce = torch.amax if reduce_op == "max" else torch.amin
+    expected = op(reduce(torch.stack(a), 0), reduce(torch.stack(b), 0))
+    assert torch.equal(out.full_tensor(), expected)
