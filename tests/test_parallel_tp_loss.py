@@ -83,3 +83,17 @@ def test_other_calls_are_unchanged_and_unsupported_options_raise() -> None:
         pending = sw.distribute_tensor(x, mesh22, [sw.Partial(), Shard(1)])
         with pytest.raises(sw.errors.InvalidPlacementError, match="Partial"):
             F.cross_entropy(pending, t)
+
+
+def test_logits_not_sharded_on_the_class_dim_with_plain_labels_name_loss_parallel() -> None:
+    # PyTorch's loss_parallel raises a ValueError naming itself there (its test_tp_examples)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x, t = torch.randn(4, 6), torch.randint(0, 6, (4,))
+    with loss_parallel():
+        for placements in ([Shard(0)], [sw.Replicate()]):
+            dx = sw.distribute_tensor(x, mesh, placements)
+            with pytest.raises(ValueError, match=r"loss_parallel\(\).*class dim 1"):
+                F.cross_entropy(dx, t)
+        with sw.config.implicit_replication():  # plain labels taken as replicated: as before
+            dx = sw.distribute_tensor(x, mesh, [Shard(0)])
+            torch.testing.assert_close(F.cross_entropy(dx, t).full_tensor(), F.cross_entropy(x, t))

@@ -276,8 +276,6 @@ BAD_INPUT = [
     (lambda: sw.DeviceMesh("cpu", ["a", "b"]), sw.errors.MeshError, "int device ids"),
     (lambda: sw.DeviceMesh("cpu", [0.5, 1.5]), sw.errors.MeshError, "must be ints"),
     (lambda: sw.tf.create_mesh([("x", 2)], devices=[1, 1]), sw.errors.MeshError, "unique"),
-    (lambda: DTensor.from_local(torch.ones(2, device="meta"), MESH4, [Replicate()]),
-     sw.errors.PackError, "meta device"),
     (lambda: DTensor.from_local([torch.ones(2, 2)] * 4, MESH4, [Shard(0)], stride=(1,)),
      sw.errors.PackError, "[8, 2]"),
     (lambda: DTensor.from_local([torch.ones(2, 2)] * 4, MESH4, [Shard(0)], stride=(-1, 5)),

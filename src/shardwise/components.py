@@ -163,12 +163,6 @@ def as_components(
     n_local = len(mesh.local_device_ids)
     if isinstance(local, wrapper):
         raise PackError(f"from_local/pack got a DTensor {local}; pass its local components")
-    for c in [local] if isinstance(local, torch.Tensor) else local:
-        if isinstance(c, torch.Tensor) and c.is_meta and mesh.device_type != "meta":
-            raise PackError(
-                f"a component of shape {list(c.shape)} is on the meta device (it has no data) "
-                f"but {mesh} is a {mesh.device_type!r} mesh (placements {list(placements)})"
-            )
     if isinstance(local, torch.Tensor):
         if n_local == 1 or all(p.is_replicate() for p in placements):
             return [local] + [local.clone() for _ in range(n_local - 1)]
@@ -199,7 +193,8 @@ def as_components(
     seen: set[int] = set()
     placed = []
     for c, d in zip(components, mesh.local_device_ids, strict=True):
-        c = c.to(mesh.device_of(d))
+        if not c.is_meta:  # meta components stay meta (deferred init, as PyTorch's)
+            c = c.to(mesh.device_of(d))
         placed.append(c.clone() if id(c) in seen else c)  # one tensor given twice: no aliasing
         seen.add(id(c))
     return placed

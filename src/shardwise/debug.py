@@ -62,13 +62,23 @@ def explain_redistribute(
 
 # ----- CommDebugMode -------------------------------------------------------------------------
 
-# torch's functional collectives, by name, and the kind shardwise counts them as
+# torch's functional collectives and c10d ops (trailing "_" dropped), by name, and the kind
+# shardwise counts them as (torch counts distribute_tensor's scatter as c10d.scatter_)
 _TORCH_COLLECTIVES = {
     "all_reduce": "all_reduce",
+    "allreduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
+    "allgather": "all_gather",
+    "_allgather_base": "all_gather",
+    "allgather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
     "all_to_all_single": "all_to_all",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all",
     "broadcast": "broadcast",
+    "scatter": "scatter",
 }
 
 
@@ -80,7 +90,8 @@ class CommCounts(Counter):
         if isinstance(key, str):
             return 0
         name = str(getattr(key, "_opname", None) or getattr(key, "__name__", key))
-        kind = _TORCH_COLLECTIVES.get(name.rsplit(".", 1)[-1].split("_coalesced")[0])
+        name = name.rsplit(".", 1)[-1].split("_coalesced")[0]
+        kind = _TORCH_COLLECTIVES.get(name[:-1] if name.endswith("_") else name)
         return self[kind] if kind is not None else 0
 
 

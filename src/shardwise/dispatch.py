@@ -50,7 +50,12 @@ from .ops import registry
 from .placements import Placement
 from .redistribute import compile_plan, plan_redistribute
 from .spec import LOW_PRECISION, DTensorSpec, make_tensor_meta
-from .torch_compat import OpOverload, is_torch_function_mode_enabled
+from .torch_compat import (
+    DispatchKey,
+    OpOverload,
+    dispatch_has_kernel_for_dispatch_key,
+    is_torch_function_mode_enabled,
+)
 
 # ----- the cache: one ``_Op`` per op, one ``_Entry`` per decision --------------------------------
 
@@ -264,6 +269,10 @@ def _dispatch_cold(
                 f"{func} got DTensors on different meshes: {mesh} and {d.device_mesh} "
                 f"(shapes {[list(x.shape) for x in dtensors]})"
             )
+    if not (op.entry.propagates or op.entry.keeps_input_spec) and _composite(func):
+        # under inference_mode a composite op (aten.linear) reaches dispatch undecomposed:
+        # its decomposition runs, as in PyTorch
+        return func.decompose(*args, **kwargs)
     if not dtensors[0]._components:
         return _outside_mesh(op, func, args, kwargs, dtensors)
     generation = _generation[0]
@@ -283,6 +292,14 @@ def _dispatch_cold(
     _publish_entry(op, key, entry, generation)
     out = _finish(op, entry, results, components, dtensors)
     return out if entry.post is None else entry.post(func, out, *given)
+
+
+def _composite(func: Any) -> bool:
+    """``func`` has a CompositeImplicitAutograd kernel (a decomposition into other ops)."""
+    name = getattr(func, "name", None)
+    return callable(name) and dispatch_has_kernel_for_dispatch_key(
+        name(), DispatchKey.CompositeImplicitAutograd
+    )
 
 
 def _publish_entry(op: _Op, key: tuple, entry: _Entry, generation: int) -> None:
@@ -307,6 +324,8 @@ def _outside_mesh(op: _Op, func: Any, args: tuple, kwargs: dict, dtensors: list[
     specs = [d._spec for d in dtensors]
     with _argument_errors(func, specs):
         decision = decide(func, op.entry, args, kwargs, specs)
+        if func is torch.ops.aten.equal.default:  # no meta kernel; PyTorch's answer here
+            return True
         metas = meta_outputs(func, args, kwargs, dtensor_positions(args, kwargs), specs)
     if op.inplace:
         return dtensors[0]

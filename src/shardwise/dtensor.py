@@ -19,6 +19,7 @@ plan on the same components.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,7 +38,13 @@ from .components import (
 )
 from .components import local_of as local_of
 from .components import set_local as set_local
-from .errors import InvalidArgumentError, InvalidPlacementError, LocalComponentsError
+from .errors import (
+    CollectiveMismatchError,
+    InvalidArgumentError,
+    InvalidPlacementError,
+    LocalComponentsError,
+    PackError,
+)
 from .mesh import DeviceMesh
 from .mesh_argument import mesh_or_current
 from .pending import PendingComponents, ready
@@ -76,8 +83,21 @@ class DTensor(torch.Tensor):
     @staticmethod
     @eager_under_dynamo
     def __new__(
-        cls, components: Sequence[torch.Tensor], spec: DTensorSpec, *, requires_grad: bool = False
+        cls,
+        components: torch.Tensor | Sequence[torch.Tensor],
+        spec: DTensorSpec,
+        *,
+        requires_grad: bool = False,
     ) -> DTensor:
+        if isinstance(components, torch.Tensor):  # PyTorch's private DTensor(local, spec, ...)
+            if components.requires_grad and not requires_grad:
+                warnings.warn(
+                    "To construct DTensor from torch.Tensor, it's recommended to use "
+                    "local_tensor.detach() and make requires_grad consistent.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            components = [components]
         meta = spec.tensor_meta
         check_partials(spec)
         first = components[0] if components else None
@@ -151,7 +171,9 @@ class DTensor(torch.Tensor):
         """A DTensor from this process's components (a tensor, or one per local device).
 
         Components must follow chunk geometry; the global shape is inferred from them unless
-        ``shape`` is given. ``run_check`` broadcasts Replicate components from coordinate 0.
+        ``shape`` is given. ``run_check`` checks, as PyTorch, that every process gives the same
+        dtype and ``requires_grad`` (and, without ``shape``/``stride``, shape and stride:
+        ``PackError`` otherwise) and broadcasts Replicate components from coordinate 0.
         ``grad_placements`` (PyTorch's): the placements the gradient is brought to before
         its components become the local tensors' gradients (default: ``placements``, Partial
         dims reduced). ``async_op``: return at once; pending components and the broadcast
@@ -189,6 +211,7 @@ class DTensor(torch.Tensor):
         components = as_components(local_tensor, device_mesh, placements, DTensor)
         spec = spec_from_components(components, device_mesh, placements, shape, stride)
         if run_check:
+            _check_same_metadata(components, device_mesh, shape is None and stride is None)
             components = move.broadcast_replicated(spec, components)
         grad_spec = None if grad_placements is None else grad_placements_spec(
             spec, grad_placements, "DTensor.from_local"
@@ -209,6 +232,9 @@ class DTensor(torch.Tensor):
             return _empty_piece(self)
         index = self._local_index("to_local()")
         if grad_placements is None:
+            held = self._components[index]
+            if not torch.is_grad_enabled() and held.dtype == self.dtype:
+                return held  # as PyTorch: under no_grad the local tensor itself
             return local_components(self)[index]
         grad_spec = grad_placements_spec(self._spec, grad_placements, "to_local")
         return _Unpack.apply(self, grad_spec)[index]
@@ -373,10 +399,32 @@ class DTensor(torch.Tensor):
 
 
 def _empty_piece(dtensor: DTensor) -> torch.Tensor:
-    """What a process outside the mesh holds of ``dtensor`` (PyTorch: an empty local tensor)."""
-    return torch.empty(
-        0, dtype=dtensor.dtype, device=dtensor.device, requires_grad=dtensor.requires_grad
+    """What a process outside the mesh holds of ``dtensor`` (PyTorch's default: an empty local
+    tensor, a zero for a 0-d DTensor)."""
+    shape = () if dtensor.ndim == 0 else (0,)
+    return torch.zeros(
+        shape, dtype=dtensor.dtype, device=dtensor.device, requires_grad=dtensor.requires_grad
     )
+
+
+def _check_same_metadata(
+    components: Sequence[torch.Tensor], mesh: DeviceMesh, with_shape: bool
+) -> None:
+    """``from_local(run_check=True)``, as PyTorch's: every process's local tensor has the same
+    dtype and ``requires_grad`` (and, without ``shape``/``stride``, the same shape and
+    stride), else ``PackError`` (a ``ValueError``) on every process."""
+    first = components[0]
+    fields: dict[str, Any] = {"dtype": str(first.dtype), "requires_grad": first.requires_grad}
+    if with_shape:
+        fields.update(shape=list(first.shape), stride=list(first.stride()))
+    what = f"from_local(run_check=True) on {mesh}"
+    try:
+        move.agree(lambda: what, mesh, "from_local", fields, first)
+    except CollectiveMismatchError as err:
+        raise PackError(
+            f"{what}: the processes' local tensors differ in dtype, requires_grad"
+            + (", shape or stride" if with_shape else "") + f" (this one: {fields}): {err}"
+        ) from err
 
 
 def local_components(dtensor: DTensor) -> list[torch.Tensor]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from .errors import InvalidPlacementError
 
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
@@ -77,6 +79,42 @@ class Shard(Placement):
         chunk = -(-curr_local_size // num_chunks) if curr_local_size else 0
         lo, hi = min(rank * chunk, curr_local_size), min((rank + 1) * chunk, curr_local_size)
         return hi - lo, lo
+
+    def _split_tensor(
+        self,
+        tensor: torch.Tensor,
+        num_chunks: int,
+        *,
+        with_padding: bool = True,
+        contiguous: bool = True,
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """PyTorch's private ``Shard._split_tensor``: the ``num_chunks`` ``torch.chunk`` pieces
+        of ``tensor`` along ``dim`` (empty ones where the dim runs out) and, with
+        ``with_padding``, each piece zero-padded at its end to the first piece's size and
+        the pad sizes (else an empty list)."""
+        if type(self) is not Shard:
+            raise InvalidPlacementError(
+                f"_split_tensor splits in contiguous torch.chunk pieces; {self!r} is not Shard"
+            )
+        dim = self.dim + tensor.ndim if self.dim < 0 else self.dim
+        if not 0 <= dim < tensor.ndim or num_chunks < 1:
+            raise InvalidPlacementError(
+                f"{self!r} cannot split a tensor of shape {list(tensor.shape)} in "
+                f"{num_chunks} pieces"
+            )
+        length = tensor.shape[dim]
+        full = -(-length // num_chunks)
+        pieces, pads = [], []
+        for rank in range(num_chunks):
+            size, offset = self.local_shard_size_and_offset(length, num_chunks, rank)
+            piece = tensor.narrow(dim, offset, size)
+            if with_padding:
+                pads.append(full - size)
+                if full > size:
+                    widths = [0, 0] * (tensor.ndim - 1 - dim) + [0, full - size]
+                    piece = torch.nn.functional.pad(piece, widths)
+            pieces.append(piece.contiguous() if contiguous else piece)
+        return pieces, pads
 
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"

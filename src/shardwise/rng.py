@@ -34,6 +34,7 @@ from .errors import UnsupportedOpError
 from .geometry import segments_size, split_segments
 from .mesh import DeviceMesh
 from .placements import RaggedShard, Shard
+from .redistribute import move
 from .spec import DTensorSpec
 from .torch_compat import kernel_default_generator
 
@@ -198,9 +199,8 @@ def check_generator(mesh: DeviceMesh, device: torch.device) -> None:
         return
     state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
     fields = {"generator state": hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16]}
-    with comm.moving(
+    move.agree(
         "the random generator state: call shardwise.manual_seed(seed) with the same seed in "
-        "every process before random DTensor ops"
-    ):
-        comm.agree(mesh, "random op", fields, state)
+        "every process before random DTensor ops", mesh, "random op", fields, state,
+    )
     _checked_generators.get().add(key)

@@ -152,7 +152,8 @@ def _validated(
     if len(placements) != mesh.ndim:
         raise InvalidPlacementError(
             f"got {len(placements)} placements {list(placements)} for the {mesh.ndim}-D {mesh} "
-            f"({tensor}): give exactly one placement per mesh dim"
+            f"({tensor}): give exactly one placement per mesh dim (placements and the mesh's "
+            f"dims must have the same length)"
         )
     for p in placements:
         if not isinstance(p, Placement):

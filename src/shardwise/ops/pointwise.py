@@ -67,6 +67,9 @@ class Linearity:
     groups: tuple[tuple[int, ...], ...] = ()
     monotone: tuple[tuple[int, int], ...] = ()
     alpha_at: int | None = None
+    # the op is this reduce op itself ("max" for maximum): every DTensor Partial(it) on a
+    # mesh dim gives Partial(it), as max(max_i a_i, max_i b_i) = max_i max(a_i, b_i)
+    same_reduction: str | None = None
 
 
 NONLINEAR = Linearity()
@@ -138,6 +141,8 @@ def _partial_options(
         if position in positions and direction:
             for op in ("max", "min"):
                 add({position}, op, op if direction > 0 else _SWAP[op])
+    if linear.same_reduction is not None and len(positions) > 1:
+        add(set(positions), linear.same_reduction, linear.same_reduction)
     return options
 
 
@@ -292,7 +297,8 @@ def _rounding_division_ops() -> list[Any]:
 def _register_all() -> None:
     register_pointwise(NONLINEAR_OPS)
     register_pointwise(MONOTONE_OPS, INCREASING)
-    register_pointwise(["maximum", "minimum"], Linearity(monotone=((0, 1), (1, 1))))
+    for name, reduction in (("maximum", "max"), ("minimum", "min")):
+        register_pointwise([name], Linearity(monotone=((0, 1), (1, 1)), same_reduction=reduction))
     register_pointwise(GRAD_LINEAR_OPS, Linearity(groups=((0,),)))
     # x + alpha * y, x - alpha * y, y - alpha * x: alpha is positional argument 2
     register_pointwise(

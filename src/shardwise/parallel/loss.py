@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .. import execution
+from .. import execution, settings
 from ..dtensor import DTensor, local_of
 from ..errors import (
     InvalidArgumentError,
@@ -61,7 +61,27 @@ class _LossParallelMode(TorchFunctionMode):
             logits = bound.arguments["input"]
             if isinstance(logits, DTensor) and _class_mesh_dims(logits):
                 return _cross_entropy(**bound.arguments)
+            target = bound.arguments["target"]
+            if isinstance(logits, DTensor) and _plain_labels(target):
+                raise InvalidPlacementError(
+                    f"loss_parallel() needs the logits sharded on the class dim "
+                    f"{_class_dim(logits)}, got shape {list(logits.shape)} with placements "
+                    f"{list(logits.placements)} on {logits.device_mesh} and plain labels of "
+                    f"shape {list(target.shape)} (as PyTorch's loss_parallel, a ValueError); "
+                    f"shard the class dim, or pass the labels as a DTensor"
+                )
         return func(*args, **kwargs)
+
+
+def _plain_labels(target: Any) -> bool:
+    """Plain labels that only a class-sharded call can take: more than one element, outside
+    ``implicit_replication()`` (elsewhere they are refused beside DTensors anyway)."""
+    return (
+        isinstance(target, torch.Tensor)
+        and not isinstance(target, DTensor)
+        and target.numel() > 1
+        and not settings.IMPLICIT_REPLICATION.get()
+    )
 
 
 def _class_dim(logits: torch.Tensor) -> int:
