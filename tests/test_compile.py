@@ -365,6 +365,7 @@ def _check_full_step(layout: str, optimizer: str) -> list[float]:
     return compiled["losses"].tolist()
 
 
+@pytest.mark.slow  # end to end: a compiled training step per optimizer and layout (25 s of CPU)
 @pytest.mark.parametrize("optimizer", sorted(_OPTIMIZERS))
 @pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
 def test_compiled_full_step_with_optimizer_equals_eager_and_one_device(

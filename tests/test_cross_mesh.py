@@ -66,6 +66,7 @@ def _check(dt: sw.DTensor, x: torch.Tensor, target: DeviceMesh, after: tuple) ->
     return counter.total_bytes
 
 
+@pytest.mark.slow  # end to end: every 1-D/2-D mesh pair of 1-4 devices (about 20 s of CPU)
 def test_sweep_values_exact_and_bytes_at_the_bound() -> None:
     """Every pair of 1-D/2-D meshes of 1-4 devices (shifted, overlapping, reversed, reshaped),
     every Shard(0)/Shard(1)/Replicate/Partial combination on both: exact values, and bytes
