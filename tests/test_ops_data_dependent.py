@@ -170,6 +170,7 @@ def test_oracle(name: str) -> None:
     assert run_oracle(fn, tensors, **options) > 0
 
 
+@pytest.mark.slow  # end to end: an LSTM's forward and backward on several meshes (about 5 s)
 def test_lstm_forward_backward() -> None:
     lstm = torch.nn.LSTM(3, 4, batch_first=True)
     names = [n for n, _ in lstm.named_parameters()]

@@ -192,6 +192,7 @@ def _fails_before_a_redistribution(n: int) -> int:
     return rank
 
 
+@pytest.mark.slow  # waits for the peers to notice (about 6 s)
 def test_a_rank_failing_before_a_redistribution_stops_its_peers_at_once():
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 1 of 3") as info:
@@ -311,6 +312,7 @@ def _hangs(n: int) -> None:
         time.sleep(30)
 
 
+@pytest.mark.slow  # waits out a timeout
 def test_a_hang_times_out_naming_the_ranks():
     with pytest.raises(CollectiveTimeoutError, match=r"rank threads \[0\] of 2"):
         run_threads(_hangs, 2, 2, timeout=3)
