@@ -51,7 +51,8 @@ def _pick(segments: Segments, begin: int, end: int) -> list[tuple[int, int]]:
     return picked
 
 
-def _merge(runs: list[tuple[int, int]]) -> Segments:
+def merge_runs(runs: list[tuple[int, int]]) -> Segments:
+    """Adjacent runs joined into one (``((0, 0),)`` for none)."""
     merged: list[tuple[int, int]] = []
     for start, stop in runs:
         if merged and merged[-1][1] == start:
@@ -86,7 +87,7 @@ def split_segments(segments: Segments, placement: Shard, n: int, index: int) -> 
                 f"{sum(sizes)}"
             )
         lo = sum(sizes[:index])
-        return _merge(_pick(segments, lo, lo + sizes[index]))
+        return merge_runs(_pick(segments, lo, lo + sizes[index]))
     if isinstance(placement, InterleavedShard):
         k = placement.interleaved_size
         if length % k:
@@ -99,9 +100,9 @@ def split_segments(segments: Segments, placement: Shard, n: int, index: int) -> 
         runs: list[tuple[int, int]] = []
         for j in range(k):
             runs.extend(_pick(segments, j * block + lo, j * block + hi))
-        return _merge(runs)
+        return merge_runs(runs)
     lo, hi = chunk_bounds(length, n, index)
-    return _merge(_pick(segments, lo, hi))
+    return merge_runs(_pick(segments, lo, hi))
 
 
 def compute_local_shape_and_global_offset(

@@ -10,7 +10,7 @@ from math import prod
 import torch
 
 from ..errors import InvalidArgumentError, InvalidPlacementError
-from ..geometry import Segments, shard_segments
+from ..geometry import Segments, merge_runs, shard_segments
 from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Partial, Placement, RaggedShard, Replicate, Shard
 from .common import (
@@ -90,13 +90,7 @@ def _flat_runs(sizes: Sequence[int], segments: Sequence[Segments]) -> list[tuple
                 return None
             runs = [(f * size + s, f * size + e) for a, b in runs for f in range(a, b)
                     for s, e in segs]
-        merged: list[tuple[int, int]] = []
-        for start, stop in runs:
-            if merged and merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], stop)
-            else:
-                merged.append((start, stop))
-        runs = merged
+        runs = list(merge_runs(runs))  # runs is never empty here
     return runs
 
 
