@@ -133,3 +133,40 @@ def test_async_redistribute_waits_at_first_use(world: int) -> None:
             assert got["pending_type"] == "AsyncDTensor", (rank, case, got)
             assert got["equal_oracle"] and got["equal_blocking"], (rank, case, got)
             assert got["local_sum"], (rank, case, got)
+
+
+def _overlapping_gathers() -> dict:
+    """Three S0 -> R redistributions issued before any is used, as fully_shard's prefetch and
+    a program's own async_op calls overlap them: how many collectives were in flight at each
+    gather's issue, and the values."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    mesh = sw.init_device_mesh("cpu", (world,))
+    functional = torch.ops._c10d_functional
+    real = functional.all_gather_into_tensor
+    in_flight: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        in_flight.append(torch._C._distributed_c10d._get_work_registry_size())
+        return real(*args)
+
+    fulls = [torch.arange(float(4 * world * (k + 1))).view(-1, 2) for k in range(3)]
+    functional.all_gather_into_tensor = counted
+    try:
+        pending = [sw.distribute_tensor(f, mesh, [Shard(0)]).redistribute(
+            placements=[Replicate()], async_op=True) for f in fulls]
+        equal = [torch.equal(p.to_local() * 1, f) for p, f in zip(pending, fulls, strict=True)]
+    finally:
+        functional.all_gather_into_tensor = real
+    return {"in_flight": in_flight, "equal": equal}
+
+
+def test_gloo_gathers_never_overlap_on_one_group() -> None:
+    """gloo corrupts the heap when two all_gather_into_tensor are in flight on one group
+    (torch 2.13: malloc aborts within seconds of overlapping gathers, as one CI run did in
+    fully_shard's prefetch): each gather on a gloo group waits for the one before it, so none
+    is in flight at the next's issue; the results are still the oracle's."""
+    for rank, got in enumerate(run_in_processes(_overlapping_gathers, 2, timeout=120)):
+        assert got["equal"] == [True] * 3, rank
+        assert got["in_flight"] == [0, 0, 0], (rank, got["in_flight"])

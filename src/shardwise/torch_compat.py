@@ -81,6 +81,8 @@ def foreach_supported_types() -> list[list[type]]:
 
 # the functional collectives' op namespace (the traced road's graph ops)
 c10d_functional = torch.ops._c10d_functional
+# how many functional collectives of this process are issued and not yet waited
+unwaited_collectives = torch._C._distributed_c10d._get_work_registry_size
 # c10d keeps its process-group maps in one ``_World``: rank threads give each thread its own
 C10dWorld = _c10d._World
 # the default group and the helper ``new_group`` uses: a group named by its ranks alone
@@ -158,6 +160,7 @@ __all__ = [
     "TorchDispatchMode",
     "VariableFunctions",
     "c10d_functional",
+    "unwaited_collectives",
     "c10d_world",
     "current_graph_task_id",
     "disable_current_modes",
