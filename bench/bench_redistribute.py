@@ -2,7 +2,8 @@
 same run (gloo on CPU, one device per process, same mesh, same tensor, same transitions),
 beside the raw gloo collective moving the same bytes on plain tensors into a new tensor (as a
 redistribution must return one): all_gather for
-Shard -> Replicate, all_to_all for Shard -> Shard, all_reduce for Partial -> Replicate,
+Shard -> Replicate, all_to_all for Shard -> Shard (of the columns each process sends, laid out
+side by side first: the one copy any Shard(0) -> Shard(1) needs), all_reduce for Partial -> Replicate,
 reduce_scatter for Partial -> Shard, and a local slice (no communication) for Replicate -> Shard.
 
 With ``--simulate N [--device cuda]`` it runs in one process instead: N simulated devices (all on
@@ -77,7 +78,14 @@ def _raw(code_src: str, code_dst: str, full: torch.Tensor):
     if (code_src, code_dst) == ("S0", "R"):
         return "all_gather", lambda: _ALL_GATHER(torch.empty_like(full), shard)
     if (code_src, code_dst) == ("S0", "S1"):
-        return "all_to_all", lambda: dist.all_to_all_single(torch.empty_like(shard), shard)
+        # each process's column chunk j goes to process j: laid out side by side first (one
+        # copy: no collective sends strided columns), then what arrives, in rank order, is the
+        # new shard as it lies
+        def columns() -> None:
+            rows, cols = shard.shape
+            packed = shard.view(rows, world, cols // world).transpose(0, 1).contiguous()
+            dist.all_to_all_single(torch.empty_like(packed), packed)
+        return "all_to_all of packed columns", columns
     if (code_src, code_dst) == ("P", "R"):
         return "all_reduce", lambda: dist.all_reduce(full.clone())
     if (code_src, code_dst) == ("P", "S0"):
