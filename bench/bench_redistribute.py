@@ -3,8 +3,9 @@ same run (gloo on CPU, one device per process, same mesh, same tensor, same tran
 beside the raw gloo collective moving the same bytes on plain tensors into a new tensor (as a
 redistribution must return one): all_gather for
 Shard -> Replicate, all_to_all for Shard -> Shard (of the columns each process sends, laid out
-side by side first: the one copy any Shard(0) -> Shard(1) needs), all_reduce for Partial -> Replicate,
-reduce_scatter for Partial -> Shard, and a local slice (no communication) for Replicate -> Shard.
+side by side first: the one copy any Shard(0) -> Shard(1) needs), all_reduce for Partial ->
+Replicate, reduce_scatter for Partial -> Shard, and a local slice (no communication) for
+Replicate -> Shard.
 
 With ``--simulate N [--device cuda]`` it runs in one process instead: N simulated devices (all on
 the one GPU with cuda), shardwise's redistribution beside the same data movement written with
@@ -170,7 +171,32 @@ def run(sizes: list[int], repeat: int) -> dict:
             row["ratio_vs_torch_dt"] = row["shardwise_ms"] / row["torch_dt_ms"]
             row["ratio_vs_raw"] = row["shardwise_ms"] / row["raw_ms"]
             rows.append(row)
-    return {"world_size": world, "rows": rows}
+    return {"world_size": world, "rows": rows, "checks": _checks(smesh, sizes[0], repeat)}
+
+
+def _checks(mesh, size: int, repeat: int) -> dict:
+    """What the divergence checks cost on ``Shard(0) -> Replicate`` at ``size``: the default
+    (the agreement's one-word gather before the data, on CPU), the same under debug checks
+    (call site and mesh dim join the fingerprint), and that one-word gather alone."""
+    from shardwise import settings
+    from shardwise.runtime import side_group_for_ranks
+
+    world = dist.get_world_size()
+    full = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+    src = sw.distribute_tensor(full, mesh, [sw.Shard(0)])
+    side = side_group_for_ranks(tuple(range(world)))
+    words = torch.empty(world, dtype=torch.int64)
+    word = torch.ones(1, dtype=torch.int64)
+
+    def debug() -> None:
+        with settings.DEBUG_CHECKS.override(True):
+            src.redistribute(placements=[sw.Replicate()])
+
+    default_ms, debug_ms, word_ms = _times(
+        [lambda: src.redistribute(placements=[sw.Replicate()]), debug,
+         lambda: _ALL_GATHER(words, word, group=side)], 3 * repeat)
+    return {"size": size, "default_ms": default_ms, "debug_ms": debug_ms,
+            "agreement_ms": word_ms}
 
 
 def main() -> None:
@@ -203,6 +229,10 @@ def main() -> None:
             print(f"{r['transition']:<24}{r['size']:>6}{r['shardwise_ms']:>11.2f}"
                   f"{r['torch_dt_ms']:>10.2f}{r['raw_ms']:>9.2f}{r['ratio_vs_torch_dt']:>7.2f}"
                   f"{r['ratio_vs_raw']:>8.2f}  {r['raw_collective']}")
+        c = results["checks"]
+        print(f"checks, Shard(0) -> Replicate {c['size']}: default {c['default_ms']:.2f} ms, "
+              f"debug checks {c['debug_ms']:.2f} ms, the agreement's one-word gather alone "
+              f"{c['agreement_ms']:.3f} ms")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

@@ -885,6 +885,9 @@ def _engine_section(folder: Path) -> list[str]:
                 rows.append([world, r["transition"], r["size"], r["raw_collective"],
                              r["shardwise_ms"], r["raw_ms"], r["torch_dt_ms"], r["ratio_vs_raw"],
                              r["ratio_vs_torch_dt"]])
+    checks = [(world, json.loads((folder / f"redistribute_{world}.json").read_text())
+               .get("checks")) for world in (2, 4)
+              if (folder / f"redistribute_{world}.json").exists()]
     if rows:
         md += ["### Redistribution (ms, median, slowest rank)", ""]
         md += _table(["procs", "transition", "size", "raw", "shardwise", "raw ms", "torch DT",
@@ -894,11 +897,19 @@ def _engine_section(folder: Path) -> list[str]:
                "reduce_scatter's input as they lie) and Partial -> Replicate (one clone, as the "
                "raw one); one for Shard(0) -> Shard(1), the columns each process sends laid out "
                "side by side, as the raw one does first (no collective sends strided columns; "
-               "what arrives lies as the new shard). The fixed cost beside the raw call is the agreement: one gather of a CPU "
-               "word on the side group, which on CPU must finish before the data moves (gloo "
+               "what arrives lies as the new shard). The fixed cost beside the raw call is the "
+               "agreement: one gather of a CPU word on the side group, which on CPU must "
+               "finish before the data moves (gloo "
                "aborts on messages of another size); on an accelerator it runs while the data "
                "moves. On this shared 2-core host the times of one setting vary by 2x from run "
                "to run at 1024 (a few ms: scheduling), so the 1024 ratios are noise-bound.", ""]
+        checked = [(w, c) for w, c in checks if c]
+        if checked:
+            md += ["What the divergence checks cost (Shard(0) -> Replicate, ms, median; "
+                   "docs/multiprocess.md \"What is checked\"):", ""]
+            md += _table(["procs", "size", "default", "debug checks", "agreement alone"],
+                         [[w, c["size"], c["default_ms"], c["debug_ms"], c["agreement_ms"]]
+                          for w, c in checked])
     rows = []
     for world in (2, 4):
         f = folder / f"training_{world}.json"
