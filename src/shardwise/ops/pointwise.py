@@ -30,6 +30,7 @@ from ..placements import (
     is_special_shard,
     with_dim,
 )
+from ..torch_compat import elementwise_prims
 from .common import DimOption, is_inplace, keep_self_inplace, product_strategy
 from .registry import (
     OpSchema,
@@ -266,7 +267,7 @@ NONLINEAR_OPS = [
     "bitwise_right_shift", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__",
     "relu6", "hardtanh", "threshold", "polygamma", "igamma", "igammac", "special_erfcx",
     "special_i0e", "special_i1", "special_i1e", "special_ndtr", "special_ndtri",
-    "special_log_ndtr",
+    "special_log_ndtr", "gcd", "lcm",
 ]
 
 # Non-decreasing in their first argument over all reals: Partial("max"/"min") passes.
@@ -341,6 +342,11 @@ def _register_fma() -> None:
 
 
 register_deferred("prims::fma", _register_fma)
+
+# Every elementwise prim (``prims.bessel_i0e``, ``prims.erfcx``, ``prims.ndtri``... which
+# torch's references and decompositions call): elementwise alike, nonlinear (``prims.div``
+# truncates integers, so even the arithmetic ones are not taken as linear), as in PyTorch.
+register_op_strategy(elementwise_prims(), schema_info=RuntimeSchemaInfo())(pointwise_strategy)
 
 
 # Special functions (``torch.special``), complex helpers and shrinkage: elementwise as well.
