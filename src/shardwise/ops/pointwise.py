@@ -32,6 +32,7 @@ from ..placements import (
 )
 from ..torch_compat import elementwise_prims
 from .common import DimOption, is_inplace, keep_self_inplace, product_strategy
+from .out_variants import register_out_variants
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -237,7 +238,9 @@ def register_pointwise(
     names: Iterable[str], linear: Linearity = NONLINEAR, static_argnum: int = 100
 ) -> None:
     """Register ``pointwise_strategy`` for ``aten.<name>`` and ``aten.<name>_`` overloads
-    (arguments from ``static_argnum`` on, and ``alpha``, are part of the cache key)."""
+    (arguments from ``static_argnum`` on, and ``alpha``, are part of the cache key), and
+    their ``out=`` overloads (``ops/out_variants``: the functional overload's sharding with
+    ``out``'s placements)."""
     ops = []
     for name in names:
         ops += _tensor_overloads(name) + _tensor_overloads(name + "_")
@@ -248,6 +251,10 @@ def register_pointwise(
     strategy_fn.__doc__ = f"Elementwise sharding of {sorted(set(names))}."
     info = RuntimeSchemaInfo(static_argnum, static_kwargkey=("alpha",))
     register_op_strategy(ops, schema_info=info)(strategy_fn)
+    for name in names:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            register_out_variants(packet, static_argnum)
 
 
 INCREASING = Linearity(monotone=((0, 1),))
