@@ -68,6 +68,24 @@ def queue_autograd_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def elementwise_prims() -> list[OpOverload]:
+    """torch's elementwise ``prims`` (``prims.bessel_i0e``, ``prims.erfcx``, ``prims.add``...),
+    which its references and decompositions call: torch tags only a few of them pointwise, but
+    every one is made with the meta function ``torch._prims._prim_elementwise_meta`` (or its
+    complex-only form), which is how they are told from the prims that reshape or reduce."""
+    import functools
+
+    import torch._prims as prims
+
+    metas = (prims._prim_elementwise_meta, prims._complex_only_elementwise_meta)
+    found = []
+    for name in sorted(dir(torch.ops.prims)):
+        meta = getattr(getattr(torch.ops.prims, name), "prim_meta_impl", None)
+        if isinstance(meta, functools.partial) and meta.func in metas:
+            found.append(getattr(torch.ops.prims, name).default)
+    return found
+
+
 def foreach_supported_types() -> list[list[type]]:
     """torch's lists of tensor types that may take the foreach paths (``clip_grad_norm_``, the
     optimizers): DTensor appends itself."""
@@ -166,6 +184,7 @@ __all__ = [
     "disable_current_modes",
     "disabled_torch_function_impl",
     "dispatch_has_kernel_for_dispatch_key",
+    "elementwise_prims",
     "foreach_norm",
     "foreach_supported_types",
     "functional_resolve_group",

@@ -2,7 +2,9 @@
 (``aten._fused_adamw_``...): element i of every tensor list takes
 the placements of element i of the first list; Partial elements are reduced first, except that
 scaling by Python scalars or by one replicated scalar tensor (``clip_grad_norm_``'s
-``_foreach_mul_(grads, coef)``) keeps a pending sum or average, which it scales linearly."""
+``_foreach_mul_(grads, coef)``) keeps a pending sum or average, which it scales linearly.
+The foreach reductions over each whole tensor (``_foreach_norm``, ``_foreach_powsum``,
+``_foreach_max``) leave a sharded tensor's result pending."""
 
 from __future__ import annotations
 
@@ -13,15 +15,25 @@ import torch
 from ..caches import PER_GROUP, PER_LAYOUT, cached
 from ..dtensor import DTensor, local_of
 from ..mesh import DeviceMesh
-from ..placements import InterleavedShard, Placement, Replicate, Shard, is_any_shard, norm_partial
+from ..placements import (
+    InterleavedShard,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    is_any_shard,
+    norm_partial,
+)
 from ..spec import DTensorSpec, TensorMeta
 from ..torch_compat import foreach_norm as _foreach_norm_kernel
 from ..torch_compat import jit_get_all_schemas
-from .common import spec_of
+from .common import no_empty_shard, spec_of
 from .registry import (
     OpSchema,
     OpStrategy,
     PlacementStrategy,
+    RuntimeSchemaInfo,
+    StrategyFunc,
     bypass_dispatch,
     register_op_strategy,
 )
@@ -142,3 +154,61 @@ def _norm_spec(spec: DTensorSpec, pending: Placement, dtype: torch.dtype) -> DTe
 
 
 bypass_dispatch([aten._foreach_norm.Scalar], foreach_norm)
+
+
+def _reduced_whole(
+    spec: DTensorSpec, over_shard: str, keeps: tuple[str, ...]
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
+    """(input, output) placements of a reduction of every element of a tensor of ``spec``:
+    per mesh dim a shard stays and its local results are pending (``Partial(over_shard)``), a
+    Partial of a kind in ``keeps`` stays, any other Partial is reduced first. A max has no
+    value over an empty piece: where a shard would leave a device none of a non-empty
+    tensor, those shards are gathered."""
+    ins: list[Placement] = []
+    outs: list[Placement] = []
+    for p in spec.placements:
+        if is_any_shard(p):
+            ins.append(p)
+            outs.append(Partial(over_shard))
+        elif p.is_partial() and p.reduce_op in keeps:
+            ins.append(p)
+            outs.append(p)
+        else:
+            ins.append(Replicate())
+            outs.append(Replicate())
+    shape = spec.shape
+    if over_shard == "max" and not no_empty_shard(spec.mesh, shape, ins, range(len(shape))):
+        gathered = [is_any_shard(p) for p in ins]
+        ins = [Replicate() if g else p for p, g in zip(ins, gathered, strict=True)]
+        outs = [Replicate() if g else p for p, g in zip(outs, gathered, strict=True)]
+    return tuple(ins), tuple(outs)
+
+
+def foreach_reduction(over_shard: str, keeps: tuple[str, ...] = ()) -> StrategyFunc:
+    """The strategy of a foreach op that reduces each tensor of its list to one value."""
+
+    def strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
+        input_specs, outputs = [], []
+        for element in schema.args_schema[0]:
+            if not isinstance(element, OpStrategy):  # a 0-d plain tensor: the same everywhere
+                outputs.append(spec_of(mesh, (Replicate(),) * mesh.ndim))
+                continue
+            ins, outs = _reduced_whole(element.output_spec, over_shard, keeps)
+            input_specs.append(spec_of(mesh, ins))
+            outputs.append(spec_of(mesh, outs))
+        return OpStrategy([PlacementStrategy(tuple(outputs), input_specs)])
+
+    strategy.__doc__ = (
+        f"Each tensor reduced whole: a shard's result pending as Partial({over_shard!r})"
+        + (f", a Partial({keeps[0]!r}) kept" if keeps else "") + "."
+    )
+    return strategy
+
+
+# sum(|x|^ord) of each tensor (the foreach norm without its root): no Partial input passes
+register_op_strategy([aten._foreach_powsum.Scalar], schema_info=RuntimeSchemaInfo(1))(
+    foreach_reduction("sum")
+)
+register_op_strategy([aten._foreach_max.default], schema_info=RuntimeSchemaInfo(1))(
+    foreach_reduction("max", keeps=("max",))
+)

@@ -30,7 +30,9 @@ from ..placements import (
     is_special_shard,
     with_dim,
 )
+from ..torch_compat import elementwise_prims
 from .common import DimOption, is_inplace, keep_self_inplace, product_strategy
+from .out_variants import register_out_variants
 from .registry import (
     OpSchema,
     OpStrategy,
@@ -236,7 +238,9 @@ def register_pointwise(
     names: Iterable[str], linear: Linearity = NONLINEAR, static_argnum: int = 100
 ) -> None:
     """Register ``pointwise_strategy`` for ``aten.<name>`` and ``aten.<name>_`` overloads
-    (arguments from ``static_argnum`` on, and ``alpha``, are part of the cache key)."""
+    (arguments from ``static_argnum`` on, and ``alpha``, are part of the cache key), and
+    their ``out=`` overloads (``ops/out_variants``: the functional overload's sharding with
+    ``out``'s placements)."""
     ops = []
     for name in names:
         ops += _tensor_overloads(name) + _tensor_overloads(name + "_")
@@ -247,6 +251,10 @@ def register_pointwise(
     strategy_fn.__doc__ = f"Elementwise sharding of {sorted(set(names))}."
     info = RuntimeSchemaInfo(static_argnum, static_kwargkey=("alpha",))
     register_op_strategy(ops, schema_info=info)(strategy_fn)
+    for name in names:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            register_out_variants(packet, static_argnum)
 
 
 INCREASING = Linearity(monotone=((0, 1),))
@@ -266,7 +274,7 @@ NONLINEAR_OPS = [
     "bitwise_right_shift", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__",
     "relu6", "hardtanh", "threshold", "polygamma", "igamma", "igammac", "special_erfcx",
     "special_i0e", "special_i1", "special_i1e", "special_ndtr", "special_ndtri",
-    "special_log_ndtr",
+    "special_log_ndtr", "gcd", "lcm",
 ]
 
 # Non-decreasing in their first argument over all reals: Partial("max"/"min") passes.
@@ -341,6 +349,11 @@ def _register_fma() -> None:
 
 
 register_deferred("prims::fma", _register_fma)
+
+# Every elementwise prim (``prims.bessel_i0e``, ``prims.erfcx``, ``prims.ndtri``... which
+# torch's references and decompositions call): elementwise alike, nonlinear (``prims.div``
+# truncates integers, so even the arithmetic ones are not taken as linear), as in PyTorch.
+register_op_strategy(elementwise_prims(), schema_info=RuntimeSchemaInfo())(pointwise_strategy)
 
 
 # Special functions (``torch.special``), complex helpers and shrinkage: elementwise as well.

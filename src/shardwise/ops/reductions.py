@@ -1,5 +1,6 @@
 """Reductions and scans: sum, mean, prod, max/min, amax/amin, argmax/argmin, var/std,
-vector norms, any/all, logsumexp, cumsum/cumprod, and Python values (``.item()``).
+vector norms and their power sums (``linalg__powsum``), any/all, logsumexp, cumsum/cumprod,
+and Python values (``.item()``).
 
 Over a dim that is not sharded a reduction keeps the placements (shard dims shift down when
 ``keepdim=False``). Over a sharded dim the local reductions are combined by a pending
@@ -353,6 +354,10 @@ def _register_all() -> None:
     register_op_strategy([aten.linalg_vector_norm.default], schema_info=REDUCTION_INFO)(
         _norm_strategy
     )
+    # sum(|x|^ord), the vector norm without its root: a sum of every order (the 0th power
+    # counts, negative ones sum reciprocals); no Partial input passes, |a + b|^p not being
+    # |a|^p + |b|^p (PyTorch's DTensor keeps a pending sum there, and the wrong value)
+    register_reduction([aten.linalg__powsum.default], ReductionKind(over_shard="sum"))
     register_op_strategy(
         [
             aten.cumsum.default, aten.cumsum_.default, aten.cumprod.default,

@@ -1,5 +1,5 @@
 """Ops that keep the spec of their first input and act per component (detach, alias, clone,
-contiguous). Casts and the ``*_like`` factories live in ``tensor_ops``."""
+contiguous, ``prims.view_of``). Casts and the ``*_like`` factories live in ``tensor_ops``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ SAME_SPEC_OPS = [
     aten.alias.default,
     aten.clone.default,
     aten.contiguous.default,
+    torch.ops.prims.view_of.default,  # a view of the same layout (torch's references use it)
 ]
 
 
