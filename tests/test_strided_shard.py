@@ -110,7 +110,9 @@ FLATTENS = [
     ((2, 2), (6, 4, 3, 3), [S1, S2], (6, -1, 3), [S1, SS(1, sf=2)]),
     ((2, 2), (6, 4, 3, 3), [S1, S1], (-1, 3), [SS(0, sf=6), SS(0, sf=6)]),
     ((2, 2), (6, 4, 3, 3), [R, S2], (6, -1, 3), [R, SS(1, sf=4)]),
-    ((1, 2), (6, 2, 5, 3), [S1, S2], (-1, 3), [SS(0, sf=6), SS(0, sf=12)]),  # torch's test mesh
+    *(  # torch's test_dtensor_flatten_2d cases (its world of 6)
+        ((3, 2), (6, 6, d1, 3), [S1, S2], (-1, 3), [SS(0, sf=6), SS(0, sf=12)]) for d1 in (3, 4, 5)
+    ),
     ((4,), (6, 5, 4), [S1], (-1, 4), [SS(0, sf=6)]),
 ]
 
@@ -157,8 +159,10 @@ def test_flatten_and_unflatten_by_name() -> None:
 
 @pytest.mark.parametrize(
     ("mesh_shape", "shape", "placements", "view", "expected"),
-    [  # torch's test_dtensor_unflatten cases, on a 1-D mesh of 2 and the 2x2 mesh
-        ((2,), (36, 3), [SS(0, sf=6)], (6, 6, 3), [S1]),
+    [  # torch's test_dtensor_unflatten cases (its world of 6), then on the 2x2 mesh
+        ((6,), (36, 3), [SS(0, sf=6)], (6, 6, 3), [S1]),
+        ((3, 2), (216, 3), [SS(0, sf=6), SS(0, sf=12)], (6, 6, 6, 3), [S1, S2]),
+        ((3, 2), (216, 3), [R, SS(0, sf=36)], (6, 6, 6, 3), [R, S2]),
         ((2, 2), (216, 3), [R, SS(0, sf=36)], (6, 6, 6, 3), [R, S2]),
         ((2, 2), (216, 3), [SS(0, sf=6), SS(0, sf=18)], (6, 6, 6, 3), [S1, S2]),
         ((2, 2), (16,), [S0, SS(0, sf=2)], (4, 4), [S0, S1]),
@@ -176,12 +180,12 @@ def test_unflatten_of_strided_shards_gives_torchs_placements(
 
 
 def test_strided_view_that_no_placement_keeps_is_a_move() -> None:
-    """torch's 2-D unflatten on its world of 2 ((1, 2) mesh): split factor 12 cuts the rows
-    of a [6, 6, 6, 3] view mid-dim; no placement keeps it, so explicit mode refuses and an
-    implicit move gives the single-device values."""
-    mesh = sw.init_device_mesh("cpu", (1, 2))
+    """On the 3x2 mesh the second split factor 18 cuts the rows of a [6, 6, 6, 3] view in
+    the middle of a dim; no placement keeps it (torch's view raises), so explicit mode
+    refuses and an implicit move gives the single-device values."""
+    mesh = sw.init_device_mesh("cpu", (3, 2))
     full = _arange((216, 3))
-    dt = sw.distribute_tensor(full, mesh, [SS(0, sf=6), SS(0, sf=12)])
+    dt = sw.distribute_tensor(full, mesh, [SS(0, sf=6), SS(0, sf=18)])
     with pytest.raises(sw.errors.ImplicitRedistributeError, match="aten.view"):
         dt.view(6, 6, 6, 3)
     with sw.config.allow_implicit_redistribute():
