@@ -1,5 +1,6 @@
 """loss_parallel in PyTorch's per-rank programs: plain labels are this rank's (the plain-tensor
-rule), DTensor labels carry their placements, and other shapes raise a shardwise error.
+rule), DTensor labels carry their placements, a plain class weight is every class's, and other
+shapes raise a shardwise error.
 
 The program is PyTorch's FSDP + TP recipe on a (dp, tp) mesh: vocabulary-sharded logits
 (``Shard(-1)`` on ``mesh["tp"]``), this rank's labels, ``F.cross_entropy(logits.flatten(0, 1),
@@ -42,9 +43,10 @@ def _global_batch(dp: int, ignore: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, labels
 
 
-def _reference(logits: torch.Tensor, labels: torch.Tensor, reduction: str, grad=None):
+def _reference(logits: torch.Tensor, labels: torch.Tensor, reduction: str, grad=None,
+               weight=None):
     x = logits.clone().requires_grad_()
-    loss = F.cross_entropy(x.flatten(0, 1), labels.flatten(0, 1), reduction=reduction)
+    loss = F.cross_entropy(x.flatten(0, 1), labels.flatten(0, 1), weight, reduction=reduction)
     loss.backward(grad)
     return loss.detach(), x.grad
 
@@ -92,27 +94,31 @@ def _tp_submesh_checks(mesh: sw.DeviceMesh) -> int:
     return checks
 
 
-def _root_mesh_checks(mesh: sw.DeviceMesh) -> int:
+def _root_mesh_checks(mesh: sw.DeviceMesh, weighted: bool) -> int:
     """Logits on the (dp, tp) mesh, rows on dp: this rank's labels are its rows' labels and the
-    loss is over the global batch."""
+    loss is over the global batch. A plain class weight is every class's (the same on every
+    rank, as in PyTorch), not this rank's share."""
     dp, tp = mesh.shape
     rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     full, labels = _global_batch(dp, ignore=True)
+    weight = torch.rand(VOCAB, generator=torch.Generator().manual_seed(4)) if weighted else None
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
     checks = 0
     for reduction in ("mean", "sum", "none"):
         g = torch.Generator().manual_seed(3)
         grad = torch.randn(dp * ROWS * SEQ, generator=g) if reduction == "none" else None
-        want, want_grad = _reference(full, labels, reduction, grad)
+        want, want_grad = _reference(full, labels, reduction, grad, weight)
         for kind in ("plain", "dtensor"):
             piece = full[rows].chunk(tp, -1)[tp_rank].clone().requires_grad_()
             logits = DTensor.from_local(piece, mesh, [Shard(0), Shard(2)], shape=full.shape)
-            target = labels[rows]
+            target, given = labels[rows], weight
             if kind == "dtensor":
                 target = DTensor.from_local(target, mesh, [Shard(0), Replicate()])
+                if weighted:
+                    given = DTensor.from_local(weight, mesh, [Replicate(), Replicate()])
             with loss_parallel():
                 loss = F.cross_entropy(
-                    logits.flatten(0, 1), target.flatten(0, 1), reduction=reduction
+                    logits.flatten(0, 1), target.flatten(0, 1), given, reduction=reduction
                 )
             if reduction == "none":
                 assert loss.placements == (Shard(0), Replicate())
@@ -208,7 +214,8 @@ def _job(shapes: list[tuple[int, int]]) -> int:
     for dp, tp in shapes:
         mesh = sw.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         checks += _tp_submesh_checks(mesh)
-        checks += _root_mesh_checks(mesh)
+        checks += _root_mesh_checks(mesh, weighted=False)
+        checks += _root_mesh_checks(mesh, weighted=True)
         checks += _fsdp_tp_checks(mesh)
         checks += _error_checks(mesh)
     return checks

@@ -1,10 +1,12 @@
 """PyTorch's private DTensor names that its own test files use (issue 30), with torch's
 semantics: ``DTensor(local, spec, requires_grad=)``, ``Shard._split_tensor``, meta tensors in
 ``from_local``, ``from_local(run_check=True)``'s metadata check, ``CommDebugMode``'s c10d keys,
-composite ops (``aten.linear``) under ``inference_mode``, ``equal`` outside a sub-mesh."""
+composite ops (``aten.linear``) under ``inference_mode``, ``equal`` outside a sub-mesh,
+``DTensorSpec.dim_map``."""
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -141,3 +143,64 @@ def test_maximum_minimum_keep_their_own_pending_reduction(op, reduce_op: str) ->
     reduce = torch.amax if reduce_op == "max" else torch.amin
     expected = op(reduce(torch.stack(a), 0), reduce(torch.stack(b), 0))
     assert torch.equal(out.full_tensor(), expected)
+
+
+def _torch_dim_map(placements: list, ndim: int) -> list[int] | type:
+    """torch's own ``DTensorSpec.dim_map`` read on torch's placements (the oracle), or the
+    class of the error it raises."""
+    from torch.distributed.tensor import Partial as TorchPartial
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec as TorchSpec
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def theirs(p):
+        if isinstance(p, sw.InterleavedShard):
+            return _StridedShard(p.dim, split_factor=p.interleaved_size)
+        if isinstance(p, Shard):
+            return torch_dtensor.Shard(p.dim)
+        return TorchPartial(p.reduce_op) if p.is_partial() else torch_dtensor.Replicate()
+
+    spec = types.SimpleNamespace(placements=tuple(theirs(p) for p in placements), ndim=ndim)
+    try:
+        return TorchSpec.dim_map.fget(spec)
+    except ValueError:
+        return ValueError
+
+
+@pytest.mark.parametrize(
+    "placements",
+    [
+        [Shard(1), Replicate()],
+        [Replicate(), Shard(0)],
+        [Shard(2), Shard(0)],
+        [sw.Partial(), Shard(2)],
+        [sw.Partial("max"), sw.Partial()],
+        [sw.InterleavedShard(0, 2), Shard(1)],  # torch's _StridedShard counts as a shard
+        [Shard(0), sw.InterleavedShard(2, 2)],
+        [Shard(1), Shard(1)],  # one tensor dim, two mesh dims: torch raises
+        [sw.InterleavedShard(0, 2), Shard(0)],
+    ],
+)
+def test_spec_dim_map_as_torchs(placements: list) -> None:
+    """torch's test_layer_norm_bwd reads ``x._spec.dim_map`` to tell which tensor dims are
+    sharded: per tensor dim the mesh dim sharding it, else -1 (Partial mesh dims nowhere)."""
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size([4, 6, 8]), (48, 8, 1),
+                                                           torch.float32))
+    expected = _torch_dim_map(placements, 3)
+    if expected is ValueError:
+        with pytest.raises(sw.errors.InvalidPlacementError, match="sharded by mesh dims 0 and 1"):
+            _ = spec.dim_map
+    else:
+        assert spec.dim_map == expected
+    if not any(p.is_partial() for p in placements) and expected is not ValueError:
+        x = sw.distribute_tensor(torch.randn(4, 6, 8), mesh, placements)
+        assert x._spec.dim_map == expected  # as torch's test reads it
+
+
+def test_spec_dim_map_reads_negative_and_ragged_dims_and_is_read_only() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    meta = TensorMeta(torch.Size([4, 6]), (6, 1), torch.float32)
+    assert DTensorSpec(mesh, (Shard(-1),), meta).dim_map == [-1, 0]
+    assert DTensorSpec(mesh, (sw.RaggedShard(0, (1, 3)),), meta).dim_map == [0, -1]
+    with pytest.raises(AttributeError):
+        DTensorSpec(mesh, (Shard(0),), meta).dim_map = [-1, -1]

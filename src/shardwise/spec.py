@@ -13,7 +13,7 @@ import torch
 from .caches import PER_LAYOUT, register
 from .errors import InvalidPlacementError, MeshError
 from .geometry import Segments, segments_size, shard_segments
-from .placements import InterleavedShard, Placement, RaggedShard, normalize_placement
+from .placements import InterleavedShard, Placement, RaggedShard, Shard, normalize_placement
 
 if TYPE_CHECKING:  # only named: a spec holds a mesh, it does not build one
     from .mesh import DeviceMesh
@@ -76,6 +76,26 @@ class DTensorSpec:
                 held = torch.float32
             object.__setattr__(self, "_component_dtype", held)
         return held
+
+    @property
+    def dim_map(self) -> list[int]:
+        """PyTorch's private ``DTensorSpec.dim_map``, read-only: per tensor dim, the mesh dim
+        that shards it (in any layout: ``Shard``, interleaved ``_StridedShard`` or ragged), or
+        -1 where no mesh dim does (replicated, or pending a reduction: a ``Partial`` mesh dim
+        appears nowhere in it). As in torch, a tensor dim sharded by two mesh dims has no
+        answer (``[Shard(0), Shard(0)]``): ``InvalidPlacementError``, a ``ValueError``."""
+        found = [-1] * self.ndim
+        for mesh_dim, p in enumerate(self.placements):
+            if not isinstance(p, Shard):
+                continue
+            dim = normalize_placement(p, self.ndim).dim
+            if found[dim] >= 0:
+                raise InvalidPlacementError(
+                    f"dim_map of {self}: tensor dim {dim} is sharded by mesh dims "
+                    f"{found[dim]} and {mesh_dim}; dim_map names one mesh dim per tensor dim"
+                )
+            found[dim] = mesh_dim
+        return found
 
     def with_placements(self, placements: Sequence[Placement]) -> DTensorSpec:
         return DTensorSpec(self.mesh, tuple(placements), self.tensor_meta)

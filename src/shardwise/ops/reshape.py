@@ -1,6 +1,8 @@
 """Sharding of ``view`` / ``_unsafe_view`` (and the reshapes that decompose into them): a shard
 survives a view when each device's elements stay a contiguous-in-order local view of the
-output; ``infer_size`` resolves a view's -1."""
+output; where nothing moves, the output placements are PyTorch's (``_StridedShard`` for a shard
+of a later flattened dim, ``Shard`` again once unflattened); ``infer_size`` resolves a view's
+-1."""
 
 from __future__ import annotations
 
@@ -163,6 +165,54 @@ def _ragged_view_options(
     return options
 
 
+def _strided_names(
+    p: Shard, groups: list[tuple[list[int], list[int]]], local_in: Sequence[int],
+    local_out: Sequence[int],
+) -> list[Placement]:
+    """Where a view may put the shard ``p`` of one mesh dim, named as PyTorch names it: in the
+    flattened view group of a device's local piece (earlier mesh dims applied), ``p`` is an
+    interleave of ``sf`` blocks; on output dim ``e`` that is ``Shard(e)`` where the local
+    output dims before ``e`` make ``sf`` blocks, else an interleave of the blocks left over."""
+    gi, go = next(g for g in groups if p.dim in g[0])
+    k = p.interleaved_size if isinstance(p, InterleavedShard) else 1
+    sf = k * prod(local_in[d] for d in gi if d < p.dim)
+    found: list[Placement] = []
+    for e in go:
+        before = prod(local_out[f] for f in go if f < e)
+        if before and sf % before == 0:
+            found.append(Shard(e) if sf == before else InterleavedShard(e, sf // before))
+    return sorted(found, key=lambda q: isinstance(q, InterleavedShard))  # plain shards first
+
+
+def _kept_view_placements(
+    mesh: DeviceMesh, in_shape: Sequence[int], out_shape: Sequence[int],
+    placements: Sequence[Placement],
+) -> tuple[Placement, ...] | None:
+    """The output placements of a view that moves nothing, mesh dim by mesh dim as PyTorch
+    derives them (a shard of a later flattened dim becomes ``_StridedShard`` with the local
+    sizes before it as split factor, an unflatten turns it back into ``Shard``), each checked
+    by ``view_is_local``; None where a mesh dim's shard has none (ragged, or not kept)."""
+    groups = view_groups(in_shape, out_shape)
+    local_in, local_out = list(in_shape), list(out_shape)
+    outs: list[Placement] = []
+    for m, p in enumerate(placements):
+        if isinstance(p, RaggedShard):
+            return None
+        if not isinstance(p, Shard):
+            outs.append(p)
+            continue
+        rest = (Replicate(),) * (mesh.ndim - m - 1)
+        ins = (*placements[:m + 1], *rest)
+        q = next((q for q in _strided_names(p, groups, local_in, local_out)
+                  if view_is_local(mesh, in_shape, out_shape, ins, (*outs, q, *rest))), None)
+        if q is None:
+            return None
+        outs.append(q)
+        local_in[p.dim] //= mesh.shape[m]
+        local_out[q.dim] //= mesh.shape[m]
+    return tuple(outs)
+
+
 @register_op_strategy(
     [aten.view.default, aten._unsafe_view.default], schema_info=RuntimeSchemaInfo(1)
 )
@@ -178,10 +228,14 @@ def view_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     if prod(in_shape) == 0:
         return product_strategy(mesh, lambda m: mapped_options(current[m], {}))
 
+    kept = _kept_view_placements(mesh, in_shape, out_shape, current)
+
+    def options(m: int) -> list[DimOption]:
+        first = [((current[m],), (kept[m],))] if kept is not None else []
+        return first + _view_options(current[m], in_shape, out_shape)
+
     def valid(combo: Sequence[DimOption]) -> bool:
         ins, outs = per_tensor(combo)
         return view_is_local(mesh, in_shape, out_shape, ins, outs)
 
-    return product_strategy(
-        mesh, lambda m: _view_options(current[m], in_shape, out_shape), valid=valid
-    )
+    return product_strategy(mesh, options, valid=valid)

@@ -5,6 +5,8 @@ Each device reduces its slice of every row: the row max and the sum of exponenti
 all-reduced (max, then sum) over the mesh dims that split the classes, and so is the target's
 logit, which only the device holding the target class contributes. Only ``O(rows)`` values
 move; the backward, ``softmax - one_hot``, is local. Rows may also be sharded (data parallel).
+Class weights scale each row by ``weight[target]``, and a mean divides by their sum over the
+rows not ignored, as PyTorch's.
 
 Plain labels follow the plain-tensor rule (``execution.plain_view``): where the program acts for one
 device of the logits' mesh (a per-rank program) they are this rank's labels, for the rows of the
@@ -29,6 +31,7 @@ from ..errors import (
     InvalidPlacementError,
     LabelOutOfRangeError,
     MeshError,
+    OpArgumentError,
     UnsupportedOpError,
 )
 from ..factories import distribute_tensor
@@ -46,8 +49,9 @@ def loss_parallel() -> Iterator[None]:
     """Within the block (this thread), ``F.cross_entropy`` on DTensor logits sharded on the
     class dim runs on the shards (PyTorch's ``loss_parallel``); other calls are unchanged. The
     result is a replicated DTensor (per-row for ``reduction="none"``); its backward may run
-    after the block. Plain labels are this rank's in a per-rank program, every row's where a
-    process acts for several devices (``execution.plain_view``)."""
+    after the block. A class ``weight`` is a plain tensor of every class's weight or a DTensor
+    replicated over the logits' mesh. Plain labels are this rank's in a per-rank program,
+    every row's where a process acts for several devices (``execution.plain_view``)."""
     with _LossParallelMode():
         yield
 
@@ -103,10 +107,10 @@ def _cross_entropy(
     reduction: str,
     label_smoothing: float,
 ) -> DTensor:
-    if weight is not None or label_smoothing or size_average is not None or reduce is not None:
+    if label_smoothing or size_average is not None or reduce is not None:
         raise UnsupportedOpError(
-            "loss_parallel's cross entropy supports target class indices with reduction and "
-            "ignore_index; class weights, label smoothing and the legacy size_average/reduce "
+            "loss_parallel's cross entropy supports target class indices with class weights, "
+            "reduction and ignore_index; label smoothing and the legacy size_average/reduce "
             f"arguments are not supported (logits {input})"
         )
     if target.dtype.is_floating_point:
@@ -116,7 +120,8 @@ def _cross_entropy(
     mesh = input.device_mesh
     rows = _row_placements(input)
     target = to_layout(_target_dtensor(target, input, rows), rows)
-    per_row = _VocabParallelCrossEntropy.apply(input, target, ignore_index)
+    weights = None if weight is None else _row_weights(target, weight, input, ignore_index)
+    per_row = _VocabParallelCrossEntropy.apply(input, target, weights, ignore_index)
     if reduction == "none":
         return per_row
     replicated = [Replicate()] * mesh.ndim
@@ -127,8 +132,8 @@ def _cross_entropy(
         raise UnsupportedOpError(
             f"cross entropy reduction must be mean, sum or none: {reduction!r}"
         )
-    count = (target != ignore_index).sum().redistribute(placements=replicated)
-    return total / count
+    counted = (target != ignore_index) if weights is None else weights
+    return total / counted.sum().redistribute(placements=replicated)
 
 
 def _row_placements(logits: DTensor) -> tuple[Placement, ...]:
@@ -187,6 +192,47 @@ def _target_dtensor(target: torch.Tensor, logits: DTensor, rows: tuple[Placement
     return distribute_tensor(target, mesh, rows)
 
 
+def _row_weights(
+    target: DTensor, weight: torch.Tensor, logits: DTensor, ignore_index: int
+) -> DTensor:
+    """Each row's class weight ``weight[target]`` (0 at ignored rows), laid out as the rows:
+    the loss of a row is scaled by it and a mean divides by its sum (PyTorch's weighted
+    mean). ``weight`` is every class's weight: a plain tensor (the same on every rank, as in
+    PyTorch) or a DTensor replicated over the logits' mesh."""
+    mesh, classes = logits.device_mesh, logits.shape[_class_dim(logits)]
+    replicated = [Replicate()] * mesh.ndim
+    problem = None
+    if weight.shape != (classes,):
+        problem = f"a weight for each of the {classes} classes (shape [{classes}])"
+    elif weight.dtype != logits.dtype:
+        problem = f"the logits' dtype {logits.dtype}"
+    elif weight.requires_grad:
+        problem = "no gradient: cross entropy is not differentiable in its weight"
+    if problem is not None:
+        raise OpArgumentError(
+            f"loss_parallel cross entropy: weight of shape {list(weight.shape)}, dtype "
+            f"{weight.dtype}, requires_grad={weight.requires_grad} for logits {logits}: "
+            f"needs {problem}"
+        )
+    if isinstance(weight, DTensor):
+        if weight.device_mesh != mesh or any(not p.is_replicate() for p in weight.placements):
+            raise InvalidPlacementError(
+                f"loss_parallel cross entropy: weight {weight} must be replicated over the "
+                f"logits' mesh {mesh} ({replicated}), or a plain tensor"
+            )
+    elif execution.per_rank(mesh, f"loss_parallel weight of shape {list(weight.shape)}"):
+        weight = DTensor.from_local(weight, mesh, replicated)
+    else:
+        weight = distribute_tensor(weight, mesh, replicated)
+    labels = local_of(target)
+    pieces = labels.zip(local_of(weight).pieces, lambda t, w: torch.where(
+        t == ignore_index, torch.zeros((), dtype=w.dtype, device=w.device),
+        w[t.clamp(0, classes - 1)],
+    ))
+    return DTensor(pieces, DTensorSpec(mesh, target.placements,
+                                       contiguous_meta(target.shape, logits.dtype)))
+
+
 def _acting_device(mesh: DeviceMesh) -> int:
     """The device of ``mesh`` this program acts for where it acts for one (a per-rank
     process, a rank thread, or one replica thread of ``Strategy.run``)."""
@@ -200,11 +246,15 @@ def _all_reduce(what: Any, mesh: DeviceMesh, dims: list[int], parts: list[torch.
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-row ``logsumexp(x) - x[target]`` (0 at ignored rows) from class-sharded logits."""
+    """Per-row ``logsumexp(x) - x[target]`` (0 at ignored rows) from class-sharded logits,
+    scaled by each row's class weight where there are weights (``_row_weights``)."""
 
     @staticmethod
-    def forward(ctx, logits: DTensor, target: DTensor, ignore_index: int) -> DTensor:
+    def forward(
+        ctx, logits: DTensor, target: DTensor, weights: DTensor | None, ignore_index: int
+    ) -> DTensor:
         held, labels = local_of(logits), local_of(target)
+        scales = [None] * len(labels.pieces) if weights is None else local_of(weights).pieces
         spec, mesh = held.spec, logits.device_mesh
         cd, dims = _class_dim(logits), _class_mesh_dims(logits)
         parts = held.pieces
@@ -225,32 +275,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             picks.append(torch.where(local[1], picked, torch.zeros((), dtype=x.dtype)))
         picks = _all_reduce(what, mesh, dims, picks, "sum")
         losses = [
-            torch.where(t == ignore_index, 0.0, s.squeeze(cd) - p).to(x.dtype)
-            for s, p, t, x in zip(lse, picks, labels.pieces, parts, strict=True)
+            _scaled(torch.where(t == ignore_index, 0.0, s.squeeze(cd) - p).to(x.dtype), w)
+            for s, p, t, x, w in zip(lse, picks, labels.pieces, parts, scales, strict=True)
         ]
         ctx.save_for_backward(*lse, *parts)
-        ctx.state = (spec, labels.spec, labels.pieces, locals_, ignore_index)
+        ctx.state = (spec, labels.spec, labels.pieces, locals_, scales, ignore_index)
         out_spec = DTensorSpec(mesh, target.placements, contiguous_meta(target.shape, logits.dtype))
         return DTensor(losses, out_spec)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        spec, target_spec, targets, locals_, ignore_index = ctx.state
+        spec, target_spec, targets, locals_, scales, ignore_index = ctx.state
         grad = grad.redistribute(placements=target_spec.placements)
         cd = 0 if spec.ndim == 1 else 1
         n = len(targets)
         lses, xs = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
         out = []
-        parts = zip(xs, lses, local_of(grad).pieces, targets, locals_, strict=True)
-        for x, lse, g, t, (index, hit) in parts:
+        parts = zip(xs, lses, local_of(grad).pieces, targets, locals_, scales, strict=True)
+        for x, lse, g, t, (index, hit), w in parts:
             probs = (x - lse).exp()
             if x.shape[cd]:
                 probs = probs.scatter_add(
                     cd, index.unsqueeze(cd), -hit.to(probs.dtype).unsqueeze(cd)
                 )
-            scale = torch.where(t == ignore_index, 0.0, g).to(probs.dtype)
+            scale = _scaled(torch.where(t == ignore_index, 0.0, g).to(probs.dtype), w)
             out.append(probs * scale.unsqueeze(cd))
-        return DTensor(out, spec), None, None
+        return DTensor(out, spec), None, None, None
+
+
+def _scaled(per_row: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    return per_row if weight is None else per_row * weight
 
 
 def _row_max(x: torch.Tensor, cd: int) -> torch.Tensor:
