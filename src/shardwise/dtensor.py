@@ -106,7 +106,7 @@ class DTensor(torch.Tensor):
             if first.dtype != held and first.dtype.is_floating_point:
                 components = [c.to(held) for c in components]
         device = first.device if first is not None else spec.mesh.device_of(0)
-        out = new_wrapper(cls, spec, device, requires_grad)
+        out = new_wrapper(cls, spec, device, requires_grad, components)
         out._components = list(components)
         return out
 
