@@ -16,7 +16,7 @@ import torch
 from .. import execution
 from ..dtensor import DTensor
 from ..errors import ParallelPlanError
-from ..factories import distribute_tensor
+from ..factories import distribute_tensor, place_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
 from ..tracing import dynamo_opaque
@@ -95,7 +95,7 @@ def as_dtensor(
     elif x.requires_grad and torch.is_grad_enabled():
         dtensor = _Distribute.apply(x, mesh, tuple(placements))
     else:
-        dtensor = distribute_tensor(x, mesh, placements)
+        dtensor = place_tensor(x, mesh, placements)
     if key is not None:
         _WRAPPED[key] = _Wrapped(x, dtensor, key)
     return dtensor
