@@ -19,6 +19,7 @@ from ..errors import ParallelPlanError
 from ..factories import distribute_tensor, place_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
+from ..spec import validate_placements
 from ..tracing import dynamo_opaque
 
 
@@ -156,7 +157,11 @@ def _wrap_key(
 
 
 def to_layout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
-    """``x`` in ``placements`` (itself when it is already there)."""
+    """``x`` in ``placements``: itself when it is already there, as PyTorch's styles skip that
+    move (``redistribute`` to the same placements is an autograd step whose backward would
+    reduce a Partial gradient there, where the step before reduce-scatters it cheaper)."""
+    if validate_placements(x.shape, x.device_mesh, placements) == x.placements:
+        return x
     return x.redistribute(placements=placements)
 
 
