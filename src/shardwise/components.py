@@ -77,15 +77,22 @@ _strided = torch.strided
 
 
 def new_wrapper(
-    cls: type, spec: DTensorSpec, device: torch.device, requires_grad: bool = False
+    cls: type,
+    spec: DTensorSpec,
+    device: torch.device,
+    requires_grad: bool = False,
+    pieces: Sequence[torch.Tensor] = (),
 ) -> Any:
     """The one wrapper builder of every DTensor route (``DTensor()``, dispatch's outputs,
     pending DTensors): an instance of ``cls`` with ``spec``'s global shape, stride and dtype,
-    holding nothing yet (the caller sets its pieces)."""
+    holding nothing yet (the caller sets its pieces). Its ``storage_offset()`` is that of the
+    local tensor, as PyTorch's DTensor answers, when ``pieces`` is one tensor (this process's
+    one device); with several pieces, or none yet, there is no one local tensor: 0."""
     meta = spec.tensor_meta
+    offset = pieces[0].storage_offset() if len(pieces) == 1 else 0
     # positionally: size, strides, offset, format, dtype, layout, device, pin, requires_grad
-    out = _make_wrapper(cls, meta.shape, meta.stride, None, None, meta.dtype, _strided, device,
-                        False, requires_grad)
+    out = _make_wrapper(cls, meta.shape, meta.stride, offset, None, meta.dtype, _strided,
+                        device, False, requires_grad)
     out._spec = spec
     return out
 

@@ -522,7 +522,7 @@ def _new_dtensor(components: list[torch.Tensor], spec: DTensorSpec, orphan: bool
     checked (``_Entry.complete``), made directly. ``orphan``: None for an op that is not a
     view, else whether the view aliases a temporary copy (``_view_orphan`` present marks a
     view)."""
-    out = new_wrapper(DTensor, spec, components[0].device)
+    out = new_wrapper(DTensor, spec, components[0].device, False, components)
     out._components = components
     if orphan is not None:
         out._view_orphan = orphan

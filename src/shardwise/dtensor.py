@@ -106,7 +106,7 @@ class DTensor(torch.Tensor):
             if first.dtype != held and first.dtype.is_floating_point:
                 components = [c.to(held) for c in components]
         device = first.device if first is not None else spec.mesh.device_of(0)
-        out = new_wrapper(cls, spec, device, requires_grad)
+        out = new_wrapper(cls, spec, device, requires_grad, components)
         out._components = list(components)
         return out
 
@@ -302,8 +302,8 @@ class DTensor(torch.Tensor):
             return DTensor([], spec, requires_grad=self.requires_grad)
         if forward_dtype is not None or backward_dtype is not None:
             return _Redistribute.apply(self, target, forward_dtype, backward_dtype)
-        if target == self.placements:
-            return self
+        if target == self.placements and not (self.requires_grad and torch.is_grad_enabled()):
+            return self  # else, as PyTorch's, a step of its own (its backward may reduce)
         check_partials(self._spec.with_placements(target))
         if async_op:
             return redistribute_async(self, target)
@@ -583,7 +583,12 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        target = [Replicate() if p.is_partial() else p for p in ctx.source]
+        # PyTorch's rule: the gradient goes back to the source placements, a Partial dim as
+        # Replicate unless the gradient is that same Partial (then it passes, unreduced)
+        target = [
+            s if not s.is_partial() or g == s else Replicate()
+            for s, g in zip(ctx.source, grad.placements, strict=True)
+        ]
         backward_dtype, input_dtype = ctx.dtypes
         if backward_dtype is not None and backward_dtype != grad.dtype:
             grad = grad.to(backward_dtype)

@@ -33,6 +33,11 @@ class OpArgumentError(InvalidArgumentError, RuntimeError):
     PyTorch RuntimeError, so this is both a ``ValueError`` and a ``RuntimeError``."""
 
 
+class NonLeafTensorError(ShardwiseError, RuntimeError):
+    """``distribute_tensor`` got a tensor autograd made (not a leaf): a RuntimeError, as
+    PyTorch's ``distribute_tensor`` raises for it."""
+
+
 class LocalComponentsError(ShardwiseError, RuntimeError):
     """A single local tensor was asked for where the process owns several devices."""
 
@@ -218,6 +223,7 @@ __all__ = [
     "LayoutError",
     "LocalComponentsError",
     "MeshError",
+    "NonLeafTensorError",
     "NotEagerError",
     "OpArgumentError",
     "PackError",

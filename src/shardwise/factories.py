@@ -24,7 +24,7 @@ from .call_site import called_by_library
 from .comm import debug_checks_enabled
 from .components import check_partials, component_of, source_process
 from .dtensor import DTensor
-from .errors import InvalidArgumentError, InvalidPlacementError
+from .errors import InvalidArgumentError, InvalidPlacementError, MeshError, NonLeafTensorError
 from .mesh import DeviceMesh
 from .mesh_argument import mesh_or_current
 from .placements import Partial, Placement, Replicate
@@ -302,7 +302,61 @@ def distribute_tensor(
     its devices' pieces. With ``src_data_rank=None`` every process must already hold the same
     tensor and nothing moves (shapes are then compared only under debug checks). In one process
     nothing moves either way. Without ``device_mesh``, the current mesh (``with mesh:``).
+
+    As in PyTorch, ``tensor`` must be a leaf: one autograd made (``x + 2`` of an ``x`` that
+    requires grad) raises ``NonLeafTensorError`` (a ``RuntimeError``). A DTensor already on
+    ``device_mesh`` with ``placements`` comes back as it is; on another mesh or with other
+    placements it raises (``MeshError``, ``InvalidPlacementError``): ``redistribute`` moves it.
     """
+    device_mesh = mesh_or_current(device_mesh, "distribute_tensor")
+    if isinstance(tensor, torch.Tensor) and not tensor.is_leaf:
+        raise NonLeafTensorError(
+            f"distribute_tensor can only distribute leaf tensors, but the tensor of shape "
+            f"{list(tensor.shape)} to place on {device_mesh} with placements "
+            f"{list(placements) if placements is not None else 'Replicate()'} was made by "
+            f"autograd ({type(tensor.grad_fn).__name__}): pass tensor.detach() for a new "
+            f"leaf DTensor, or build it with DTensor.from_local from each rank's piece to "
+            f"keep the gradient flowing back to it"
+        )
+    if isinstance(tensor, DTensor):
+        return _placed_already(tensor, device_mesh, placements)
+    return place_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+
+
+def _placed_already(
+    dtensor: DTensor, mesh: DeviceMesh, placements: Sequence[Placement] | None
+) -> DTensor:
+    """``distribute_tensor`` of a DTensor, as PyTorch's: itself where it is already placed so."""
+    if dtensor.device_mesh != mesh:
+        raise MeshError(
+            f"distribute_tensor got a DTensor of shape {list(dtensor.shape)} on "
+            f"{dtensor.device_mesh} with placements {list(dtensor.placements)}: it cannot be "
+            f"distributed to a different device mesh {mesh}; use dt.redistribute({mesh}, "
+            f"placements) to move it there"
+        )
+    target = validate_placements(
+        dtensor.shape, mesh, placements if placements is not None else [Replicate()] * mesh.ndim
+    )
+    if target != dtensor.placements:
+        raise InvalidPlacementError(
+            f"distribute_tensor got a DTensor of shape {list(dtensor.shape)} on {mesh} with "
+            f"placements {list(dtensor.placements)}: it cannot be distributed to a different "
+            f"placements {list(target)}; use dt.redistribute(placements={list(target)})"
+        )
+    return dtensor
+
+
+@dynamo_opaque
+def place_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """``distribute_tensor`` for shardwise's own layers, which also place tensors autograd made
+    (a plain operand among DTensors inside dispatch, a module's input batch): the value is
+    placed as a new DTensor with the tensor's ``requires_grad``, no autograd edge back to it."""
     device_mesh = mesh_or_current(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         raise InvalidPlacementError(

@@ -24,7 +24,7 @@ from . import execution, settings
 from .call_site import call_site
 from .dtensor import DTensor, local_of
 from .errors import ImplicitRedistributeError, MeshError
-from .factories import distribute_tensor
+from .factories import place_tensor
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, norm_order
 from .redistribute import execute_plan, move, plan_redistribute
@@ -101,7 +101,7 @@ def implicitly_replicated(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> 
     real size."""
     if _refused(func, tensor, mesh):
         raise _refusal(func, tensor, mesh)
-    return distribute_tensor(tensor, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+    return place_tensor(tensor, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
 
 
 # ----- composite ops whose decomposition makes plain tensors -----------------------------------

@@ -308,8 +308,8 @@ class _Round:
                 message[_INLINE_AT : _INLINE_AT + payload.numel()] = payload
             works.append(post_send(message.to(device), key[1], key[0], protocol.HEADER_TAG))
         self._wait(works)
-        inline = {
-            key: theirs[key][_INLINE_AT : _INLINE_AT + sum(parts)]
+        inline = {  # copied out of the header (small), so what arrives owns its storage
+            key: theirs[key][_INLINE_AT : _INLINE_AT + sum(parts)].clone()
             for key, parts in self.incoming.items()
             if _fits(sum(parts), key[0])
         }  # counted with the round they belong to

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..dtensor import DTensor
-from ..factories import distribute_tensor, keeps_value
+from ..factories import keeps_value, place_tensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Shard
 from ..spec import DTensorSpec
@@ -305,7 +305,7 @@ def _mesh_of(args: Sequence[Any]) -> DeviceMesh | None:
 def _replicated(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     if isinstance(t, DTensor):
         return t
-    return distribute_tensor(t, mesh, [R] * mesh.ndim, src_data_rank=None)
+    return place_tensor(t, mesh, [R] * mesh.ndim, src_data_rank=None)
 
 
 def _plain_to_replicate(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

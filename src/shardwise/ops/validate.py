@@ -24,7 +24,7 @@ import torch
 from .. import settings
 from ..dtensor import DTensor, local_of
 from ..errors import InvalidArgumentError, InvalidPlacementError, StrategyValidationError
-from ..factories import distribute_tensor
+from ..factories import place_tensor
 from ..mesh import DeviceMesh, init_device_mesh
 from ..op_inputs import allow_implicit_redistribute
 from ..placements import Partial, Placement, Replicate, Shard, norm_order
@@ -80,12 +80,12 @@ def adversarial_components(
     partial_dims = [m for m, p in enumerate(placements) if isinstance(p, Partial)]
     kinds = {placements[m].reduce_op for m in partial_dims}
     if not partial_dims or len(kinds) > 1 or tensor.dtype == torch.bool:
-        return distribute_tensor(tensor, mesh, placements)
+        return place_tensor(tensor, mesh, placements)
     (kind,) = kinds
     if kind == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
-        return distribute_tensor(tensor, mesh, placements)
+        return place_tensor(tensor, mesh, placements)
     base = [Replicate() if isinstance(p, Partial) else p for p in placements]
-    dt = distribute_tensor(tensor, mesh, base)
+    dt = place_tensor(tensor, mesh, base)
     gen = torch.Generator().manual_seed(seed)
     comps = list(local_of(dt).pieces)
     # devices that differ only on Replicate mesh dims must hold the same piece: split once per

@@ -16,9 +16,10 @@ import torch
 from .. import execution
 from ..dtensor import DTensor
 from ..errors import ParallelPlanError
-from ..factories import distribute_tensor
+from ..factories import distribute_tensor, place_tensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate
+from ..spec import validate_placements
 from ..tracing import dynamo_opaque
 
 
@@ -95,7 +96,7 @@ def as_dtensor(
     elif x.requires_grad and torch.is_grad_enabled():
         dtensor = _Distribute.apply(x, mesh, tuple(placements))
     else:
-        dtensor = distribute_tensor(x, mesh, placements)
+        dtensor = place_tensor(x, mesh, placements)
     if key is not None:
         _WRAPPED[key] = _Wrapped(x, dtensor, key)
     return dtensor
@@ -156,7 +157,11 @@ def _wrap_key(
 
 
 def to_layout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
-    """``x`` in ``placements`` (itself when it is already there)."""
+    """``x`` in ``placements``: itself when it is already there, as PyTorch's styles skip that
+    move (``redistribute`` to the same placements is an autograd step whose backward would
+    reduce a Partial gradient there, where the step before reduce-scatters it cheaper)."""
+    if validate_placements(x.shape, x.device_mesh, placements) == x.placements:
+        return x
     return x.redistribute(placements=placements)
 
 

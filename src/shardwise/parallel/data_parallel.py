@@ -35,7 +35,7 @@ from ..comm.native import Pending
 from ..dtensor import DTensor, build, local_of, set_local
 from ..errors import DataParallelError
 from ..execution import View, of, per_rank, plain_view
-from ..factories import distribute_tensor
+from ..factories import distribute_tensor, place_tensor
 from ..geometry import chunk_sizes
 from ..mesh import DeviceMesh, init_device_mesh
 from ..mesh_argument import require_mesh
@@ -324,7 +324,7 @@ def shard_batch(dp: DataParallelDims, args: tuple, kwargs: dict) -> tuple[tuple,
 
     def place(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > 0:
-            return distribute_tensor(x, dp.mesh, placements)
+            return place_tensor(x, dp.mesh, placements)
         return x
 
     return tree_map(place, args), tree_map(place, kwargs)
