@@ -47,6 +47,12 @@ try:
     dt.no_such_name
 except AttributeError as err:
     print("AttributeError", "no shardwise counterpart" in str(err))
+import torch.distributed.tensor._random as torch_random
+try:
+    torch_random._rng_tracker
+except AttributeError as err:
+    print("answers only is_rng_supported_mesh, manual_seed" in str(err), "answers ;" in str(err))
+print(torch_random.is_rng_supported_mesh(shardwise.init_device_mesh("cpu", (2,))))
 """
 
 
@@ -62,6 +68,8 @@ def test_torch_names_resolve_to_shardwise_and_fsdp1_stays_torchs(tmp_path: Path)
         "torch.distributed.fsdp.fully_sharded_data_parallel",
         "shardwise.geometry shardwise.debug",
         "AttributeError True",
+        "True False",
+        "True",
     ]
 
 

@@ -164,10 +164,41 @@ def test_index_select_sharded_index_moves_nothing() -> None:
     assert torch.equal(out.full_tensor(), x.index_select(0, IDX7))
 
 
-def test_gather_on_sharded_dim_is_explicit() -> None:
+@pytest.mark.parametrize(
+    ("mesh_shape", "placements", "out_placements"),
+    [
+        ((3,), [Shard(1)], (Partial(),)),  # uneven pieces of the gather dim
+        ((2, 2), [Shard(1), Shard(0)], (Partial(), Shard(0))),
+        ((2, 2), [Shard(1), Shard(1)], (Partial(), Partial())),
+    ],
+)
+def test_gather_on_sharded_dim_is_a_masked_partial_sum(mesh_shape, placements, out_placements):
+    """``self`` sharded on the gather dim, index replicated: each device reads the positions it
+    holds and writes zeros elsewhere, a Partial("sum") result with nothing moved (PyTorch's
+    masked gather); values and the gradient of ``self`` as on one device."""
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    x = _t(6, 7, 4).requires_grad_()
+    index = torch.randint(0, 7, (6, 5, 4), generator=_gen(2))
+    dx = sw.distribute_tensor(x.detach(), mesh, placements).requires_grad_()
+    di = sw.distribute_tensor(index, mesh, [Replicate()] * len(mesh_shape))
+    with sw.debug.CommCounter() as counter:
+        out = dx.gather(1, di)
+    assert counter.total_bytes == 0 and out.placements == out_placements
+    expected = x.gather(1, index)
+    assert torch.equal(out.full_tensor(), expected)
+    weights = _t(6, 5, 4, seed=3)
+    (expected * weights).sum().backward()
+    dw = sw.distribute_tensor(weights, mesh, [Replicate()] * len(mesh_shape))
+    with sw.config.allow_implicit_redistribute():
+        (out * dw).sum().backward()
+    assert torch.allclose(dx.grad.full_tensor(), x.grad)
+
+
+def test_gather_needing_a_move_is_explicit() -> None:
+    """``self`` and the index both sharded on the gather dim: one of them must move."""
     mesh = sw.init_device_mesh("cpu", (2,))
     dx = sw.distribute_tensor(_t(5, 3), mesh, [Shard(0)])
-    di = sw.distribute_tensor(torch.zeros(2, 3, dtype=torch.int64), mesh, [Replicate()])
+    di = sw.distribute_tensor(torch.zeros(2, 3, dtype=torch.int64), mesh, [Shard(0)])
     with pytest.raises(sw.errors.ImplicitRedistributeError, match="gather"):
         dx.gather(0, di)
 

@@ -216,3 +216,19 @@ def test_dtype_keyword_keys_the_sharding_cache() -> None:
     assert ints.dtype == ints.full_tensor().dtype == torch.int64
     assert torch.zeros_like(x).dtype == torch.float32
     assert torch.zeros_like(x, dtype=torch.float64).full_tensor().dtype == torch.float64
+
+
+def test_is_same_size_compares_global_shapes_without_moves() -> None:
+    """``is_same_size`` answers as single-device torch does on the global tensors, whatever the
+    placements, with no collective; a plain tensor on either side is compared by its shape."""
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    shapes = [(8, 4), (8, 4), (8, 6), (4, 4)]
+    layouts = [[Shard(0), Shard(1)], [Replicate(), Partial()], [Shard(1), Replicate()],
+               [Replicate(), Replicate()]]
+    tensors = [_t(*s, seed=k) for k, s in enumerate(shapes)]
+    dts = [sw.distribute_tensor(t, mesh, p) for t, p in zip(tensors, layouts, strict=True)]
+    with sw.debug.CommCounter() as counter:
+        for i, j in [(0, 1), (0, 2), (1, 3), (2, 2)]:
+            assert dts[i].is_same_size(dts[j]) == tensors[i].is_same_size(tensors[j])
+        assert dts[0].is_same_size(tensors[1]) and not tensors[3].is_same_size(dts[0])
+    assert dict(counter.counts) == {}

@@ -7,7 +7,11 @@ process groups, torch's own DeviceMesh run beside ours."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -401,3 +405,32 @@ def test_size_one_groups_and_collectives_on_dtensors_across_two_processes():
         assert "redistribute(placements=[Replicate()])" in out["all_reduce"]
         assert "full_tensor()" in out["all_gather"]
         assert out["to_local_still_works"]
+
+
+FAKE_BACKEND = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import shardwise as sw
+from shardwise import Replicate, Shard
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+mesh = sw.init_device_mesh("cpu", (2, 2))
+dt = sw.DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0), Shard(1)])
+full = dt.redistribute(mesh, [Replicate(), Replicate()])
+back = full.redistribute(mesh, [Shard(0), Shard(1)])
+print(tuple(dt.shape), tuple(full.to_local().shape), tuple(back.to_local().shape))
+dist.destroy_process_group()
+"""
+
+
+def test_meshes_on_torchs_fake_backend_make_no_gloo_groups() -> None:
+    """Shape-only programs on PyTorch's ``fake`` process group (rank 0 of a world of 4 in one
+    process, as torch's tests and torchtitan's dry runs use it): sub-mesh groups and the
+    host-check groups stay on the fake backend (a gloo group has no peers to meet there), so
+    redistributions run and give the global and local shapes."""
+    src = Path(__file__).resolve().parent.parent / "src"
+    result = subprocess.run(
+        [sys.executable, "-c", FAKE_BACKEND], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(src)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[0] == "(4, 6) (4, 6) (2, 3)"

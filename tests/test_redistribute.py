@@ -192,6 +192,25 @@ def test_from_replicate_moves_nothing(target: list[Placement]) -> None:
     assert sum(counter.counts.values()) == 0
 
 
+
+@pytest.mark.parametrize("async_op", [False, True])
+@pytest.mark.parametrize(
+    "target", [[Shard(0)], [Shard(1)], [InterleavedShard(1, 3)], [Partial()], [Partial("max")]]
+)
+def test_redistribute_result_does_not_alias_its_source(
+    target: list[Placement], async_op: bool
+) -> None:
+    """As in PyTorch (whose local chunks are cloned), a local cut gives dense tensors of their
+    own: an in-place op on the result leaves the source alone, on every device (a view would
+    write into one replica's rows and leave the replicas differing)."""
+    dt = sw.distribute_tensor(X, MESH4, [Replicate()])
+    out = dt.redistribute(MESH4, target, async_op=async_op)
+    out.zero_()
+    assert all(torch.equal(c, X) for c in sw.local_components(dt))
+    assert all(c.is_contiguous() for c in sw.local_components(out))
+    assert torch.equal(out.full_tensor(), torch.zeros_like(X))
+
+
 def test_uneven_all_gather_bytes_are_exact() -> None:
     dt = sw.distribute_tensor(torch.arange(5.0), MESH4, [Shard(0)])
     plan, counter, total = _run(dt, [Replicate()])

@@ -93,3 +93,49 @@ def test_local_tensor_is_the_component_itself() -> None:
     assert torch.equal(one.full_tensor(), torch.arange(3.0) * 2)
     assert one._local_tensor.data_ptr() == one.to_local().data_ptr()
     assert one._local_tensor.grad_fn is None
+
+
+class _SizesOnly:
+    """A mesh that only answers ``size(mesh_dim)``, as torch's helpers read it."""
+
+    def __init__(self, *sizes: int) -> None:
+        self.sizes = sizes
+
+    def size(self, mesh_dim: int) -> int:
+        return self.sizes[mesh_dim]
+
+
+@pytest.mark.parametrize("perm", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
+def test_global_and_local_tensor_info_match_torch(perm: tuple[int, ...]) -> None:
+    """``_utils.compute_global_tensor_info`` / ``compute_local_tensor_info`` (answered by
+    shardwise.geometry through the switch) give torch's shapes and strides, for permuted local
+    tensors and every pair of placements over a (2, 3) mesh; the local info inverts the
+    global one."""
+    from shardwise.geometry import compute_global_tensor_info, compute_local_tensor_info
+
+    mesh = _SizesOnly(2, 3)
+    options = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
+    for placements in itertools.product(options, repeat=2):
+        local = torch.empty(4, 6, 6).permute(*perm)
+        torch_places = [_torch(p) for p in placements]
+        expected = torch_utils.compute_global_tensor_info(local, mesh, torch_places)
+        got = compute_global_tensor_info(local, mesh, list(placements))
+        assert [list(x) for x in got] == [list(x) for x in expected], placements
+        full = torch.empty_strided(*got)
+        back = compute_local_tensor_info(full, mesh, list(placements))
+        expected_back = torch_utils.compute_local_tensor_info(full, mesh, torch_places)
+        assert [list(x) for x in back] == [list(x) for x in expected_back], placements
+        assert [list(x) for x in back] == [list(local.shape), list(local.stride())]
+
+
+def test_tensor_info_errors_name_the_layout() -> None:
+    from shardwise.geometry import compute_global_tensor_info, compute_local_tensor_info
+
+    class Other(sw.placements.Placement):
+        pass
+
+    with pytest.raises(sw.errors.UnsupportedOpError, match="only shards") as err:
+        compute_global_tensor_info(torch.empty(2), _SizesOnly(2), [Other()])
+    assert isinstance(err.value, RuntimeError)  # torch raises a RuntimeError here
+    with pytest.raises(sw.errors.InvalidPlacementError, match="size 5 .* mesh dim of size 2"):
+        compute_local_tensor_info(torch.empty(5, 2), _SizesOnly(2), [Shard(0)])

@@ -57,6 +57,12 @@ def _manual_seed(seed: int, device_mesh: Any = None) -> None:
     manual_seed(seed)
 
 
+def _is_rng_supported_mesh(device_mesh: Any) -> bool:
+    """torch's ``tensor._random.is_rng_supported_mesh(mesh)`` (False on CPU meshes in torch):
+    shardwise draws each shard's numbers from its own stream on every device type."""
+    return True
+
+
 def _shard_tensor(full_tensor: Any, placements: Any, device_mesh: Any = None) -> Any:
     """torch's ``tensor._api._shard_tensor``: every process holds the whole tensor and keeps its
     own shard of it, without communication (``distribute_tensor(..., src_data_rank=None)``)."""
@@ -67,7 +73,10 @@ def _shard_tensor(full_tensor: Any, placements: Any, device_mesh: Any = None) ->
 
 # names answered here, before the modules of SHIMS
 _OWN: dict[str, dict[str, Any]] = {
-    "torch.distributed.tensor._random": {"manual_seed": _manual_seed},
+    "torch.distributed.tensor._random": {
+        "manual_seed": _manual_seed,
+        "is_rng_supported_mesh": _is_rng_supported_mesh,
+    },
 }
 # torch modules that stay torch's (above: ``_api``) but whose names below answer shardwise's
 _PATCHED: dict[str, dict[str, Any]] = {
@@ -97,9 +106,12 @@ class _Shim(types.ModuleType):
             return [n for n in names if self._lookup(n) is not _MISSING]
         value = self._lookup(name)
         if value is _MISSING:
+            answers = ", ".join(self.__dict__["_sources"]) or "only " + ", ".join(
+                sorted(_OWN.get(self.__name__, {}))
+            )
             raise AttributeError(
                 f"shardwise.as_torch: {self.__name__}.{name} has no shardwise counterpart "
-                f"(shardwise answers {', '.join(self.__dict__['_sources'])}; see "
+                f"(shardwise answers {answers}; see "
                 f"docs/api_map.md, 'Running existing PyTorch libraries')"
             )
         return value

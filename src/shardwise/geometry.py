@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from .caches import PER_LAYOUT, PER_PIECE, PER_SEGMENT, cached
-from .errors import InvalidPlacementError
+from .errors import InvalidPlacementError, UnsupportedOpError
 from .placements import (
     InterleavedShard,
     Partial,
     Placement,
     RaggedShard,
+    Replicate,
     Shard,
     normalize_placement,
 )
@@ -129,6 +130,53 @@ def compute_local_shape_and_global_offset(
     )
     return sizes, offsets
 
+
+
+def _even_shard_dims(
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> Iterator[tuple[int, int]]:
+    """(tensor dim, mesh dim size) of each placement that shards, in mesh-dim order; only
+    ``mesh.size(m)`` is read. Other placements than shards, Replicate and Partial raise."""
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            yield p.dim % max(len(shape), 1), mesh.size(m)
+        elif not isinstance(p, (Replicate, Partial)):
+            raise UnsupportedOpError(
+                f"placement {p!r} (mesh dim {m}) of a tensor of shape {list(shape)}: only shards, "
+                f"Replicate and Partial have a global or local tensor info"
+            )
+
+
+def compute_global_tensor_info(
+    tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[list[int], list[int]]:
+    """PyTorch's ``_utils`` helper: the global shape and stride of a DTensor whose every device
+    holds a piece like ``tensor`` (even shards). A mesh dim of size n sharding tensor dim d
+    multiplies d's size by n, and by n every other stride at least as large as d's."""
+    shape, stride = list(tensor.shape), list(tensor.stride())
+    for d, n in _even_shard_dims(shape, mesh, placements):
+        shape[d] *= n
+        stride = [s * n if i != d and s >= stride[d] else s for i, s in enumerate(stride)]
+    return shape, stride
+
+
+def compute_local_tensor_info(
+    global_tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[list[int], list[int]]:
+    """PyTorch's ``_utils`` helper, the inverse of ``compute_global_tensor_info``: the shape and
+    stride of each device's piece of ``global_tensor`` (each sharded dim divisible by its
+    mesh dims' sizes)."""
+    shape, stride = list(global_tensor.shape), list(global_tensor.stride())
+    for d, n in _even_shard_dims(shape, mesh, placements):
+        if shape[d] % n:
+            raise InvalidPlacementError(
+                f"dim {d} of size {shape[d]} of a tensor of shape {list(global_tensor.shape)} "
+                f"does not split evenly over a mesh dim of size {n} (placements "
+                f"{list(placements)})"
+            )
+        shape[d] //= n
+        stride = [s // n if i != d and s >= stride[d] * n else s for i, s in enumerate(stride)]
+    return shape, stride
 
 @cached(PER_SEGMENT)
 def shard_segments(

@@ -189,9 +189,10 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
 def side_group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     """A gloo group over ``ranks`` for what the host checks beside the data (the agreement of
     ``comm/agreement.py``): the data's own group where that is gloo, else one of its own, so
-    a check never waits on an accelerator."""
+    a check never waits on an accelerator. On torch's ``fake`` backend (no peers, nothing
+    to wait on; no store a gloo group could meet on) the data's own group."""
     group = group_for_ranks(ranks)
-    if dist.get_backend(group) == "gloo":
+    if dist.get_backend(group) in ("gloo", "fake"):
         return group
     return _process_groups.get().get(("gloo", *ranks)) or _made(ranks, "gloo")
 

@@ -3,7 +3,9 @@ advanced indexing (``index.Tensor``, ``index_put``).
 
 Index tensors hold *global* positions along the indexed dim, so that dim of the indexed tensor
 must be whole on every device (Replicate or Partial there), while the index tensor itself may
-be sharded: each device then handles its share of the positions. Scatters into a Partial("sum")
+be sharded: each device then handles its share of the positions. ``gather`` also reads a
+``self`` sharded on ``dim`` through a replicated index: each device reads the positions it
+holds, zeros elsewhere, a Partial("sum") result. Scatters into a Partial("sum")
 output let every device add its share (``scatter_add``, ``index_add``, ``index_put`` with
 ``accumulate``): the gradients of gather, index_select and indexing stay sharded this way.
 """
@@ -38,6 +40,7 @@ from .registry import (
     OpStrategy,
     RuntimeSchemaInfo,
     register_local_args,
+    register_local_call,
     register_op_strategy,
     register_pre_patch,
 )
@@ -84,10 +87,11 @@ def _same_size_dims(shapes: Sequence[Sequence[int]], skip: int) -> list[int]:
     return [d for d in range(ndim) if d != skip and len({tuple(s)[d] for s in shapes}) == 1]
 
 
-def _self_aligned(combo: Sequence[DimOption], others: Sequence[int]) -> bool:
-    """Dims sharded on ``self`` (input 0) are sharded over the same mesh dims on the others."""
+def _self_aligned(combo: Sequence[DimOption], others: Sequence[int], skip: int = -1) -> bool:
+    """Dims sharded on ``self`` (input 0), ``skip`` aside, are sharded over the same mesh dims
+    on the others."""
     tensors = per_tensor(combo)
-    dims = {p.dim for p in tensors[0] if isinstance(p, Shard)}
+    dims = {p.dim for p in tensors[0] if isinstance(p, Shard) and p.dim != skip}
     return all(aligned(tensors[0], tensors[i], sorted(dims)) for i in others)
 
 
@@ -96,7 +100,10 @@ def gather_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     """The output has the index's shape. Per mesh dim: index sharded on ``dim`` with ``self``
     replicated (positions along ``dim`` are global); ``self`` and index sharded together on
     another dim where their sizes agree (elsewhere ``index[i]`` reads row ``i`` of ``self``, so
-    the rows must match); ``self`` Partial with the index replicated; or all replicated."""
+    the rows must match); ``self`` Partial with the index replicated; ``self`` sharded on
+    ``dim`` with the index replicated, a Partial("sum") output (each device reads the positions
+    it holds and writes zeros elsewhere: a masked gather, see ``_masked_gather``); or all
+    replicated."""
     src, index = input_strategies(schema)
     dim = _dim(schema, src.ndim)
     options: list[DimOption] = [((R, R), (R,))]
@@ -105,7 +112,36 @@ def gather_strategy(mesh: DeviceMesh, schema: OpSchema) -> OpStrategy:
     together = _same_size_dims([src.shape, index.shape], dim)
     options += [((Shard(d), Shard(d)), (Shard(d),)) for d in together]
     options += [((p, R), (p,)) for p in _linear_partials(src.output_spec.placements, False)]
-    return product_strategy(mesh, options, valid=lambda c: _self_aligned(c, [1]))
+    if src.ndim:
+        options.append(((Shard(dim), R), (SUM,)))
+    return product_strategy(mesh, options, valid=lambda c: _self_aligned(c, [1], skip=dim))
+
+
+def _masked_gather(
+    kernel: Any, args: tuple, kwargs: dict, specs: list[DTensorSpec], _out: Any, device: int
+) -> torch.Tensor:
+    """``self`` sharded on ``dim``: the index's global positions that this device holds read
+    its piece (shifted to local positions), the others give zeros, so the pending sum over the
+    devices splitting ``dim`` is the gathered value."""
+    piece, dim, index = args[0], args[1] % max(args[0].ndim, 1), args[2]
+    spec = specs[0]
+    if not any(isinstance(p, Shard) and p.dim == dim for p in spec.placements):
+        return kernel(*args, **kwargs)
+    size = spec.shape[dim]
+    local = torch.full((size,), -1, dtype=torch.long, device=index.device)
+    held = 0
+    for begin, end in spec.local_segments(device)[dim]:
+        local[begin:end] = torch.arange(held, held + end - begin, device=index.device)
+        held += end - begin
+    if held == 0:
+        return piece.new_zeros(index.shape)
+    positions = local[index]
+    found = positions >= 0
+    out = kernel(piece, dim, positions.clamp(min=0), *args[3:], **kwargs)
+    return out.masked_fill_(~found, 0)
+
+
+register_local_call(aten.gather.default, _masked_gather)
 
 
 SCATTER_SRC = [aten.scatter.src, aten.scatter_.src]

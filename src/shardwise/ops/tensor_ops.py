@@ -28,6 +28,7 @@ from .registry import (
     OpSchema,
     OpStrategy,
     RuntimeSchemaInfo,
+    bypass_dispatch,
     register_local_args,
     register_op_strategy,
 )
@@ -164,6 +165,18 @@ def _new_factory_local(
 
 
 register_local_args(NEW_ZEROS_LIKE + NEW_VALUE, _new_factory_local)
+
+
+# ----- is_same_size ----------------------------------------------------------------------------
+
+
+def _is_same_size(_op: Any, args: tuple, _kwargs: dict) -> bool:
+    """``a.is_same_size(b)`` compares the global shapes (a DTensor's or a plain tensor's):
+    a question about metadata every process already holds, so nothing moves."""
+    return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+bypass_dispatch(aten.is_same_size.default, _is_same_size)
 
 
 # ----- fill_ and copy_ -----------------------------------------------------------------------

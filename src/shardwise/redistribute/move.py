@@ -39,12 +39,37 @@ def run_plan(
     what: What, op: What, spec: Any, plan: RedistributePlan, components: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
     """The components of a DTensor of ``spec`` moved by ``plan``, for the operation ``op``
-    (the budgets are checked against the plan first)."""
+    (the budgets are checked against the plan first), as new tensors (``_own``)."""
     with (
         comm.moving(what, spec=lambda: redistribution(spec, tuple(plan.target))),
         budget.around(op, [("the DTensor", spec, plan)]),
     ):
-        return execute_plan(plan, spec.mesh, components)
+        return _own(plan, components, execute_plan(plan, spec.mesh, components))
+
+
+def _own(
+    plan: RedistributePlan, before: Sequence[torch.Tensor], after: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """A redistribution that moves anything gives tensors of their own, as PyTorch's (whose
+    local chunks are cloned, dense): a piece cut locally (Replicate -> Shard, or the value a
+    Partial target keeps) would otherwise be a view of the source, and an in-place op on the
+    result would write into the source's components. A collective's output is already new."""
+    if not any(step.collective == "local" for step in plan.steps):
+        return after
+    sources = {_storage(c) for c in before} - {None}
+    return [
+        c.clone(memory_format=torch.contiguous_format) if _storage(c) in sources else c
+        for c in after
+    ]
+
+
+def _storage(t: Any) -> int | None:
+    """Where ``t``'s memory starts; None for what has none to read yet (an issued
+    collective's pending output)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def submit_plan(
@@ -56,7 +81,7 @@ def submit_plan(
 
     def job() -> list[torch.Tensor]:
         with comm.moving(what, spec=lambda: redistribution(spec, tuple(plan.target))):
-            return execute_plan(plan, spec.mesh, components)
+            return _own(plan, components, execute_plan(plan, spec.mesh, components))
 
     with budget.around(op, [("the DTensor", spec, plan)]):
         start = background.issue if issues_async(plan, spec.mesh) else background.submit
