@@ -170,3 +170,48 @@ def test_gloo_gathers_never_overlap_on_one_group() -> None:
     for rank, got in enumerate(run_in_processes(_overlapping_gathers, 2, timeout=120)):
         assert got["equal"] == [True] * 3, rank
         assert got["in_flight"] == [0, 0, 0], (rank, got["in_flight"])
+
+
+def _fsdp_backward() -> dict:
+    """Three fully_shard units (no prefetch, parameters kept gathered after forward, so
+    backward issues reduce-scatters only): the collectives in flight when the first layer's
+    gradient arrives (the later units' reduce-scatters, issued mid-backward), the same after
+    backward, and the gradients against one device's."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from shardwise.parallel import fully_shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = sw.init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                              nn.Linear(8, 4))
+    model = nn.Sequential(*[m for m in __import__("copy").deepcopy(reference)])
+    for layer in model[::2]:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    model.set_implicit_prefetch(0, 0)
+    batch = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(1))
+    in_flight: list[int] = []
+    registry = torch._C._distributed_c10d._get_work_registry_size
+    model[0].weight.register_hook(lambda g: in_flight.append(registry()))
+    model(batch.chunk(world)[rank]).pow(2).mean().backward()
+    after = registry()
+    reference(batch).pow(2).mean().backward()
+    close = [torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-6)
+             for p, q in zip(model.parameters(), reference.parameters(), strict=True)]
+    plain = [type(p.grad.to_local()) is torch.Tensor for p in model.parameters()]
+    return {"in_flight": in_flight, "after": after, "close": close, "plain": plain}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fully_shard_leaves_gradient_reduce_scatters_in_flight(world: int) -> None:
+    """As FSDP2's reduce-scatter stream: a unit's packed gradient reduce-scatter is issued
+    when its last gradient arrives and left in flight while backward computes the earlier
+    units' gradients (the blocking reduction had none in flight there); when backward ends
+    every one is waited and each gradient is a plain local tensor with one device's value."""
+    for rank, got in enumerate(run_in_processes(_fsdp_backward, world, timeout=180)):
+        assert got["in_flight"] and got["in_flight"][0] >= 2, (rank, got["in_flight"])
+        assert got["after"] == 0, (rank, got)
+        assert all(got["close"]) and all(got["plain"]), (rank, got)

@@ -159,21 +159,28 @@ def all_gather_tensor(
 
 
 def reduce_scatter(
-    mesh: DeviceMesh, mesh_dim: int, pieces: Sequence[Sequence[torch.Tensor]], op: str = "sum"
-) -> list[torch.Tensor]:
+    mesh: DeviceMesh, mesh_dim: int, pieces: Sequence[Sequence[torch.Tensor]], op: str = "sum",
+    async_op: bool = False,
+) -> list[torch.Tensor] | native.Pending[list[torch.Tensor]]:
     """``pieces[i][k]`` is local device i's contribution to group member k; member k gets the
-    reduction of what every member addressed to it (a p-norm as in ``all_reduce``)."""
+    reduction of what every member addressed to it (a p-norm as in ``all_reduce``).
+    ``async_op``: a ``native.Pending`` whose ``finish()`` waits for the backend collectives
+    issued here (the other transports are done at once); counted when issued."""
     norm = norm_terms(op)
     if norm is not None:
         base, before, after = norm
         reduced = reduce_scatter(mesh, mesh_dim, [[before(t) for t in p] for p in pieces], base)
-        return [after(r, p[0].dtype) for r, p in zip(reduced, pieces, strict=True)]
-    out: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
+        done = [after(r, p[0].dtype) for r, p in zip(reduced, pieces, strict=True)]
+        return native.Pending(lambda: done) if async_op else done
+    out: list = [torch.empty(0)] * len(pieces)
     groups, traffic = _run(out, mesh, mesh_dim, lambda t, carried: t.reduce_scatter(
-        mesh, mesh_dim, carried, pieces, op))
+        mesh, mesh_dim, carried, pieces, op, not async_op))
     received = _per_piece_received(groups, pieces, accounting.reduce_scatter_received)
     _record("reduce_scatter", mesh_dim, received, traffic, mesh)
-    return out
+    if not async_op:
+        return out
+    return native.Pending(lambda: [o.finish() if isinstance(o, native.Pending) else o
+                                   for o in out])
 
 
 def all_to_all(

@@ -153,10 +153,11 @@ class _Backend:
             _gloo_gathers.get()[self.name] = ref(issued)
         return issued
 
-    def wait(self, issued: torch.Tensor) -> torch.Tensor:
-        """Wait for a collective that ``issue`` started; under ``WAIT_AT_FIRST_USE`` (eager),
-        its result unwaited instead, an ``AsyncCollectiveTensor`` that waits at first use."""
-        if settings.WAIT_AT_FIRST_USE.get() and not _tracing():
+    def wait(self, issued: torch.Tensor, now: bool = False) -> torch.Tensor:
+        """Wait for a collective that ``issue`` started; under ``WAIT_AT_FIRST_USE`` (eager)
+        and not ``now``, its result unwaited instead, an ``AsyncCollectiveTensor`` that waits
+        at first use."""
+        if not now and settings.WAIT_AT_FIRST_USE.get() and not _tracing():
             return AsyncCollectiveTensor(issued)
         with self._errors():
             return _functional.wait_tensor(issued)
@@ -427,26 +428,26 @@ def reduce_scatter(
     groups: Sequence[Group],
     pieces: Sequence[Sequence[torch.Tensor]],
     op: str,
-) -> tuple[dict[int, torch.Tensor], Traffic]:
+    wait: bool = True,
+) -> tuple[dict[int, Any], Traffic]:
     """Member k gets the reduction of every member's ``pieces[.][k]``: one
     ``reduce_scatter_tensor`` of the pieces padded to the largest, or, in coordinate order, an
-    all_to_all of the pieces combined here."""
+    all_to_all of the pieces combined here (``wait=False``: each result a ``Pending``, the
+    backend's collective issued and not waited; an average is divided when it is finished)."""
     sample = pieces[0][0]
     call = _call("reduce_scatter", mesh, mesh_dim, groups, sample, f"({op})")
     call.check(lambda g: {"piece shapes": [list(p.shape) for p in pieces[first_local(g)]]})
-    out = {}
+    out: dict[int, Any] = {}
     for group in sorted(groups):
         g = _Backend(call, group)
         mine = pieces[g.local]
         finish_check = g.agree(sample.device, op=op, shapes=[list(p.shape) for p in mine])
-        if not _backend_reduces(op, sample.dtype):
-            out[g.local] = g.ordered_reduce_scatter(mine, op)
-            finish_check()
-            continue
         width = max(p.numel() for p in mine)
-        if width == 0:
-            out[g.local] = finish(mine[g.k].clone(), op, g.n, sample.dtype)
+        if not _backend_reduces(op, sample.dtype) or width == 0:
+            value = (g.ordered_reduce_scatter(mine, op) if width else
+                     finish(mine[g.k].clone(), op, g.n, sample.dtype))
             finish_check()
+            out[g.local] = value if wait else Pending(lambda value=value: value)
             continue
         ordered = [mine[j] for j in g.member_at]  # the backend scatters in rank order
         if all(p.numel() == width for p in ordered):
@@ -456,16 +457,23 @@ def reduce_scatter(
             for at, p in enumerate(ordered):
                 flat[at * width : at * width + p.numel()] = p.reshape(-1)
         real = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
-        reduced = g.run(_functional.reduce_scatter_tensor, real, "sum" if op == "avg" else op,
-                        g.n)
-        if flat.is_complex():
-            reduced = torch.view_as_complex(reduced.view(-1, 2))
-        finish_check()
+        issued = g.issue(_functional.reduce_scatter_tensor, real,
+                         "sum" if op == "avg" else op, g.n)
         item = sample.element_size()
         call.traffic.payload += sum(p.numel() for p in mine) * item - mine[g.k].numel() * item
         call.traffic.meta += (g.n - 1) * width * item - call.traffic.payload  # padding
-        shape = mine[g.k].shape
-        out[g.local] = finish(reduced[: prod(shape)].view(shape), op, g.n, sample.dtype)
+
+        def reduced(g: _Backend = g, issued: torch.Tensor = issued, complex_: bool =
+                    flat.is_complex(), shape: torch.Size = mine[g.k].shape,
+                    finish_check: Callable[[], None] = finish_check, waited: bool = wait
+                    ) -> torch.Tensor:
+            value = g.wait(issued, now=not waited)
+            if complex_:
+                value = torch.view_as_complex(value.view(-1, 2))
+            finish_check()
+            return finish(value[: prod(shape)].view(shape), op, g.n, sample.dtype)
+
+        out[g.local] = reduced() if wait else Pending(reduced)
     return out, call.traffic
 
 

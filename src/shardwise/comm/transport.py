@@ -60,7 +60,8 @@ class GroupTransport(Protocol):
                           shapes: native.Shapes, wait: bool) -> Result: ...
 
     def reduce_scatter(self, mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
-                       pieces: Sequence[Sequence[torch.Tensor]], op: str) -> Result: ...
+                       pieces: Sequence[Sequence[torch.Tensor]], op: str,
+                       wait: bool) -> Result: ...
 
     def all_to_all(self, mesh: DeviceMesh, mesh_dim: int, groups: Sequence[Group],
                    pieces: Sequence[Sequence[torch.Tensor]],
@@ -136,7 +137,7 @@ class _InProcess:
                                    gather_dim)
         return out, _NO_TRAFFIC
 
-    def reduce_scatter(self, mesh, mesh_dim, groups, pieces, op) -> Result:
+    def reduce_scatter(self, mesh, mesh_dim, groups, pieces, op, wait) -> Result:
         out = {}
         for members, indices in groups:
             for k, i in enumerate(indices):
@@ -233,9 +234,9 @@ class _Backend:
             return native.all_gather_tensor(mesh, mesh_dim, groups, components, gather_dim,
                                             shapes, wait)
 
-    def reduce_scatter(self, mesh, mesh_dim, groups, pieces, op) -> Result:
+    def reduce_scatter(self, mesh, mesh_dim, groups, pieces, op, wait) -> Result:
         with _across("reduce_scatter", mesh, mesh_dim):
-            return native.reduce_scatter(mesh, mesh_dim, groups, pieces, op)
+            return native.reduce_scatter(mesh, mesh_dim, groups, pieces, op, wait)
 
     def all_to_all(self, mesh, mesh_dim, groups, pieces, receive_shapes) -> Result:
         with _across("all_to_all", mesh, mesh_dim):
@@ -271,7 +272,7 @@ class _PointToPoint:
             return distributed.all_gather_tensor(mesh, mesh_dim, groups, components,
                                                  gather_dim)
 
-    def reduce_scatter(self, mesh, mesh_dim, groups, pieces, op) -> Result:
+    def reduce_scatter(self, mesh, mesh_dim, groups, pieces, op, wait) -> Result:
         with _across("reduce_scatter", mesh, mesh_dim):
             return distributed.reduce_scatter(mesh, mesh_dim, groups, pieces, op)
 

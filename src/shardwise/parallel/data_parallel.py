@@ -561,12 +561,14 @@ def reducible_packed(param: DTensor, storage: Sequence[Placement], d: int) -> st
 
 
 def reduce_packed(
-    params: Sequence[DTensor], storages: Sequence[tuple[Placement, ...]], d: int, op: str
-) -> None:
+    params: Sequence[DTensor], storages: Sequence[tuple[Placement, ...]], d: int, op: str,
+    async_op: bool = False,
+) -> Pending[None] | None:
     """Each ``param.grad`` (``reducible_packed`` with ``op`` over ``d``, one mesh and dtype)
     reduced to its stored placements by one ``reduce_scatter`` of all of them (FSDP2's packed
     reduce-scatter, uneven chunks padded), in the parameter's dtype; the gradients are views
-    of its result."""
+    of its result. ``async_op``: the reduce-scatter issued and not waited, each ``param.grad``
+    None (its unsharded gradient freed) until the returned ``Pending`` is finished."""
     grads: list[DTensor] = [p.grad for p in params]
     mesh = grads[0].device_mesh
     n = mesh.shape[d]
@@ -581,18 +583,33 @@ def reduce_packed(
             packed = torch.cat([torch.cat(_padded(h.pieces[i], n * w, None)).view(n, -1)
                                 for h, w in zip(held, widths, strict=True)], 1)
             pieces.append(list(packed.unbind(0)))
-        reduced = move.reduce_scatter(
-            lambda: f"fully_shard's packed gradient of {len(grads)} parameters", mesh, d, pieces, op
-        )
+        issued = move.reduce_scatter(
+            lambda: f"fully_shard's packed gradient of {len(params)} parameters", mesh, d, pieces,
+            op, async_op)
+    # what the reduced gradients are cut by (the unsharded ones are not kept)
+    rests = [[h.pieces[i].shape[1:] for i in range(n_local)] for h in held]
+    specs = [h.spec.with_placements(storage) for h, storage in zip(held, storages, strict=True)]
+    del grads, held, pieces
+    if async_op:
+        for p in params:
+            p.grad = None
+
+    @torch.no_grad()
+    def assign() -> None:
+        reduced = issued.finish() if isinstance(issued, Pending) else issued
         starts = [0] * n_local
-        for p, h, storage, w, r in zip(params, held, storages, widths, rows_of, strict=True):
+        for p, rest_of, spec, w, r in zip(params, rests, specs, widths, rows_of, strict=True):
             comps = []
             sizes = chunk_sizes(r, n)
             for i in range(n_local):
-                rest = h.pieces[i].shape[1:]
-                end = starts[i] + w * rest.numel()
-                whole = reduced[i][starts[i] : end].view(w, *rest)
+                end = starts[i] + w * rest_of[i].numel()
+                whole = reduced[i][starts[i] : end].view(w, *rest_of[i])
                 comps.append(whole[: sizes[coords[i]]])
                 starts[i] = end
-            grad = DTensor(comps, h.spec.with_placements(storage))
+            grad = DTensor(comps, spec)
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+
+    if async_op:
+        return Pending(assign)
+    assign()
+    return None

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..comm.native import Pending
 from ..dtensor import DTensor, local_of
 from ..mesh import DeviceMesh
 from ..placements import Partial, Replicate
@@ -32,14 +33,16 @@ class Unit(Protocol):
 class Packed:
     """``fully_shard``'s gradient reduction: the gradients of slots with a packing key wait
     until every one of them has arrived (or backward ends), then those pending alike over
-    the same dim go in one packed reduce-scatter (``data_parallel.reduce_packed``); the others
-    are reduced on their own as they arrive."""
+    the same dim go in one packed reduce-scatter (``data_parallel.reduce_packed``), issued
+    and left in flight while backward goes on (FSDP2's reduce-scatter stream), its gradients
+    assigned when backward ends; the others are reduced on their own as they arrive."""
 
     def __init__(self, unit: Unit) -> None:
         self.unit = unit
         self.waiting: dict[int, torch.Tensor] = {}
         self.expected = 0
         self.pending = False
+        self.issued: list[Pending[None]] = []
 
     def ready(self, k: int, param: torch.Tensor) -> None:
         unit = self.unit
@@ -61,6 +64,9 @@ class Packed:
     def _finish(self) -> None:
         if self.waiting:
             self._flush()
+        issued, self.issued = self.issued, []
+        for reduction in issued:
+            reduction.finish()
         self.pending = False
 
     def _flush(self) -> None:
@@ -77,7 +83,9 @@ class Packed:
                 key = (param.grad.device_mesh, slot.packed, op, param.grad.dtype)
                 groups.setdefault(key, []).append(k)
         for (_mesh, d, op, _dtype), ks in groups.items():
-            reduce_packed([entries[k] for k in ks], [unit.slots[k].storage for k in ks], d, op)
+            self.issued.append(reduce_packed(
+                [entries[k] for k in ks], [unit.slots[k].storage for k in ks], d, op,
+                async_op=True))
 
 
 class Buckets:

@@ -224,16 +224,17 @@ def all_gather_tensor(
 
 def reduce_scatter(
     what: What, mesh: DeviceMesh, mesh_dim: int, pieces: Sequence[Sequence[torch.Tensor]],
-    op: str = "sum",
-) -> list[torch.Tensor]:
-    """``comm.reduce_scatter`` on the road."""
+    op: str = "sum", async_op: bool = False,
+) -> list[torch.Tensor] | Pending[list[torch.Tensor]]:
+    """``comm.reduce_scatter`` on the road (``async_op``: its ``Pending`` result, charged when
+    issued)."""
     def nbytes() -> int:
         sizes = [_nbytes(p) for p in pieces[0]]
         return _received(mesh, mesh_dim,
                          lambda i, k, n: accounting.reduce_scatter_received(sizes, k))
 
     with _road(what, "reduce_scatter", mesh, mesh_dim, nbytes):
-        return comm.reduce_scatter(mesh, mesh_dim, pieces, op)
+        return comm.reduce_scatter(mesh, mesh_dim, pieces, op, async_op)
 
 
 def broadcast(
