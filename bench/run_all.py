@@ -172,6 +172,12 @@ def plot(results: dict, path: Path) -> None:
 
 # ----------------------------------------------------------------------------- docs
 
+# the agreement before each collective across processes, named by several reasons below
+_AGREEMENT = ("the agreement (one gather of a CPU word on a gloo side group, which on CPU "
+              "must finish before the data moves: gloo aborts the process on messages of "
+              "another size; on an accelerator it runs beside the data), about 0.4 ms on 2 "
+              "processes and 2.5 ms on 4 on this host, measured alone")
+
 # Known causes of the remaining gaps (from the profiles in issue 13), quoted beside a target
 # the run does not meet; update them when the cause changes.
 REASONS = {
@@ -203,70 +209,53 @@ REASONS = {
                      "(S1,P,P)->(S0,R,S2) against a median of 6 and 5), about 0.5 ms of CPU "
                      "time measured alone on a 2-core host: a max above 1 ms here is "
                      "other load",
-    "redistribute": "every transition is one native collective, received in place, and a "
-                    "repeated one brings its data with the mismatch-check header (one round "
-                    "trip). Partial -> Replicate stays bit-identical to the embedded run: over "
-                    "2 processes both send their whole component and add it (a ring's bytes; "
-                    "gloo's own all_reduce after the header's round trip measured no faster at "
-                    "4 MiB and slower below), within the host's noise of DTensor (0.7x to "
-                    "1.5x at 1024 across runs of the same code); over 4 an all_to_all, a "
-                    "combine and an all_gather against gloo's one ring all_reduce; integer "
-                    "sums, max and min take gloo's all_reduce (order-free). Against the raw "
-                    "collective: Shard(0) -> Shard(1) makes each strided piece dense once on "
-                    "its way out and receives the others straight into the result's rows "
-                    "(1.5x-1.6x at 4096 on 2 processes and 1.2x on 4, from 2.5x-3.6x); at "
-                    "1024 the raw all_to_all takes 1 ms, and the fixed cost of a "
-                    "redistribution (about 0.5 ms of Python and the header) keeps it at 2x-4x; "
-                    "Replicate -> Shard is a local slice of 0.1 ms where the Python call of "
-                    "redistribute is the cost",
-    "training": "peak memory equals DTensor's everywhere (reductions receive into the result "
-                "and gathers arrive point to point, in place, with no flat copy). Time: the "
-                "transformer block is below DTensor's on 2 and 4 processes; the MLP's step "
-                "ranges from 0.95x to 1.10x of DTensor's across runs. Measured per phase on "
-                "2 processes, its backward (5.5 vs 5.9-6.2 ms) and AdamW (1.2-1.3 vs 1.5-1.7 "
-                "ms) are below DTensor's and its forward is not (6.4-7.7 vs 5.7-5.9 ms): the "
-                "forward is one row-parallel all-reduce of a 512 KiB activation, 2.8 ms, "
-                "which stays bit-identical to the embedded run (both processes send their "
-                "whole component and add in coordinate order; over 4, an all_to_all, a "
-                "combine and an all_gather) where DTensor calls gloo's ring all_reduce",
+    "redistribute": "every transition is one call of the process group's own collective"
+                    " (the functional all_gather_into_tensor, all_to_all_single, "
+                    "all_reduce or reduce_scatter_tensor PyTorch DTensor issues), "
+                    "received in place; beside it the fixed cost of a redistribution: "
+                    "its Python (about 0.4 ms: Replicate -> Shard, a local slice, takes"
+                    " 0.65 ms against 0.25 by hand) and "
+                    + _AGREEMENT
+                    + ". At 4096 that is within 1.1x of the raw collective; at 1024 the "
+                    "raw collective takes 1.5-10 ms and the fixed costs weigh 1.2x-3x, "
+                    "where torch DT itself takes 1.3x-1.9x of the raw collective in the"
+                    " same runs",
+    "training": "peak memory equals DTensor's; time per step adds, beside the same "
+                "local kernels and collectives, per-op dispatch of the DTensor subclass"
+                " and per collective "
+                + _AGREEMENT,
     "compile": "on one process the compiled step is within noise of hand-written code; "
-               "across processes each all-reduce in the graph is one opaque custom op "
-               "(shardwise::execute_plan, eager's executor: header, coordinate-order "
-               "combine) that the compiler cannot fuse or reorder, against one gloo "
-               "all_reduce by hand, and the AdamW update runs eagerly through dispatch on "
-               "DTensor parameters",
-    "compile_full": "the optimizer update compiles (one graph over the DTensor parameters, "
-                    "gradients and state; no recompiles after the second step) and on one "
-                    "process the whole step is within noise of the hand-written one; across "
-                    "processes each redistribution of the forward and backward graphs is one "
-                    "opaque shardwise::execute_plan call (eager's executor and transport, "
-                    "coordinate-order combine) where the hand-written step calls gloo's "
-                    "all_reduce: in a profile of the 2-process block step those calls are "
-                    "most of the step, the optimizer graph a small part",
+               "across processes the graphs hold the functional collectives "
+               "(_c10d_functional ops and wait_tensor) as the hand-written step's do, "
+               "the agreement is not made inside a graph, and the difference is what "
+               "runs outside the graphs (the optimizer update's dispatch on DTensor "
+               "parameters) and this host's noise",
+    "compile_full": "the optimizer update compiles (one graph over the DTensor "
+                    "parameters, gradients and state; no recompiles after the second "
+                    "step) and each redistribution of the forward and backward graphs "
+                    "lowers to the functional collectives the hand-written step calls; "
+                    "the difference is Python outside the graphs and this host's noise",
     # issue 22
-    "eager_vs_hand": "the hand-written step is plain PyTorch on the local shards with gloo's "
-                     "own collectives called by hand; shardwise adds per op its Python dispatch "
-                     "(about 4-8 us on one device: key scan, cached decision, wrapper; AdamW's "
-                     "per-parameter loop alone is about 50 such ops per step for 4 parameters) "
-                     "and per collective its native transport (the header that catches "
-                     "divergent programs, the coordinate-order combine that keeps the bits "
-                     "equal to the embedded run), about 0.2-0.3 ms more than gloo's all_reduce "
-                     "of a 64 KiB activation on 2 processes measured alone. On a 2-core "
-                     "host gloo's loopback exchange itself swings severalfold between runs "
-                     "(a back-to-back 64 KiB exchange measured 0.18 ms and 1.5 ms in two runs "
-                     "of one script), so ratios move by +-0.1 between runs. FSDP x TP packs "
-                     "each unit's parameters (InterleavedShard ones included) into one "
-                     "all_gather and one reduce_scatter per unit, as FSDP2 does",
+    "eager_vs_hand": "the hand-written step is plain PyTorch on the local shards with "
+                     "gloo's own collectives called by hand; shardwise adds per op its "
+                     "Python dispatch (about 4-8 us on one device: key scan, cached "
+                     "decision, wrapper; AdamW's per-parameter loop alone is about 50 "
+                     "such ops per step for 4 parameters) and per collective "
+                     + _AGREEMENT
+                     + ". On a 2-core host gloo's loopback exchange itself swings "
+                     "severalfold between runs, so ratios move by +-0.1 between runs. "
+                     "FSDP x TP packs each unit's parameters (InterleavedShard ones "
+                     "included) into one all_gather and one reduce_scatter per unit, as"
+                     " FSDP2 does",
     "eager_missing": "the training benchmark does not run these models yet",
     "dispatch_cat": "cat([a, a], 1) of one Shard(0) tensor moves its input Shard(0) -> "
                     "Shard(1) in process (an all_to_all of n^2 pieces) where DTensor's C++ "
                     "path gathers once",
-    "redistribute_raw": "Shard -> Shard packs its strided pieces into one message and joins "
-                        "the received ones along dim 1, two copies of the data that the raw "
-                        "all_to_all of contiguous rows skips; Partial -> Replicate over 2 "
-                        "processes sends each whole component with a header and adds in "
-                        "coordinate order (bits equal to the embedded run) where DTensor "
-                        "calls gloo's ring all_reduce",
+    "redistribute_raw": "Shard -> Shard lays out the columns each process sends side by"
+                        " side (one copy the raw all_to_all of rows that already lie so"
+                        " skips), and every transition pays a redistribution's fixed "
+                        "cost: its Python (about 0.4 ms) and "
+                        + _AGREEMENT,
     "clip": "a norm pending over several mesh dims is reduced by one exchange, counted once "
             "per round (the terms reduced at a root, then forwarded)",
     "optimizer": "the foreach paths take DTensors (one dispatch per foreach op for all "
@@ -291,14 +280,13 @@ REASONS = {
                  "(dispatch's per-device loop, the view ops' per-device size hooks, in-process "
                  "redistribution of the sequence-parallel activations); the single-device "
                  "step calls each kernel once",
-    "compile_22": "see the compiled whole step above: each redistribution in the graphs is one "
-                  "opaque shardwise::execute_plan call where the hand-written step calls "
-                  "gloo's all_reduce; FSDP x TP: dynamo breaks at the FSDP hooks for all three "
-                  "(the same breaks for shardwise as for the hand-written step), which run "
-                  "eagerly: shardwise's packed all-gather and reduce-scatter go through its "
-                  "native transport (a header round, then point to point) where the "
-                  "hand-written step calls gloo's all_gather_into_tensor and "
-                  "reduce_scatter_tensor",
+    "compile_22": "see the compiled whole step above: the graphs hold the same "
+                  "functional collectives as the hand-written step; FSDP x TP: dynamo "
+                  "breaks at the FSDP hooks for all three (the same breaks for "
+                  "shardwise as for the hand-written step), which run eagerly: "
+                  "shardwise's packed all_gather and reduce_scatter are the backend's "
+                  "collectives, each after its agreement, where the hand-written step "
+                  "calls them alone",
     "gpu": "no GPU has been available to this project: bench/gpu_check.sh was not run",
 }
 
