@@ -14,5 +14,5 @@ if LIBRARY_PYTHON="$(bash scripts/library_venv.sh)"; then
 else
     echo "scripts/library_venv.sh failed: the library tests of tests/test_as_torch.py skip" >&2
 fi
-python -m pytest -m "not slow" -n 2 "$@"
-python -m pytest -m slow -n 2 "$@"
+python -m pytest -m "not slow" -n 2 --durations=15 "$@"
+python -m pytest -m slow -n 2 --durations=25 "$@"
