@@ -27,14 +27,14 @@ from harness import OURS, Run, examples, largest_difference, on_cpu, prepare, ru
 from port import UnportableImport, port
 
 # (program, processes, shardwise's ranks as threads of one process): every program on 4
-# processes, the sequence-parallel and FSDP x TP ones on 2 as well, and ranks as threads on the
-# FSDP x TP one, which runs every layer the others do (the suite's time goes to these runs)
-# 4 processes, where every mesh dim is non-trivial (the suite's 10 minutes: 2 processes, and
-# rank threads, run through the launcher tests with shardwise's own examples, the same layers)
+# processes, where every mesh dim is non-trivial, and the FSDP x TP one, which runs every layer
+# the others do, as 4 rank threads too (against the same torch run). The suite's 10 minutes: 2
+# processes run in tests/test_two_hosts.py (its one-host runs) and the launcher tests.
 PASSING = [
     ("tensor_parallel", 4, False),
     ("sequence_parallel", 4, False),
     ("fsdp_tp", 4, False),
+    ("fsdp_tp", 4, True),
 ]
 RTOL = 1e-5  # float32: the runs reduce partial sums in different orders
 # fsdp_tp: torch runs SDPA's math kernel (OURS.oracle_env), shardwise the CPU flash one, so
