@@ -1,14 +1,16 @@
-"""PyTorch's own tensor-parallel examples (pytorch/examples, distributed/tensor_parallelism), ported
-to shardwise by rewriting their imports only, train as they do on torch.distributed.tensor: the
-same per-step loss on every rank, the same final parameters and gradients, under
-``python -m shardwise.launch`` with 4 processes (2 as well for two of them; gloo on 127.0.0.1).
+"""Per-rank PyTorch programs written against torch.distributed.tensor's public API (a TP MLP, a
+sequence-parallel MLP block, FSDP2 x TP on a small Llama-style decoder), ported to shardwise by
+rewriting their imports only, train as they do on torch.distributed.tensor: the same per-step
+loss on every rank, the same final parameters and gradients, under ``python -m shardwise.launch``
+with 4 processes (gloo on 127.0.0.1).
 
-The programs, the port and the runner live in ``tests/pytorch_programs/`` (``harness.py``).
-Each rank seeds its generator differently (record.py), so in fsdp_tp_example the two
-data-parallel groups start from different weights (the example's init is unseeded) and FSDP2
+The programs (our own), the port and the runner live in ``tests/pytorch_programs/``
+(``harness.py``). Each rank seeds its generator differently (record.py), so in fsdp_tp the two
+data-parallel groups start from different weights (the program's init is unseeded) and FSDP2
 keeps on each rank its dp chunk of its own tensor-parallel shard: shardwise's fully_shard does
 the same (InterleavedShard on "dp"). ``python tests/pytorch_programs/harness.py PROGRAM NPROC
-[--same-seed]`` runs any of them.
+[--same-seed]`` runs any of them; with ``--examples DIR`` PyTorch's own examples
+(pytorch/examples' distributed/tensor_parallelism, checked out outside this repository) by hand.
 """
 
 from __future__ import annotations
@@ -21,28 +23,28 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "pytorch_programs"))
-from harness import PROGRAMS, Run, largest_difference, prepare, run
+from harness import OURS, Run, examples, largest_difference, on_cpu, prepare, run
 from port import UnportableImport, port
 
 # (program, processes, shardwise's ranks as threads of one process): every program on 4
-# processes, the sequence-parallel and FSDP x TP ones on 2 as well, and ranks as threads on the
-# FSDP x TP one, which runs every layer the others do (the suite's time goes to these runs)
-# 4 processes, where every mesh dim is non-trivial (the suite's 10 minutes: 2 processes, and
-# rank threads, run through the launcher tests with shardwise's own examples, the same layers)
+# processes, where every mesh dim is non-trivial, and the FSDP x TP one, which runs every layer
+# the others do, as 4 rank threads too (against the same torch run). The suite's 10 minutes: 2
+# processes run in tests/test_two_hosts.py (its one-host runs) and the launcher tests.
 PASSING = [
-    ("tensor_parallel_example", 4, False),
-    ("sequence_parallel_example", 4, False),
-    ("fsdp_tp_example", 4, False),
+    ("tensor_parallel", 4, False),
+    ("sequence_parallel", 4, False),
+    ("fsdp_tp", 4, False),
+    ("fsdp_tp", 4, True),
 ]
 RTOL = 1e-5  # float32: the runs reduce partial sums in different orders
-# fsdp_tp_example: torch runs SDPA's math kernel (harness.ORACLE_ENV), shardwise the CPU flash
-# one, so gradients differ in float32 rounding; AdamW turns an entry whose gradient is ~0 in
-# one run and of the other sign in the other into steps of lr (3e-3) in opposite directions
-GRAD_RTOL = {"fsdp_tp_example": 1e-4}
-PARAM_RTOL = {"fsdp_tp_example": 5e-3}
+# fsdp_tp: torch runs SDPA's math kernel (OURS.oracle_env), shardwise the CPU flash one, so
+# gradients differ in float32 rounding; AdamW turns an entry whose gradient is ~0 in one run
+# and of the other sign in the other into steps of lr (3e-3) in opposite directions
+GRAD_RTOL = {"fsdp_tp": 1e-4}
+PARAM_RTOL = {"fsdp_tp": 5e-3}
 
 
-@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("program", sorted(OURS.steps))
 def test_the_port_rewrites_imports_only(program: str, tmp_path: Path) -> None:
     path, beyond_imports = prepare(program, "shardwise", tmp_path)
     assert beyond_imports == 0
@@ -73,6 +75,31 @@ def test_port_maps_modules_and_refuses_what_imports_cannot_port() -> None:
         port("from torch.distributed.tensor.experimental import local_map\n")
 
 
+def test_examples_option_takes_pytorchs_files_from_the_folder_given(tmp_path: Path) -> None:
+    """``--examples DIR``: the files are read from DIR, get the CPU substitution and the port
+    (the real files are not in this repository: fake ones with the lines the harness edits)."""
+    folder = tmp_path / "tensor_parallelism"
+    folder.mkdir()
+    (folder / "tensor_parallel_example.py").write_text(
+        "import torch\n"
+        "from torch.distributed._tensor.device_mesh import init_device_mesh\n"
+        "device_type = torch.accelerator.current_accelerator().type\n"
+    )
+    (folder / "log_utils.py").write_text(
+        "def verify_min_gpu_count(min_gpus):\n    return has_gpu and gpu_count >= min_gpus\n"
+    )
+    (folder / "llama2_model.py").write_text("import torch\n")
+    programs = examples(folder)
+    path, beyond = prepare("tensor_parallel_example", "shardwise", tmp_path / "out", programs)
+    assert beyond == 0  # the CPU substitution precedes the port, alike for both runs
+    assert path.read_text().splitlines()[1:] == [
+        "from shardwise import init_device_mesh", 'device_type = "cpu"'
+    ]
+    assert "    return True" in (tmp_path / "out" / "log_utils.py").read_text()
+    with pytest.raises(ValueError, match="expected the line"):
+        on_cpu("tensor_parallel_example.py", "import torch\n", programs)
+
+
 def test_largest_difference_sees_a_changed_gradient(tmp_path: Path) -> None:
     p = [torch.ones(3)]
     torch.save({"params": p, "grads": [torch.ones(3)]}, tmp_path / "a.pt")
@@ -96,7 +123,7 @@ def test_program_trains_as_on_torch_dtensor(
     workdir = tmp_path_factory.mktemp(f"{program}-{nproc}-{'threads' if threads else 'procs'}")
     ported = run(program, "shardwise", nproc, workdir, timeout=280, threads=threads)
     assert ported.returncode == 0, ported.output[-4000:]
-    steps = PROGRAMS[program]
+    steps = OURS.steps[program]
     for r in (original, ported):
         assert sorted(r.losses) == list(range(nproc)), r.output[-4000:]
         assert all(len(losses) == steps for losses in r.losses.values())

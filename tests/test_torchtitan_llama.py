@@ -2,10 +2,13 @@
 imports only, trains as single-device PyTorch does: dp=2 x tp=2 on 4 gloo processes and on 4
 rank threads of one process (``shardwise.rank_threads``).
 
-The copies (torchtitan 0.2.2's model, args, ``parallelize_llama`` with ``apply_tp`` and
-``apply_fsdp``, ``ParallelDims`` and its mesh builder), the stand-ins for its infrastructure
-and the per-rank program ``train_llama.py`` live in ``tests/torchtitan_programs/``
-(``titan_harness.py``).
+torchtitan's files (0.2.2's model, args, ``parallelize_llama`` with ``apply_tp`` and
+``apply_fsdp``, ``ParallelDims`` and its mesh builder) are copied at test time from the installed
+torchtitan of ``SHARDWISE_LIBRARY_PYTHON`` (the venv ``scripts/library_venv.sh`` makes; else this
+interpreter), each checked against the wheel's RECORD hash, into a temporary folder beside the
+stand-ins for its infrastructure and the per-rank program ``train_llama.py`` of
+``tests/torchtitan_programs/`` (``titan_harness.py``); without torchtitan the tests skip saying
+why. The program needs only torch: this interpreter runs it.
 Every rank starts from the weights torchtitan's ``init_weights`` gives a plain model after one
 seed, trains on its dp rank's rows of each global batch, and the losses summed over dp (as
 torchtitan logs them) and the final parameters must equal the plain model trained on the whole
@@ -39,11 +42,16 @@ PARAM_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    python = harness.library_python()
+    torchtitan = harness.installed_torchtitan(python)
+    if torchtitan is None:
+        pytest.skip(f"no torchtitan installed for {python} (set SHARDWISE_LIBRARY_PYTHON to a "
+                    "venv with torchtitan 0.2.2: scripts/library_venv.sh)")
     root = tmp_path_factory.mktemp("torchtitan")
     out = {}
     for variant in ("torch", "shardwise"):
         out[variant] = root / variant
-        assert harness.prepare(variant, out[variant]) == 0  # imports only
+        assert harness.prepare(variant, out[variant], torchtitan) == 0  # imports only
     return out
 
 
@@ -92,13 +100,26 @@ def _check(results: list[dict], reference: dict) -> None:
 
 
 def test_copies_are_torchtitans_and_the_port_rewrites_imports_only(folders):
-    for rel in harness.VERBATIM:
-        assert harness.verbatim_body_matches(rel), rel
-    ported = "".join((folders["shardwise"] / rel).read_text() for rel in harness.sources())
+    for rel, digest in harness.COPIED.items():
+        assert harness.record_digest((folders["torch"] / rel).read_bytes()) == digest, rel
+    ported = "".join(path.read_text() for path in sorted(folders["shardwise"].rglob("*.py")))
     assert "from shardwise.parallel import CPUOffloadPolicy, fully_shard" in ported
     for torch_api in ("torch.distributed.tensor", "torch.distributed.device_mesh",
                       "torch.distributed.fsdp", "torch.distributed._composable"):
         assert f"from {torch_api}" not in ported
+
+
+def test_prepare_refuses_a_file_that_is_not_torchtitan_022s(tmp_path):
+    fake = tmp_path / "site" / "torchtitan"
+    for rel in harness.COPIED:
+        (tmp_path / "site" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "site" / rel).write_text("# not torchtitan's\n")
+    with pytest.raises(harness.NotTorchtitan022, match="components/loss.py is not torchtitan"):
+        harness.prepare("torch", tmp_path / "out", fake)
+
+
+def test_no_torchtitan_where_there_is_no_interpreter(tmp_path):
+    assert harness.installed_torchtitan(str(tmp_path / "no-python")) is None
 
 
 def test_reference_trains(reference):

@@ -1,8 +1,9 @@
-"""PyTorch's tensor-parallel examples, ported to shardwise by their imports only, train across two
-hosts as on one: two network namespaces joined by a veth pair (private /30 inside them), torchrun
-on each (``--nnodes 2 --nproc-per-node 1|2 --node-rank R --master-addr <host 0>``, static
-rendezvous, gloo on the veth), the same per-rank losses and final parameters and gradients as the
-same program under ``python -m shardwise.launch --nproc 2|4`` on one host.
+"""Per-rank tensor- and sequence-parallel programs written for torch.distributed.tensor, ported to
+shardwise by their imports only, train across two hosts as on one: two network namespaces joined
+by a veth pair (private /30 inside them), torchrun on each (``--nnodes 2 --nproc-per-node 1|2
+--node-rank R --master-addr <host 0>``, static rendezvous, gloo on the veth), the same per-rank
+losses and final parameters and gradients as the same program under ``python -m
+shardwise.launch --nproc 2|4`` on one host.
 
 The hosts and runner are ``tests/pytorch_programs/two_hosts.py``; the programs, the port and the
 single-host runner ``harness.py`` beside it. Skips where network namespaces cannot be made (not
@@ -20,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "pytorch_programs"))
 import two_hosts as th
-from harness import PROGRAMS, largest_difference, run
+from harness import OURS, largest_difference, run
 
 RTOL = 1e-5  # float32: same program, same library; only the transport differs
 
@@ -54,10 +55,10 @@ def test_hosts_are_torn_down_even_on_error(can_make_hosts: None) -> None:
 
 
 @pytest.mark.timeout(300)
-# one process per host for the tensor-parallel example, two for the sequence-parallel one
+# one process per host for the tensor-parallel program, two for the sequence-parallel one
 # (world 4: tp groups across the hosts): each pair of runs costs ~20 s on 2 cores
 @pytest.mark.parametrize(("program", "nproc_per_node"), [
-    ("tensor_parallel_example", 1), ("sequence_parallel_example", 2),
+    ("tensor_parallel", 1), ("sequence_parallel", 2),
 ])
 def test_program_trains_on_two_hosts_as_on_one(
     program: str, nproc_per_node: int, can_make_hosts: None, tmp_path: Path
@@ -73,7 +74,7 @@ def test_program_trains_on_two_hosts_as_on_one(
     assert one.returncode == 0, one.output[-4000:]
     for r in (two, one):
         assert sorted(r.losses) == list(range(world)), r.output[-4000:]
-        assert all(len(losses) == PROGRAMS[program] for losses in r.losses.values())
+        assert all(len(losses) == OURS.steps[program] for losses in r.losses.values())
     for rank in range(world):
         for step, (a, b) in enumerate(zip(two.losses[rank], one.losses[rank], strict=True)):
             assert math.isclose(a, b, rel_tol=RTOL, abs_tol=1e-4), (rank, step, a, b)

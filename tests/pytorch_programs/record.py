@@ -4,15 +4,15 @@ named by ``PROGRAM_PATH``).
 Runs the program as ``python PROGRAM.py`` would (its folder first on ``sys.path``, run as
 ``__main__``) and changes nothing in it. Before, it seeds torch's generator with ``SEED + RANK``
 (``SEED`` on every rank with ``PROGRAM_SEED=same``): torch seeds it from the OS at start-up
-here, and the examples draw their initial weights (the sequence-parallel one its inputs too)
-from it, so each rank draws differently, as it would, but the same in every run.
+here, and the programs draw their initial weights (the sequence-parallel ones their inputs
+too) from it, so each rank draws differently, as it would, but the same in every run.
 
 It prints ``RANK <rank> LOSS <step> <value>`` for every scalar the program calls
 ``backward()`` on (its global value, repr-exact), and when the program destroys its process
 group, rank 0 saves the full value of every parameter its optimizers stepped, and of their
 gradients, to the file ``PROGRAM_RECORD`` names. ``PROGRAM_SDPA=math`` runs the program
 under SDPA's math backend and ``PROGRAM_IMPLICIT_REPLICATION=1`` under torch's
-implicit_replication (``harness.ORACLE_ENV``).
+implicit_replication (a ``harness.Programs``' ``oracle_env``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run a program of ``harness.PROGRAMS`` on two hosts: two network namespaces joined by a veth pair.
+"""Run a program of ``harness.OURS`` on two hosts: two network namespaces joined by a veth pair.
 
 ``two_hosts()`` makes the hosts: two namespaces of unique names, each with loopback up and one end
 of a veth pair created inside it with a private address (``HOSTS``; one /30, in every pair of
@@ -173,12 +173,12 @@ def run_two_hosts(
 def main(argv: list[str]) -> int:
     import tempfile
 
-    from harness import PROGRAMS, largest_difference, run
+    from harness import OURS, largest_difference, run
 
     with_torch = "--torch" in argv
     argv = [a for a in argv if a != "--torch"]
-    if len(argv) != 2 or argv[0] not in PROGRAMS:
-        print(f"usage: two_hosts.py {{{','.join(PROGRAMS)}}} NPROC_PER_NODE [--torch]",
+    if len(argv) != 2 or argv[0] not in OURS.steps:
+        print(f"usage: two_hosts.py {{{','.join(OURS.steps)}}} NPROC_PER_NODE [--torch]",
               file=sys.stderr)
         return 2
     if (reason := unavailable()) is not None:

@@ -1,5 +1,6 @@
-"""Stand-in for torchtitan's ``config/__init__.py``: the same ``TORCH_DTYPE_MAP`` and the
-verbatim ``job_config`` classes, without the ``ConfigManager`` (tyro command-line parsing)."""
+"""Stand-in for torchtitan's ``config/__init__.py``: the same ``TORCH_DTYPE_MAP`` and
+torchtitan's ``job_config`` classes (copied in beside it by ``titan_harness.py``), without the
+``ConfigManager`` (tyro command-line parsing)."""
 
 import torch
 
