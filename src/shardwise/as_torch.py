@@ -22,10 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 # torch module -> (shardwise modules that answer its names, in order; whether names shardwise
-# lacks fall through to torch's module: FSDP1's beside FSDP2's, and torch's private helpers).
+# lacks fall through to torch's module: FSDP1's beside FSDP2's, and torch's private helpers;
+# or the only names that do).
 # torch.distributed.tensor._api stays torch's: torch's own sharding rules import its DTensor
 # lazily (e.g. when torch.compile first loads inductor) and need torch's class.
-SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
+SHIMS: dict[str, tuple[tuple[str, ...], bool | frozenset[str]]] = {
     "torch.distributed.tensor": (("shardwise",), False),
     "torch.distributed.tensor.placement_types": (("shardwise.placements",), False),
     "torch.distributed.tensor.device_mesh": (("shardwise.mesh",), False),
@@ -43,7 +44,9 @@ SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "torch.distributed._tensor.placement_types": (("shardwise.placements",), False),
     "torch.distributed._tensor.device_mesh": (("shardwise.mesh",), False),
     "torch.distributed.device_mesh": (("shardwise.mesh",), False),
-    "torch.distributed.tensor._random": ((), False),
+    # torch's _PhiloxState reads and writes the seed and offset bytes of a generator's state:
+    # no DTensor in it. Its RNG tracker (_rng_tracker) stays torch's own business.
+    "torch.distributed.tensor._random": ((), frozenset({"_PhiloxState"})),
     "torch.distributed.fsdp": (("shardwise.parallel",), True),
     "torch.distributed._composable.fsdp": (("shardwise.parallel",), True),
 }
@@ -171,8 +174,10 @@ class _Shim(types.ModuleType):
             return [n for n in names if self._lookup(n) is not _MISSING]
         value = self._lookup(name)
         if value is _MISSING:
+            passed = SHIMS[self.__name__][1]
+            passed = passed if isinstance(passed, frozenset) else frozenset()
             answers = ", ".join(self.__dict__["_sources"]) or "only " + ", ".join(
-                sorted(_OWN.get(self.__name__, {}))
+                sorted({*_OWN.get(self.__name__, {}), *passed}, key=str.lower)
             )
             raise AttributeError(
                 f"shardwise.as_torch: {self.__name__}.{name} has no shardwise counterpart "
@@ -194,7 +199,8 @@ class _Shim(types.ModuleType):
                 continue
         real = self.__dict__["_real"]
         fallback = SHIMS[self.__name__][1]
-        return getattr(real, name, _MISSING) if fallback and real is not None else _MISSING
+        passes = fallback is True or (isinstance(fallback, frozenset) and name in fallback)
+        return getattr(real, name, _MISSING) if passes and real is not None else _MISSING
 
 
 _MISSING: Any = object()
