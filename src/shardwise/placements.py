@@ -102,12 +102,10 @@ class Shard(Placement):
                 f"{self!r} cannot split a tensor of shape {list(tensor.shape)} in "
                 f"{num_chunks} pieces"
             )
-        length = tensor.shape[dim]
-        full = -(-length // num_chunks)
+        full = -(-tensor.shape[dim] // num_chunks)
         pieces, pads = [], []
-        for rank in range(num_chunks):
-            size, offset = self.local_shard_size_and_offset(length, num_chunks, rank)
-            piece = tensor.narrow(dim, offset, size)
+        for piece in self._custom_chunk(tensor, num_chunks, dim):
+            size = piece.shape[dim]
             if with_padding:
                 pads.append(full - size)
                 if full > size:
@@ -115,6 +113,19 @@ class Shard(Placement):
                     piece = torch.nn.functional.pad(piece, widths)
             pieces.append(piece.contiguous() if contiguous else piece)
         return pieces, pads
+
+    @staticmethod
+    def _custom_chunk(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[torch.Tensor]:
+        """PyTorch's private ``Shard._custom_chunk``: the ``num_chunks`` ``torch.chunk`` pieces
+        of ``tensor`` along ``dim``, empty ones where the dim runs out (views)."""
+        if tensor.ndim == 0 or num_chunks < 1 or not -tensor.ndim <= dim < tensor.ndim:
+            raise InvalidPlacementError(
+                f"cannot chunk a tensor of shape {list(tensor.shape)} in {num_chunks} pieces "
+                f"along dim {dim}"
+            )
+        length = tensor.shape[dim]
+        return [tensor.narrow(dim, offset, size) for size, offset in (
+            Shard.local_shard_size_and_offset(length, num_chunks, r) for r in range(num_chunks))]
 
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
