@@ -64,7 +64,9 @@ def test_split_tensor_as_torchs(with_padding: bool) -> None:
             assert torch.equal(a, b), (dim, size, k, n)
 
 
-@pytest.mark.parametrize("placements", PLACEMENTS[2:], ids=str)
+@pytest.mark.parametrize(
+    "placements", [*PLACEMENTS[2:], (InterleavedShard(-2, 2), Shard(-2))], ids=str
+)
 def test_uneven_strided_pieces_and_redistributions(placements: tuple) -> None:
     """Each device holds torch's piece (torch's placements split left to right), and every
     redistribution from and to the layout keeps the tensor."""
