@@ -228,6 +228,7 @@ __all__ = [
     "LabelOutOfRangeError",
     "LayoutError",
     "LocalComponentsError",
+    "LocalShapeError",
     "MeshError",
     "NonLeafTensorError",
     "NotEagerError",
