@@ -51,8 +51,15 @@ import torch.distributed.tensor._random as torch_random
 try:
     torch_random._rng_tracker
 except AttributeError as err:
-    print("answers only is_rng_supported_mesh, manual_seed" in str(err), "answers ;" in str(err))
+    print("answers only _PhiloxState, is_rng_supported_mesh, manual_seed" in str(err),
+          "answers ;" in str(err))
 print(torch_random.is_rng_supported_mesh(shardwise.init_device_mesh("cpu", (2,))))
+# torch's philox state accessor passes through: a uint64 seed with its top bit set round-trips
+import torch
+state = torch_random._PhiloxState(torch.zeros(16, dtype=torch.uint8))
+state.seed = torch.tensor([2**63 + 42], dtype=torch.uint64)
+state.offset = torch.tensor([7])
+print(state.seed.item() == 2**63 + 42, state.offset.item(), state.state[8].item())
 """
 
 
@@ -70,6 +77,7 @@ def test_torch_names_resolve_to_shardwise_and_fsdp1_stays_torchs(tmp_path: Path)
         "AttributeError True",
         "True False",
         "True",
+        "True 7 7",
     ]
 
 

@@ -434,3 +434,43 @@ def test_meshes_on_torchs_fake_backend_make_no_gloo_groups() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\n")[0] == "(4, 6) (4, 6) (2, 3)"
+
+
+# ----- PyTorch's private mesh fields: _init_backend=False, _coordinate_on_dim -----------------
+
+
+def test_mesh_without_backend_as_torchs() -> None:
+    """``DeviceMesh(..., _init_backend=False, _rank=r)``: a mesh of ranks seen from rank r, its
+    coordinates known, no process group to ask for (torch's DeviceMesh beside it)."""
+    from torch.distributed import device_mesh as torch_mesh
+
+    for ids, rank in ((torch.arange(10), 5), (torch.arange(10).view(2, 5), 7),
+                      (torch.arange(6).view(3, 2), 9)):
+        ours = DeviceMesh("cpu", ids, _init_backend=False, _rank=rank)
+        theirs = torch_mesh.DeviceMesh("cpu", ids, _init_backend=False, _rank=rank)
+        coord = theirs._coordinate_on_dim
+        assert ours._coordinate_on_dim == coord and ours.get_coordinate() == coord, (ids, rank)
+        assert ours.get_rank() == rank and not dist.is_initialized()
+        for mesh in (ours, theirs):
+            with pytest.raises(RuntimeError, match="process groups not initialized"):
+                mesh.get_group(0)
+    with pytest.raises(sw.errors.MeshError, match="_init_backend=False"):
+        DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("a", "b"),
+                   _init_backend=False, _rank=1)["b"].get_group()
+
+
+def _from_group_job() -> dict:
+    from torch.distributed import device_mesh as torch_mesh
+
+    ours = sw.init_device_mesh("cpu", (2,))
+    again = DeviceMesh.from_group(ours.get_group(), "cpu")
+    theirs = torch_mesh.init_device_mesh("cpu", (2,))
+    return {"equal": ours == again, "names": ours._dim_group_names == again._dim_group_names,
+            "coords": (ours._coordinate_on_dim, again._coordinate_on_dim,
+                       theirs._coordinate_on_dim)}
+
+
+def test_coordinate_on_dim_of_a_mesh_from_the_global_group_as_torchs() -> None:
+    for rank, out in enumerate(run_in_processes(_from_group_job, 2, timeout=120)):
+        assert out["equal"] and out["names"], out
+        assert out["coords"] == ((rank,),) * 3, out

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -97,3 +98,25 @@ def test_shutdown_joins_the_backend_threads() -> None:
         initialized, world, threads = result["before"]
         assert initialized and world == 2 and threads > 0, result["before"]
         assert result["after"] == (False, (0, 1), 0, 0), result["after"]
+
+
+def reinit_job(store_path: str) -> list:
+    """A program that destroys its process groups itself and joins a new world (PyTorch's test
+    harness, per test), then communicates over the same ranks again."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fulls = []
+    for attempt in range(2):
+        mesh = sw.DeviceMesh("cpu", list(range(world)))
+        x = sw.distribute_tensor(torch.arange(8.0) + attempt, mesh, [sw.Shard(0)])
+        fulls.append(x.full_tensor())
+        dist.destroy_process_group()  # the program's own call: shardwise's groups die with it
+        store = dist.FileStore(f"{store_path}.{attempt}", world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    return fulls
+
+
+@pytest.mark.slow
+def test_groups_of_a_destroyed_world_are_not_used_again(tmp_path: Path) -> None:
+    for fulls in run_in_processes(reinit_job, 2, str(tmp_path / "store"), timeout=90):
+        assert [f.tolist() for f in fulls] == [
+            torch.arange(8.0).tolist(), (torch.arange(8.0) + 1).tolist()]

@@ -2,7 +2,7 @@
 semantics: ``DTensor(local, spec, requires_grad=)``, ``Shard._split_tensor``, meta tensors in
 ``from_local``, ``from_local(run_check=True)``'s metadata check, ``CommDebugMode``'s c10d keys,
 composite ops (``aten.linear``) under ``inference_mode``, ``equal`` outside a sub-mesh,
-``DTensorSpec.dim_map``."""
+``DTensorSpec.dim_map``, ``Shard._custom_chunk`` (torch's ``shard_dim_alltoall`` on CPU)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,46 @@ def test_split_tensor_as_torchs(with_padding: bool, dim: int) -> None:
             assert len(ours[0]) == len(theirs[0]) == n
             for a, b in zip(ours[0], theirs[0], strict=True):
                 assert a.shape == b.shape and torch.equal(a, b) and a.is_contiguous()
+
+
+def test_custom_chunk_as_torchs() -> None:
+    for size, n, dim in ((0, 3, 0), (5, 4, 0), (7, 3, 1), (8, 4, -1), (2, 5, 1)):
+        x = torch.randn(size, 3) if dim == 0 else torch.randn(3, size)
+        ours = Shard._custom_chunk(x, n, dim)
+        theirs = torch_dtensor.Shard._custom_chunk(x, n, dim)
+        assert len(ours) == len(theirs) == n
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), (size, n)
+
+
+def _shard_dim_alltoall_job() -> list:
+    """torch's private ``_collective_utils.shard_dim_alltoall`` with a mesh of shardwise's
+    under the switch (on CPU torch gathers through the functional collectives, then takes its
+    ``Shard._custom_chunk``), real and meta tensors."""
+    import torch.distributed as dist
+
+    from shardwise.as_torch import as_torch
+
+    as_torch()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor._collective_utils import shard_dim_alltoall
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = torch.arange(48.0).view(12, 4)
+    row = rank // 2  # this rank's coordinate on mesh dim 0: its rows, all columns
+    mine = full.chunk(2, 0)[row]
+    out = shard_dim_alltoall(mine, 0, 1, mesh, 0)
+    meta = shard_dim_alltoall(torch.empty(6, 4, device="meta"), 0, 1, mesh, 0)
+    return [torch.equal(out, full.chunk(2, 1)[row]), tuple(meta.shape), meta.stride(),
+            out.stride()]
+
+
+@pytest.mark.slow
+def test_torchs_shard_dim_alltoall_on_a_shardwise_mesh() -> None:
+    from mp_harness import run_in_processes
+
+    for out in run_in_processes(_shard_dim_alltoall_job, 4, timeout=180):
+        assert out == [True, (12, 2), (2, 1), (2, 1)], out
 
 
 def test_from_local_of_a_meta_tensor_stays_meta() -> None:

@@ -22,10 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 # torch module -> (shardwise modules that answer its names, in order; whether names shardwise
-# lacks fall through to torch's module: FSDP1's beside FSDP2's, and torch's private helpers).
+# lacks fall through to torch's module: FSDP1's beside FSDP2's, and torch's private helpers;
+# or the only names that do).
 # torch.distributed.tensor._api stays torch's: torch's own sharding rules import its DTensor
 # lazily (e.g. when torch.compile first loads inductor) and need torch's class.
-SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
+SHIMS: dict[str, tuple[tuple[str, ...], bool | frozenset[str]]] = {
     "torch.distributed.tensor": (("shardwise",), False),
     "torch.distributed.tensor.placement_types": (("shardwise.placements",), False),
     "torch.distributed.tensor.device_mesh": (("shardwise.mesh",), False),
@@ -43,7 +44,9 @@ SHIMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "torch.distributed._tensor.placement_types": (("shardwise.placements",), False),
     "torch.distributed._tensor.device_mesh": (("shardwise.mesh",), False),
     "torch.distributed.device_mesh": (("shardwise.mesh",), False),
-    "torch.distributed.tensor._random": ((), False),
+    # torch's _PhiloxState reads and writes the seed and offset bytes of a generator's state:
+    # no DTensor in it. Its RNG tracker (_rng_tracker) stays torch's own business.
+    "torch.distributed.tensor._random": ((), frozenset({"_PhiloxState"})),
     "torch.distributed.fsdp": (("shardwise.parallel",), True),
     "torch.distributed._composable.fsdp": (("shardwise.parallel",), True),
 }
@@ -71,13 +74,78 @@ def _shard_tensor(full_tensor: Any, placements: Any, device_mesh: Any = None) ->
     return distribute_tensor(full_tensor, device_mesh, placements, src_data_rank=None)
 
 
+def _compute_global_tensor_shape(shape: Any, mesh: Any, placements: Any) -> Any:
+    """torch's private ``tensor._utils.compute_global_tensor_shape`` (one mesh dim, as torch's):
+    the global shape of a DTensor from this process's local ``shape``, the shapes of every
+    process gathered (uneven shards included): a shard dim is their sum, every other dim must
+    agree."""
+    import torch
+
+    from .dtensor import DTensor
+    from .errors import LocalShapeError, UnsupportedOpError
+    from .placements import Replicate, Shard
+
+    if len(placements) != 1:
+        raise UnsupportedOpError(
+            f"compute_global_tensor_shape only supports 1 placement for now, got {placements}"
+        )
+    if len(placements) != mesh.ndim:
+        raise LocalShapeError(
+            f"Expected one placement per mesh dim, got {len(placements)} placements "
+            f"{list(placements)} for the {mesh.ndim}-D {mesh}"
+        )
+    (placement,) = placements
+    if isinstance(placement, Replicate):
+        return torch.Size(shape)
+    if not isinstance(placement, Shard):
+        raise UnsupportedOpError(
+            f"compute_global_tensor_shape: placement {placement!r} is not supported (Shard or "
+            f"Replicate; {mesh})"
+        )
+    mine = torch.tensor([list(shape)], device=mesh.device_of(mesh.local_device_ids[0]))
+    every = DTensor.from_local(mine, mesh, [Shard(0)]).full_tensor().tolist()
+    dim = placement.dim % len(shape)
+    if any(s[:dim] + s[dim + 1:] != every[0][:dim] + every[0][dim + 1:] for s in every):
+        raise LocalShapeError(
+            f"Non-sharded dimensions should have identical size across ranks: local shapes "
+            f"{every} over {mesh} with placements {list(placements)}"
+        )
+    return torch.Size([*shape[:dim], sum(s[dim] for s in every), *shape[dim + 1:]])
+
+
+def _to_replicate_tensor(
+    self: Any, local_tensor: Any, mesh: Any, mesh_dim: int, current_logical_shape: Any
+) -> Any:
+    """torch's private ``Shard._to_replicate_tensor`` (``_StridedShard``'s too): this
+    process's piece under this placement on ``mesh_dim`` of a tensor of
+    ``current_logical_shape``, gathered whole there (an all-gather along that mesh dim)."""
+    from .dtensor import DTensor
+    from .placements import Replicate
+
+    placements = [Replicate()] * mesh.ndim
+    placements[mesh_dim] = self
+    shape = list(current_logical_shape)
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * max(shape[d + 1], 1)
+    dt = DTensor.from_local(local_tensor, mesh, placements, shape=shape, stride=stride)
+    placements[mesh_dim] = Replicate()
+    return dt.redistribute(mesh, placements).to_local()
+
+
 # names answered here, before the modules of SHIMS
 _OWN: dict[str, dict[str, Any]] = {
     "torch.distributed.tensor._random": {
         "manual_seed": _manual_seed,
         "is_rng_supported_mesh": _is_rng_supported_mesh,
     },
+    "torch.distributed.tensor._utils": {
+        "compute_global_tensor_shape": _compute_global_tensor_shape,
+    },
 }
+# torch's private methods of its placements that communicate, given to shardwise's shard
+# placements by the switch (shardwise's placements are data: they never communicate)
+_PLACEMENT_METHODS: dict[str, Callable[..., Any]] = {"_to_replicate_tensor": _to_replicate_tensor}
 # torch modules that stay torch's (above: ``_api``) but whose names below answer shardwise's
 _PATCHED: dict[str, dict[str, Any]] = {
     "torch.distributed.tensor._api": {"_shard_tensor": _shard_tensor},
@@ -106,8 +174,10 @@ class _Shim(types.ModuleType):
             return [n for n in names if self._lookup(n) is not _MISSING]
         value = self._lookup(name)
         if value is _MISSING:
+            passed = SHIMS[self.__name__][1]
+            passed = passed if isinstance(passed, frozenset) else frozenset()
             answers = ", ".join(self.__dict__["_sources"]) or "only " + ", ".join(
-                sorted(_OWN.get(self.__name__, {}))
+                sorted({*_OWN.get(self.__name__, {}), *passed}, key=str.lower)
             )
             raise AttributeError(
                 f"shardwise.as_torch: {self.__name__}.{name} has no shardwise counterpart "
@@ -129,7 +199,8 @@ class _Shim(types.ModuleType):
                 continue
         real = self.__dict__["_real"]
         fallback = SHIMS[self.__name__][1]
-        return getattr(real, name, _MISSING) if fallback and real is not None else _MISSING
+        passes = fallback is True or (isinstance(fallback, frozenset) and name in fallback)
+        return getattr(real, name, _MISSING) if passes and real is not None else _MISSING
 
 
 _MISSING: Any = object()
@@ -183,6 +254,10 @@ def as_torch() -> None:
     for name, names in _PATCHED.items():
         for attr, value in names.items():
             setattr(importlib.import_module(name), attr, value)
+    from .placements import Shard
+
+    for attr, method in _PLACEMENT_METHODS.items():
+        setattr(Shard, attr, method)
     _accept_meshes(resolve_group)
 
 

@@ -33,6 +33,12 @@ class OpArgumentError(InvalidArgumentError, RuntimeError):
     PyTorch RuntimeError, so this is both a ``ValueError`` and a ``RuntimeError``."""
 
 
+class LocalShapeError(InvalidPlacementError, RuntimeError):
+    """Processes' local shapes do not fit together under the placements given for them (a
+    dim they do not shard differs, or the placements do not match the mesh): PyTorch raises
+    RuntimeError there, so this is both a ``ValueError`` and a ``RuntimeError``."""
+
+
 class NonLeafTensorError(ShardwiseError, RuntimeError):
     """``distribute_tensor`` got a tensor autograd made (not a leaf): a RuntimeError, as
     PyTorch's ``distribute_tensor`` raises for it."""
@@ -222,6 +228,7 @@ __all__ = [
     "LabelOutOfRangeError",
     "LayoutError",
     "LocalComponentsError",
+    "LocalShapeError",
     "MeshError",
     "NonLeafTensorError",
     "NotEagerError",

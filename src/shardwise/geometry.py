@@ -89,18 +89,12 @@ def split_segments(segments: Segments, placement: Shard, n: int, index: int) -> 
             )
         lo = sum(sizes[:index])
         return merge_runs(_pick(segments, lo, lo + sizes[index]))
-    if isinstance(placement, InterleavedShard):
-        k = placement.interleaved_size
-        if length % k:
-            raise InvalidPlacementError(
-                f"{placement!r} needs the sharded size {length} to be divisible by "
-                f"interleaved_size={k}"
-            )
-        block = length // k
-        lo, hi = chunk_bounds(block, n, index)
+    if isinstance(placement, InterleavedShard):  # torch.chunk in k blocks, each in n pieces
         runs: list[tuple[int, int]] = []
-        for j in range(k):
-            runs.extend(_pick(segments, j * block + lo, j * block + hi))
+        for j in range(placement.interleaved_size):
+            b_lo, b_hi = chunk_bounds(length, placement.interleaved_size, j)
+            lo, hi = chunk_bounds(b_hi - b_lo, n, index)
+            runs.extend(_pick(segments, b_lo + lo, b_lo + hi))
         return merge_runs(runs)
     lo, hi = chunk_bounds(length, n, index)
     return merge_runs(_pick(segments, lo, hi))
@@ -115,13 +109,29 @@ def compute_local_shape_and_global_offset(
     coord = mesh.get_coordinate()
     if coord is None:
         return (0,), ()
-    shape = tuple(int(s) for s in global_shape)
     if len(placements) != mesh.ndim:
         raise InvalidPlacementError(
             f"{len(placements)} placements {list(placements)} for the {mesh.ndim}-D {mesh}"
         )
+    return _compute_local_shape_and_global_offset(global_shape, mesh.shape, coord, placements)
+
+
+def _compute_local_shape_and_global_offset(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], my_coordinate: Sequence[int],
+    placements: Sequence[Placement],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """PyTorch's private ``_utils`` helper on plain values: ``compute_local_shape_and_global_
+    offset`` for mesh coordinate ``my_coordinate`` of a mesh of ``mesh_shape``."""
+    shape = tuple(int(s) for s in global_shape)
+    if not len(placements) == len(mesh_shape) == len(my_coordinate):
+        raise InvalidPlacementError(
+            f"{len(placements)} placements {list(placements)} for a mesh of shape "
+            f"{tuple(mesh_shape)} at coordinate {list(my_coordinate)}"
+        )
     normal = tuple(normalize_placement(p, len(shape)) for p in placements)
-    segments = shard_segments(shape, tuple(mesh.shape), normal, tuple(coord))
+    segments = shard_segments(
+        shape, tuple(int(n) for n in mesh_shape), normal, tuple(int(c) for c in my_coordinate)
+    )
     sharded = {p.dim for p in normal if isinstance(p, Shard)}
     sizes = tuple(segments_size(seg) for seg in segments)
     offsets = tuple(
@@ -129,7 +139,6 @@ def compute_local_shape_and_global_offset(
         for d, (seg, size) in enumerate(zip(segments, sizes, strict=True))
     )
     return sizes, offsets
-
 
 
 def _even_shard_dims(

@@ -13,6 +13,11 @@ from . import execution, mesh_text, runtime, settings
 from .errors import MeshError, ShardwiseTypeError
 
 
+class MeshBackendError(MeshError, RuntimeError):
+    """A process group was asked of a mesh made without them (PyTorch's ``_init_backend=False``):
+    a ``RuntimeError``, as PyTorch raises there."""
+
+
 class MeshDimNameError(MeshError, KeyError):
     """A mesh dimension name that the mesh does not have."""
 
@@ -76,6 +81,7 @@ class DeviceMesh:
         mesh_dim_names: Sequence[str] | None = None,
         _devices_per_process: int | None = None,
         _rank: int | None = None,
+        _init_backend: bool = True,
     ) -> None:
         ids = mesh_ids(mesh)
         flat = ids.flatten().tolist()
@@ -97,6 +103,9 @@ class DeviceMesh:
                 f"a 'cuda' mesh {flat} needs CUDA, but torch.cuda.is_available() is False here; "
                 f"use device_type='cpu' for simulated devices"
             )
+        if not _init_backend:  # PyTorch's mesh of ranks, no process groups and no start-up
+            _devices_per_process = _devices_per_process or 1
+            self._no_backend = True
         if device_type != "meta" and _devices_per_process is None:
             runtime.start(device_type, None)
         self.device_type = device_type
@@ -227,6 +236,11 @@ class DeviceMesh:
         ids = self.local_device_ids
         return self.coordinate_of(ids[0]) if ids else None
 
+    @property
+    def _coordinate_on_dim(self) -> tuple[int, ...] | None:
+        """PyTorch's attribute: ``get_coordinate()``."""
+        return self.get_coordinate()
+
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
         """This process's first device's index along ``mesh_dim`` (PyTorch)."""
         coord = self.get_coordinate()
@@ -352,6 +366,7 @@ class DeviceMesh:
             mesh_dim_names=names,
             _devices_per_process=self._devices_per_process,
             _rank=self._rank,
+            _init_backend=not self.__dict__.get("_no_backend"),
         )
         root, root_dims = self.root_mesh, self.root_dims
         result._root = (root, tuple(root_dims[d] for d in keep))
@@ -385,7 +400,7 @@ class DeviceMesh:
     def __getstate__(self) -> dict[str, Any]:
         """Only the defining fields: cached tables are rebuilt on use."""
         keep = ("device_type", "mesh", "mesh_dim_names", "_devices_per_process", "_rank", "_ids",
-                "mesh_name", "_root")
+                "mesh_name", "_root", "_no_backend")
         return {k: self.__dict__[k] for k in keep if k in self.__dict__}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -407,6 +422,11 @@ class DeviceMesh:
         for its group raises ``MeshError``, as does a dim of size 1 while torch.distributed is
         not initialized.
         """
+        if self.__dict__.get("_no_backend"):
+            raise MeshBackendError(
+                f"DeviceMesh process groups not initialized! {self} was made with "
+                f"_init_backend=False"
+            )
         if mesh_dim is None:
             if self.ndim != 1:
                 raise MeshError(f"get_group needs a mesh_dim on the {self.ndim}-D {self}")
@@ -525,6 +545,7 @@ class DeviceMesh:
             mesh_dim_names=names,
             _devices_per_process=self._devices_per_process,
             _rank=self._rank,
+            _init_backend=not self.__dict__.get("_no_backend"),
         )
         if same_dims:
             result._root = (self.root_mesh, self.root_dims)

@@ -102,12 +102,10 @@ class Shard(Placement):
                 f"{self!r} cannot split a tensor of shape {list(tensor.shape)} in "
                 f"{num_chunks} pieces"
             )
-        length = tensor.shape[dim]
-        full = -(-length // num_chunks)
+        full = -(-tensor.shape[dim] // num_chunks)
         pieces, pads = [], []
-        for rank in range(num_chunks):
-            size, offset = self.local_shard_size_and_offset(length, num_chunks, rank)
-            piece = tensor.narrow(dim, offset, size)
+        for piece in self._custom_chunk(tensor, num_chunks, dim):
+            size = piece.shape[dim]
             if with_padding:
                 pads.append(full - size)
                 if full > size:
@@ -115,6 +113,19 @@ class Shard(Placement):
                     piece = torch.nn.functional.pad(piece, widths)
             pieces.append(piece.contiguous() if contiguous else piece)
         return pieces, pads
+
+    @staticmethod
+    def _custom_chunk(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[torch.Tensor]:
+        """PyTorch's private ``Shard._custom_chunk``: the ``num_chunks`` ``torch.chunk`` pieces
+        of ``tensor`` along ``dim``, empty ones where the dim runs out (views)."""
+        if tensor.ndim == 0 or num_chunks < 1 or not -tensor.ndim <= dim < tensor.ndim:
+            raise InvalidPlacementError(
+                f"cannot chunk a tensor of shape {list(tensor.shape)} in {num_chunks} pieces "
+                f"along dim {dim}"
+            )
+        length = tensor.shape[dim]
+        return [tensor.narrow(dim, offset, size) for size, offset in (
+            Shard.local_shard_size_and_offset(length, num_chunks, r) for r in range(num_chunks))]
 
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
@@ -124,7 +135,9 @@ class Shard(Placement):
 class InterleavedShard(Shard):
     """veScale's interleaved shard: dim viewed as [interleaved_size, size // interleaved_size]
     and the second part sharded, so each device keeps a piece of every interleaved block
-    (a merged QKV weight keeps its q, k and v parts together on every device).
+    (a merged QKV weight keeps its q, k and v parts together on every device). A size that
+    does not divide is cut as PyTorch cuts it: ``torch.chunk`` in ``interleaved_size`` blocks,
+    each block ``torch.chunk``-ed over the mesh dim.
 
     It is the layout of PyTorch's ``_StridedShard(dim, split_factor=interleaved_size)`` (FSDP2
     over a tensor-parallel dim), and ``_StridedShard`` is this class: it takes torch's
@@ -165,18 +178,51 @@ class InterleavedShard(Shard):
         """PyTorch's ``_StridedShard.local_shard_size_and_offset``: the size of piece ``rank``
         and, by ``offset_mode`` (0 FIRST, 1 ALL, 2 NONE), its first index (-1 if empty), all
         its indices, or None."""
-        k = self.interleaved_size
-        indices: list[int] = []
-        for block in range(k):  # chunk into k blocks, each block into num_chunks pieces
-            b_size, b_lo = Shard.local_shard_size_and_offset(curr_local_size, k, block)
-            size, lo = Shard.local_shard_size_and_offset(b_size, num_chunks, rank)
-            indices.extend(range(b_lo + lo, b_lo + lo + size))
+        indices = [i for lo, size in self._runs(curr_local_size, num_chunks, rank)
+                   for i in range(lo, lo + size)]
         mode = int(offset_mode)
         if mode == 2:
             return len(indices), None
         if mode == 1:
             return len(indices), indices
         return len(indices), indices[0] if indices else -1
+
+    def _runs(self, length: int, num_chunks: int, rank: int) -> list[tuple[int, int]]:
+        """(start, size) of each block's piece that ``rank`` keeps: ``torch.chunk`` of the dim
+        in ``interleaved_size`` blocks, each block in ``num_chunks`` pieces (uneven included)."""
+        runs = []
+        for block in range(self.interleaved_size):
+            b_size, b_lo = Shard.local_shard_size_and_offset(length, self.interleaved_size, block)
+            size, lo = Shard.local_shard_size_and_offset(b_size, num_chunks, rank)
+            runs.append((b_lo + lo, size))
+        return runs
+
+    def _split_tensor(
+        self,
+        tensor: torch.Tensor,
+        num_chunks: int,
+        *,
+        with_padding: bool = True,
+        contiguous: bool = True,
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """PyTorch's private ``_StridedShard._split_tensor``: the ``num_chunks`` pieces of
+        ``tensor`` along ``dim`` (each the concatenation of its piece of every block) and, with
+        ``with_padding``, how much each is short of the largest (the pieces are not padded,
+        as torch's are not); else an empty list."""
+        dim = self.dim + tensor.ndim if self.dim < 0 else self.dim
+        if not 0 <= dim < tensor.ndim or num_chunks < 1:
+            raise InvalidPlacementError(
+                f"{self!r} cannot split a tensor of shape {list(tensor.shape)} in "
+                f"{num_chunks} pieces"
+            )
+        pieces = []
+        for rank in range(num_chunks):
+            parts = [tensor.narrow(dim, lo, size)
+                     for lo, size in self._runs(tensor.shape[dim], num_chunks, rank)]
+            piece = torch.cat(parts, dim)
+            pieces.append(piece.contiguous() if contiguous else piece)
+        longest = max(p.shape[dim] for p in pieces)
+        return pieces, [longest - p.shape[dim] for p in pieces] if with_padding else []
 
     @property
     def split_factor(self) -> int:

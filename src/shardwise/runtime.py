@@ -180,10 +180,20 @@ def group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     groups are created together, in mesh order, and collectives run in one order in every
     process, so members reach a creation in the same order.
     """
-    pg = _process_groups.get().get(ranks)
+    pg = _live_groups().get(ranks)
     if pg is not None:
         return pg
     return _made(ranks, None)
+
+
+def _live_groups() -> dict[tuple, dist.ProcessGroup]:
+    """This process's groups, forgotten once the world they were made in is gone (a program
+    that destroyed its process groups itself and initialized torch.distributed again, as
+    PyTorch's test harness does per test, or a forked child of such a process)."""
+    groups = _process_groups.get()
+    if groups and next(iter(groups.values())) not in c10d_world().pg_map:
+        groups.clear()
+    return groups
 
 
 def side_group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
@@ -194,7 +204,7 @@ def side_group_for_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     group = group_for_ranks(ranks)
     if dist.get_backend(group) in ("gloo", "fake"):
         return group
-    return _process_groups.get().get(("gloo", *ranks)) or _made(ranks, "gloo")
+    return _live_groups().get(("gloo", *ranks)) or _made(ranks, "gloo")
 
 
 def _made(ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup:

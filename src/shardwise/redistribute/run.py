@@ -51,10 +51,20 @@ def _split(t: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
 
 def _merge_interleaved(pieces: Sequence[torch.Tensor], placement: InterleavedShard) -> torch.Tensor:
     """Inverse of ``_split`` for ``InterleavedShard``: the whole tensor from every coordinate's
-    piece (for ``Shard`` it is a concatenation, which ``comm.all_gather_tensor`` does)."""
-    dim, k = placement.dim, placement.interleaved_size
-    blocks = [p.chunk(k, dim) if p.shape[dim] else [p] * k for p in pieces]
-    return torch.cat([blocks[j][b] for b in range(k) for j in range(len(pieces))], dim)
+    piece, each run of each piece put back at its place (uneven blocks and pieces included; for
+    ``Shard`` it is a concatenation, which ``comm.all_gather_tensor`` does)."""
+    dim = placement.dim
+    length = sum(p.shape[dim] for p in pieces)
+    placed = []
+    for piece, runs in zip(pieces, _split_runs(length, placement, len(pieces)), strict=True):
+        taken = 0
+        for start, stop in runs:
+            if stop > start:
+                placed.append((start, piece.narrow(dim, taken, stop - start)))
+                taken += stop - start
+    if not placed:  # an empty dim
+        return pieces[0]
+    return torch.cat([part for _, part in sorted(placed, key=lambda item: item[0])], dim)
 
 
 def _partition(t: torch.Tensor, placement: Partial, coordinate: int) -> torch.Tensor:
