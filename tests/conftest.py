@@ -281,9 +281,12 @@ def check_components(
     x: torch.Tensor,
     mesh: DeviceMesh,
     placements: Sequence[Placement],
+    rounded: bool = False,
 ) -> None:
     """Components (ascending device id) have the reference shapes and reduce over the Partial
-    mesh dims to the reference slices of ``x``."""
+    mesh dims to the reference slices of ``x``; equal, or within float rounding where an
+    average was taken (``Partial("avg")`` among ``placements``, or ``rounded``: the components
+    come from one)."""
     mesh_shape = tuple(mesh.mesh.shape)
     coords = ref_coords(mesh.mesh)
     assert len(components) == len(coords)
@@ -292,7 +295,8 @@ def check_components(
         expected = ref_slice(x, ref_indices(x.shape, mesh_shape, placements, coord))
         assert by_coord[coord].shape == expected.shape, (coord, placements, mesh)
         assert by_coord[coord].dtype == x.dtype
-        if any(p == Partial("avg") for p in placements) and value.is_floating_point():
+        averaged = rounded or any(p == Partial("avg") for p in placements)
+        if averaged and value.is_floating_point():
             torch.testing.assert_close(value, expected)  # division rounds by reduction order
         else:
             assert torch.equal(value, expected), (coord, placements, mesh)
