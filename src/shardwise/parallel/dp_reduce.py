@@ -63,6 +63,10 @@ class Packed:
             self._flush()
         self.pending = False
 
+    def discard(self) -> None:
+        """Forget the gradients waiting (an aborted backward's)."""
+        self.waiting, self.pending = {}, False
+
     def _flush(self) -> None:
         entries, self.waiting = self.waiting, {}
         unit = self.unit
@@ -119,6 +123,10 @@ class Buckets:
             if self.waiting[b]:
                 self._flush(b)
         self.pending = False
+
+    def discard(self) -> None:
+        """Forget the gradients waiting (an aborted backward's)."""
+        self.waiting, self.pending = [[] for _ in self.buckets], False
 
     def _flush(self, b: int) -> None:
         entries, self.waiting[b] = self.waiting[b], []

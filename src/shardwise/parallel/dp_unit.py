@@ -299,6 +299,14 @@ class DataParallelUnit:
         self.drop_prefetched()
         self.held.clear()
 
+    def reset(self) -> None:
+        """After an exception aborted a forward or backward: restore what unfinished forwards
+        set, free every gathered parameter and forget the gradients waiting to be reduced."""
+        self.unwind(0)
+        self.reshard()
+        self.regathered.clear()
+        self.reducer.discard()
+
     # ----- forward hooks ---------------------------------------------------------------------
     # under torch.compile they run eagerly around the compiled forward, as FSDP2's; registered
     # as bound methods, so copy.deepcopy of the module rebinds them to the copied unit
