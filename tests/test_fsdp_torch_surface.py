@@ -127,3 +127,35 @@ def test_reset_iter_state_after_an_aborted_backward_trains_like_one_device() -> 
     ref(x).sum().backward()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-5)
+
+
+class Tied(nn.Module):
+    """An output projection sharing the embedding's weight (weight tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["root only", "fully_shard([emb, out])"])
+def test_a_tied_weight_is_gathered_into_every_module_holding_it(grouped: bool) -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = Tied(), Tied()
+    if grouped:
+        fully_shard([model.emb, model.out], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert model.out.weight is model.emb.weight  # still tied, stored sharded
+    ids = torch.tensor([[1, 7, 3], [9, 0, 4]])
+    out = model(ids)  # every holder computes with the gathered weight: no move needed
+    assert model.out.weight is model.emb.weight and model.out.weight.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), ref(ids), atol=1e-6, rtol=1e-5)
+    with sw.config.allow_implicit_redistribute():
+        out.sum().backward()
+    ref(ids).sum().backward()
+    torch.testing.assert_close(model.emb.weight.grad.full_tensor(), ref.emb.weight.grad,
+                               atol=1e-6, rtol=1e-5)

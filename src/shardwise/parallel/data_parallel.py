@@ -258,6 +258,16 @@ def place_parameter(root: nn.Module, param: torch.Tensor, value: torch.Tensor) -
     return new
 
 
+def aliases(root: nn.Module, owner: nn.Module, name: str) -> tuple[tuple[nn.Module, str], ...]:
+    """The other (module, attribute) pairs of ``root`` that hold ``owner``'s parameter
+    ``name`` (a tied weight): a forward gathers it into each of them."""
+    param = owner._parameters[name]
+    return tuple(
+        (module, key) for module in root.modules() for key, p in module._parameters.items()
+        if p is param and not (module is owner and key == name)
+    )
+
+
 def stored_value(param: torch.Tensor, dp: DataParallelDims, storage: list[Placement]) -> DTensor:
     """``param`` (plain, on ``dp.mesh``, or on a sibling sub-mesh) as a DTensor on ``dp.mesh``
     with ``storage`` placements. A sibling sub-mesh's pieces are already this rank's pieces;

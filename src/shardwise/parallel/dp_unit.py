@@ -51,6 +51,13 @@ class Slot:
     dp: DataParallelDims
     compute: tuple[Placement, ...]
     storage: tuple[Placement, ...]
+    aliases: tuple[tuple[nn.Module, str], ...] = ()  # other holders of a tied parameter
+
+    def put(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` the parameter in its owner and in every other module holding it."""
+        self.owner._parameters[self.name] = tensor
+        for module, name in self.aliases:
+            module._parameters[name] = tensor
 
     @functools.cached_property
     def sub(self) -> DeviceMesh | None:
@@ -283,7 +290,8 @@ class DataParallelUnit:
         if found is None:
             owners = {id(m) for m in module.modules()}
             found = self.members[id(module)] = [
-                k for k, slot in enumerate(self.slots) if id(slot.owner) in owners
+                k for k, slot in enumerate(self.slots)
+                if id(slot.owner) in owners or any(id(m) in owners for m, _ in slot.aliases)
             ]
         return found
 
@@ -335,7 +343,7 @@ class DataParallelUnit:
                                        mine[1] if mine is not None else None).items():
             slot = self.slots[k]
             entry.stored[k] = slot.stored
-            slot.owner._parameters[slot.name] = tensor
+            slot.put(tensor)
         if schedule is not None:
             schedule.arrive(self, module, view)
         reshard = self.reshard_after_forward
@@ -374,7 +382,7 @@ class DataParallelUnit:
         for k, param in entry.stored.items():
             slot = self.slots[k]
             viewed = slot.owner._parameters[slot.name]
-            slot.owner._parameters[slot.name] = param
+            slot.put(param)
             if keep and not self.reshard_after_backward and k not in self.held:
                 self.held[k] = (entry.view, viewed, self._version(k))
         if entry.token is not None:

@@ -26,6 +26,7 @@ from ..placements import InterleavedShard, Placement, RaggedShard, Shard
 from .data_parallel import (
     MANAGED,
     DataParallelMeshDims,
+    aliases,
     compute_placements,
     owned_parameters,
     place_parameter,
@@ -269,7 +270,8 @@ def fully_shard(
         value = stored_value(param, pdp, storage)
         new = place_parameter(group, param, value)
         setattr(new, MANAGED, True)
-        slots.append(Slot(owner, name, pdp, tuple(compute), tuple(storage)))
+        slots.append(Slot(owner, name, pdp, tuple(compute), tuple(storage),
+                          aliases(group, owner, name)))
     materialize_if_root(group)  # after sharding: each device allocates only its shard
     unit = DataParallelUnit(
         dp, slots, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
