@@ -159,3 +159,40 @@ def test_a_tied_weight_is_gathered_into_every_module_holding_it(grouped: bool) -
     ref(ids).sum().backward()
     torch.testing.assert_close(model.emb.weight.grad.full_tensor(), ref.emb.weight.grad,
                                atol=1e-6, rtol=1e-5)
+
+
+class Twice(nn.Module):
+    """``inner`` runs twice in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(self.inner(x) + self.inner(x))
+
+
+def test_a_module_run_twice_in_one_forward_trains_like_one_device() -> None:
+    """From the second step on, the recorded order has ``inner`` follow itself: its first
+    call must not prefetch its own parameters while it runs."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = Twice(), Twice()
+    fully_shard(model.inner, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+    for _ in range(3):
+        with sw.config.allow_implicit_redistribute():
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+        ref_loss = ref(x).sum()
+        ref_loss.backward()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.full_tensor(), ref_loss, atol=1e-5, rtol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5)

@@ -179,10 +179,11 @@ class DataParallelUnit:
     def prefetch(self, module: nn.Module, view: View) -> None:
         """Issue the packed gathers ``module``'s next forward in ``view`` will need, unless
         issued already."""
-        if id(module) not in self.prefetched:
-            groups = self._to_gather(self._slots_of(module), view)[1]
-            if groups:
-                self.prefetched[id(module)] = (view, self._issue(groups))
+        if id(module) in self.prefetched or any(e.module is module for e in self.active):
+            return  # issued already, or running now (a module called twice in one forward)
+        groups = self._to_gather(self._slots_of(module), view)[1]
+        if groups:
+            self.prefetched[id(module)] = (view, self._issue(groups))
 
     def _regather_groups(self) -> dict[tuple, list[int]]:
         """What backward re-gathers: every slot not held, by packing key."""
