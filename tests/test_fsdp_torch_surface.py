@@ -196,3 +196,10 @@ def test_a_module_run_twice_in_one_forward_trains_like_one_device() -> None:
         torch.testing.assert_close(loss.full_tensor(), ref_loss, atol=1e-5, rtol=1e-5)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5)
+
+
+def test_a_3d_mesh_is_refused_in_pytorchs_words() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 1, 1))
+    with pytest.raises(ValueError, match=r"fully\_shard expects a 1D or 2D DeviceMesh but got "
+                                         r"DeviceMesh\('cpu', .*\(3-D\) for Linear: pass"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh)

@@ -137,8 +137,10 @@ def resolve_dims(
     if parent is None or parent == mesh:
         if mesh.ndim > 2 or (parent is not None and mesh.ndim > 1):
             raise DataParallelError(
-                f"{what} of {type(module).__name__} on the {mesh.ndim}-D {mesh}"
-                + (" where its parameters already live" if parent is not None else "")
+                (f"{what} of {type(module).__name__} on the {mesh.ndim}-D {mesh} where its "
+                 f"parameters already live" if parent is not None else
+                 f"{what} expects a 1D or 2D DeviceMesh but got {mesh} ({mesh.ndim}-D) for "
+                 f"{type(module).__name__}")
                 + ": pass the data-parallel sub-mesh (mesh['dp']), or the full mesh with "
                 "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
             )
