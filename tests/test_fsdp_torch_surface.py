@@ -203,3 +203,17 @@ def test_a_3d_mesh_is_refused_in_pytorchs_words() -> None:
     with pytest.raises(ValueError, match=r"fully\_shard expects a 1D or 2D DeviceMesh but got "
                                          r"DeviceMesh\('cpu', .*\(3-D\) for Linear: pass"):
         fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+def test_a_weight_tied_across_two_fully_shard_calls_is_refused_at_the_first_forward() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    model = Tied()
+    fully_shard(model.emb, mesh=mesh)
+    fully_shard(model.out, mesh=mesh)  # holds emb's weight, which the first call manages
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(DataParallelError, match=r"holds FSDPLinear.weight, already managed "
+                                                r"by another fully_shard call"):
+        model(torch.tensor([[1, 2], [3, 4]]))
+    nested = Tied()  # the same parameter reached again by an outer call is fine
+    fully_shard(nested, mesh=mesh)
+    fully_shard(nn.Sequential(nested), mesh=mesh)(torch.tensor([[1, 2], [3, 4]]))

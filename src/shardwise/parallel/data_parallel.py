@@ -46,6 +46,7 @@ from ..torch_compat import tree_flatten, tree_map
 from ..tracing import eager_under_dynamo
 
 MANAGED = "_shardwise_data_parallel"  # set on parameters a data-parallel call manages
+REPLACED = "_shardwise_replaced"  # set on a parameter a data-parallel call took over
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,7 @@ def place_parameter(root: nn.Module, param: torch.Tensor, value: torch.Tensor) -
         for key, p in module._parameters.items():
             if p is param:
                 module._parameters[key] = new
+    setattr(param, REPLACED, True)  # a module outside ``root`` still holding it is an error
     return new
 
 

@@ -18,6 +18,7 @@ from .. import settings
 from ..comm.native import Pending
 from ..deferred_init import is_meta
 from ..dtensor import DTensor, local_of
+from ..errors import DataParallelError
 from ..execution import View, plain_view
 from ..mesh import DeviceMesh
 from ..placements import Placement
@@ -109,6 +110,7 @@ class DataParallelUnit:
         self.forward_targets: dict[int, list[tuple[DataParallelUnit, nn.Module]]] = {}
         self.backward_targets: list[DataParallelUnit] = []
         self.forward_depth = self.backward_depth = 1
+        self.foreign: list[str] = []  # parameters it holds that another call manages
         self.reducer = Buckets(self, bucket_cap) if bucket_cap is not None else Packed(self)
         for k, slot in enumerate(slots):
             if slot.stored.requires_grad:
@@ -321,6 +323,12 @@ class DataParallelUnit:
     # as bound methods, so copy.deepcopy of the module rebinds them to the copied unit
     @torch.compiler.disable
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.foreign:
+            raise DataParallelError(
+                f"{type(module).__name__} holds {', '.join(self.foreign)}, already managed by "
+                f"another fully_shard call on modules outside it (a parameter shared across "
+                f"calls): apply one fully_shard to the modules sharing it, fully_shard([a, b])"
+            )
         view, outermost = choose_view(self.dp, args, kwargs)
         # what this forward sets is on the stack from here: ``after_forward`` (or ``unwind``,
         # for an exit it does not see) restores it

@@ -25,6 +25,7 @@ from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Placement, RaggedShard, Shard
 from .data_parallel import (
     MANAGED,
+    REPLACED,
     DataParallelMeshDims,
     aliases,
     compute_placements,
@@ -250,7 +251,14 @@ def fully_shard(
     dp = resolve_dims(group, mesh, dp_mesh_dims, "fully_shard")
     ignored = {id(p) for p in ignored_params or ()}
     slots: list[Slot] = []
+    inner = {id(slot.stored) for m in group.modules() if isinstance(m, DataParallelModule)
+             for u in m._shardwise_units for slot in u.slots}
+    foreign: list[str] = []  # managed by a call on modules outside this one (tied across calls)
     for owner, name, param in list(owned_parameters(group, ignored)):
+        if getattr(param, REPLACED, False) or (
+                getattr(param, MANAGED, False) and id(param) not in inner):
+            foreign.append(f"{type(owner).__name__}.{name}")
+            continue
         if getattr(param, MANAGED, False):
             continue  # an inner fully_shard() or replicate() manages it
         pdp = dp.for_param(param)
@@ -277,6 +285,7 @@ def fully_shard(
         dp, slots, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
         offload_policy=offload_policy, bucket_cap=None,
     )
+    unit.foreign = foreign
     for m in modules:
         guard_loading(m)
         m.register_forward_pre_hook(unit.before_forward, with_kwargs=True)
