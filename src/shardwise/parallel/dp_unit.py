@@ -181,9 +181,12 @@ class DataParallelUnit:
     def prefetch(self, module: nn.Module, view: View) -> None:
         """Issue the packed gathers ``module``'s next forward in ``view`` will need, unless
         issued already."""
-        if id(module) in self.prefetched or any(e.module is module for e in self.active):
-            return  # issued already, or running now (a module called twice in one forward)
-        groups = self._to_gather(self._slots_of(module), view)[1]
+        if id(module) in self.prefetched:
+            return
+        # not the parameters a forward of this unit running now holds gathered (the module
+        # itself called twice in one forward, or a tied weight of a module of its group)
+        busy = {k for entry in self.active for k in entry.stored}
+        groups = self._to_gather([k for k in self._slots_of(module) if k not in busy], view)[1]
         if groups:
             self.prefetched[id(module)] = (view, self._issue(groups))
 
