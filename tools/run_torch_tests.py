@@ -46,6 +46,8 @@ DEFAULT_FILES = [
     "test/distributed/tensor/test_utils.py",
     "test/distributed/test_device_mesh.py",
     "test/distributed/_composable/fsdp/test_fully_shard_training.py",
+    "test/distributed/_composable/fsdp/test_fully_shard_init.py",
+    "test/distributed/_composable/fsdp/test_fully_shard_comm.py",
 ]
 MODES = ("torch", "shardwise")  # and "implicit": the switch with implicit redistribution on
 # `pytest -v` prints one line per test as it ends: kept even when the file's run is cut off
