@@ -123,6 +123,26 @@ def test_torchs_private_shard_tensor_keeps_each_shard_without_communication(
     assert result.stdout.splitlines() == ["shardwise.dtensor True 0", "True"]
 
 
+def test_torchs_submodules_of_a_shimmed_package_still_import(tmp_path: Path) -> None:
+    """A submodule of a shimmed package that no one imported before the switch (FSDP's
+    sharded grad scaler, which torch's FSDP test harness imports; FSDP2's private collectives)
+    is torch's own module, as the names shardwise lacks are torch's."""
+    script = tmp_path / "submodules.py"
+    script.write_text(
+        "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
+        "from torch.distributed.fsdp._fully_shard import _fsdp_collectives\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "print(ShardedGradScaler.__module__, _fsdp_collectives.__name__, fully_shard.__module__)\n"
+    )
+    result = _python("-m", "shardwise.as_torch", str(script))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [
+        "torch.distributed.fsdp.sharded_grad_scaler",
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives",
+        "shardwise.parallel.fully_shard",
+    ]
+
+
 def test_torch_compile_loads_torchs_sharding_rules_under_the_switch(tmp_path: Path) -> None:
     # torch.compile first loads inductor, whose prims register torch's DTensor sharding rules
     # through a lazy import of torch.distributed.tensor._api (torchtitan compiles at import)

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,8 @@ DEFAULT_FILES = [
     "test/distributed/tensor/test_utils.py",
     "test/distributed/test_device_mesh.py",
     "test/distributed/_composable/fsdp/test_fully_shard_training.py",
+    "test/distributed/_composable/fsdp/test_fully_shard_init.py",
+    "test/distributed/_composable/fsdp/test_fully_shard_comm.py",
 ]
 MODES = ("torch", "shardwise")  # and "implicit": the switch with implicit redistribution on
 # `pytest -v` prints one line per test as it ends: kept even when the file's run is cut off
@@ -123,14 +126,18 @@ def _pytest(
         "--rootdir",
         str(path.parent),
     ]
-    try:
-        proc = subprocess.run(
-            cmd, cwd=path.parent, env=env, capture_output=True, text=True, timeout=file_timeout
-        )
-        return proc.stdout + proc.stderr, f"rc={proc.returncode}"
-    except subprocess.TimeoutExpired as err:
-        out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else err.stdout or ""
-        return out, f"file timeout {file_timeout}s"
+    # a session of its own: past the file's timeout its rank processes go with it
+    with subprocess.Popen(
+        cmd, cwd=path.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    ) as proc:
+        try:
+            out, _ = proc.communicate(timeout=file_timeout)
+            return out, f"rc={proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            return out, f"file timeout {file_timeout}s"
 
 
 def _passed(run: dict) -> set[str]:

@@ -166,6 +166,8 @@ class _Shim(types.ModuleType):
         self.__dict__["_sources"] = sources
         self.__dict__["_real"] = real
         self.__dict__["__shardwise__"] = True
+        if hasattr(real, "__path__"):  # torch's submodules not shimmed still import
+            self.__dict__["__path__"] = real.__path__
 
     def __getattr__(self, name: str) -> Any:
         if name == "__all__":

@@ -31,7 +31,13 @@ __all__ = [
 
 # data parallel (composable with the styles above on a 2-D mesh)
 from .data_parallel import DataParallelMeshDims
-from .fully_shard import FSDPModule, fully_shard
+from .fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .replicate import replicate
 
@@ -41,6 +47,9 @@ __all__ += [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "UnshardHandle",
     "fully_shard",
+    "register_fsdp_forward_method",
     "replicate",
+    "share_comm_ctx",
 ]

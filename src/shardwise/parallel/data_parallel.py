@@ -46,6 +46,7 @@ from ..torch_compat import tree_flatten, tree_map
 from ..tracing import eager_under_dynamo
 
 MANAGED = "_shardwise_data_parallel"  # set on parameters a data-parallel call manages
+REPLACED = "_shardwise_replaced"  # set on a parameter a data-parallel call took over
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,10 @@ def resolve_dims(
     if parent is None or parent == mesh:
         if mesh.ndim > 2 or (parent is not None and mesh.ndim > 1):
             raise DataParallelError(
-                f"{what} of {type(module).__name__} on the {mesh.ndim}-D {mesh}"
-                + (" where its parameters already live" if parent is not None else "")
+                (f"{what} of {type(module).__name__} on the {mesh.ndim}-D {mesh} where its "
+                 f"parameters already live" if parent is not None else
+                 f"{what} expects a 1D or 2D DeviceMesh but got {mesh} ({mesh.ndim}-D) for "
+                 f"{type(module).__name__}")
                 + ": pass the data-parallel sub-mesh (mesh['dp']), or the full mesh with "
                 "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
             )
@@ -255,7 +258,18 @@ def place_parameter(root: nn.Module, param: torch.Tensor, value: torch.Tensor) -
         for key, p in module._parameters.items():
             if p is param:
                 module._parameters[key] = new
+    setattr(param, REPLACED, True)  # a module outside ``root`` still holding it is an error
     return new
+
+
+def aliases(root: nn.Module, owner: nn.Module, name: str) -> tuple[tuple[nn.Module, str], ...]:
+    """The other (module, attribute) pairs of ``root`` that hold ``owner``'s parameter
+    ``name`` (a tied weight): a forward gathers it into each of them."""
+    param = owner._parameters[name]
+    return tuple(
+        (module, key) for module in root.modules() for key, p in module._parameters.items()
+        if p is param and not (module is owner and key == name)
+    )
 
 
 def stored_value(param: torch.Tensor, dp: DataParallelDims, storage: list[Placement]) -> DTensor:

@@ -69,6 +69,10 @@ class Packed:
             reduction.finish()
         self.pending = False
 
+    def discard(self) -> None:
+        """Forget the gradients waiting (an aborted backward's)."""
+        self.waiting, self.pending = {}, False
+
     def _flush(self) -> None:
         entries, self.waiting = self.waiting, {}
         unit = self.unit
@@ -127,6 +131,10 @@ class Buckets:
             if self.waiting[b]:
                 self._flush(b)
         self.pending = False
+
+    def discard(self) -> None:
+        """Forget the gradients waiting (an aborted backward's)."""
+        self.waiting, self.pending = [[] for _ in self.buckets], False
 
     def _flush(self, b: int) -> None:
         entries, self.waiting[b] = self.waiting[b], []

@@ -18,6 +18,7 @@ from .. import settings
 from ..comm.native import Pending
 from ..deferred_init import is_meta
 from ..dtensor import DTensor, local_of
+from ..errors import DataParallelError
 from ..execution import View, plain_view
 from ..mesh import DeviceMesh
 from ..placements import Placement
@@ -51,6 +52,13 @@ class Slot:
     dp: DataParallelDims
     compute: tuple[Placement, ...]
     storage: tuple[Placement, ...]
+    aliases: tuple[tuple[nn.Module, str], ...] = ()  # other holders of a tied parameter
+
+    def put(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` the parameter in its owner and in every other module holding it."""
+        self.owner._parameters[self.name] = tensor
+        for module, name in self.aliases:
+            module._parameters[name] = tensor
 
     @functools.cached_property
     def sub(self) -> DeviceMesh | None:
@@ -102,6 +110,7 @@ class DataParallelUnit:
         self.forward_targets: dict[int, list[tuple[DataParallelUnit, nn.Module]]] = {}
         self.backward_targets: list[DataParallelUnit] = []
         self.forward_depth = self.backward_depth = 1
+        self.foreign: list[str] = []  # parameters it holds that another call manages
         self.reducer = Buckets(self, bucket_cap) if bucket_cap is not None else Packed(self)
         for k, slot in enumerate(slots):
             if slot.stored.requires_grad:
@@ -172,10 +181,14 @@ class DataParallelUnit:
     def prefetch(self, module: nn.Module, view: View) -> None:
         """Issue the packed gathers ``module``'s next forward in ``view`` will need, unless
         issued already."""
-        if id(module) not in self.prefetched:
-            groups = self._to_gather(self._slots_of(module), view)[1]
-            if groups:
-                self.prefetched[id(module)] = (view, self._issue(groups))
+        if id(module) in self.prefetched:
+            return
+        # not the parameters a forward of this unit running now holds gathered (the module
+        # itself called twice in one forward, or a tied weight of a module of its group)
+        busy = {k for entry in self.active for k in entry.stored}
+        groups = self._to_gather([k for k in self._slots_of(module) if k not in busy], view)[1]
+        if groups:
+            self.prefetched[id(module)] = (view, self._issue(groups))
 
     def _regather_groups(self) -> dict[tuple, list[int]]:
         """What backward re-gathers: every slot not held, by packing key."""
@@ -283,7 +296,8 @@ class DataParallelUnit:
         if found is None:
             owners = {id(m) for m in module.modules()}
             found = self.members[id(module)] = [
-                k for k, slot in enumerate(self.slots) if id(slot.owner) in owners
+                k for k, slot in enumerate(self.slots)
+                if id(slot.owner) in owners or any(id(m) in owners for m, _ in slot.aliases)
             ]
         return found
 
@@ -299,11 +313,25 @@ class DataParallelUnit:
         self.drop_prefetched()
         self.held.clear()
 
+    def reset(self) -> None:
+        """After an exception aborted a forward or backward: restore what unfinished forwards
+        set, free every gathered parameter and forget the gradients waiting to be reduced."""
+        self.unwind(0)
+        self.reshard()
+        self.regathered.clear()
+        self.reducer.discard()
+
     # ----- forward hooks ---------------------------------------------------------------------
     # under torch.compile they run eagerly around the compiled forward, as FSDP2's; registered
     # as bound methods, so copy.deepcopy of the module rebinds them to the copied unit
     @torch.compiler.disable
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.foreign:
+            raise DataParallelError(
+                f"{type(module).__name__} holds {', '.join(self.foreign)}, already managed by "
+                f"another fully_shard call on modules outside it (a parameter shared across "
+                f"calls): apply one fully_shard to the modules sharing it, fully_shard([a, b])"
+            )
         view, outermost = choose_view(self.dp, args, kwargs)
         # what this forward sets is on the stack from here: ``after_forward`` (or ``unwind``,
         # for an exit it does not see) restores it
@@ -327,7 +355,7 @@ class DataParallelUnit:
                                        mine[1] if mine is not None else None).items():
             slot = self.slots[k]
             entry.stored[k] = slot.stored
-            slot.owner._parameters[slot.name] = tensor
+            slot.put(tensor)
         if schedule is not None:
             schedule.arrive(self, module, view)
         reshard = self.reshard_after_forward
@@ -366,7 +394,7 @@ class DataParallelUnit:
         for k, param in entry.stored.items():
             slot = self.slots[k]
             viewed = slot.owner._parameters[slot.name]
-            slot.owner._parameters[slot.name] = param
+            slot.put(param)
             if keep and not self.reshard_after_backward and k not in self.held:
                 self.held[k] = (entry.view, viewed, self._version(k))
         if entry.token is not None:

@@ -13,6 +13,7 @@ managed by an earlier call: apply it to the inner blocks first, then to the root
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
@@ -24,7 +25,9 @@ from ..mesh import DeviceMesh
 from ..placements import InterleavedShard, Placement, RaggedShard, Shard
 from .data_parallel import (
     MANAGED,
+    REPLACED,
     DataParallelMeshDims,
+    aliases,
     compute_placements,
     owned_parameters,
     place_parameter,
@@ -42,10 +45,12 @@ class FSDPModule(DataParallelModule):
 
     _shardwise_unit: DataParallelUnit
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather the parameters now; the next forwards use them until ``reshard`` (or until
-        the optimizer changes them). The gather is synchronous: ``async_op`` returns None."""
+        the optimizer changes them). The gather is synchronous: with ``async_op`` the
+        ``UnshardHandle`` returned has nothing left to wait for."""
         self._shardwise_unit.unshard()
+        return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
         """Free the gathered parameters ``unshard`` (or ``set_reshard_after_backward``) kept."""
@@ -79,6 +84,14 @@ class FSDPModule(DataParallelModule):
             if reshard_after_backward:
                 unit.reshard()
 
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: every ``fully_shard`` module
+        under this one (call it on the root) restores what its unfinished forwards set, frees
+        its gathered parameters and forgets the gradients waiting to be reduced (that
+        iteration's gradients are lost), so the next iteration runs normally."""
+        for unit in self._units(True):
+            unit.reset()
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2 waits for its asynchronous reductions after the last backward; shardwise's
         reductions finish inside each backward, so this only records the flag."""
@@ -99,15 +112,15 @@ class FSDPModule(DataParallelModule):
         ``modules`` (instead of the next module in the recorded order), waited when their
         forward starts; an empty list restores the implicit prefetch (FSDP2's)."""
         unit = self._shardwise_unit
-        unit.forward_targets[id(self)] = [
-            (m._shardwise_unit, m) for m in _fsdp_modules(modules, "forward")]
+        targets = _fsdp_modules(modules, "set_modules_to_forward_prefetch")
+        unit.forward_targets[id(self)] = [(m._shardwise_unit, m) for m in targets]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """When this module re-gathers its parameters in backward, also issue the re-gathers
         of ``modules`` (instead of the module before it in forward); an empty list restores
         the implicit prefetch (FSDP2's)."""
         self._shardwise_unit.backward_targets = [
-            m._shardwise_unit for m in _fsdp_modules(modules, "backward")]
+            m._shardwise_unit for m in _fsdp_modules(modules, "set_modules_to_backward_prefetch")]
 
     def set_implicit_prefetch(self, forward: int = 1, backward: int = 1, *,
                               recurse: bool = True) -> None:
@@ -126,11 +139,54 @@ class FSDPModule(DataParallelModule):
         return [m._shardwise_unit for m in modules if isinstance(m, FSDPModule)]
 
 
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns (PyTorch's name): the gather has
+    finished by then, so ``wait`` returns at once."""
+
+    def wait(self) -> None:
+        """The gathered parameters are the module's already."""
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Let ``module.<method_name>`` (a method other than ``forward`` that callers run
+    directly) gather and release the parameters as ``forward`` does: the method runs between
+    the module's pre- and post-forward steps. A module ``fully_shard`` was not applied to is
+    left alone (PyTorch's no-op)."""
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise DataParallelError(
+            f"register_fsdp_forward_method: {type(module).__name__} has no method "
+            f"{method_name!r}"
+        )
+    unit = module._shardwise_unit
+
+    @functools.wraps(method)
+    def gathered(*args: Any, **kwargs: Any) -> Any:
+        depth = len(unit.active)
+        args, kwargs = unit.before_forward(module, args, kwargs)
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            unit.unwind(depth)
+            raise
+        return unit.after_forward(module, args, kwargs, output)
+
+    setattr(module, method_name, gathered)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """PyTorch's: let ``modules`` share their communication streams. shardwise's gathers and
+    reductions run on the calling stream, so there is nothing to share; checks the modules."""
+    _fsdp_modules(modules, "share_comm_ctx")
+
+
 def _fsdp_modules(modules: Sequence[Any], what: str) -> list[FSDPModule]:
     bad = [m for m in modules if not isinstance(m, FSDPModule)]
     if bad:
         raise DataParallelError(
-            f"set_modules_to_{what}_prefetch expects modules fully_shard was applied to, got "
+            f"{what} expects modules fully_shard was applied to, got "
             f"{', '.join(type(m).__name__ for m in bad)}")
     return list(modules)
 
@@ -195,7 +251,14 @@ def fully_shard(
     dp = resolve_dims(group, mesh, dp_mesh_dims, "fully_shard")
     ignored = {id(p) for p in ignored_params or ()}
     slots: list[Slot] = []
+    inner = {id(slot.stored) for m in group.modules() if isinstance(m, DataParallelModule)
+             for u in m._shardwise_units for slot in u.slots}
+    foreign: list[str] = []  # managed by a call on modules outside this one (tied across calls)
     for owner, name, param in list(owned_parameters(group, ignored)):
+        if getattr(param, REPLACED, False) or (
+                getattr(param, MANAGED, False) and id(param) not in inner):
+            foreign.append(f"{type(owner).__name__}.{name}")
+            continue
         if getattr(param, MANAGED, False):
             continue  # an inner fully_shard() or replicate() manages it
         pdp = dp.for_param(param)
@@ -215,12 +278,14 @@ def fully_shard(
         value = stored_value(param, pdp, storage)
         new = place_parameter(group, param, value)
         setattr(new, MANAGED, True)
-        slots.append(Slot(owner, name, pdp, tuple(compute), tuple(storage)))
+        slots.append(Slot(owner, name, pdp, tuple(compute), tuple(storage),
+                          aliases(group, owner, name)))
     materialize_if_root(group)  # after sharding: each device allocates only its shard
     unit = DataParallelUnit(
         dp, slots, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
         offload_policy=offload_policy, bucket_cap=None,
     )
+    unit.foreign = foreign
     for m in modules:
         guard_loading(m)
         m.register_forward_pre_hook(unit.before_forward, with_kwargs=True)

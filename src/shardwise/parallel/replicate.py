@@ -17,6 +17,7 @@ from ..mesh import DeviceMesh
 from .data_parallel import (
     MANAGED,
     DataParallelMeshDims,
+    aliases,
     compute_placements,
     owned_parameters,
     place_parameter,
@@ -49,7 +50,7 @@ def replicate(
         compute = tuple(compute_placements(param, pdp, name, "replicate"))
         new = place_parameter(module, param, stored_value(param, pdp, list(compute)))
         setattr(new, MANAGED, True)
-        slots.append(Slot(owner, name, pdp, compute, compute))
+        slots.append(Slot(owner, name, pdp, compute, compute, aliases(module, owner, name)))
     materialize_if_root(module)  # after placing: each device allocates only its piece
     unit = DataParallelUnit(
         dp, slots, reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(),

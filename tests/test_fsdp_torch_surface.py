@@ -1,0 +1,220 @@
+"""FSDP2 names that PyTorch's own FSDP2 tests use: ``register_fsdp_forward_method``,
+``FSDPModule.unshard(async_op=True)``'s handle, ``reset_iter_state`` and ``share_comm_ctx``.
+Single-device PyTorch is the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise import Replicate, Shard
+from shardwise.errors import DataParallelError
+from shardwise.parallel import (
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 8)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x).sum(dim=-1)
+
+
+class Model(nn.Module):
+    """The root calls ``enc.features``, not ``enc``'s forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.head = Encoder(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc.features(x))
+
+
+def _model() -> Model:
+    torch.manual_seed(0)
+    return Model()
+
+
+def test_a_registered_forward_method_gathers_the_parameters_around_it() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = _model(), _model()
+    fully_shard(model.enc, mesh=mesh)
+    fully_shard(model.head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    seen = []
+    method = model.enc.features
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        seen.append(model.enc.proj.weight.placements)
+        return method(x)
+
+    model.enc.features = record
+    register_fsdp_forward_method(model.enc, "features")
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    out = model(x)
+    assert seen == [(Replicate(),)]  # gathered while the method ran
+    assert model.enc.proj.weight.placements == (Shard(0),)  # stored again after it
+    torch.testing.assert_close(out.full_tensor(), ref(x), atol=1e-6, rtol=1e-5)
+    with sw.config.allow_implicit_redistribute():
+        out.sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.grad.placements == p.placements
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_register_fsdp_forward_method_leaves_other_modules_and_names_a_missing_method() -> None:
+    plain = Encoder()
+    register_fsdp_forward_method(plain, "features")  # not fully_shard's: left alone
+    assert "features" not in vars(plain)
+    model = _model()
+    fully_shard(model.enc, mesh=sw.init_device_mesh("cpu", (2,)))
+    with pytest.raises(DataParallelError, match="FSDPEncoder has no method 'feature'"):
+        register_fsdp_forward_method(model.enc, "feature")
+
+
+def test_unshard_async_op_returns_a_handle_and_share_comm_ctx_checks_its_modules() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    model = _model()
+    fully_shard(model.enc, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert model.enc.unshard() is None
+    handle = model.enc.unshard(async_op=True)
+    assert isinstance(handle, UnshardHandle)
+    handle.wait()
+    assert model.enc.proj.weight.placements == (Shard(0),)  # held aside, stored as before
+    model.enc.reshard()
+    share_comm_ctx([model, model.enc])
+    with pytest.raises(DataParallelError, match="share_comm_ctx expects modules .* Linear"):
+        share_comm_ctx([model.head])
+
+
+def test_reset_iter_state_after_an_aborted_backward_trains_like_one_device() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = _model(), _model()
+    fully_shard(model.enc, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    register_fsdp_forward_method(model.enc, "features")
+    model.enc.set_reshard_after_backward(False)  # gathered parameters held after backward
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("aborted backward")
+
+    out = model(x)
+    out.register_hook(boom)
+    with pytest.raises(RuntimeError, match="aborted backward"), \
+            sw.config.allow_implicit_redistribute():
+        out.sum().backward()
+    assert model.enc._shardwise_unit.held  # what that forward gathered is still held
+    model.reset_iter_state()
+    assert not model.enc._shardwise_unit.held
+    model.zero_grad(set_to_none=True)
+    with sw.config.allow_implicit_redistribute():
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-5)
+
+
+class Tied(nn.Module):
+    """An output projection sharing the embedding's weight (weight tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["root only", "fully_shard([emb, out])"])
+def test_a_tied_weight_is_gathered_into_every_module_holding_it(grouped: bool) -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = Tied(), Tied()
+    if grouped:
+        fully_shard([model.emb, model.out], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert model.out.weight is model.emb.weight  # still tied, stored sharded
+    ids = torch.tensor([[1, 7, 3], [9, 0, 4]])
+    for _ in range(2):  # the second forward prefetches by the order the first recorded
+        out = model(ids)  # every holder computes with the gathered weight: no move needed
+    assert model.out.weight is model.emb.weight and model.out.weight.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), ref(ids), atol=1e-6, rtol=1e-5)
+    with sw.config.allow_implicit_redistribute():
+        out.sum().backward()
+    ref(ids).sum().backward()
+    torch.testing.assert_close(model.emb.weight.grad.full_tensor(), ref.emb.weight.grad,
+                               atol=1e-6, rtol=1e-5)
+
+
+class Twice(nn.Module):
+    """``inner`` runs twice in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(self.inner(x) + self.inner(x))
+
+
+def test_a_module_run_twice_in_one_forward_trains_like_one_device() -> None:
+    """From the second step on, the recorded order has ``inner`` follow itself: its first
+    call must not prefetch its own parameters while it runs."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = Twice(), Twice()
+    fully_shard(model.inner, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+    for _ in range(3):
+        with sw.config.allow_implicit_redistribute():
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+        ref_loss = ref(x).sum()
+        ref_loss.backward()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.full_tensor(), ref_loss, atol=1e-5, rtol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5)
+
+
+def test_a_3d_mesh_is_refused_in_pytorchs_words() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 1, 1))
+    with pytest.raises(ValueError, match=r"fully\_shard expects a 1D or 2D DeviceMesh but got "
+                                         r"DeviceMesh\('cpu', .*\(3-D\) for Linear: pass"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+def test_a_weight_tied_across_two_fully_shard_calls_is_refused_at_the_first_forward() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    model = Tied()
+    fully_shard(model.emb, mesh=mesh)
+    fully_shard(model.out, mesh=mesh)  # holds emb's weight, which the first call manages
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(DataParallelError, match=r"holds FSDPLinear.weight, already managed "
+                                                r"by another fully_shard call"):
+        model(torch.tensor([[1, 2], [3, 4]]))
+    nested = Tied()  # the same parameter reached again by an outer call is fine
+    fully_shard(nested, mesh=mesh)
+    fully_shard(nn.Sequential(nested), mesh=mesh)(torch.tensor([[1, 2], [3, 4]]))
