@@ -44,8 +44,15 @@ def _run(
 
 
 def _record(
-    kind: str, mesh_dim: int, received: int, traffic: Traffic, mesh: DeviceMesh
+    kind: str, mesh_dim: int | tuple[int, ...], received: int, traffic: Traffic,
+    mesh: DeviceMesh,
 ) -> None:
+    """Count the collective (``mesh_dim`` -1: over the whole mesh), unless its groups have one
+    member: nothing moves, and PyTorch issues none there (FSDP2 on a world of one)."""
+    dims = tuple(range(mesh.ndim)) if mesh_dim == -1 else (
+        mesh_dim if isinstance(mesh_dim, tuple) else (mesh_dim,))
+    if all(mesh.shape[d] == 1 for d in dims):
+        return
     accounting.record(
         kind, mesh_dim, received, cross_process_bytes=traffic.payload, meta_bytes=traffic.meta,
         mesh=mesh,
