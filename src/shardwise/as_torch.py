@@ -71,11 +71,32 @@ def _shard_tensor(full_tensor: Any, placements: Any, device_mesh: Any = None) ->
     return distribute_tensor(full_tensor, device_mesh, placements, src_data_rank=None)
 
 
+def _clear_sharding_prop_cache() -> None:
+    """torch's ``debug._clear_sharding_prop_cache()``: shardwise's cache of sharding
+    decisions (``debug.clear_sharding_cache``), its counts restarted."""
+    from .debug import clear_sharding_cache
+
+    clear_sharding_cache()
+
+
+def _get_fast_path_sharding_prop_cache_stats() -> tuple[int, int]:
+    """torch's ``debug._get_fast_path_sharding_prop_cache_stats()``, (hits, misses) of its
+    sharding-propagation cache: those of shardwise's decision cache, which one op call on
+    DTensors reads once (``debug.sharding_cache_stats``)."""
+    from .debug import sharding_cache_stats
+
+    return sharding_cache_stats()
+
+
 # names answered here, before the modules of SHIMS
 _OWN: dict[str, dict[str, Any]] = {
     "torch.distributed.tensor._random": {
         "manual_seed": _manual_seed,
         "is_rng_supported_mesh": _is_rng_supported_mesh,
+    },
+    "torch.distributed.tensor.debug": {
+        "_clear_sharding_prop_cache": _clear_sharding_prop_cache,
+        "_get_fast_path_sharding_prop_cache_stats": _get_fast_path_sharding_prop_cache_stats,
     },
 }
 # torch modules that stay torch's (above: ``_api``) but whose names below answer shardwise's

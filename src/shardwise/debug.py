@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 import torch
 
-from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
+from . import dispatch as _dispatch  # DTensor ops run: the op layer is loaded
 from . import settings
 from .comm import CommCounter, CommRecord
 from .comm.budget import CommBudget, comm_budget
@@ -345,11 +345,26 @@ def _covers(runs: tuple[tuple[int, int], ...], interval: tuple[int, int]) -> boo
     return any(start <= interval[0] and interval[1] <= stop for start, stop in runs)
 
 
+def sharding_cache_stats() -> tuple[int, int]:
+    """(hits, misses) of the cache of sharding decisions since it was last cleared: op calls
+    on DTensors that found their decision (placements, moves, output metadata) cached, and
+    those that decided it."""
+    return _dispatch.decision_cache_stats()
+
+
+def clear_sharding_cache() -> None:
+    """Empty the cache of sharding decisions and restart its counts (each call decides
+    again once)."""
+    _dispatch.clear_sharding_cache()
+
+
 __all__ = [
     "CommBudget",
     "CommCounter",
     "CommDebugMode",
+    "clear_sharding_cache",
     "comm_budget",
     "explain_redistribute",
+    "sharding_cache_stats",
     "visualize_sharding",
 ]
