@@ -361,7 +361,7 @@ class _Recorder(TorchDispatchMode):
 REASONS = {
     "nn.functional.linear_cross_entropy.chunked_none": "its backward runs torch's chunked "
     "accumulator in Python on the saved tensors, with out= matmuls into plain buffers "
-    "(aten.mm.out); shardwise runs no out= variants",
+    "(aten.mm.out): a plain out beside DTensor inputs is refused",
     "to_sparse": "sparse DTensors are not supported (distribute_tensor refuses sparse inputs)",
 }
 XFAIL_FILE = Path(__file__).with_name("opinfo_xfail.py")

@@ -5,8 +5,8 @@ the list only shrinks). ``no rule: aten.x`` means an op family not written yet."
 XFAIL: dict[str, str] = {
     'nn.functional.linear_cross_entropy.chunked_none': (
         "its backward runs torch's chunked accumulator in Python on the saved tensors, "
-        'with out= matmuls into plain buffers (aten.mm.out); shardwise runs no out= '
-        'variants'
+        'with out= matmuls into plain buffers (aten.mm.out): a plain out beside DTensor '
+        'inputs is refused'
     ),
     'pca_lowrank': (
         'torch.svd_lowrank draws its random projection as a plain tensor and multiplies '

@@ -143,6 +143,38 @@ def test_torchs_submodules_of_a_shimmed_package_still_import(tmp_path: Path) -> 
     ]
 
 
+CACHE_STATS = """
+import torch
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import (
+    _clear_sharding_prop_cache, _get_fast_path_sharding_prop_cache_stats,
+)
+mesh = init_device_mesh("cpu", (4,))
+half = distribute_tensor(torch.randn(8, 8, dtype=torch.bfloat16), mesh, [Shard(0)])
+_clear_sharding_prop_cache()
+full = half.float()
+print(_get_fast_path_sharding_prop_cache_stats())
+again = full.type_as(half)
+print(_get_fast_path_sharding_prop_cache_stats())
+again.float()
+print(_get_fast_path_sharding_prop_cache_stats())
+_clear_sharding_prop_cache()
+print(_get_fast_path_sharding_prop_cache_stats())
+"""
+
+
+def test_torchs_sharding_cache_statistics_are_shardwises_decision_cache(tmp_path: Path) -> None:
+    """torch's private ``debug._clear_sharding_prop_cache`` and
+    ``_get_fast_path_sharding_prop_cache_stats`` (PyTorch's test_dtensor_dtype_conversion):
+    shardwise's decision cache, one miss per new (op, specs), one hit per repeat."""
+    script = tmp_path / "stats.py"
+    script.write_text(CACHE_STATS)
+    result = _python("-m", "shardwise.as_torch", str(script))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["(0, 1)", "(0, 2)", "(1, 2)", "(0, 0)"]
+
+
 def test_torch_compile_loads_torchs_sharding_rules_under_the_switch(tmp_path: Path) -> None:
     # torch.compile first loads inductor, whose prims register torch's DTensor sharding rules
     # through a lazy import of torch.distributed.tensor._api (torchtitan compiles at import)

@@ -223,3 +223,24 @@ def test_a_replicated_input_is_cut_once_while_unchanged() -> None:
     del b
     gc.collect()
     assert key not in op_inputs._CUTS
+
+
+def test_hits_and_misses_are_counted_per_decision() -> None:
+    """``debug.sharding_cache_stats``: a call that decides is a miss, a call that finds its
+    decision a hit; a new spec decides again; clearing restarts the counts."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = sw.distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)])
+    y = sw.distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)])
+    sw.debug.clear_sharding_cache()
+    assert sw.debug.sharding_cache_stats() == (0, 0)
+    x + x
+    assert sw.debug.sharding_cache_stats() == (0, 1)
+    for _ in range(3):
+        x + x
+    assert sw.debug.sharding_cache_stats() == (3, 1)
+    y + y
+    assert sw.debug.sharding_cache_stats() == (3, 2)
+    sw.debug.clear_sharding_cache()
+    assert sw.debug.sharding_cache_stats() == (0, 0)
+    x + x
+    assert sw.debug.sharding_cache_stats() == (0, 1)

@@ -215,3 +215,37 @@ def test_fully_shard_leaves_gradient_reduce_scatters_in_flight(world: int) -> No
         assert got["in_flight"] and got["in_flight"][0] >= 2, (rank, got["in_flight"])
         assert got["after"] == 0, (rank, got)
         assert all(got["close"]) and all(got["plain"]), (rank, got)
+
+
+def _views_of_pending_dtensors() -> dict:
+    """PyTorch's test_dtensor_async_output: a view of the pending DTensor itself stays
+    unwaited too, its ``to_local()`` torch's ``AsyncCollectiveTensor``."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = sw.init_device_mesh("cpu", (world,))
+    full = torch.arange(8.0 * world * world).reshape(4 * world, 2 * world)
+    dt = sw.distribute_tensor(full, mesh, [Shard(0)])
+    pending = dt.redistribute(mesh, [Replicate()], async_op=True)
+    viewed = pending.view(pending.shape)
+    local = viewed.to_local()
+    found = {
+        "local": type(local) is AsyncCollectiveTensor,
+        "completed": local.completed,
+        "flat": type(local.view(-1)) is AsyncCollectiveTensor,
+        "transposed": pending.t().placements == (Replicate(),),
+    }
+    used = local.view(-1) + 1  # the first use that is not a view waits
+    found["used"] = type(used) is torch.Tensor and torch.equal(used, full.view(-1) + 1)
+    found["pending_value"] = torch.equal(pending.to_local(), full)
+    sharded = dt.redistribute(mesh, [Shard(1)], async_op=True).view(4 * world, 2 * world)
+    found["sharded"] = torch.equal(sharded.to_local(), full.chunk(world, 1)[rank])
+    found["sync"] = type(dt.redistribute(mesh, [Replicate()]).to_local()) is torch.Tensor
+    return found
+
+
+def test_a_view_of_a_pending_dtensor_stays_unwaited() -> None:
+    for found in run_in_processes(_views_of_pending_dtensors, 4, timeout=120):
+        assert found == {"local": True, "completed": False, "flat": True, "transposed": True,
+                         "used": True, "pending_value": True, "sharded": True, "sync": True}

@@ -262,6 +262,8 @@ def test_every_unary_pointwise_out_overload(mesh_shape: tuple[int, ...]) -> None
             want = op(x, out=torch.empty(0, dtype=torch.float64))
         except RuntimeError:
             continue  # not for float64 (the bitwise and logical ones)
+        if want.shape != x.shape:
+            continue  # a reduction's (max.unary_out...): tests/test_ops_out_overloads.py
         out = sw.distribute_tensor(torch.zeros(6, 4, dtype=want.dtype), mesh, placements)
         assert op(sw.distribute_tensor(x, mesh, placements), out=out) is out, op
         assert out.placements == tuple(placements)

@@ -56,6 +56,13 @@ def test_comm_debug_mode_counts_per_module_and_phase():
     assert modules["_Net.swap"]["forward"] == {"all_to_all": 1}
     assert modules["_Net.swap"]["backward"] == {"all_to_all": 1}
     assert modules["_Net"]["forward"] == {"all_to_all": 1}
+    # and equal to the same counts keyed by torch's ops (PyTorch's tests assertDictEqual them)
+    functional = torch.ops.c10d_functional
+    theirs = {functional.all_to_all_single: 1, functional.all_gather_into_tensor: 1}
+    assert modules["Global"]["forward"] == theirs and not modules["Global"]["forward"] != theirs
+    assert theirs == modules["Global"]["forward"]
+    assert modules["Global"]["backward"] != theirs
+    assert modules["Global"]["forward"] != {functional.all_to_all_single: 1}
     assert mode.get_sharding_info() == {"_Net.scale": (Shard(0),)}
     assert list(mode.get_parameter_info()["_Net"]) == ["scale"]
     assert mode.total_bytes > 0 and mode.counts == {"all_to_all": 2, "all_gather": 1}
@@ -81,7 +88,9 @@ def test_comm_debug_tracing_table_and_files(tmp_path):
     assert data["_Net"]["parameters"] == {"scale": ["Shard(dim=0)"]}
     with CommDebugMode() as again:  # a fresh block starts from zero
         pass
-    assert again.get_total_counts() == 0 and again.comm_module_counts == {}
+    # as torch's: "Global" is there from the start, empty until something communicates
+    assert again.get_total_counts() == 0
+    assert again.comm_module_counts == {"Global": {"forward": {}, "backward": {}}}
 
 
 def _grid(dt: sw.DTensor) -> list[list[str]]:

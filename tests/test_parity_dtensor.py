@@ -116,9 +116,10 @@ def test_full_tensor_partial_grad_through_a_replicate_is_reduced(mesh):
 
 def test_same_placements_partial_gradient_stays_partial(mesh):
     """Partial -> Partial: the backward passes a gradient of that same Partial unreduced (no
-    collective), each piece to its own local tensor, as PyTorch's."""
+    collective), each piece to its own local tensor (from_local told to keep it pending), as
+    PyTorch's."""
     pieces = [torch.ones(3, 2, requires_grad=True) for _ in range(2)]
-    dt = sw.DTensor.from_local(pieces, mesh, [Partial()])
+    dt = sw.DTensor.from_local(pieces, mesh, [Partial()], grad_placements=[Partial()])
     out = dt.redistribute(mesh, [Partial()])
     grad = sw.DTensor.from_local([torch.ones(3, 2), 2 * torch.ones(3, 2)], mesh, [Partial()])
     with sw.debug.CommCounter() as backward:

@@ -244,3 +244,14 @@ def test_spec_dim_map_reads_negative_and_ragged_dims_and_is_read_only() -> None:
     assert DTensorSpec(mesh, (sw.RaggedShard(0, (1, 3)),), meta).dim_map == [0, -1]
     with pytest.raises(AttributeError):
         DTensorSpec(mesh, (Shard(0),), meta).dim_map = [-1, -1]
+
+
+def test_from_local_of_a_dtensor_raises_torchs_runtime_error() -> None:
+    """``DTensor.from_local(dtensor, ...)``: a RuntimeError with torch's words (PyTorch's
+    test_from_local asserts them), still a PackError, naming the DTensor."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    d = sw.distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    with pytest.raises(RuntimeError, match="the local_tensor argument only accepts torch.Tensor"):
+        DTensor.from_local(d, mesh, [Shard(0)])
+    with pytest.raises(sw.errors.PackError, match=r"shape=\[4, 2\]"):
+        DTensor.from_local(d, mesh, [Shard(0)])

@@ -133,6 +133,23 @@ def _to_replicate_tensor(
     return dt.redistribute(mesh, placements).to_local()
 
 
+def _clear_sharding_prop_cache() -> None:
+    """torch's ``debug._clear_sharding_prop_cache()``: shardwise's cache of sharding
+    decisions (``debug.clear_sharding_cache``), its counts restarted."""
+    from .debug import clear_sharding_cache
+
+    clear_sharding_cache()
+
+
+def _get_fast_path_sharding_prop_cache_stats() -> tuple[int, int]:
+    """torch's ``debug._get_fast_path_sharding_prop_cache_stats()``, (hits, misses) of its
+    sharding-propagation cache: those of shardwise's decision cache, which one op call on
+    DTensors reads once (``debug.sharding_cache_stats``)."""
+    from .debug import sharding_cache_stats
+
+    return sharding_cache_stats()
+
+
 # names answered here, before the modules of SHIMS
 _OWN: dict[str, dict[str, Any]] = {
     "torch.distributed.tensor._random": {
@@ -141,6 +158,10 @@ _OWN: dict[str, dict[str, Any]] = {
     },
     "torch.distributed.tensor._utils": {
         "compute_global_tensor_shape": _compute_global_tensor_shape,
+    },
+    "torch.distributed.tensor.debug": {
+        "_clear_sharding_prop_cache": _clear_sharding_prop_cache,
+        "_get_fast_path_sharding_prop_cache_stats": _get_fast_path_sharding_prop_cache_stats,
     },
 }
 # torch's private methods of its placements that communicate, given to shardwise's shard

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from .comm.reduction import reduce_op_problem
-from .errors import InvalidArgumentError, InvalidPlacementError, PackError
+from .errors import DTensorAsLocalError, InvalidArgumentError, InvalidPlacementError, PackError
 from .geometry import extract_local
 from .mesh import DeviceMesh
 from .placements import Partial, Placement, RaggedShard, Shard
@@ -169,7 +169,10 @@ def as_components(
     its device; ``wrapper`` (DTensor) is refused as a component."""
     n_local = len(mesh.local_device_ids)
     if isinstance(local, wrapper):
-        raise PackError(f"from_local/pack got a DTensor {local}; pass its local components")
+        raise DTensorAsLocalError(
+            f"from_local/pack: the local_tensor argument only accepts torch.Tensor, got a "
+            f"DTensor {local}; pass its local components (to_local())"
+        )
     if isinstance(local, torch.Tensor):
         if n_local == 1 or all(p.is_replicate() for p in placements):
             return [local] + [local.clone() for _ in range(n_local - 1)]

@@ -8,12 +8,12 @@ import dataclasses
 import json
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 import torch
 
-from . import dispatch as _dispatch  # noqa: F401  (DTensor ops run: the op layer is loaded)
+from . import dispatch as _dispatch  # DTensor ops run: the op layer is loaded
 from . import settings
 from .comm import CommCounter, CommRecord
 from .comm.budget import CommBudget, comm_budget
@@ -82,17 +82,39 @@ _TORCH_COLLECTIVES = {
 }
 
 
+def _kind(key: object) -> str | None:
+    """The kind (``"all_gather"``) a PyTorch collective op names, None for another key."""
+    if isinstance(key, str):
+        return None
+    name = str(getattr(key, "_opname", None) or getattr(key, "__name__", key))
+    name = name.rsplit(".", 1)[-1].split("_coalesced")[0]
+    return _TORCH_COLLECTIVES.get(name[:-1] if name.endswith("_") else name)
+
+
 class CommCounts(Counter):
     """Collective counts by kind (``"all_gather"``...). PyTorch's keys work too:
-    ``counts[torch.ops._c10d_functional.all_gather_into_tensor]`` reads ``counts["all_gather"]``."""
+    ``counts[torch.ops._c10d_functional.all_gather_into_tensor]`` reads ``counts["all_gather"]``,
+    and the counts equal a mapping keyed by PyTorch's ops that counts the same
+    (``assertDictEqual(m.comm_module_counts["Global"]["forward"], {funcol.all_reduce: 1})``)."""
 
     def __missing__(self, key: object) -> int:
-        if isinstance(key, str):
-            return 0
-        name = str(getattr(key, "_opname", None) or getattr(key, "__name__", key))
-        name = name.rsplit(".", 1)[-1].split("_coalesced")[0]
-        kind = _TORCH_COLLECTIVES.get(name[:-1] if name.endswith("_") else name)
+        kind = _kind(key)
         return self[kind] if kind is not None else 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        mine: Counter = Counter()
+        for counts in (self, other):
+            for key, n in counts.items():
+                mine[_kind(key) or key] += n if counts is self else -n
+        return not any(mine.values())
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # type: ignore[assignment]  (a mutable mapping, as dict)
 
 
 class CommDebugMode(CommCounter):
@@ -126,6 +148,8 @@ class CommDebugMode(CommCounter):
 
         for table in (self.comm_module_counts, self._module_records, self._parameters):
             table.clear()
+        # "Global" is there from the start, as in torch (a module's entry once it communicates)
+        self.comm_module_counts["Global"] = {"forward": CommCounts(), "backward": CommCounts()}
         self.counts.clear()
         self.bytes.clear()
         self.records.clear()
@@ -345,11 +369,26 @@ def _covers(runs: tuple[tuple[int, int], ...], interval: tuple[int, int]) -> boo
     return any(start <= interval[0] and interval[1] <= stop for start, stop in runs)
 
 
+def sharding_cache_stats() -> tuple[int, int]:
+    """(hits, misses) of the cache of sharding decisions since it was last cleared: op calls
+    on DTensors that found their decision (placements, moves, output metadata) cached, and
+    those that decided it."""
+    return _dispatch.decision_cache_stats()
+
+
+def clear_sharding_cache() -> None:
+    """Empty the cache of sharding decisions and restart its counts (each call decides
+    again once)."""
+    _dispatch.clear_sharding_cache()
+
+
 __all__ = [
     "CommBudget",
     "CommCounter",
     "CommDebugMode",
+    "clear_sharding_cache",
     "comm_budget",
     "explain_redistribute",
+    "sharding_cache_stats",
     "visualize_sharding",
 ]

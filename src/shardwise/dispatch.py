@@ -179,14 +179,25 @@ _generation = [0]
 # the hit path free of bookkeeping); one still in use is decided again on its next call.
 DECISION_CACHE_SIZE = PER_LAYOUT
 _published: dict[tuple[_Op, tuple], None] = {}  # (op, key) in publishing order
+# [hits, misses] of the decision cache since the last clear_sharding_cache: calls that found
+# their decision, and calls that decided (counted without a lock: exact in one thread, a
+# count may be lost when rank threads race)
+_stats = [0, 0]
 
 
 def clear_sharding_cache() -> None:
-    """Forget every cached sharding decision."""
+    """Forget every cached sharding decision (and the hit and miss counts)."""
     with _publish:
         _generation[0] += 1
         _OPS.clear()
         _published.clear()
+        _stats[:] = [0, 0]
+
+
+def decision_cache_stats() -> tuple[int, int]:
+    """(hits, misses) of the sharding-decision cache since it was last cleared: op calls on
+    DTensors that found their decision cached, and those that decided it."""
+    return _stats[0], _stats[1]
 
 
 registry.on_registry_change(clear_sharding_cache)
@@ -242,7 +253,9 @@ def _torch_dispatch(
         key, dtensors, _ = scan(args, kwargs, op.static_argnum, op.static_kwargs)
     entry = op.decisions.get(key)
     if entry is None:  # this thread decides, fills in and publishes its own entry
+        _stats[1] += 1
         return _dispatch_cold(op, func, args, kwargs, key, dtensors, given)
+    _stats[0] += 1
     if op.inplace:
         _check_write_reaches_base(
             func, dtensors[0], entry.moved_self, entry.decision.input_placements[0]

@@ -468,13 +468,13 @@ class _FromLocal(torch.autograd.Function):
 
 
 def _grad_components(grad: DTensor, spec: DTensorSpec) -> list[torch.Tensor]:
-    """Component gradients of a DTensor built with ``spec`` (PyTorch's rule: a gradient with
-    the same placements passes through; otherwise it is redistributed to them, with Partial
-    dims taken as Replicate, and Partial("avg") dims scaled by 1/n)."""
-    if grad.placements == spec.placements:
-        return list(grad._components)
-    target = [Replicate() if p.is_partial() else p for p in spec.placements]
-    components = list(grad.redistribute(placements=target)._components)
+    """Component gradients of a DTensor built with ``spec`` (PyTorch's rule): the gradient
+    brought to ``spec``'s placements with Partial dims taken as Replicate (each piece of a
+    pending sum receives the whole gradient, so a pending gradient is reduced first), and
+    Partial("avg") dims scaled by 1/n."""
+    target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    moved = grad if grad.placements == target else grad.redistribute(placements=target)
+    components = list(moved._components)
     scale = 1
     for m, p in enumerate(spec.placements):
         if isinstance(p, Partial) and p.reduce_op == "avg":

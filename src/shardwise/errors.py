@@ -23,6 +23,11 @@ class PackError(ShardwiseError, ValueError):
     """``pack``/``from_local`` components do not fit the layout or placements."""
 
 
+class DTensorAsLocalError(PackError, RuntimeError):
+    """A DTensor given where local tensors are expected (``from_local``, ``pack``): also a
+    RuntimeError, as PyTorch's ``from_local`` raises for it."""
+
+
 class InvalidArgumentError(ShardwiseError, ValueError):
     """TF's InvalidArgumentError: an argument of the right type with a wrong value."""
 
@@ -221,6 +226,7 @@ __all__ = [
     "DistributeContextError",
     "DistributeTypeError",
     "DistributeValueError",
+    "DTensorAsLocalError",
     "DTensorCollectiveError",
     "ImplicitRedistributeError",
     "InvalidArgumentError",

@@ -43,6 +43,31 @@ class PendingComponents:
         self.__dict__["_ready"] = value
         self.__dict__["_work"] = None
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        """DTensor's dispatch, except that a view (``view``, ``reshape``'s alias,
+        ``transpose``...) of a DTensor whose collectives are issued on the backend and not
+        waited stays unwaited, as torch's does: it is taken of the pieces as issued (torch's
+        ``AsyncCollectiveTensor``s, whose views do not wait), so ``to_local()`` of the view is
+        still one; the pieces wait at their first use that is not a view."""
+        if args and isinstance(args[0], PendingComponents) and _is_view(func):
+            unwaited = args[0]._unwaited()
+            if unwaited is not None:
+                args = (unwaited, *args[1:])
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _unwaited(self) -> Any:
+        """The same DTensor over its pieces as issued, not pending itself (None unless its
+        collectives were issued on the backend and are not waited yet)."""
+        work = self.__dict__["_work"]
+        if not isinstance(work, background.Issued) or work.done():
+            return None
+        plain = next(c for c in type(self).__mro__[1:] if not issubclass(c, PendingComponents))
+        pieces = list(work.unwaited())
+        out = new_wrapper(plain, self._spec, self.device, False, pieces)
+        out._components = pieces
+        return out
+
     def is_pending(self) -> bool:
         """True while the background collective has not finished."""
         work = self.__dict__["_work"]
@@ -70,6 +95,16 @@ class PendingComponents:
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         state = "pending" if self.is_pending() else "ready"
         return f"Async{super().__repr__()[:-1]}, {state})"
+
+
+def _is_view(func: Any) -> bool:
+    """``func`` returns an alias of its first argument without writing it (what torch's
+    ``AsyncCollectiveTensor`` leaves unwaited)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and not alias.is_write
 
 
 class AsyncCollectiveTensor(torch.Tensor):

@@ -33,3 +33,8 @@ from . import (
     views,  # noqa: F401
     whole,  # noqa: F401
 )
+
+# every family registered: the out= overloads of their strategies (ops/out_variants)
+from .out_variants import register_remaining
+
+register_remaining()

@@ -305,8 +305,15 @@ def _rounding_division_ops() -> list[Any]:
 def _register_all() -> None:
     register_pointwise(NONLINEAR_OPS)
     register_pointwise(MONOTONE_OPS, INCREASING)
-    for name, reduction in (("maximum", "max"), ("minimum", "min")):
-        register_pointwise([name], Linearity(monotone=((0, 1), (1, 1)), same_reduction=reduction))
+    for name, other, reduction in (
+        ("maximum", aten.max.other, "max"), ("minimum", aten.min.other, "min")
+    ):
+        extreme = Linearity(monotone=((0, 1), (1, 1)), same_reduction=reduction)
+        register_pointwise([name], extreme)
+        # torch.max(a, b): the elementwise overload in the reduction's packet
+        register_op_strategy([other], schema_info=RuntimeSchemaInfo(static_kwargkey=("alpha",)))(
+            lambda mesh, schema, linear=extreme: pointwise_strategy(mesh, schema, linear)
+        )
     register_pointwise(GRAD_LINEAR_OPS, Linearity(groups=((0,),)))
     # x + alpha * y, x - alpha * y, y - alpha * x: alpha is positional argument 2
     register_pointwise(
