@@ -4,6 +4,8 @@ Single-device PyTorch is the oracle."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -218,3 +220,28 @@ def test_a_weight_tied_across_two_fully_shard_calls_is_refused_at_the_first_forw
     nested = Tied()  # the same parameter reached again by an outer call is fine
     fully_shard(nested, mesh=mesh)
     fully_shard(nn.Sequential(nested), mesh=mesh)(torch.tensor([[1, 2], [3, 4]]))
+
+
+def _world_of_one() -> dict:
+    """fully_shard on a one-device mesh: what a forward and backward count, and the gradients."""
+    mesh = sw.init_device_mesh("cpu", (1,))
+    model = _model()
+    reference = copy.deepcopy(model)
+    fully_shard(model.enc, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    with sw.debug.CommCounter() as counter, sw.config.implicit_replication():
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    equal = [torch.equal(p.grad.full_tensor(), q.grad)
+             for p, q in zip(model.parameters(), reference.parameters(), strict=True)]
+    return {"counts": dict(counter.counts), "equal": equal}
+
+
+def test_a_world_of_one_moves_and_counts_nothing() -> None:
+    """FSDP2 on a world of one issues no collective (PyTorch's test_train_parity_single_worldsize1
+    counts none with CommDebugMode): its gathers and reduce-scatters over one member are not
+    collectives; the gradients are one device's."""
+    got = _world_of_one()
+    assert got["counts"] == {}, got
+    assert all(got["equal"]), got
