@@ -9,6 +9,7 @@ import torch
 
 import shardwise as sw
 from shardwise import DeviceMesh, InterleavedShard, Partial, Replicate, Shard
+from shardwise.placements import RaggedShard
 
 MESH4 = DeviceMesh("cpu", [0, 1, 2, 3])
 MESH22 = sw.init_device_mesh("cpu", (2, 2))
@@ -64,28 +65,16 @@ def test_from_local_shard_dim_out_of_range_names_the_components() -> None:
     assert "[0, 0]" not in str(err)  # not a made-up global shape
 
 
-def test_interleaved_size_that_does_not_divide() -> None:
+def test_ragged_sizes_that_do_not_fit_and_a_bad_interleaved_size() -> None:
+    # (an interleaved size that does not divide is cut as torch cuts _StridedShard:
+    # tests/test_strided_uneven.py)
     _raises(
-        lambda: sw.distribute_tensor(torch.zeros(10), MESH4, [InterleavedShard(0, 3)]),
+        lambda: sw.distribute_tensor(torch.zeros(10), MESH4, [RaggedShard(0, (1, 2, 3, 3))]),
         sw.errors.InvalidPlacementError,
         "[10]",
-        "InterleavedShard(dim=0, interleaved_size=3)",
+        "RaggedShard(dim=0, sizes=(1, 2, 3, 3))",
+        "summing to 9",
         str(MESH4),
-    )
-    # nested: mesh dim 0 leaves 4 and 3 rows, and 3 does not split into 2 blocks
-    _raises(
-        lambda: sw.distribute_tensor(torch.zeros(7), MESH22, [Shard(0), InterleavedShard(0, 2)]),
-        sw.errors.InvalidPlacementError,
-        "[7]",
-        "InterleavedShard(dim=0, interleaved_size=2)",
-        str(MESH22),
-    )
-    dt = sw.distribute_tensor(X, MESH4, [Shard(0)])
-    _raises(
-        lambda: dt.redistribute(placements=[InterleavedShard(1, 4)]),
-        sw.errors.InvalidPlacementError,
-        "[4, 6]",
-        "interleaved_size=4",
     )
     with pytest.raises(sw.errors.InvalidPlacementError):
         InterleavedShard(0, 0)

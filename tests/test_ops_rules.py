@@ -14,6 +14,7 @@ from shardwise.op_inputs import PLAIN_MAKING_DECOMPOSITIONS
 from shardwise.ops import registry
 from shardwise.ops.common import product_strategy
 from shardwise.ops.validate import adversarial_components
+from shardwise.placements import RaggedShard
 from shardwise.rules import OpSchema, OpStrategy
 
 aten = torch.ops.aten
@@ -33,10 +34,10 @@ def test_product_strategy_expands_per_mesh_dim_options_and_drops_duplicates() ->
 
 def test_product_strategy_prunes_combinations_that_do_not_fit_the_shapes() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
-    odd = sw.InterleavedShard(0, 3)
-    options = [((Replicate(),), (Replicate(),)), ((odd,), (odd,))]
+    ragged = RaggedShard(0, (3, 3))
+    options = [((Replicate(),), (Replicate(),)), ((ragged,), (ragged,))]
     assert len(product_strategy(mesh, options, shapes=[(6,)]).strategies) == 2
-    assert len(product_strategy(mesh, options, shapes=[(4,)]).strategies) == 1  # 3 !| 4
+    assert len(product_strategy(mesh, options, shapes=[(4,)]).strategies) == 1  # 3 + 3 != 4
 
 
 # ----- the validator -------------------------------------------------------------------------
