@@ -176,27 +176,46 @@ def run(sizes: list[int], repeat: int) -> dict:
 
 def _checks(mesh, size: int, repeat: int) -> dict:
     """What the divergence checks cost on ``Shard(0) -> Replicate`` at ``size``: the default
-    (the agreement's one-word gather before the data, on CPU), the same under debug checks
-    (call site and mesh dim join the fingerprint), and that one-word gather alone."""
+    (the agreement before the data, on CPU: a word posted on the shared-memory board of these
+    processes of one host), the same with the agreement gathered on the gloo side group instead
+    (processes of several hosts), the default under debug checks (call site and mesh dim join
+    the fingerprint), and each agreement alone."""
     from shardwise import settings
+    from shardwise.comm import agreement
     from shardwise.runtime import side_group_for_ranks
 
-    world = dist.get_world_size()
+    ranks = tuple(range(dist.get_world_size()))
     full = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
     src = sw.distribute_tensor(full, mesh, [sw.Shard(0)])
-    side = side_group_for_ranks(tuple(range(world)))
-    words = torch.empty(world, dtype=torch.int64)
+    src.redistribute(placements=[sw.Replicate()])  # the board is set up
+    boards = agreement._boards.get()
+    with_board = boards[ranks]
+    side = side_group_for_ranks(ranks)
+    words = torch.empty(len(ranks), dtype=torch.int64)
     word = torch.ones(1, dtype=torch.int64)
+
+    def on_side_group() -> None:
+        boards[ranks] = (with_board[0], None)
+        try:
+            src.redistribute(placements=[sw.Replicate()])
+        finally:
+            boards[ranks] = with_board
 
     def debug() -> None:
         with settings.DEBUG_CHECKS.override(True):
             src.redistribute(placements=[sw.Replicate()])
 
-    default_ms, debug_ms, word_ms = _times(
-        [lambda: src.redistribute(placements=[sw.Replicate()]), debug,
+    def posted() -> None:
+        board = with_board[1]
+        board.wait(board.post(1), 1, ranks, lambda: "bench")
+
+    default_ms, side_ms, debug_ms, board_ms, word_ms = _times(
+        [lambda: src.redistribute(placements=[sw.Replicate()]), on_side_group, debug,
+         posted if with_board[1] is not None else lambda: None,
          lambda: _ALL_GATHER(words, word, group=side)], 3 * repeat)
-    return {"size": size, "default_ms": default_ms, "debug_ms": debug_ms,
-            "agreement_ms": word_ms}
+    return {"size": size, "default_ms": default_ms, "side_group_ms": side_ms,
+            "debug_ms": debug_ms, "board": with_board[1] is not None,
+            "board_agreement_ms": board_ms, "side_group_agreement_ms": word_ms}
 
 
 def main() -> None:
@@ -230,9 +249,11 @@ def main() -> None:
                   f"{r['torch_dt_ms']:>10.2f}{r['raw_ms']:>9.2f}{r['ratio_vs_torch_dt']:>7.2f}"
                   f"{r['ratio_vs_raw']:>8.2f}  {r['raw_collective']}")
         c = results["checks"]
-        print(f"checks, Shard(0) -> Replicate {c['size']}: default {c['default_ms']:.2f} ms, "
-              f"debug checks {c['debug_ms']:.2f} ms, the agreement's one-word gather alone "
-              f"{c['agreement_ms']:.3f} ms")
+        print(f"checks, Shard(0) -> Replicate {c['size']}: default {c['default_ms']:.2f} ms "
+              f"(agreement on the {'board' if c['board'] else 'side group'}), on the side group "
+              f"{c['side_group_ms']:.2f} ms, debug checks {c['debug_ms']:.2f} ms; the "
+              f"agreement alone: board {c['board_agreement_ms']:.3f} ms, side-group gather "
+              f"{c['side_group_agreement_ms']:.3f} ms")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

@@ -2,9 +2,9 @@
 FSDP (x TP) under the launcher's per-rank model, every ``torch.distributed`` entry and every
 functional collective wrapped. shardwise issues the same backend collectives per step as
 ``torch.distributed.tensor`` / FSDP2 on the same program, no point-to-point message, and no
-host read on the communication path (the agreement reads one CPU word per collective, from its
-gloo side group, never from the data's device). By default the losses equal torch's within
-float rounding."""
+host read on the communication path (the agreement posts one word per collective on the
+shared-memory board of processes on one host, or gathers one CPU word on its gloo side group,
+never reading the data's device). By default the losses equal torch's within float rounding."""
 
 from __future__ import annotations
 
@@ -78,6 +78,8 @@ def counting() -> Iterator[Counter]:
         wrap(functional, name, f"functional.{name}")
     for name in ("item", "tolist", "__bool__", "numpy"):
         wrap(torch.Tensor, name, f"read.{name}")
+    from shardwise.comm.board import Board
+    wrap(Board, "post", "board.post")
     try:
         yield counts
     finally:
@@ -173,7 +175,9 @@ def _fsdp_tp(lib: str) -> dict:
     return _run(build)
 
 
-def counted_steps(program: str) -> dict:
+def counted_steps(program: str, board: bool = True) -> dict:
+    from shardwise import settings
+    settings.AGREE_IN_SHARED_MEMORY.set_default(board)
     fn = {"tp": _tp, "fsdp_tp": _fsdp_tp}[program]
     return {lib: fn(lib) for lib in ("torch", "shardwise")}
 
@@ -194,10 +198,11 @@ def _backend_collectives(counts: dict, kind: str = "") -> int:
                and label.split(".")[1] not in _P2P and kind in label)
 
 
-@pytest.mark.parametrize("program,world", [("tp", 2), ("tp", 4), ("fsdp_tp", 2),
-                                           ("fsdp_tp", 4)])
-def test_engine_calls_per_step(program: str, world: int) -> None:
-    per_rank = run_in_processes(counted_steps, world, program, timeout=240)
+@pytest.mark.parametrize("program,world,board", [
+    ("tp", 2, True), ("tp", 4, True), ("fsdp_tp", 2, True), ("fsdp_tp", 4, True),
+    ("tp", 2, False)])
+def test_engine_calls_per_step(program: str, world: int, board: bool) -> None:
+    per_rank = run_in_processes(counted_steps, world, program, board, timeout=240)
     for rank, result in enumerate(per_rank):
         ours, theirs = result["shardwise"], result["torch"]
         counts = ours["counts"]
@@ -214,8 +219,11 @@ def test_engine_calls_per_step(program: str, world: int) -> None:
                 theirs["counts"], kind), seen
         assert _backend_collectives(counts, "gather") <= _backend_collectives(
             theirs["counts"], "gather"), seen
-        # the agreement: one CPU word gathered per collective, on the side group
+        # the agreement: one word per collective, posted on the board of processes on one
+        # host (these), else one CPU word gathered on the side group
         agreements = _by_kind(counts, "agreement")
+        posts = agreements.pop("board.post", 0)
         gathers = sum(n for label, n in agreements.items() if not label.startswith("read."))
-        assert gathers == _backend_collectives(counts), agreements
+        assert (posts, gathers) == ((_backend_collectives(counts), 0) if board else
+                                    (0, _backend_collectives(counts))), agreements
         torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=1e-5, atol=1e-6)

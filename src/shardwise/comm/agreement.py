@@ -2,17 +2,20 @@
 group says what it is about to do, as a 56-bit fingerprint (collective, sequence number between
 these processes, dtype, reduce op, every member's piece shapes as this process reckons them
 from the spec, the spec being moved; with debug checks also the call site and mesh dim),
-gathered on a CPU gloo side group (``runtime.side_group_for_ranks``). Equal fingerprints cost
-that one small gather; different ones make every process swap the fields it hashed and raise
-``CollectiveMismatchError`` naming what differs per rank, the same error on every rank.
+posted on the shared-memory board of processes on one host (``board.py``: microseconds), else
+gathered on a CPU gloo side group (``runtime.side_group_for_ranks``: one small gather). Equal
+fingerprints cost that; different ones make every process swap the fields it hashed on the side
+group and raise ``CollectiveMismatchError`` naming what differs per rank, the same error on every
+rank.
 
-The gather never touches the accelerator: on CUDA the data's collective is enqueued first and
+Neither touches the accelerator: on CUDA the data's collective is enqueued first and
 the host checks the fingerprints while the device works; on CPU the check comes first, since
 gloo aborts the process on messages of another size. A rank that skips a collective meets its
 peers' next fingerprint with another sequence number: the mismatch names both."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -22,6 +25,19 @@ import torch.distributed as dist
 from .. import runtime, settings
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from . import protocol
+from .board import Board, open_board
+
+# per process: the board of each set of ranks (None: they agree on the side group), with the
+# side group it was set up on (a world made again sets it up again)
+_boards: settings.ProcessLocal[dict[tuple[int, ...], tuple]] = settings.ProcessLocal(dict)
+
+
+def _board(ranks: tuple[int, ...], side: dist.ProcessGroup) -> Board | None:
+    known = _boards.get().get(ranks)
+    if known is None or known[0]() is not side:
+        made = None if dist.get_backend(side) == "fake" else open_board(ranks, side)
+        known = _boards.get()[ranks] = (weakref.ref(side), made)
+    return known[1]
 
 
 def _gather(out: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
@@ -37,6 +53,15 @@ def start(ranks: tuple[int, ...], fields: dict[str, object], extra: dict[str, ob
     collective in errors)."""
     side = runtime.side_group_for_ranks(ranks)
     word = protocol.fingerprint((fields, extra))
+    board = _board(ranks, side)
+    if board is not None:
+        n = board.post(word)
+
+        def posted() -> None:
+            if not board.wait(n, word, ranks, what):
+                _explain(side, ranks, {**fields, **extra}, what)
+
+        return posted
     mine = torch.tensor([word], dtype=torch.int64)
     words = torch.empty(len(ranks), dtype=torch.int64)
     work = _gather(words, mine, side)
