@@ -22,6 +22,7 @@ in rank threads or with ``settings.AGREE_IN_SHARED_MEMORY`` off
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -187,7 +188,8 @@ def open_board(ranks: tuple[int, ...], side: dist.ProcessGroup) -> Board | None:
     results: list = [None] * n
     dist.all_gather_object(results, ok, group=side)
     if me == 0 and path is not None:
-        os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     if not all(results):
         if words:
             words.release()
