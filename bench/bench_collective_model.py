@@ -8,7 +8,10 @@ processes and modelled (alpha-beta) for N = 8 ... 1024.
   it grows with N.
 - **backend** (now): one call of the process group's own collective (``all_reduce``,
   ``all_gather_into_tensor``), its ring (gloo; NCCL adds trees), plus the agreement's 8-byte
-  gather on the side group.
+  gather on the gloo side group, what processes of several hosts pay: a ring of N - 1
+  dependent steps (the processes of one host post on the shared-memory board instead,
+  ``comm/board.py``; the measured backend rows here gather on the side group, as the model
+  says).
 
 Run under the launcher at each N (``python -m shardwise.launch --nproc N
 bench/bench_collective_model.py --json FILE``), then ``--model FILE ...`` fits
@@ -143,7 +146,7 @@ def structure(engine: str, kind: str, n: int, nbytes: int, tree: bool = False
         if kind == "all_reduce":
             return 3, 6 * (n - 1), header + 2 * (n - 1) / n * nbytes
         return 2, 4 * (n - 1), header + (n - 1) * nbytes
-    agreement = (1, 2 * (n - 1), 8 * (n - 1))  # gloo's ring gather of one word
+    agreement = (n - 1, 2 * (n - 1), 8 * (n - 1))  # gloo's ring gather of one word
     if kind == "all_reduce":
         rounds = 2 * math.log2(n) if tree else 2 * (n - 1)
         data = (rounds, 2 * rounds, 2 * (n - 1) / n * nbytes)

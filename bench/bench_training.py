@@ -37,8 +37,8 @@ step, in time order; the peak of the running sum, plus the bytes of parameters, 
 optimizer state alive before the step, is the peak tensor memory of the rank. Allocations gloo
 makes outside torch's allocator are not counted: gloo's all_reduce works in its own buffers
 (DTensor's and the hand-written steps' collectives), while its all_gather_into_tensor copies
-through a flat buffer from torch's allocator (counted; shardwise receives point to point, in
-place, so its all_reduce's buffers are all counted: the result and a combine accumulator).
+through a flat buffer from torch's allocator (counted; shardwise and DTensor issue the same
+functional collectives, so their buffers are counted alike).
 
 Beside the wall time, each step's CPU time of the process (``time.process_time``: its own
 work, gloo's threads included, not the time it waits descheduled) and its minor page faults are

@@ -866,8 +866,9 @@ def _engine_section(folder: Path) -> list[str]:
         return []
     md = ["## The engine across processes", "",
           "Measured by `bash bench/engine_check.sh` (gloo on this CPU host, one device per "
-          "process); each collective is one call of the process group's own collective beside "
-          "the agreement's one-word gather.", ""]
+          "process); each collective is one call of the process group's own collective after "
+          "the agreement (a word posted on the shared-memory board of these processes of one "
+          "host).", ""]
     rows = []
     for world in (2, 4):
         f = folder / f"redistribute_{world}.json"
@@ -990,7 +991,13 @@ def _engine_section(folder: Path) -> list[str]:
                       for r in model["measured"]])
         md += [f"Modelled for large N with that fit (the backend all_reduce as a tree, as "
                f"NCCL's; the point-to-point path with an assumed {model['sync_us']:g} us host "
-               f"sync per collective, the header's read on an accelerator):", ""]
+               f"sync per collective, the header's read on an accelerator). At N >= 16 the "
+               f"processes span hosts, so the backend's agreement is the side group's gather "
+               f"of one word, modelled as gloo's ring: N - 1 dependent steps, which dominate "
+               f"small collectives at large N (the board serves one host only). On an "
+               f"accelerator the host waits for it beside the device's work, so it costs the "
+               f"device nothing while the host stays ahead; a tree-shaped agreement across "
+               f"hosts (log2 N steps) is the next step there:", ""]
         md += _table(["N", "bytes", "collective", "point to point ms", "backend ms", "ratio"],
                      [[r["n"], r["bytes"], r["collective"], r["point_to_point_us"] / 1e3,
                        r["backend_us"] / 1e3, r["ratio"]] for r in model["modelled"]])
