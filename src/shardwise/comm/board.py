@@ -108,7 +108,7 @@ class Board:
                         f"collective timeout of {seconds:g} s: rank(s) "
                         f"{[ranks[j] for j in waiting]} did not take part (diverged, failed, "
                         f"late or hung)")
-            time.sleep(0 if now - start < 1e-3 else 1e-4)
+            time.sleep(0 if now - start < 5e-5 else min(1e-4, (now - start) / 10))
 
     def _alive(self, members: list[int], ranks: tuple[int, ...], what: Callable[[], str]
                ) -> None:
