@@ -247,6 +247,22 @@ def test_plain_tensors_need_implicit_replication_unless_one_element(mesh) -> Non
         torch.testing.assert_close((dt + big).full_tensor(), x + big)
 
 
+def test_vmap_of_embedding_takes_the_index_step_its_batch_rule_makes(mesh) -> None:
+    """PyTorch's test_vmap_embedding: vmap's embedding batch rule adds a plain step tensor to
+    the indices under torch's own implicit-replication flag; a plain tensor of the user's
+    inside vmap is still refused."""
+    idx = torch.randint(0, 8, (4, 6), generator=torch.Generator().manual_seed(0))
+    emb = torch.randn(4, 8, 5)
+    di = sw.distribute_tensor(idx, mesh, [Shard(0)])
+    de = sw.distribute_tensor(emb, mesh, [Shard(0)])
+    embed = torch.vmap(torch.nn.functional.embedding)
+    with sw.config.allow_implicit_redistribute():  # which rows an index reads is data
+        out = embed(di, de)
+    assert torch.equal(out.full_tensor(), embed(idx, emb))
+    with pytest.raises(sw.errors.MeshError, match="implicit_replication"):
+        torch.vmap(lambda row: row + torch.ones(6, dtype=torch.int64))(di)
+
+
 def test_three_dim_causal_attention_with_its_plain_mask(mesh) -> None:
     q = torch.randn(3, 5, 4)
     dq = sw.distribute_tensor(q, mesh, [Shard(0)])

@@ -1,5 +1,6 @@
 """FSDP2 names that PyTorch's own FSDP2 tests use: ``register_fsdp_forward_method``,
-``FSDPModule.unshard(async_op=True)``'s handle, ``reset_iter_state`` and ``share_comm_ctx``.
+``FSDPModule.unshard(async_op=True)``'s handle, ``reset_iter_state``, ``share_comm_ctx`` and
+the private ``_set_unshard_async_op``.
 Single-device PyTorch is the oracle."""
 
 from __future__ import annotations
@@ -129,6 +130,40 @@ def test_reset_iter_state_after_an_aborted_backward_trains_like_one_device() -> 
     ref(x).sum().backward()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_set_unshard_async_op_reaches_the_modules_under_it_and_trains_like_one_device() -> None:
+    """PyTorch's test_train_parity_multi_group_unshard_async_op sets it on the root."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    ref, model = _model(), _model()
+    fully_shard(model.enc, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model.head, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    units = [model.enc._shardwise_unit, model.head._shardwise_unit, model._shardwise_unit]
+    model.enc._set_unshard_async_op(True)  # the modules under it only
+    assert [u.unshard_async_op for u in units] == [True, False, False]
+    model._set_unshard_async_op(True)
+    assert [u.unshard_async_op for u in units] == [True, True, True]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=gen)
+        with sw.config.allow_implicit_redistribute():
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+        ref_loss = ref(x).sum()
+        ref_loss.backward()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.full_tensor(), ref_loss, atol=1e-5, rtol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.placements == (Shard(0),)
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5)
+    model._set_unshard_async_op(False)
+    assert [u.unshard_async_op for u in units] == [False, False, False]
 
 
 class Tied(nn.Module):

@@ -318,6 +318,28 @@ def test_as_strided_output_aliases_a_replicated_input() -> None:
     assert torch.equal(dx.full_tensor(), x)
 
 
+@pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)], [Partial()]])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_as_strided_to_its_own_layout_is_an_alias_that_moves_nothing(placements, transpose
+                                                                     ) -> None:
+    """PyTorch's test_as_strided_identity: explicit mode, nothing gathered."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = _rand(4, 6)
+    dx = sw.distribute_tensor(x.clone(), mesh, [sw.Replicate()]).redistribute(
+        placements=placements)  # local cuts, or a Partial's pieces: no collective
+    src, dsrc = (x.t(), dx.t()) if transpose else (x, dx)
+    args = (dsrc.shape, dsrc.stride(), dsrc.storage_offset())
+    with sw.debug.CommCounter() as counter:
+        out = torch.as_strided(dsrc, *args)
+        copy = torch.as_strided_copy(dsrc, *args)
+    assert dict(counter.counts) == {}
+    assert out.placements == copy.placements == dsrc.placements
+    assert out.shape == src.shape and out.stride() == dsrc.stride()
+    assert torch.equal(out.full_tensor(), src) and torch.equal(copy.full_tensor(), src)
+    out.mul_(2.0)  # an alias: the source changes with it, the copy does not
+    assert torch.equal(dsrc.full_tensor(), 2 * src) and torch.equal(copy.full_tensor(), src)
+
+
 def test_as_strided_of_a_slice_is_refused() -> None:
     """A slice addresses its base's storage, which no DTensor tracks."""
     mesh = sw.init_device_mesh("cpu", (2,))

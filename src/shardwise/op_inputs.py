@@ -33,6 +33,7 @@ from .torch_compat import (
     current_graph_task_id,
     dispatch_has_kernel_for_dispatch_key,
     len_torch_dispatch_stack,
+    torch_allows_implicit_replication,
 )
 
 log = logging.getLogger("shardwise.redistribute")
@@ -72,11 +73,13 @@ def implicit_replication(enabled: bool = True) -> Iterator[None]:
 def _refused(func: Any, tensor: torch.Tensor, mesh: DeviceMesh) -> bool:
     """True if the plain ``tensor`` cannot be taken as replicated beside ``func``'s DTensors:
     it has more than one element (one rule for every size and view, see ``execution``),
-    outside autograd's backward and outside ``implicit_replication()``."""
+    outside autograd's backward and outside ``implicit_replication()`` (shardwise's, or the flag
+    torch's kernels set for the tensors they make, e.g. vmap's embedding batch rule)."""
     return (
         tensor.numel() > 1
         and current_graph_task_id() == -1
         and not settings.IMPLICIT_REPLICATION.get()
+        and not torch_allows_implicit_replication()
     )
 
 

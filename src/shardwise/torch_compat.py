@@ -50,6 +50,10 @@ DispatchKey = torch._C.DispatchKey
 dispatch_has_kernel_for_dispatch_key = torch._C._dispatch_has_kernel_for_dispatch_key
 # -1 outside autograd's backward: implicit moves are allowed while backward runs
 current_graph_task_id = torch._C._current_graph_task_id
+# the thread-local flag torch's own kernels set where a plain tensor they make beside DTensors
+# is replicated (vmap's embedding batch rule: its index step); torch's implicit_replication too
+torch_allows_implicit_replication: Callable[[], bool] = getattr(
+    torch._C, "_get_dtensor_allow_implicit_replication", lambda: False)
 # every op schema torch knows: the _foreach_* ops are registered from it
 jit_get_all_schemas = torch._C._jit_get_all_schemas
 # the per-device norm of a list of tensors, one kernel (torch.linalg has no list form)

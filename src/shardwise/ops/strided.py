@@ -7,7 +7,9 @@ offset 0, as single-device torch holds a tensor that is not a view of a larger o
 device holds that storage whole: the input is replicated first (a gather for a sharded one,
 under the explicit-redistribution rule), and the output is Replicate. A component already laid
 out so is used as is, so an ``as_strided`` output aliases it (autograd's ``as_strided``
-backward writes through such views); another is first copied into that layout. A view of a
+backward writes through such views); another is first copied into that layout. An ``as_strided`` to
+the DTensor's own size, strides and offset is an alias (a clone for ``as_strided_copy``) with
+its placements, nothing moved, as PyTorch's. A view of a
 larger tensor (a slice) addresses its base's storage, which no DTensor tracks:
 ``UnsupportedOpError``. Elements a ``resize_`` adds are zeros on every device (torch leaves
 them uninitialized; the replicas must agree).
@@ -77,6 +79,10 @@ def _as_strided(op: Any, args: tuple, kwargs: dict) -> DTensor:
     self: DTensor = bound["self"]
     mesh = self.device_mesh
     offset = bound.get("storage_offset")
+    if (tuple(bound["size"]) == tuple(self.shape) and tuple(bound["stride"]) == self.stride()
+            and offset in (None, self.storage_offset())):
+        # its own size, strides and offset: ``self`` again (an alias, or a clone), as placed
+        return aten.alias.default(self) if op is aten.as_strided.default else self.clone()
     local = [
         aten.as_strided.default(c, bound["size"], bound["stride"], offset)
         for c in _storages(op, self)

@@ -94,6 +94,7 @@ class DataParallelUnit:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.is_last_backward = True
+        self.unshard_async_op = False  # FSDPModule._set_unshard_async_op's, recorded
         self.gradient_divide_factor: float | None = None
         self.mp, self.offload = mp_policy, offload_policy
         self.held: dict[int, tuple[str, torch.Tensor, Any]] = {}  # k -> (view, tensor, version)

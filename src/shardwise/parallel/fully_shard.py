@@ -92,6 +92,15 @@ class FSDPModule(DataParallelModule):
         for unit in self._units(True):
             unit.reset()
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """PyTorch's (private): every ``fully_shard`` module under this one issues its
+        pre-forward and pre-backward gathers with ``async_op`` and waits for them before the
+        module runs, so their buffers come from the calling stream. shardwise's gathers are
+        issued on the calling stream and waited before the module runs either way, so this
+        records the flag (``DataParallelUnit.unshard_async_op``); values are unchanged."""
+        for unit in self._units(True):
+            unit.unshard_async_op = bool(async_op)
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2 waits for its asynchronous reductions after the last backward; shardwise's
         reductions finish inside each backward, so this only records the flag."""
