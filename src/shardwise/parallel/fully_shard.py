@@ -103,7 +103,7 @@ class FSDPModule(DataParallelModule):
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2 waits for its asynchronous reductions after the last backward; shardwise's
-        reductions finish inside each backward, so this only records the flag."""
+        are waited at the end of every backward, so this only records the flag."""
         for unit in self._units(True):
             unit.is_last_backward = is_last_backward
 
