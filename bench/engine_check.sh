@@ -4,7 +4,7 @@
 # backend collective and training steps beside hand-written and torch DTensor on 2 and 4
 # processes (dim 128, and dim 1024 for the TP models, also with a steady heap). Writes
 # bench/results/engine/*.json; `python bench/run_all.py --docs-only` puts them in
-# docs/performance.md. Run it on a quiet host (about 15 minutes on 2 cores).
+# docs/performance.md. Run it on a quiet host (about 4 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=bench/results/engine

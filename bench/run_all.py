@@ -214,15 +214,17 @@ REASONS = {
     "redistribute": "every transition is one call of the process group's own collective "
                     "(the functional all_gather_into_tensor, all_to_all_single, all_reduce "
                     "or reduce_scatter_tensor PyTorch DTensor issues), received in place; "
-                    "beside it a redistribution's Python (about 0.04 ms per rank: "
-                    "Replicate -> Shard(0) of 1024 x 1024 took 0.09 ms against 0.05 ms "
-                    "for the clone of its chunk, timed without barriers) and "
+                    "beside it a redistribution's Python around the collective, 0.3-0.6 ms "
+                    "a call on this host as torch DT's (Shard(0) -> Replicate of 8 x 8 on 2 "
+                    "processes, the agreement stubbed out: 0.69-1.02 ms against 0.33-0.42 "
+                    "ms for the bare functional all_gather and its wait; torch DT "
+                    "0.73-0.90 ms in the same runs) and "
                     + _AGREEMENT
-                    + ". At 4096 that is within 1.1x of the raw collective; at 1024 the "
-                    "raw collective takes 1.5-10 ms and the agreement and the scheduling "
-                    "of 2-4 processes on 2 cores (each call starts after a barrier) weigh "
-                    "1.2x-3x, where torch DT itself takes 1.3x-1.9x of the raw collective "
-                    "in the same runs",
+                    + ". At 4096 that is within 1.1x of the raw collective but for noise; "
+                    "at 1024 the raw collective takes 1.5-10 ms and that fixed cost and "
+                    "the scheduling of 2-4 processes on 2 cores (each call starts after a "
+                    "barrier) weigh 1.2x-2x, where torch DT itself takes 1.2x-1.6x of the "
+                    "raw collective in the same runs",
     "training": "peak memory equals DTensor's; time per step adds, beside the same "
                 "local kernels and collectives, per-op dispatch of the DTensor subclass"
                 " and per collective "
@@ -254,11 +256,16 @@ REASONS = {
     "dispatch_cat": "cat([a, a], 1) of one Shard(0) tensor moves its input Shard(0) -> "
                     "Shard(1) in process (an all_to_all of n^2 pieces) where DTensor's C++ "
                     "path gathers once",
-    "redistribute_raw": "Shard -> Shard lays out the columns each process sends side by"
-                        " side (one copy the raw all_to_all of rows that already lie so"
-                        " skips), and every transition pays a redistribution's fixed "
-                        "cost: its Python (about 0.04 ms) and "
-                        + _AGREEMENT,
+    "redistribute_raw": "every transition pays a redistribution's fixed cost, its Python "
+                        "around the collective (0.3-0.6 ms a call on this host, as torch "
+                        "DT's) and "
+                        + _AGREEMENT
+                        + "; Shard -> Shard also lays out the columns each process sends "
+                        "side by side (one copy the raw all_to_all of rows that already lie "
+                        "so skips). At 1024 the collectives take 1.5-10 ms and one setting "
+                        "moves by 1.5x from run to run here (Partial -> Replicate at 1024 on "
+                        "2 processes: 0.89x of torch DT in bench/engine_check.sh's run, "
+                        "minutes apart)",
     "clip": "a norm pending over several mesh dims is reduced by one exchange, counted once "
             "per round (the terms reduced at a root, then forwarded)",
     "optimizer": "the foreach paths take DTensors (one dispatch per foreach op for all "
@@ -952,24 +959,26 @@ def _engine_section(folder: Path) -> list[str]:
         md += _table(["procs", "model", "shardwise", "hand", "torch DT", "vs hand", "vs DT",
                       "sw CPU", "hand CPU", "CPU vs hand", "faults"], rows)
     if (folder / "training_1024_2.json").exists():
-        md += ["Where shardwise's extra time goes (2 processes, mlp, phase by phase and op by "
-               "op against the hand-written step): the same local kernels on the same shapes, "
-               "no extra copy, collective or redistribution, the same tensor allocations and "
-               "peak. What differs is fixed per step: 2-6 ms of CPU on the mlp and 6-14 ms on "
-               "the Llama block at both process counts (the CPU columns; torch DT pays the "
-               "same), spent in (1) the agreement, one gather of a CPU word before each "
-               "collective (about 0.5 ms of CPU, and on CPU a dependent round trip that must "
-               "finish before the data moves: about 6 ms of wall a collective here, measured "
-               "by stubbing it out; the mlp step has 1 collective, the Llama block 4) and "
-               "(2) per-op dispatch of the DTensor subclass (54 `__torch_dispatch__` calls an "
-               "mlp step, 32 of them AdamW's per-parameter loop; 150 a Llama block step). "
-               "On this host a process gets a third of a core or less, so each ms of CPU "
-               "costs 2-4 ms of wall, and the wall "
-               "ratios of one setting move by 0.1-0.2 from run to run (the CPU ratios by "
-               "about 0.05). glibc's heap adds a third, random part: by the process's "
-               "allocation history one variant or another faults its large tensors in afresh "
-               "every step (thousands of minor faults, 2-10 ms of CPU), which the steady-heap "
-               "table removes for all three.", ""]
+        md += ["Where shardwise's extra time goes (phase by phase and op by op against the "
+               "hand-written step): the same local kernels on the same shapes, no extra copy, "
+               "collective or redistribution, the same tensor allocations and peak; fewer "
+               "collectives than the hand-written Megatron step, in fact (the input gradient "
+               "that wq, wk and wv share is reduced once, pending as a partial sum, where the "
+               "hand-written step reduces each: 4 all_reduces a Llama block step against 7). "
+               "What differs is fixed per step: per-op dispatch of the DTensor subclass (54 "
+               "`__torch_dispatch__` calls an mlp step, 32 of them AdamW's per-parameter loop; "
+               "150 a Llama block step; torch DT pays the same, its CPU column) and the "
+               "agreement before each collective: a word posted on the processes' shared-"
+               "memory board, about 1 us of CPU once all are there (the first process to "
+               "arrive waits there for the others, time it would otherwise spend waiting "
+               "inside the collective; until this stop a gather on a gloo side group, a "
+               "dependent round trip of 0.4-4 ms on this host). On this host a process gets "
+               "a half to a third of a core, so each ms of CPU costs 2-3 ms of wall, and the "
+               "wall ratios of one setting move by about 0.1 from run to run. glibc's heap "
+               "adds a random part: by the process's allocation history one variant or "
+               "another faults its large tensors in afresh every step (thousands of minor "
+               "faults, 2-10 ms of CPU), which the steady-heap table removes for all three.",
+               ""]
     f = folder / "model.json"
     if f.exists():
         model = json.loads(f.read_text())
