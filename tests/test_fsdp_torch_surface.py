@@ -15,6 +15,8 @@ import shardwise as sw
 from shardwise import Replicate, Shard
 from shardwise.errors import DataParallelError
 from shardwise.parallel import (
+    CPUOffloadPolicy,
+    OffloadPolicy,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -280,3 +282,43 @@ def test_a_world_of_one_moves_and_counts_nothing() -> None:
     got = _world_of_one()
     assert got["counts"] == {}, got
     assert all(got["equal"]), got
+
+
+def _offload_step_counts(policy: object) -> tuple[dict, list[torch.Tensor]]:
+    """One forward and backward of ``Model`` under ``fully_shard`` with ``offload_policy``
+    (per unit and root) on a 2-device CPU mesh, then two Adam steps: the collectives of the
+    first step by kind, and the parameters after."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    model = _model()
+    fully_shard(model.enc, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    register_fsdp_forward_method(model.enc, "features")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    with sw.debug.CommDebugMode() as comm:
+        model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    counts = {str(k): v for k, v in comm.get_comm_counts().items()}
+    return counts, [p.full_tensor() for p in model.parameters()]
+
+
+def test_cpu_offload_on_a_cpu_mesh_packs_each_units_collectives_and_trains_like_one_device(
+) -> None:
+    """On a CPU mesh the offloaded parameters are where they compute: each unit gathers and
+    reduces its parameters packed, as without the policy (before: one collective per
+    parameter)."""
+    offloaded, params = _offload_step_counts(CPUOffloadPolicy(pin_memory=False))
+    plain, _ = _offload_step_counts(OffloadPolicy())
+    assert offloaded == plain and sum(plain.values()) > 0, (offloaded, plain)
+    ref = _model()
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    for _ in range(2):
+        ref(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(params, ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)

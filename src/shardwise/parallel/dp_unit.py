@@ -228,7 +228,9 @@ class DataParallelUnit:
         and dims, the shard dim, the dtype it computes in); None when it goes on its own."""
         slot = self.slots[k]
         d = slot.packed
-        if d is None or isinstance(self.offload, CPUOffloadPolicy) or is_meta(slot.stored):
+        offloaded = (isinstance(self.offload, CPUOffloadPolicy)
+                     and self.dp.mesh.device_type != "cpu")  # on a CPU mesh nothing moves
+        if d is None or offloaded or is_meta(slot.stored):
             return None
         return slot.dp, d, self.mp.param_dtype or slot.stored.dtype
 
