@@ -51,6 +51,22 @@ def _model() -> Model:
     torch.manual_seed(0)
     return Model()
 
+def _train_beside(model: nn.Module, opt: torch.optim.Optimizer, ref: nn.Module,
+                  ref_opt: torch.optim.Optimizer, inputs: list[torch.Tensor]) -> None:
+    """One step of each on every input, the losses equal step by step."""
+    for x in inputs:
+        with sw.config.allow_implicit_redistribute():
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+        ref_loss = ref(x).sum()
+        ref_loss.backward()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.full_tensor(), ref_loss, atol=1e-5, rtol=1e-5)
+
+
 
 def test_a_registered_forward_method_gathers_the_parameters_around_it() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
@@ -149,18 +165,7 @@ def test_set_unshard_async_op_reaches_the_modules_under_it_and_trains_like_one_d
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(5)
-    for _ in range(3):
-        x = torch.randn(4, 6, generator=gen)
-        with sw.config.allow_implicit_redistribute():
-            loss = model(x).sum()
-            loss.backward()
-            opt.step()
-        ref_loss = ref(x).sum()
-        ref_loss.backward()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(loss.full_tensor(), ref_loss, atol=1e-5, rtol=1e-5)
+    _train_beside(model, opt, ref, ref_opt, [torch.randn(4, 6, generator=gen) for _ in range(3)])
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert p.placements == (Shard(0),)
         torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5)
@@ -223,17 +228,7 @@ def test_a_module_run_twice_in_one_forward_trains_like_one_device() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
-    for _ in range(3):
-        with sw.config.allow_implicit_redistribute():
-            loss = model(x).sum()
-            loss.backward()
-            opt.step()
-        ref_loss = ref(x).sum()
-        ref_loss.backward()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(loss.full_tensor(), ref_loss, atol=1e-5, rtol=1e-5)
+    _train_beside(model, opt, ref, ref_opt, [x] * 3)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5)
 
