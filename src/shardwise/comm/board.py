@@ -11,9 +11,13 @@ left behind even if a process is killed. Member j's word for its n-th agreement 
 of ``SLOTS`` words at n mod ``SLOTS``: ``(n mod 2**16) << 48 | fingerprint mod 2**48``, written
 in one aligned 8-byte store, so a reader sees it whole or not at all. A reader waits for every
 member's word of n; one that shows a later n means the ring was lapped (more than ``SLOTS`` / 2
-agreements started and not checked), which raises. While it waits it checks, every
-``_LIVENESS`` seconds, that the members it waits for are alive (their pids, posted at setup), so
-a peer that died fails the wait at once instead of at the collective timeout.
+agreements started and not checked), which raises. A reader spins a few microseconds, then
+sleeps in the kernel on the board's wake word (a Linux futex: every post changes it and wakes
+the sleepers), so a waiting process takes no CPU from its peers and wakes as soon as the last
+word arrives, as a process blocked in gloo does; where futexes are not at hand it polls. While
+it waits it checks, every ``_LIVENESS`` seconds, that the members it waits for are alive (their
+pids, posted at setup), so a peer that died fails the wait at once instead of at the collective
+timeout.
 
 The board is used only when every member agrees at setup that it is on this host (host name and
 boot id), mapped the file, read the creator's nonce and sees every member's pid; otherwise, and
@@ -23,8 +27,10 @@ in rank threads or with ``settings.AGREE_IN_SHARED_MEMORY`` off
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
+import platform
 import secrets
 import socket
 import tempfile
@@ -39,9 +45,45 @@ from .. import execution, settings
 from ..errors import CollectiveError, CollectiveTimeoutError
 
 SLOTS = 4096
+HEADER = 2  # words before the rings: the creator's nonce, the wake word
 _TAG = 1 << 16
 _LOW = (1 << 48) - 1
 _LIVENESS = 0.1
+_SPINS = 32
+# the futex system call's number where it is known (Linux)
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class Futex:
+    """A 32-bit word of memory shared between processes that a process can sleep on until
+    another changes it (Linux's futex, on a shared mapping)."""
+
+    def __init__(self, buffer: mmap.mmap, offset: int) -> None:
+        self._cell = ctypes.c_uint32.from_buffer(buffer, offset)
+        self._address = ctypes.c_void_p(ctypes.addressof(self._cell))
+        self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+
+    @property
+    def value(self) -> int:
+        return self._cell.value
+
+    def change(self, value: int) -> None:
+        """Set the word (to a value no sleeper saw) and wake every process sleeping on it."""
+        self._cell.value = value & 0xFFFFFFFF
+        self._syscall(ctypes.c_long(_SYS_FUTEX), self._address, ctypes.c_int(_FUTEX_WAKE),
+                      ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
+
+    def sleep(self, seen: int, seconds: float) -> None:
+        """Sleep until the word changes from ``seen`` (at once if it already has), a wake or
+        ``seconds``."""
+        timeout = _Timespec(int(seconds), int(seconds % 1 * 1e9))
+        self._syscall(ctypes.c_long(_SYS_FUTEX), self._address, ctypes.c_int(_FUTEX_WAIT),
+                      ctypes.c_int(seen), ctypes.byref(timeout), None, ctypes.c_int(0))
 
 
 @dataclass
@@ -55,15 +97,18 @@ class Board:
     path: str = ""
     posted: int = 0
     _map: mmap.mmap | None = None
+    wake: Futex | None = None
 
     def _at(self, member: int, n: int) -> int:
-        return 1 + member * SLOTS + n % SLOTS
+        return HEADER + member * SLOTS + n % SLOTS
 
     def post(self, fingerprint: int) -> int:
         """Post this process's next fingerprint; returns its number, for ``wait``."""
         self.posted += 1
         n = self.posted
         self.words[self._at(self.me, n)] = (n % _TAG) << 48 | (fingerprint & _LOW)
+        if self.wake is not None:
+            self.wake.change(n * len(self.pids) + self.me + 1)
         return n
 
     def wait(self, n: int, fingerprint: int, ranks: tuple[int, ...], what: Callable[[], str]
@@ -77,6 +122,7 @@ class Board:
         spins, start, checked = 0, 0.0, 0.0
         same = True
         while True:
+            seen = self.wake.value if self.wake is not None else 0
             still = []
             for j in waiting:
                 word = self.words[self._at(j, n)]
@@ -93,7 +139,7 @@ class Board:
                 return same
             waiting = still
             spins += 1
-            if spins < 32:
+            if spins < _SPINS:
                 continue
             now = time.monotonic()
             if not start:
@@ -108,7 +154,10 @@ class Board:
                         f"collective timeout of {seconds:g} s: rank(s) "
                         f"{[ranks[j] for j in waiting]} did not take part (diverged, failed, "
                         f"late or hung)")
-            time.sleep(0 if now - start < 5e-5 else min(1e-4, (now - start) / 10))
+            if self.wake is not None:
+                self.wake.sleep(seen, _LIVENESS)
+            else:
+                time.sleep(0 if now - start < 5e-5 else min(1e-4, (now - start) / 10))
 
     def _alive(self, members: list[int], ranks: tuple[int, ...], what: Callable[[], str]
                ) -> None:
@@ -165,7 +214,7 @@ def open_board(ranks: tuple[int, ...], side: dist.ProcessGroup) -> Board | None:
     or None where its members cannot share one."""
     me = ranks.index(dist.get_rank())
     n = len(ranks)
-    size = 8 * (1 + n * SLOTS)
+    size = 8 * (HEADER + n * SLOTS)
     willing = (settings.AGREE_IN_SHARED_MEMORY.get()
                and execution.current().kind is not execution.Kind.RANK_THREAD)
     path, nonce = None, 0
@@ -195,4 +244,5 @@ def open_board(ranks: tuple[int, ...], side: dist.ProcessGroup) -> Board | None:
             words.release()
             mapped.close()
         return None
-    return Board(words, me, pids, path, _map=mapped)
+    wake = Futex(mapped, 8) if _SYS_FUTEX is not None else None
+    return Board(words, me, pids, path, _map=mapped, wake=wake)
