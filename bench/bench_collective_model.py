@@ -7,11 +7,12 @@ processes and modelled (alpha-beta) for N = 8 ... 1024.
   each way per rank), an all_gather N - 1 messages. The header holds a shape per member, so
   it grows with N.
 - **backend** (now): one call of the process group's own collective (``all_reduce``,
-  ``all_gather_into_tensor``), its ring (gloo; NCCL adds trees), plus the agreement's 8-byte
-  gather on the gloo side group, what processes of several hosts pay: a ring of N - 1
-  dependent steps (the processes of one host post on the shared-memory board instead,
-  ``comm/board.py``; the measured backend rows here gather on the side group, as the model
-  says).
+  ``all_gather_into_tensor``), its ring (gloo; NCCL adds trees), plus the agreement. The
+  measured backend rows gather the agreement's 8-byte word on the gloo side group (a ring of
+  N - 1 dependent steps), what rank threads pay; the modelled table charges what processes pay
+  (8 per host): the processes of one host post on the shared-memory board
+  (``comm/board.py``, no message), and the hosts' first processes exchange in ceil(log2 hosts)
+  rounds of one 16-byte message each way (``comm/host_tree.py``).
 
 Run under the launcher at each N (``python -m shardwise.launch --nproc N
 bench/bench_collective_model.py --json FILE``), then ``--model FILE ...`` fits
@@ -137,16 +138,25 @@ def measure(repeat: int) -> list[dict]:
     return rows
 
 
+PER_HOST = 8
+
+
 def structure(engine: str, kind: str, n: int, nbytes: int, tree: bool = False
               ) -> tuple[float, float, float]:
     """(dependent rounds, messages posted per rank, bytes received per rank) of one
-    collective of a tensor of ``nbytes`` per rank over ``n`` ranks."""
+    collective of a tensor of ``nbytes`` per rank over ``n`` ranks; ``tree``: the backend's
+    all_reduce as a tree and the agreement by host boards and the hosts' exchange (else the
+    ring all_reduce and the side group's ring gather of one word, as measured)."""
     header = (n - 1) * _header_bytes(n)
     if engine == "point to point":
         if kind == "all_reduce":
             return 3, 6 * (n - 1), header + 2 * (n - 1) / n * nbytes
         return 2, 4 * (n - 1), header + (n - 1) * nbytes
-    agreement = (n - 1, 2 * (n - 1), 8 * (n - 1))  # gloo's ring gather of one word
+    if tree:
+        steps = math.ceil(math.log2(math.ceil(n / PER_HOST)))
+        agreement = (steps, 2 * steps, 16 * steps)
+    else:
+        agreement = (n - 1, 2 * (n - 1), 8 * (n - 1))
     if kind == "all_reduce":
         rounds = 2 * math.log2(n) if tree else 2 * (n - 1)
         data = (rounds, 2 * rounds, 2 * (n - 1) / n * nbytes)
@@ -187,7 +197,7 @@ def table(rows: list[dict], sync_us: float) -> dict:
         for nbytes in (64 << 10, 64 << 20):
             for kind in ("all_reduce", "all_gather"):
                 old = model(params, "point to point", kind, n, nbytes, sync_us, False)
-                new = model(params, "backend", kind, n, nbytes, 0.0, kind == "all_reduce")
+                new = model(params, "backend", kind, n, nbytes, 0.0, True)
                 modelled.append({"n": n, "bytes": nbytes, "collective": kind,
                                  "point_to_point_us": old, "backend_us": new,
                                  "ratio": old / new})
@@ -204,7 +214,7 @@ def _print(result: dict) -> None:
         print(f"{r['n']:>4} {r['bytes']:>9} {r['collective']:>11} {r['engine']:>15} "
               f"{r['us']:>8.0f}us {r['model_us']:>8.0f}us")
     print(f"\nmodelled (point to point adds a {result['sync_us']:g} us host sync; backend "
-          f"all_reduce as a tree):")
+          f"all_reduce as a tree, the agreement by the host tree, {PER_HOST} per host):")
     print(f"{'N':>5} {'bytes':>9} {'collective':>11} {'p2p':>12} {'backend':>12} {'ratio':>7}")
     for r in result["modelled"]:
         print(f"{r['n']:>5} {r['bytes']:>9} {r['collective']:>11} "

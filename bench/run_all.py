@@ -174,7 +174,8 @@ def plot(results: dict, path: Path) -> None:
 
 # the agreement before each collective across processes, named by several reasons below
 _AGREEMENT = ("the agreement (a word posted on the shared-memory board of the processes of "
-              "one host, else gathered on a gloo side group; on CPU it must finish before the "
+              "one host, across hosts also exchanged between the hosts' first processes in "
+              "log2(hosts) rounds; on CPU it must finish before the "
               "data moves: gloo aborts the process on messages of another size; on an "
               "accelerator it runs beside the data): microseconds once every process is "
               "there, but on CPU each call waits for its slowest process before the data "
@@ -1000,13 +1001,14 @@ def _engine_section(folder: Path) -> list[str]:
                       for r in model["measured"]])
         md += [f"Modelled for large N with that fit (the backend all_reduce as a tree, as "
                f"NCCL's; the point-to-point path with an assumed {model['sync_us']:g} us host "
-               f"sync per collective, the header's read on an accelerator). At N >= 16 the "
-               f"processes span hosts, so the backend's agreement is the side group's gather "
-               f"of one word, modelled as gloo's ring: N - 1 dependent steps, which dominate "
-               f"small collectives at large N (the board serves one host only). On an "
+               f"sync per collective, the header's read on an accelerator). The backend's "
+               f"agreement is charged as processes pay it, 8 to a host: a word on the host's "
+               f"shared-memory board (no message) and, at N >= 16, ceil(log2 hosts) rounds of "
+               f"one 16-byte message each way between the hosts' first processes "
+               f"(`comm/host_tree.py`; a gather on the side group, as the measured rows make, "
+               f"would be N - 1 dependent steps: 1,023 at N = 1024 against 7). On an "
                f"accelerator the host waits for it beside the device's work, so it costs the "
-               f"device nothing while the host stays ahead; a tree-shaped agreement across "
-               f"hosts (log2 N steps) is the next step there:", ""]
+               f"device nothing while the host stays ahead:", ""]
         md += _table(["N", "bytes", "collective", "point to point ms", "backend ms", "ratio"],
                      [[r["n"], r["bytes"], r["collective"], r["point_to_point_us"] / 1e3,
                        r["backend_us"] / 1e3, r["ratio"]] for r in model["modelled"]])

@@ -1,8 +1,8 @@
 """The agreement board (``comm/board.py``): processes of one host post their agreement
 fingerprints in shared memory. A board over one process's memory checks the protocol (equal
 and different words, a member not yet there, a lapped ring, a dead member, the timeout); two
-and four processes check the setup (nothing left in /dev/shm, processes of other hosts falling
-back to the side group with the same results) and a peer that dies while the others wait."""
+and four processes check the setup (nothing left in /dev/shm, processes of other hosts agreeing
+by the host tree with the same results) and a peer that dies while the others wait."""
 
 from __future__ import annotations
 
@@ -124,8 +124,9 @@ def _boards_and_values(other_host: bool) -> dict:
            sw.DTensor.from_local(full, mesh, [sw.Partial()]).full_tensor()]
     from shardwise.comm import agreement
     made = [b for _, b in agreement._boards.get().values()]
-    left = [b.path for b in made if b is not None and os.path.exists(b.path)]
-    return {"got": got, "boards": [b is not None for b in made], "left": left}
+    boards = [getattr(b, "board", b) for b in made]
+    left = [b.path for b in boards if b is not None and os.path.exists(b.path)]
+    return {"got": got, "kinds": [type(b).__name__ for b in made], "left": left}
 
 
 @pytest.mark.slow
@@ -134,7 +135,8 @@ def test_processes_of_one_host_share_a_board(world: int, other_host: bool) -> No
     full = torch.arange(48.0).reshape(8, 6)
     for rank, out in enumerate(run_in_processes(_boards_and_values, world, other_host,
                                                 timeout=120)):
-        assert out["boards"] == [not other_host], f"rank {rank}: {out['boards']}"
+        # on two hosts, one process each: the host tree, with no board
+        assert out["kinds"] == ["HostTree" if other_host else "Board"], f"rank {rank}: {out}"
         assert out["left"] == [], f"rank {rank}: {out['left']}"
         torch.testing.assert_close(out["got"], [full, full, full * world], rtol=0, atol=0)
 

@@ -150,8 +150,8 @@ COLLECTIVE_TIMEOUT: Setting[float] = Setting(
 )
 # Processes compare what they are about to do before each cross-process collective.
 DEBUG_CHECKS: Setting[bool] = Setting("debug_checks", env_flag("SHARDWISE_DEBUG_CHECKS"))
-# The agreement of processes on one host is posted in shared memory (``comm.board``) rather than
-# gathered on the CPU side group.
+# The agreement of processes is posted in shared memory on each host (``comm.board``; across
+# hosts with the hosts' exchange, ``comm.host_tree``) rather than gathered on the CPU side group.
 AGREE_IN_SHARED_MEMORY: Setting[bool] = Setting(
     "agree_in_shared_memory", not env_flag("SHARDWISE_AGREE_ON_SIDE_GROUP"))
 # Cross-process reductions combine in coordinate order (the embedded run's bits) instead of the

@@ -2,8 +2,10 @@
 group says what it is about to do, as a 56-bit fingerprint (collective, sequence number between
 these processes, dtype, reduce op, every member's piece shapes as this process reckons them
 from the spec, the spec being moved; with debug checks also the call site and mesh dim),
-posted on the shared-memory board of processes on one host (``board.py``: microseconds), else
-gathered on a CPU gloo side group (``runtime.side_group_for_ranks``: one small gather). Equal
+posted on the shared-memory board of processes on one host (``board.py``: microseconds), for a
+group across hosts on each host's board and exchanged between the hosts' first processes in
+log2(hosts) rounds (``host_tree.py``), else (rank threads, no shared memory) gathered on a CPU
+gloo side group (``runtime.side_group_for_ranks``: one small gather). Equal
 fingerprints cost that; different ones make every process swap the fields it hashed on the side
 group and raise ``CollectiveMismatchError`` naming what differs per rank, the same error on every
 rank.
@@ -25,17 +27,19 @@ import torch.distributed as dist
 from .. import runtime, settings
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from . import protocol
-from .board import Board, open_board
+from .board import Board, open_boards
+from .host_tree import HostTree, channel
 
-# per process: the board of each set of ranks (None: they agree on the side group), with the
-# side group it was set up on (a world made again sets it up again)
+# per process: the board or host tree of each set of ranks (None: they agree on the side
+# group), with the side group it was set up on (a world made again sets it up again)
 _boards: settings.ProcessLocal[dict[tuple[int, ...], tuple]] = settings.ProcessLocal(dict)
 
 
-def _board(ranks: tuple[int, ...], side: dist.ProcessGroup) -> Board | None:
+def _board(ranks: tuple[int, ...], side: dist.ProcessGroup) -> Board | HostTree | None:
     known = _boards.get().get(ranks)
     if known is None or known[0]() is not side:
-        made = None if dist.get_backend(side) == "fake" else open_board(ranks, side)
+        boards = None if dist.get_backend(side) == "fake" else open_boards(ranks, side)
+        made = None if boards is None else channel(ranks, boards)
         known = _boards.get()[ranks] = (weakref.ref(side), made)
     return known[1]
 

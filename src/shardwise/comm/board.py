@@ -19,10 +19,15 @@ it waits it checks, every ``_LIVENESS`` seconds, that the members it waits for a
 pids, posted at setup), so a peer that died fails the wait at once instead of at the collective
 timeout.
 
-The board is used only when every member agrees at setup that it is on this host (host name and
-boot id), mapped the file, read the creator's nonce and sees every member's pid; otherwise, and
-in rank threads or with ``settings.AGREE_IN_SHARED_MEMORY`` off
-(``SHARDWISE_AGREE_ON_SIDE_GROUP=1``), the side group carries the agreement."""
+One more ring, after the members', carries the verdicts of the host's first member when the
+group spans hosts (``host_tree.py``): whether the words of every host agreed.
+
+``open_boards`` sets up one board per host of a group's members (a host where one member runs
+needs none): its members tell each other their host (host name and boot id) and pid, each
+host's first member makes the file, and every member maps its host's, reads the creator's nonce
+and sees its host's pids. Where any of that fails, and in rank threads or with
+``settings.AGREE_IN_SHARED_MEMORY`` off (``SHARDWISE_AGREE_ON_SIDE_GROUP=1``), the side group
+carries the agreement."""
 
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -88,8 +93,9 @@ class Futex:
 
 @dataclass
 class Board:
-    """One mapped board: ``me`` is this process's position among ``pids``; ``path`` where its
-    file was (unlinked once every member mapped it)."""
+    """One mapped board: ``me`` is this process's position among ``pids`` (the members of one
+    host; the first posts the verdicts); ``path`` where its file was (unlinked once every
+    member mapped it)."""
 
     words: memoryview
     me: int
@@ -99,8 +105,12 @@ class Board:
     _map: mmap.mmap | None = None
     wake: Futex | None = None
 
-    def _at(self, member: int, n: int) -> int:
-        return HEADER + member * SLOTS + n % SLOTS
+    def _at(self, ring: int, n: int) -> int:
+        return HEADER + ring * SLOTS + n % SLOTS
+
+    def _owner(self, ring: int) -> int:
+        """The member who writes ``ring`` (the verdicts' ring is the first member's)."""
+        return ring if ring < len(self.pids) else 0
 
     def post(self, fingerprint: int) -> int:
         """Post this process's next fingerprint; returns its number, for ``wait``."""
@@ -117,17 +127,37 @@ class Board:
         Raises ``CollectiveTimeoutError`` past the collective timeout and ``CollectiveError``
         when a member it waits for has exited."""
         expected = (n % _TAG) << 48 | (fingerprint & _LOW)
+        return all(word == expected for word in self.words_of(n, ranks, what))
+
+    def words_of(self, n: int, ranks: tuple[int, ...], what: Callable[[], str]) -> list[int]:
+        """Every member's n-th word (tag and fingerprint), once all are posted."""
+        return self._await(n, range(len(self.pids)), ranks, what)
+
+    def post_verdict(self, n: int, same: bool) -> None:
+        """The first member's verdict on agreement n (the group spans hosts)."""
+        self.words[self._at(len(self.pids), n)] = (n % _TAG) << 48 | int(same)
+        if self.wake is not None:
+            self.wake.change(n * len(self.pids) + len(self.pids) + 1)
+
+    def verdict(self, n: int, ranks: tuple[int, ...], what: Callable[[], str]) -> bool:
+        """Wait for the first member's verdict on agreement n."""
+        return bool(self._await(n, [len(self.pids)], ranks, what)[0] & 1)
+
+    def _await(self, n: int, rings: Iterable[int], ranks: tuple[int, ...],
+               what: Callable[[], str]) -> list[int]:
+        """The n-th word of each of ``rings``, once all are there (``ranks``: the members',
+        for errors)."""
         tag = n % _TAG
-        waiting = list(range(len(self.pids)))
+        waiting = list(rings)
+        got: list[int] = []
         spins, start, checked = 0, 0.0, 0.0
-        same = True
         while True:
             seen = self.wake.value if self.wake is not None else 0
             still = []
             for j in waiting:
                 word = self.words[self._at(j, n)]
                 if word >> 48 == tag:
-                    same = same and word == expected
+                    got.append(word)
                 elif (word >> 48) == (n + SLOTS) % _TAG:
                     raise CollectiveError(
                         f"{what()}: more than {SLOTS // 2} agreements were started and not "
@@ -136,7 +166,7 @@ class Board:
                 else:
                     still.append(j)
             if not still:
-                return same
+                return got
             waiting = still
             spins += 1
             if spins < _SPINS:
@@ -152,16 +182,17 @@ class Board:
                     raise CollectiveTimeoutError(
                         f"{what()}: the processes' agreement did not complete within the "
                         f"collective timeout of {seconds:g} s: rank(s) "
-                        f"{[ranks[j] for j in waiting]} did not take part (diverged, failed, "
-                        f"late or hung)")
+                        f"{[ranks[self._owner(j)] for j in waiting]} did not take part "
+                        f"(diverged, failed, late or hung)")
             if self.wake is not None:
                 self.wake.sleep(seen, _LIVENESS)
             else:
                 time.sleep(0 if now - start < 5e-5 else min(1e-4, (now - start) / 10))
 
-    def _alive(self, members: list[int], ranks: tuple[int, ...], what: Callable[[], str]
+    def _alive(self, rings: list[int], ranks: tuple[int, ...], what: Callable[[], str]
                ) -> None:
-        for j in members:
+        for ring in rings:
+            j = self._owner(ring)
             if not _running(self.pids[j]):
                 raise CollectiveError(
                     f"{what()} failed: the process of rank {ranks[j]} (pid {self.pids[j]}) "
@@ -209,40 +240,67 @@ def _map(path: str, size: int) -> mmap.mmap | None:
         os.close(fd)
 
 
-def open_board(ranks: tuple[int, ...], side: dist.ProcessGroup) -> Board | None:
-    """Set up the board of ``ranks`` (every member calls it at the same point, on ``side``),
-    or None where its members cannot share one."""
+@dataclass(frozen=True)
+class Boards:
+    """What ``open_boards`` set up for this process: ``hosts`` lists the positions (in the
+    group's ranks) of the members of each host, each host's in order and the hosts by their
+    first member; ``board`` is this process's host's (None where it runs alone there)."""
+
+    hosts: tuple[tuple[int, ...], ...]
+    board: Board | None
+
+
+def _size(members: int) -> int:
+    return 8 * (HEADER + (members + 1) * SLOTS)
+
+
+def _make_file(members: int) -> tuple[str | None, int]:
+    """A zeroed board file for ``members`` with a fresh nonce first: its path and the nonce
+    (None where it cannot be made)."""
+    path = os.path.join(_directory(), f"shardwise-agreement-{uuid.uuid4().hex}")
+    nonce = secrets.randbits(63)
+    try:
+        with open(path, "wb") as file:
+            file.write(nonce.to_bytes(8, "little") + bytes(_size(members) - 8))
+    except OSError:
+        return None, 0
+    return path, nonce
+
+
+def open_boards(ranks: tuple[int, ...], side: dist.ProcessGroup) -> Boards | None:
+    """Set up the boards of the hosts of ``ranks`` (every member calls it at the same point, on
+    ``side``), or None where the side group must carry the agreement."""
     me = ranks.index(dist.get_rank())
-    n = len(ranks)
-    size = 8 * (HEADER + n * SLOTS)
     willing = (settings.AGREE_IN_SHARED_MEMORY.get()
                and execution.current().kind is not execution.Kind.RANK_THREAD)
-    path, nonce = None, 0
-    if willing and me == 0:
-        path = os.path.join(_directory(), f"shardwise-agreement-{uuid.uuid4().hex}")
-        nonce = secrets.randbits(63)
-        try:
-            with open(path, "wb") as file:
-                file.write(nonce.to_bytes(8, "little") + bytes(size - 8))
-        except OSError:
-            path = None
-    offers: list = [None] * n
-    dist.all_gather_object(offers, (willing, _host(), os.getpid(), path, nonce), group=side)
-    pids = tuple(offer[2] for offer in offers)
-    path, nonce = offers[0][3], offers[0][4]
-    shared = path is not None and all(o[0] and o[1] == offers[0][1] for o in offers)
-    mapped = _map(path, size) if shared else None
+    offers: list = [None] * len(ranks)
+    dist.all_gather_object(offers, (willing, _host(), os.getpid()), group=side)
+    if not all(offer[0] for offer in offers):
+        return None
+    by_host: dict[str, list[int]] = {}
+    for j, offer in enumerate(offers):
+        by_host.setdefault(offer[1], []).append(j)
+    hosts = tuple(tuple(members) for members in by_host.values())
+    local = by_host[offers[me][1]]
+    pids = tuple(offers[j][2] for j in local)
+    made = _make_file(len(local)) if local[0] == me and len(local) > 1 else (None, 0)
+    files: list = [None] * len(ranks)
+    dist.all_gather_object(files, made, group=side)
+    path, nonce = files[local[0]]
+    mapped = _map(path, _size(len(local))) if path is not None else None
     words = mapped and memoryview(mapped).cast("Q")
-    ok = bool(words) and words[0] == nonce and all(map(_running, pids))
-    results: list = [None] * n
+    ok = len(local) == 1 or (bool(words) and words[0] == nonce and all(map(_running, pids)))
+    results: list = [None] * len(ranks)
     dist.all_gather_object(results, ok, group=side)
-    if me == 0 and path is not None:
+    if made[0] is not None:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.unlink(made[0])
     if not all(results):
         if words:
             words.release()
             mapped.close()
         return None
+    if len(local) == 1:
+        return Boards(hosts, None)
     wake = Futex(mapped, 8) if _SYS_FUTEX is not None else None
-    return Board(words, me, pids, path, _map=mapped, wake=wake)
+    return Boards(hosts, Board(words, local.index(me), pids, path, _map=mapped, wake=wake))
