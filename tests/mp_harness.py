@@ -76,6 +76,18 @@ def _child(
     results.join_thread()
 
 
+def outcomes(tries: dict[str, Callable[[], Any]], error: type[BaseException]) -> dict[str, str]:
+    """Run each of ``tries``: "ok", or the text of the ``error`` it raised."""
+    out = {}
+    for name, fn in tries.items():
+        try:
+            fn()
+            out[name] = "ok"
+        except error as err:
+            out[name] = str(err)
+    return out
+
+
 def _context() -> Any:
     """Fresh processes forked from one server that has imported torch, torch.distributed and
     shardwise's layers once (seconds per process under spawn): each rank starts clean, as a

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from mp_harness import run_in_processes
+from mp_harness import outcomes, run_in_processes
 from shardwise import Partial, Replicate, Shard, comm
 from shardwise.comm import agreement, board, host_tree
 from shardwise.errors import CollectiveMismatchError
@@ -76,13 +76,7 @@ def _disagree(hosts: str) -> dict:
             torch.ones(6 if odd else 4, 2), mesh, [Shard(0)]).redistribute(
                 placements=[Replicate()]).to_local(),
     }
-    out: dict = {}
-    for name, fn in tries.items():
-        try:
-            fn()
-            out[name] = "ok"
-        except CollectiveMismatchError as err:
-            out[name] = str(err)
+    out: dict = outcomes(tries, CollectiveMismatchError)
     out["after"] = torch.cat(comm.all_gather(mesh, 0, [torch.full((2,), float(rank))])[0])
     return out
 

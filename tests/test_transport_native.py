@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from mp_harness import run_in_processes
+from mp_harness import outcomes, run_in_processes
 from shardwise import comm
 from shardwise.comm import agreement, board, native, wire
 from shardwise.errors import CollectiveMismatchError
@@ -98,13 +98,7 @@ def _mismatches(mesh: sw.DeviceMesh) -> dict:
                             for _ in range(1 if first else 2)]
         + ([comm.all_gather(mesh, 0, [torch.ones(2)])] if first else []),
     }
-    out = {}
-    for name, fn in tries.items():
-        try:
-            fn()
-            out[name] = "ok"
-        except CollectiveMismatchError as err:
-            out[name] = str(err)
+    out: dict = outcomes(tries, CollectiveMismatchError)
     out["after"] = torch.cat(comm.all_gather(mesh, 0, [torch.full((2,), float(rank))])[0])
     return out
 
