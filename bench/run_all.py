@@ -972,7 +972,7 @@ def _engine_section(folder: Path) -> list[str]:
                "agreement before each collective: a word posted on the processes' shared-"
                "memory board, about 1 us of CPU once all are there (the first process to "
                "arrive waits there for the others, time it would otherwise spend waiting "
-               "inside the collective; until this stop a gather on a gloo side group, a "
+               "inside the collective; before the board, a gather on a gloo side group, a "
                "dependent round trip of 0.4-4 ms on this host). On this host a process gets "
                "a half to a third of a core, so each ms of CPU costs 2-3 ms of wall, and the "
                "wall ratios of one setting move by about 0.1 from run to run. glibc's heap "
