@@ -7,7 +7,14 @@ for the others. H hosts cost every leader ceil(log2 H) rounds of one 16-byte mes
 where a gather of the group's words on the side group takes N - 1 dependent steps (gloo's ring)
 for N processes: 3 rounds against 63 steps for 64 processes on 8 hosts, 7 against 1,023 for
 1,024 on 128. Agreements are decided in the order they were posted, whichever is waited first,
-so every leader exchanges them in the same order."""
+so every leader exchanges them in the same order.
+
+The others of a host wait for their leader to reach the check of the same agreement (or a later
+one), where a gather waited only for every process to start it. Processes that run the same
+program reach their checks at the same points of it (right after enqueueing a collective that
+is waited at once, at the first use of one left in flight; never from a garbage collection), so
+the leader is never held up by what a waiting process has not done yet; a process whose leader
+never gets there (a divergent program) fails at the collective timeout naming the leader."""
 
 from __future__ import annotations
 
