@@ -65,7 +65,8 @@ def test_a_group_across_hosts_agrees_by_its_host_tree(hosts: str) -> None:
 
 
 def _disagree(hosts: str) -> dict:
-    """The last rank disagrees on a reduce op, then on a shape; then all gather alike."""
+    """The last rank disagrees on a reduce op, then on a shape, then skips a collective; then
+    all gather alike."""
     rank = dist.get_rank()
     board._host = lambda: hosts[rank]
     mesh = sw.init_device_mesh("cpu", (dist.get_world_size(),))
@@ -75,6 +76,10 @@ def _disagree(hosts: str) -> dict:
         "shape": lambda: sw.distribute_tensor(
             torch.ones(6 if odd else 4, 2), mesh, [Shard(0)]).redistribute(
                 placements=[Replicate()]).to_local(),
+        # the last rank skips the second all_reduce and goes on to the next collective
+        "skipped": lambda: [comm.all_reduce(mesh, 0, [torch.ones(4)], "sum")
+                            for _ in range(1 if odd else 2)]
+        + ([comm.all_gather(mesh, 0, [torch.ones(2)])] if odd else []),
     }
     out: dict = outcomes(tries, CollectiveMismatchError)
     out["after"] = torch.cat(comm.all_gather(mesh, 0, [torch.full((2,), float(rank))])[0])
@@ -90,5 +95,7 @@ def test_processes_across_hosts_that_disagree_all_raise_naming_it(hosts: str) ->
             f"rank {rank}: {out['op']}")
         assert "[6, 2]" in out["shape"] and "[4, 2]" in out["shape"], (
             f"rank {rank}: {out['shape']}")
+        assert "all_gather" in out["skipped"] and "all_reduce" in out["skipped"], (
+            f"rank {rank}: {out['skipped']}")
         torch.testing.assert_close(
             out["after"], torch.arange(world, dtype=torch.float32).repeat_interleave(2))
