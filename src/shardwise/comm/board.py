@@ -52,7 +52,7 @@ from ..errors import CollectiveError, CollectiveTimeoutError
 SLOTS = 4096
 HEADER = 2  # words before the rings: the creator's nonce, the wake word
 _TAG = 1 << 16
-_LOW = (1 << 48) - 1
+LOW = (1 << 48) - 1  # the fingerprint's bits in a word
 _LIVENESS = 0.1
 _SPINS = 32
 # the futex system call's number where it is known (Linux)
@@ -108,6 +108,13 @@ class Board:
     def _at(self, ring: int, n: int) -> int:
         return HEADER + ring * SLOTS + n % SLOTS
 
+    def _write(self, ring: int, n: int, low: int) -> None:
+        """Write word n of ``ring`` and wake the sleepers: the wake word takes a value of its
+        own for each (ring, n), so a sleeper never sees it change back to what it saw."""
+        self.words[self._at(ring, n)] = (n % _TAG) << 48 | low
+        if self.wake is not None:
+            self.wake.change(n * (len(self.pids) + 1) + ring + 1)
+
     def _owner(self, ring: int) -> int:
         """The member who writes ``ring`` (the verdicts' ring is the first member's)."""
         return ring if ring < len(self.pids) else 0
@@ -116,9 +123,7 @@ class Board:
         """Post this process's next fingerprint; returns its number, for ``wait``."""
         self.posted += 1
         n = self.posted
-        self.words[self._at(self.me, n)] = (n % _TAG) << 48 | (fingerprint & _LOW)
-        if self.wake is not None:
-            self.wake.change(n * len(self.pids) + self.me + 1)
+        self._write(self.me, n, fingerprint & LOW)
         return n
 
     def wait(self, n: int, fingerprint: int, ranks: tuple[int, ...], what: Callable[[], str]
@@ -126,7 +131,7 @@ class Board:
         """Wait until every member posted its n-th word; whether all equal ``fingerprint``.
         Raises ``CollectiveTimeoutError`` past the collective timeout and ``CollectiveError``
         when a member it waits for has exited."""
-        expected = (n % _TAG) << 48 | (fingerprint & _LOW)
+        expected = (n % _TAG) << 48 | (fingerprint & LOW)
         return all(word == expected for word in self.words_of(n, ranks, what))
 
     def words_of(self, n: int, ranks: tuple[int, ...], what: Callable[[], str]) -> list[int]:
@@ -135,9 +140,7 @@ class Board:
 
     def post_verdict(self, n: int, same: bool) -> None:
         """The first member's verdict on agreement n (the group spans hosts)."""
-        self.words[self._at(len(self.pids), n)] = (n % _TAG) << 48 | int(same)
-        if self.wake is not None:
-            self.wake.change(n * len(self.pids) + len(self.pids) + 1)
+        self._write(len(self.pids), n, int(same))
 
     def verdict(self, n: int, ranks: tuple[int, ...], what: Callable[[], str]) -> bool:
         """Wait for the first member's verdict on agreement n."""

@@ -27,9 +27,7 @@ import torch.distributed as dist
 
 from .. import runtime, settings
 from ..errors import CollectiveError, CollectiveTimeoutError
-from .board import Board, Boards
-
-_LOW = (1 << 48) - 1
+from .board import LOW, Board, Boards
 
 
 @dataclass
@@ -60,7 +58,7 @@ class HostTree:
         if self.board is not None:
             self.board.post(fingerprint)
         if self.leader:
-            self.words[self.posted] = fingerprint & _LOW
+            self.words[self.posted] = fingerprint & LOW
         return self.posted
 
     def wait(self, n: int, fingerprint: int, ranks: tuple[int, ...], what: Callable[[], str]
@@ -73,13 +71,12 @@ class HostTree:
         return self.verdicts.pop(n)
 
     def _decide(self, n: int, what: Callable[[], str]) -> None:
-        word = self.words.pop(n)
-        low = high = word
-        if self.board is not None:
-            fingerprints = [w & _LOW for w in self.board.words_of(n, self.local, what)]
+        low = high = self.words.pop(n)
+        if self.board is not None:  # the host's words, this process's among them
+            fingerprints = [w & LOW for w in self.board.words_of(n, self.local, what)]
             low, high = min(fingerprints), max(fingerprints)
         low, high = self._exchange(low, high, what)
-        same = low == high == word
+        same = low == high
         if self.board is not None:
             self.board.post_verdict(n, same)
         self.verdicts[n] = same
